@@ -1,0 +1,56 @@
+"""Graph plumbing: function parameters, constants, identities, sharding annotations, bias add."""
+
+from tf_gspmd._sharding import Sharding
+from tf_gspmd.ops.factors import Factors, FactorRule
+from tf_gspmd.ops.registry import Rule, register
+
+
+@register("Placeholder")
+class Parameter(Rule):
+  """A function argument: arrives in the layout the caller's data has (scattered or already sharded)."""
+
+  priority = 0
+
+  def partition(self, ctx, node):
+    ctx.parameter(node)
+
+
+@register("Const")
+class Constant(Rule):
+  """A constant is materialised whole and sliced locally when its users want it split (no communication)."""
+
+  priority = 0
+
+  def partition(self, ctx, node):
+    (value,) = ctx.clone(node, {})
+    ctx.set_output(0, value, Sharding(ctx.mesh))
+
+
+@register("Identity", "XlaSharding", "EnsureShape")
+class IdentityLike(FactorRule):
+  """Identity, TF's XlaSharding annotation op, EnsureShape: the value passes through unchanged."""
+
+  priority = 0
+
+  def data_inputs(self, node):
+    return [0]
+
+  def factors(self, node):
+    labels = tuple(f"d{i}" for i in range(len(node.outputs[0].shape)))
+    return Factors((labels,), (labels,))
+
+  def emit(self, ctx, node, local_inputs, axes_of):
+    return [ctx.identity(local_inputs[0])]
+
+
+@register("BiasAdd", "BiasAddV1")
+class BiasAdd(FactorRule):
+  """value + bias broadcast along the channel dim (last for NHWC, 1 for NCHW)."""
+
+  priority = 0
+
+  def factors(self, node):
+    rank = len(node.outputs[0].shape)
+    labels = tuple(f"d{i}" for i in range(rank))
+    channel = 1 if node.attr("data_format") in (b"NCHW", "NCHW") else rank - 1
+    return Factors((labels, (labels[channel],)), (labels,))

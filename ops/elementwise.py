@@ -1,0 +1,56 @@
+"""Element-wise ops: every output element depends on the same element of each (broadcast) operand.
+
+Operand dims line up with the output from the right (numpy broadcasting); a broadcast size-1 dim carries
+no factor. Sharding passes through unchanged, so no communication beyond aligning operands is needed.
+"""
+
+from tf_gspmd.ops.factors import Factors, FactorRule, broadcast_labels
+from tf_gspmd.ops.registry import register
+
+UNARY = (
+    "Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Cast", "Ceil", "CheckNumerics", "Conj", "Cos",
+    "Cosh", "Digamma", "Elu", "Erf", "Erfc", "Erfinv", "Exp", "Expm1", "Floor", "Imag", "Inv", "Invert",
+    "IsFinite", "IsInf", "IsNan", "LeakyRelu", "Lgamma", "Log", "Log1p", "LogicalNot", "Neg", "OnesLike",
+    "PreventGradient", "Real", "Reciprocal", "Relu", "Relu6", "Rint", "Round", "Rsqrt", "Selu", "Sigmoid",
+    "Sign", "Sin", "Sinh", "Snapshot", "Softplus", "Softsign", "Sqrt", "Square", "StopGradient", "Tan", "Tanh",
+    "ZerosLike", "Ndtri", "BesselI0e", "BesselI1e",
+)
+
+BINARY = (
+    "Add", "AddV2", "ApproximateEqual", "Atan2", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "Div", "DivNoNan",
+    "Equal", "FloorDiv", "FloorMod", "Greater", "GreaterEqual", "Igamma", "Igammac", "LeftShift", "Less",
+    "LessEqual", "LogicalAnd", "LogicalOr", "Maximum", "Minimum", "Mod", "Mul", "MulNoNan", "NotEqual",
+    "Polygamma", "Pow", "RealDiv", "RightShift", "SquaredDifference", "Sub", "TruncateDiv", "TruncateMod",
+    "Xdivy", "Xlog1py", "Xlogy", "Zeta",
+    # Activation gradients: element-wise in (gradient, forward value).
+    "EluGrad", "InvGrad", "LeakyReluGrad", "ReciprocalGrad", "Relu6Grad", "ReluGrad", "RsqrtGrad",
+    "SeluGrad", "SigmoidGrad", "SoftplusGrad", "SoftsignGrad", "SqrtGrad", "TanhGrad",
+)
+
+TERNARY = ("SelectV2", "ClipByValue", "Betainc")
+
+
+@register(*UNARY, *BINARY, *TERNARY, "AddN")
+class Elementwise(FactorRule):
+  """Same-position ops with broadcasting: the output is split like the operands."""
+
+  priority = 0
+
+  def factors(self, node):
+    out_shape = node.outputs[0].shape
+    ins, out = broadcast_labels(out_shape, [node.input_shape(i) for i in range(len(node.inputs))])
+    return Factors(ins, (out,))
+
+
+@register("Select")
+class Select(FactorRule):
+  """Select (v1): a rank-1 condition picks whole rows of higher-rank operands (dim 0), else same shapes."""
+
+  priority = 0
+
+  def factors(self, node):
+    out_shape = node.outputs[0].shape
+    out = tuple(f"d{i}" for i in range(len(out_shape)))
+    cond_rank = len(node.input_shape(0))
+    cond = out[:1] if cond_rank == 1 and len(out) > 1 else out
+    return Factors((cond, out, out), (out,))

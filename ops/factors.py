@@ -1,0 +1,182 @@
+"""Rules as data: an op described by named factors per dimension, like an einsum ("m k, k n -> m n").
+
+A factor that appears in an output is carried through: its mesh axes pass from operands to the output and
+back. A factor absent from every output is *reduced*: splitting it leaves each device with a partial
+result, combined by one all-reduce with `reduce_op` (masking uneven padding with that op's identity).
+`FactorRule` implements forward, backward and partition once for every op that declares its factors.
+"""
+
+import dataclasses
+import math
+from typing import Optional, Tuple
+
+import numpy as np
+
+from tf_gspmd._sharding import Sharding
+from tf_gspmd.ops.registry import Rule
+
+Labels = Tuple[Optional[str], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Factors:
+  operands: Tuple[Labels, ...]      # one label tuple per data input (None = broadcast size-1 dim)
+  outputs: Tuple[Labels, ...]       # one label tuple per output
+  reduce_op: str = "Add"            # how partial results over reduced factors combine
+
+  @property
+  def reduced(self):
+    out = {l for labels in self.outputs for l in labels if l}
+    seen = []
+    for labels in self.operands:
+      for l in labels:
+        if l and l not in out and l not in seen:
+          seen.append(l)
+    return seen
+
+
+def identity_value(reduce_op, dtype):
+  """The identity element of `reduce_op` for `dtype` (the value padding is masked with)."""
+  np_dtype = np.dtype(dtype.as_numpy_dtype) if hasattr(dtype, "as_numpy_dtype") else np.dtype(dtype)
+  if reduce_op == "Add":
+    return np_dtype.type(0)
+  if reduce_op == "Mul":
+    return np_dtype.type(1)
+  if np.issubdtype(np_dtype, np.floating):
+    return np_dtype.type(-np.inf if reduce_op == "Max" else np.inf)
+  if np_dtype == np.bool_:
+    return np.bool_(reduce_op == "Min")
+  info = np.iinfo(np_dtype)
+  return np_dtype.type(info.min if reduce_op == "Max" else info.max)
+
+
+def _dims_from(labels, axes_of):
+  """Dims of a sharding for a tensor with `labels`, taking each label's axes, skipping axes already used."""
+  used = set()
+  dims = []
+  for l in labels:
+    ax = axes_of.get(l, ()) if l else ()
+    if used & set(ax):
+      ax = ()
+    used.update(ax)
+    dims.append(ax)
+  return tuple(dims)
+
+
+def _axes_by_label(labels, sharding):
+  if sharding is None or sharding.is_maximal:
+    return None
+  s = sharding.with_rank(len(labels))
+  return {l: s.dims[d] for d, l in enumerate(labels) if l and s.dims[d]}
+
+
+class FactorRule(Rule):
+  """A rule fully described by `factors(node)`; subclasses may override `emit` for the local computation."""
+
+  def factors(self, node) -> Factors:
+    raise NotImplementedError
+
+  def split_reduced(self, node):  # pylint: disable=unused-argument
+    """Whether reduced factors may stay split (partial results + all-reduce)."""
+    return True
+
+  def emit(self, ctx, node, local_inputs, axes_of):  # pylint: disable=unused-argument
+    """Local computation: by default the same op on the local shards (data inputs in order)."""
+    return ctx.clone(node, dict(zip(self.data_inputs(node), local_inputs)))
+
+  def forward(self, node, operands):
+    f = self.factors(node)
+    operands = [operands[i] for i in self.data_inputs(node)]
+    result = []
+    for out_labels in f.outputs:
+      cands = []
+      for labels, s in zip(f.operands, operands):
+        axes_of = _axes_by_label(labels, s)
+        if axes_of is not None:
+          cands.append(Sharding(s.mesh, _dims_from(out_labels, axes_of)))
+      result.append(cands)
+    return result
+
+  def backward(self, node, outputs, operands):
+    f = self.factors(node)
+    data = self.data_inputs(node)
+    operands = [operands[i] for i in data]
+    result = [[] for _ in node.inputs]
+    reduced = set(f.reduced)
+    for j, labels in enumerate(f.operands):
+      cands = []
+      for out_labels, s in zip(f.outputs, outputs):
+        axes_of = _axes_by_label(out_labels, s)
+        if axes_of is not None:
+          cands.append(Sharding(s.mesh, _dims_from(labels, axes_of)))
+      # Reduced factors are known only from the other operands (dot: lhs contracting dim <- rhs).
+      for k, (other, s) in enumerate(zip(f.operands, operands)):
+        if k == j:
+          continue
+        axes_of = _axes_by_label(other, s)
+        if axes_of:
+          axes_of = {l: a for l, a in axes_of.items() if l in reduced}
+          if axes_of:
+            cands.append(Sharding(s.mesh, _dims_from(labels, axes_of)))
+      result[data[j]] = cands
+    return result
+
+  def partition(self, ctx, node):
+    f = self.factors(node)
+    data = self.data_inputs(node)
+    mesh = ctx.mesh
+    axes_of, used = {}, set()
+    for o, out_labels in enumerate(f.outputs):
+      target = ctx.target(o)
+      for d, l in enumerate(out_labels):
+        ax = () if target.is_maximal else target.dims[d]
+        if l and l not in axes_of and not used & set(ax):
+          axes_of[l] = ax
+          used.update(ax)
+    # Reduced factors: keep the largest existing split of an operand that does not clash (slicing is free,
+    # gathering is not; the partial result then costs one all-reduce).
+    for l in f.reduced:
+      best = ()
+      for j, labels in enumerate(f.operands if self.split_reduced(node) else ()):
+        cur = ctx.current(data[j])
+        if cur is None or cur.is_maximal:
+          continue
+        cur = cur.with_rank(len(labels))
+        for d, lab in enumerate(labels):
+          ax = cur.dims[d]
+          if lab == l and ax and not used & set(ax) and _size(mesh, ax) > _size(mesh, best):
+            best = ax
+      axes_of[l] = best
+      used.update(best)
+    reduced_split = [l for l in f.reduced if axes_of[l]]
+    local = []
+    for j, labels in enumerate(f.operands):
+      req = Sharding(mesh, _dims_from(labels, axes_of))
+      x = ctx.operand(data[j], req)
+      shape = ctx.input_shape(data[j])
+      for d, l in enumerate(labels):
+        if l in reduced_split and shape[d] % req.tiles(d):
+          x = ctx.mask(x, shape, req, d, identity_value(f.reduce_op, ctx.input_dtype(data[j])))
+      local.append(x)
+    outs = self.emit(ctx, node, local, axes_of)
+    partial = None
+    if reduced_split:
+      partial = (tuple(a for l in reduced_split for a in axes_of[l]), f.reduce_op)
+    for o, out_labels in enumerate(f.outputs):
+      ctx.set_output(o, outs[o], Sharding(mesh, _dims_from(out_labels, axes_of)), partial=partial)
+
+
+def _size(mesh, axes):
+  return math.prod(mesh.axis_size(a) for a in axes) if axes else 1
+
+
+def broadcast_labels(out_shape, in_shapes):
+  """Factor labels of elementwise operands under numpy broadcasting (size-1 broadcast dims get None)."""
+  rank = len(out_shape)
+  out = tuple(f"d{i}" for i in range(rank))
+  ins = []
+  for shape in in_shapes:
+    r = len(shape)
+    ins.append(tuple(None if (shape[i] == 1 and out_shape[rank - r + i] != 1) else f"d{rank - r + i}"
+                     for i in range(r)))
+  return tuple(ins), out

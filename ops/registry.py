@@ -1,0 +1,58 @@
+"""The one registry of per-op sharding rules, keyed by TF op type.
+
+A rule answers three questions about an op, so completion and partitioning cannot drift apart:
+- `forward(node, operands)`: candidate shardings of the outputs from the operands' shardings;
+- `backward(node, outputs, operands)`: candidate shardings of the operands from the outputs' shardings;
+- `partition(ctx, node)`: emit the op's per-device computation through the partition context `ctx`.
+
+Candidates are lists (one per source) that completion merges with its single merge function; rules never
+resolve conflicts themselves. `lookup` is the only way to find a rule; an unregistered op gets `FALLBACK`.
+"""
+
+_RULES = {}
+
+
+class Rule:
+  """Base class of op rules. Subclasses set `priority` (propagation round it joins, 0 = first)."""
+
+  priority = 1
+  name = "rule"
+
+  def data_inputs(self, node):
+    """Indices of the inputs that carry data to be partitioned (others are read whole, e.g. axis constants)."""
+    return list(range(len(node.inputs)))
+
+  def forward(self, node, operands):  # pylint: disable=unused-argument
+    """One list of candidate shardings per output."""
+    return [[] for _ in node.outputs]
+
+  def backward(self, node, outputs, operands):  # pylint: disable=unused-argument
+    """One list of candidate shardings per input."""
+    return [[] for _ in node.inputs]
+
+  def partition(self, ctx, node):
+    raise NotImplementedError
+
+
+def register(*op_types):
+  """Class decorator: registers one instance of the rule under each TF op type. Registering twice fails."""
+
+  def deco(cls):
+    rule = cls()
+    rule.name = cls.__name__
+    for t in op_types:
+      if t in _RULES:
+        raise ValueError(f"op type {t!r} already has the rule {_RULES[t].name}; cannot also register {cls.__name__}")
+      _RULES[t] = rule
+    return cls
+
+  return deco
+
+
+def lookup(op_type):
+  """The rule for `op_type`, or None when the op has no rule (the caller then uses the fallback)."""
+  return _RULES.get(op_type)
+
+
+def registered_ops():
+  return sorted(_RULES)

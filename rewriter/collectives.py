@@ -1,0 +1,131 @@
+"""The one module that builds collective ops. CPU, GPU, TPU and multi-worker differ only here.
+
+Groups are sets of mesh devices that differ only along some mesh axes. Every device runs the same
+program, so per-device values (group key, permutation) are read from constant tables indexed by the
+partition id. Group keys derive from the member device names (the same in every process); instance keys
+come from one process-wide counter, so every program gets fresh, deterministic keys. Every collective
+carries a timeout: a mismatched program fails with DeadlineExceededError instead of hanging.
+"""
+
+import itertools
+import math
+import threading
+import zlib
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gspmd.errors import PartitionError
+from tf_gspmd.rewriter.report import CollectiveRecord
+
+_lock = threading.Lock()
+_group_keys = {}          # key -> member device names
+_instance_counter = itertools.count(1 << 16)
+
+
+def group_key(members):
+  """A stable int32 key for a group of devices, unique within the process."""
+  with _lock:
+    key = (zlib.crc32("|".join(members).encode()) & 0x3FFFFFFF) + 1
+    while key in _group_keys and _group_keys[key] != tuple(members):
+      key = key % 0x3FFFFFFF + 1
+    _group_keys[key] = tuple(members)
+    return key
+
+
+def next_instance_key():
+  with _lock:
+    return next(_instance_counter)
+
+
+def _rank_key(name):
+  spec = tf.DeviceSpec.from_string(name)
+  return (spec.job or "", spec.replica or 0, spec.task or 0, spec.device_type or "", spec.device_index or 0)
+
+
+class Backend:
+  """Emits collectives over mesh axes into the per-device graph being built."""
+
+  def __init__(self, mesh, devices, pid, lookup, report, timeout):
+    self.mesh = mesh
+    self.devices = tuple(devices) if devices else tuple(f"/job:localhost/replica:0/task:0/device:CPU:{p}"
+                                                         for p in range(mesh.size))
+    self.pid = pid
+    self.lookup = lookup      # lookup(np table, name) -> per-device row of the table (a tensor)
+    self.report = report
+    self.timeout = float(timeout)
+    self._groups = {}
+
+  # ---- groups -------------------------------------------------------------------------------------------
+  def groups(self, axes):
+    """(group index per position, members per group in mesh order along `axes`)."""
+    axes = tuple(axes)
+    if axes not in self._groups:
+      mesh = self.mesh
+      idx = [mesh.axis_index(a) for a in axes]
+      groups, of = {}, np.zeros(mesh.size, np.int32)
+      for p in range(mesh.size):
+        c = mesh.coords(p)
+        outer = tuple(int(c[k]) for k in range(mesh.ndim) if k not in idx)
+        inner = 0
+        for k in idx:
+          inner = inner * mesh.shape[k] + int(c[k])
+        groups.setdefault(outer, {})[inner] = p
+      members = []
+      for g, outer in enumerate(sorted(groups)):
+        row = [groups[outer][i] for i in range(len(groups[outer]))]
+        members.append(row)
+        of[row] = g
+      self._groups[axes] = (of, members)
+    return self._groups[axes]
+
+  def _keys(self, axes):
+    of, members = self.groups(axes)
+    keys = np.array([group_key([self.devices[p] for p in m]) for m in members], np.int32)
+    size = len(members[0])
+    return size, self.lookup(keys[of], f"group_key_{'_'.join(axes)}")
+
+  def _rank_permutation(self, axes):
+    """Per-position permutation from runtime rank order to mesh order, or None when they agree."""
+    of, members = self.groups(axes)
+    perms = []
+    for m in members:
+      ranked = sorted(m, key=lambda p: _rank_key(self.devices[p]))
+      perms.append([ranked.index(p) for p in m])
+    if all(p == sorted(p) for p in perms):
+      return None
+    return np.array(perms, np.int32)[of]
+
+  # ---- collectives ----------------------------------------------------------------------------------------
+  def all_reduce(self, x, axes, op, source, reason):
+    size, key = self._keys(axes)
+    out = tf.raw_ops.CollectiveReduceV2(
+        input=x, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
+        merge_op=op, final_op="Id", timeout_seconds=self.timeout, name="all_reduce")
+    self._record("all-reduce", x, x.shape, size, axes, source, reason)
+    return out
+
+  def all_gather(self, x, dim, axes, source, reason):
+    """Concatenate the shards of the group along `dim`, in mesh order."""
+    size, key = self._keys(axes)
+    rank = x.shape.rank
+    perm = [dim] + [d for d in range(rank) if d != dim]
+    y = tf.transpose(x, perm) if dim else x
+    g = tf.raw_ops.CollectiveGatherV2(
+        input=y, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
+        timeout_seconds=self.timeout, name="all_gather")
+    rank_perm = self._rank_permutation(axes)
+    if rank_perm is not None:
+      chunks = tf.reshape(g, [size, -1])
+      g = tf.reshape(tf.gather(chunks, self.lookup(rank_perm, f"rank_perm_{'_'.join(axes)}")), g.shape)
+    if dim:
+      g = tf.transpose(g, np.argsort(perm))
+    self._record("all-gather", x, g.shape, size, axes, source, reason)
+    return g
+
+  def _record(self, kind, x, shape, size, axes, source, reason):
+    shape = tuple(int(s) for s in shape)
+    if any(s is None for s in shape):
+      raise PartitionError(f"collective on a tensor of unknown shape {shape}", node=source)
+    self.report.add(CollectiveRecord(kind, x.dtype.name, shape, math.prod(shape) * x.dtype.size, size, tuple(axes),
+                                     source, reason))

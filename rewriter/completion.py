@@ -1,0 +1,114 @@
+"""The completion pass: a sharding for every tensor, GSPMD's way.
+
+A worklist fixed point in both directions (forward: operands -> results, backward: results -> operands)
+run in priority rounds: round 0 lets only pass-through ops (element-wise, identity, parameters) propagate,
+round 1 adds contractions and reductions, round 3 everything, so shardings flow along cheap paths first.
+Annotations are pinned and never overwritten; conflicts are left for the partitioner, which reshards at
+the annotated boundary. All conflict resolution is in `merge`. Tensors nothing decides are replicated.
+"""
+
+import tensorflow as tf
+
+from tf_gspmd import ops as op_rules
+from tf_gspmd._sharding import Sharding
+
+ROUNDS = 4
+MAX_ITERATIONS = 64
+
+
+def merge(old, new):
+  """The sharding a tensor takes when `new` is proposed and it has `old`: never less specific.
+
+  Compatible proposals combine (one splits dim 0, the other dim 1 -> both); otherwise the proposal with
+  strictly more tiles wins, and a tie keeps the existing sharding (no needless resharding).
+  """
+  if old is None:
+    return new
+  if new is None or new.is_maximal or old.is_maximal or new.rank != old.rank:
+    return old
+  combined = []
+  used = set()
+  compatible = True
+  for a, b in zip(old.dims, new.dims):
+    if a[:len(b)] == b or b[:len(a)] == a:
+      d = a if len(a) >= len(b) else b
+      if used & set(d):
+        compatible = False
+        break
+      used.update(d)
+      combined.append(d)
+    else:
+      compatible = False
+      break
+  if compatible:
+    return Sharding(old.mesh, tuple(combined))
+  return new if new.num_tiles > old.num_tiles else old
+
+
+def run(program):
+  ir = program.ir
+  mesh = program.mesh
+  shard = {}
+  why = {}
+  for r, s in program.annotations.items():
+    shard[r] = s
+    why[r] = "annotation"
+  pinned = set(program.annotations)
+  rules = {n.name: (op_rules.lookup(n.op) or op_rules.FALLBACK) for n in ir.nodes}
+
+  def propose(r, cand, reason):
+    if r in pinned or cand is None:
+      return False
+    info = ir.info(r)
+    if info.dtype in (tf.resource, tf.variant, tf.string):
+      return False
+    if not cand.is_maximal:
+      cand = cand.with_rank(len(info.shape))
+    old = shard.get(r)
+    new = merge(old, cand)
+    if new != old:
+      shard[r] = new
+      why[r] = reason
+      return True
+    return False
+
+  iterations = 0
+  for level in range(ROUNDS):
+    changed = True
+    while changed and iterations < MAX_ITERATIONS:
+      iterations += 1
+      changed = False
+      for node in ir.nodes:
+        rule = rules[node.name]
+        if rule.priority > level or not node.outputs:
+          continue
+        ins = [shard.get(r) for r in node.inputs]
+        if not any(s is not None for s in ins):
+          continue
+        for o, cands in enumerate(rule.forward(node, ins)):
+          for c in cands:
+            changed |= propose(node.ref(o), c, f"round {level}: forward from the operands of {node.name} ({node.op})")
+      for node in reversed(ir.nodes):
+        rule = rules[node.name]
+        if rule.priority > level:
+          continue
+        outs = [shard.get(node.ref(o)) for o in range(len(node.outputs))]
+        if not any(s is not None for s in outs):
+          continue
+        ins = [shard.get(r) for r in node.inputs]
+        for i, cands in enumerate(rule.backward(node, outs, ins)):
+          for c in cands:
+            changed |= propose(node.inputs[i], c, f"round {level}: backward from {node.name} ({node.op})")
+  complete = {}
+  for r in ir.tensors():
+    info = ir.info(r)
+    s = shard.get(r)
+    if s is None:
+      s = Sharding(mesh, ((),) * len(info.shape))
+      why[r] = "default: nothing decided it (replicated)"
+    elif not s.is_maximal and info.dtype not in (tf.resource, tf.variant, tf.string):
+      s = s.with_rank(len(info.shape))
+    complete[r] = s
+  params = tuple(complete[f"{name}:0"] for name in ir.inputs)
+  return program.replace(shardings=complete, explanations=why, param_shardings=params,
+                         completion_iterations=iterations)

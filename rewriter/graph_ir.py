@@ -1,0 +1,186 @@
+"""A read-only view of a TF GraphDef with static shapes, in topological order.
+
+Tensor references are "node:index". Public sharding keys drop ":0" (the tensor `h` is "h", its second
+output "h:1"), matching how users name tensors with tf.identity(..., name="h").
+"""
+
+import dataclasses
+from typing import Dict, Optional, Tuple
+
+import tensorflow as tf
+from tensorflow.python.framework import tensor_util
+
+from tf_gspmd.errors import ShapeError
+
+_SHAPELESS = (tf.resource, tf.variant, tf.string)
+
+
+def ref(name, index=0):
+  return f"{name}:{index}"
+
+
+def split_ref(r):
+  name, _, idx = r.rpartition(":")
+  if not name or not idx.isdigit():
+    return r, 0
+  return name, int(idx)
+
+
+def public_key(r):
+  name, idx = split_ref(r)
+  return name if idx == 0 else f"{name}:{idx}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+  shape: Tuple[int, ...]
+  dtype: tf.DType
+
+  @property
+  def nbytes(self):
+    n = 1
+    for s in self.shape:
+      n *= s
+    return n * (self.dtype.size if self.dtype not in _SHAPELESS else 0)
+
+
+class Node:
+  """One op: its NodeDef, data inputs as refs, control inputs, output infos, and its graph."""
+
+  def __init__(self, node_def, inputs, control, outputs, graph):
+    self.node_def = node_def
+    self.name = node_def.name
+    self.op = node_def.op
+    self.inputs = tuple(inputs)
+    self.control = tuple(control)
+    self.outputs = tuple(outputs)
+    self.graph = graph
+
+  @property
+  def attrs(self):
+    return self.node_def.attr
+
+  def attr(self, key, default=None):
+    if key not in self.node_def.attr:
+      return default
+    v = self.node_def.attr[key]
+    kind = v.WhichOneof("value")
+    if kind == "list":
+      return v.list
+    if kind == "type":
+      return tf.as_dtype(v.type)
+    return getattr(v, kind) if kind else default
+
+  def ref(self, index=0):
+    return ref(self.name, index)
+
+  def input_info(self, i) -> TensorInfo:
+    return self.graph.info(self.inputs[i])
+
+  def input_shape(self, i):
+    return self.input_info(i).shape
+
+  def const_input(self, i):
+    """The numpy value of input i when it is produced by a Const node, else None."""
+    return self.graph.const_value(self.inputs[i])
+
+  def __repr__(self):
+    return f"Node({self.name}: {self.op})"
+
+
+class Graph:
+  """Nodes of a GraphDef in topological order, with shapes; `inputs` are the function's parameters."""
+
+  def __init__(self, graph_def, inputs, outputs):
+    self.graph_def = graph_def
+    self.inputs = tuple(inputs)      # Placeholder node names, in argument order
+    self.outputs = tuple(outputs)    # output tensor refs, in flattened output order
+    tf_graph = tf.Graph()
+    with tf_graph.as_default():
+      tf.graph_util.import_graph_def(graph_def, name="")
+    self.nodes = []
+    self.by_name: Dict[str, Node] = {}
+    infos = {}
+    for op in tf_graph.get_operations():
+      outs = []
+      for t in op.outputs:
+        if t.dtype in _SHAPELESS:
+          shape = tuple(t.shape.as_list()) if t.shape.rank is not None and t.shape.is_fully_defined() else ()
+        else:
+          if t.shape.rank is None or not t.shape.is_fully_defined():
+            raise ShapeError(f"tensor {t.name} has dynamic shape {t.shape}; tf_gspmd needs static shapes: trace with "
+                             "fully defined TensorSpecs (no None dimensions) and avoid data-dependent shapes",
+                             node=op.name, op_type=op.type)
+          shape = tuple(t.shape.as_list())
+        outs.append(TensorInfo(shape, t.dtype))
+      infos[op.name] = outs
+    order = _topological(graph_def)
+    for nd in order:
+      data = [i for i in nd.input if not i.startswith("^")]
+      ctrl = [i[1:] for i in nd.input if i.startswith("^")]
+      node = Node(nd, [_norm_ref(i) for i in data], ctrl, infos[nd.name], self)
+      self.nodes.append(node)
+      self.by_name[nd.name] = node
+    self.consumers = {}
+    for node in self.nodes:
+      for k, r in enumerate(node.inputs):
+        self.consumers.setdefault(r, []).append((node, k))
+    self._consts = {}
+
+  def node(self, name) -> Node:
+    return self.by_name[name]
+
+  def info(self, r) -> TensorInfo:
+    name, idx = split_ref(r)
+    return self.by_name[name].outputs[idx]
+
+  def producer(self, r) -> Node:
+    return self.by_name[split_ref(r)[0]]
+
+  def const_value(self, r) -> Optional[object]:
+    node = self.producer(r)
+    if node.op != "Const":
+      return None
+    if r not in self._consts:
+      self._consts[r] = tensor_util.MakeNdarray(node.node_def.attr["value"].tensor)
+    return self._consts[r]
+
+  def tensors(self):
+    for node in self.nodes:
+      for i in range(len(node.outputs)):
+        yield node.ref(i)
+
+
+def _norm_ref(r):
+  name, idx = split_ref(r)
+  return ref(name, idx)
+
+
+def _topological(graph_def):
+  """Kahn's algorithm, stable in GraphDef order (deterministic)."""
+  nodes = list(graph_def.node)
+  index = {n.name: k for k, n in enumerate(nodes)}
+  deps = {n.name: set() for n in nodes}
+  users = {n.name: [] for n in nodes}
+  for n in nodes:
+    for i in n.input:
+      src = split_ref(i.lstrip("^"))[0]
+      if src in index and src not in deps[n.name]:
+        deps[n.name].add(src)
+        users[src].append(n.name)
+  import heapq  # pylint: disable=g-import-not-at-top
+  ready = [index[n.name] for n in nodes if not deps[n.name]]
+  heapq.heapify(ready)
+  out = []
+  remaining = {k: len(v) for k, v in deps.items()}
+  while ready:
+    k = heapq.heappop(ready)
+    n = nodes[k]
+    out.append(n)
+    for u in users[n.name]:
+      remaining[u] -= 1
+      if remaining[u] == 0:
+        heapq.heappush(ready, index[u])
+  if len(out) != len(nodes):
+    raise ShapeError("the traced graph has a cycle outside functional control flow")
+  return out

@@ -1,0 +1,102 @@
+"""The import_annotations pass: pinned shardings from the graph and from the function's boundary.
+
+Sources: the `_XlaSharding` attribute (written by gs.mesh_split/shard/replicate and by TF's xla_sharding in
+attribute form), the `XlaSharding` op (TF's use_sharding_op form), the layout in which each argument arrives
+and the declared in/out shardings. When an argument arrives in a layout other than the declared one, an
+annotated Identity is inserted after it, so the reshard happens inside the program at that boundary.
+"""
+
+import tensorflow as tf
+from tensorflow.compiler.xla import xla_data_pb2
+
+from tf_gspmd._annotations import SHARDING_ATTR
+from tf_gspmd._mesh import P
+from tf_gspmd._sharding import Sharding, to_sharding
+from tf_gspmd.errors import InputError, SpecError
+from tf_gspmd.rewriter.graph_ir import Graph, ref, split_ref
+
+BOUNDARY_SUFFIX = "/gspmd_in"
+
+
+def _read(node_def, mesh):
+  """Per-output shardings annotated on a NodeDef ({output index: Sharding})."""
+  raw = None
+  if SHARDING_ATTR in node_def.attr:
+    raw = node_def.attr[SHARDING_ATTR].s
+  elif node_def.op == "XlaSharding" and "sharding" in node_def.attr:
+    raw = node_def.attr["sharding"].s
+  if raw is None:
+    return {}
+  proto = xla_data_pb2.OpSharding()
+  proto.ParseFromString(raw)
+  if proto.type == xla_data_pb2.OpSharding.TUPLE:
+    return {i: Sharding.from_proto(p, mesh, what=f"{node_def.name}:{i}") for i, p in enumerate(proto.tuple_shardings)}
+  return {0: Sharding.from_proto(proto, mesh, what=node_def.name)}
+
+
+def run(program):
+  mesh = program.mesh
+  gd = tf.compat.v1.GraphDef()
+  gd.CopyFrom(program.graph_def)
+  by_name = {n.name: n for n in gd.node}
+  annotations = {}
+  param = []
+  for k, name in enumerate(program.input_names):
+    node = by_name[name]
+    declared = program.declared_in[k]
+    from_graph = _read(node, mesh).get(0)
+    if declared is None:
+      declared = from_graph
+    arriving = program.arriving_in[k] or declared
+    param.append(arriving)
+    if arriving is not None and declared is not None and declared != arriving:
+      _insert_boundary(gd, name, declared)
+  for node in gd.node:
+    if node.name in program.input_names:
+      continue
+    for i, s in _read(node, mesh).items():
+      annotations[ref(node.name, i)] = s
+  outputs = list(program.output_refs)
+  for r, s in zip(outputs, _declared_out(program.declared_out, len(outputs), mesh)):
+    if s is not None:
+      annotations[r] = s
+  for name, s in zip(program.input_names, param):
+    if s is not None:
+      annotations[ref(name)] = s
+  ir = Graph(gd, program.input_names, outputs)
+  pinned = {}
+  for r, s in annotations.items():
+    info = ir.info(r)
+    try:
+      pinned[r] = s if s.is_maximal or info.dtype in (tf.resource, tf.variant) else s.with_rank(len(info.shape), r)
+    except SpecError as e:
+      raise SpecError(f"annotation on {r} does not fit its shape {list(info.shape)}: {e}", node=split_ref(r)[0]) from None
+  return program.replace(graph_def=gd, ir=ir, annotations=pinned)
+
+
+def _declared_out(raw, n, mesh):
+  """out_shardings resolved against the n flattened outputs: one for all, one each, or none."""
+  if raw is None:
+    return (None,) * n
+  if isinstance(raw, (P, Sharding)):
+    raw = (raw,) * n
+  elif len(raw) != n:
+    raise InputError(f"out_shardings has {len(raw)} entries but the function returns {n} tensors; give one per "
+                     "output or a single spec for all")
+  return tuple(to_sharding(s, mesh, what=f"output {k}") for k, s in enumerate(raw))
+
+
+def _insert_boundary(gd, name, sharding):
+  """name -> name/gspmd_in (Identity annotated with `sharding`) -> former consumers of name."""
+  new = name + BOUNDARY_SUFFIX
+  for node in gd.node:
+    for k, inp in enumerate(node.input):
+      if inp in (name, name + ":0"):
+        node.input[k] = new
+  ident = gd.node.add()
+  ident.name = new
+  ident.op = "Identity"
+  ident.input.append(name)
+  dtype = next(n for n in gd.node if n.name == name).attr["dtype"]
+  ident.attr["T"].CopyFrom(dtype)
+  ident.attr[SHARDING_ATTR].s = sharding.to_proto().SerializeToString()

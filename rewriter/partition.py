@@ -1,0 +1,193 @@
+"""The partition pass: one per-device GraphDef from the global graph and its completed shardings.
+
+Nodes are visited in topological order; each op's rule emits its local computation through
+`PartitionContext`, which reshards operands on demand (cached per tensor and layout), reshards results to
+their completed sharding, and checks every local shape against the sharding's shard shape. Emitted helper
+ops are named under `<node>/gspmd/`; per-device constants (offsets, group keys) are tables indexed by the
+partition id, so the program is identical on every device.
+"""
+
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gspmd import ops as op_rules
+from tf_gspmd._sharding import Sharding
+from tf_gspmd.errors import PartitionError, UnsupportedOpError
+from tf_gspmd.rewriter import reshard
+from tf_gspmd.rewriter.collectives import Backend
+from tf_gspmd.rewriter.graph_ir import public_key, split_ref
+from tf_gspmd.rewriter.report import Report
+
+PARTITION_ID = "gspmd/partition_id"
+_warned_fallback = set()
+
+
+class PartitionContext:
+  """What a rule's `partition` sees: the node's operands (resharded on demand) and where to put results."""
+
+  def __init__(self, program, graph, devices, report):
+    self.program = program
+    self.ir = program.ir
+    self.mesh = program.mesh
+    self.graph = graph
+    self.report = report
+    self.values = {}            # ref -> (local tensor, sharding)
+    self.ops = {}               # original node name -> local tf.Operation
+    self._reshards = {}
+    self._tables = {}
+    self.pid = tf.compat.v1.placeholder(tf.int32, [], name=PARTITION_ID)
+    self.backend = Backend(self.mesh, devices, self.pid, self.lookup, report, program.options.collective_timeout)
+    self.node = None
+    self.local_inputs = []
+
+  # ---- helpers for rules ------------------------------------------------------------------------------------
+  def target(self, o):
+    return self.program.shardings[self.node.ref(o)]
+
+  def current(self, i):
+    r = self.node.inputs[i]
+    return self.values[r][1] if r in self.values else None
+
+  def input_shape(self, i):
+    return self.node.input_shape(i)
+
+  def input_dtype(self, i):
+    return self.node.input_info(i).dtype
+
+  def operand(self, i, sharding):
+    """Local value of input i laid out as `sharding` (resharded and cached as needed)."""
+    r = self.node.inputs[i]
+    value, have = self.values[r]
+    info = self.ir.info(r)
+    if info.dtype in (tf.resource, tf.variant) or have == sharding:
+      return value
+    sharding = sharding.with_rank(len(info.shape))
+    if have.with_rank(len(info.shape)) == sharding:
+      return value
+    key = (r, sharding)
+    if key not in self._reshards:
+      with tf.name_scope(self._scope()):
+        reason = f"operand {i} of {self.node.name} ({self.node.op}) needs {sharding}, {public_key(r)} is {have}"
+        self._reshards[key] = reshard.emit_reshard(self, value, info.shape, have, sharding, None, self.node.name,
+                                                   reason)
+    return self._reshards[key]
+
+  def clone(self, node, inputs, op_type=None, attrs=None):
+    """The node's op on local inputs ({input index: tensor}; other inputs replicated). Returns its outputs."""
+    args = []
+    for i in range(len(node.inputs)):
+      args.append(inputs[i] if i in inputs else self.operand(i, Sharding(self.mesh)))
+    node_attrs = {k: v for k, v in node.attrs.items() if not k.startswith("_")}
+    node_attrs.update(attrs or {})
+    ctrl = [self.ops[c] for c in node.control if c in self.ops]
+    try:
+      with self.graph.control_dependencies(ctrl):
+        op = self.graph._create_op_internal(  # pylint: disable=protected-access
+            op_type or node.op, args, dtypes=[o.dtype for o in node.outputs], attrs=node_attrs, name=node.name)
+    except (ValueError, tf.errors.OpError) as e:
+      raise PartitionError(f"local op could not be built from inputs "
+                           f"{[tuple(a.shape.as_list()) for a in args]}: {e}", node=node.name, op_type=node.op) from e
+    self.ops[node.name] = op
+    return list(op.outputs)
+
+  def identity(self, x):
+    op = tf.identity(x, name=self.node.name)
+    self.ops[self.node.name] = op.op
+    return op
+
+  def lookup(self, table, name):
+    """Row `partition_id` of a per-device constant table (deduplicated per graph)."""
+    table = np.asarray(table)
+    key = (table.dtype.str, table.shape, table.tobytes())
+    if key not in self._tables:
+      with tf.name_scope("gspmd/tables/"):
+        self._tables[key] = tf.constant(table, name=name)
+    with tf.name_scope(self._scope()):
+      return tf.gather(self._tables[key], self.pid)
+
+  def mask(self, x, shape, sharding, dim, value):
+    """Replace the padding of an unevenly split dimension `dim` by `value`."""
+    n = sharding.tiles(dim)
+    c = -(-shape[dim] // n)
+    valid = np.array([min(max(shape[dim] - sharding.tile_index(p, dim) * c, 0), c) for p in range(self.mesh.size)],
+                     np.int32)
+    with tf.name_scope(self._scope()):
+      count = self.lookup(valid, f"valid_{dim}_{c}")
+      keep = tf.range(c) < count
+      bshape = [1] * len(shape)
+      bshape[dim] = c
+      return tf.where(tf.reshape(keep, bshape), x, tf.constant(value, x.dtype))
+
+  def parameter(self, node):
+    k = self.ir.inputs.index(node.name)
+    arriving = self.program.param_shardings[k]
+    info = node.outputs[0]
+    ph = tf.compat.v1.placeholder(info.dtype, arriving.shard_shape(info.shape), name=node.name)
+    self.ops[node.name] = ph.op
+    self.local_inputs.append(ph.op.name)
+    self._store(node.ref(0), ph, arriving)
+
+  def set_output(self, o, value, natural, partial=None):
+    """Record output o laid out as `natural` (+ pending partial reduction), resharded to its completed sharding."""
+    r = self.node.ref(o)
+    target = self.program.shardings[r]
+    info = self.ir.info(r)
+    if info.dtype not in (tf.resource, tf.variant, tf.string) and (partial or natural != target.with_rank(
+        len(info.shape))):
+      with tf.name_scope(self._scope()):
+        what = f"{self.node.name} ({self.node.op}) produces {natural}"
+        if partial:
+          what += f" as partial {partial[1]} over {'x'.join(partial[0])}"
+        value = reshard.emit_reshard(self, value, info.shape, natural, target, partial, self.node.name,
+                                     f"{what}; {public_key(r)} is completed as {target}")
+    self._store(r, value, target)
+
+  # ---- internals --------------------------------------------------------------------------------------------------
+  def _scope(self):
+    return (self.node.name if self.node else "gspmd") + "/gspmd/"
+
+  def _store(self, r, value, sharding):
+    info = self.ir.info(r)
+    if info.dtype not in (tf.resource, tf.variant, tf.string):
+      want = sharding.with_rank(len(info.shape)).shard_shape(info.shape)
+      got = tuple(value.shape.as_list()) if value.shape.rank is not None else None
+      if got != want:
+        raise PartitionError(f"local shape of {public_key(r)} is {got} but {sharding} needs {want}",
+                             node=split_ref(r)[0], op_type=self.ir.producer(r).op)
+    self.values[r] = (value, sharding)
+
+
+def run(program):
+  """Pass: build the per-device program (GraphDef), its input/output names and the collective report."""
+  report = Report(fallbacks=[], pass_times=dict(program.report.pass_times) if program.report else {})
+  graph = tf.Graph()
+  devices = program.devices
+  with graph.as_default():
+    if program.ir.graph_def.library.function:
+      tf.graph_util.import_graph_def(tf.compat.v1.GraphDef(library=program.ir.graph_def.library), name="")
+    ctx = PartitionContext(program, graph, devices, report)
+    for node in program.ir.nodes:
+      ctx.node = node
+      rule = op_rules.lookup(node.op)
+      if rule is None:
+        if program.options.strict:
+          raise UnsupportedOpError(f"no partitioning rule for op type {node.op}; strict=True forbids the replicated "
+                                   "fallback (remove strict=True to run it replicated)", node=node.name, op_type=node.op)
+        report.fallbacks.append((node.name, node.op))
+        if node.op not in _warned_fallback:
+          _warned_fallback.add(node.op)
+          warnings.warn(f"tf_gspmd: op type {node.op} (first at {node.name}) has no partitioning rule; its operands "
+                        "are replicated and it runs whole on every device", stacklevel=2)
+        rule = op_rules.FALLBACK
+      rule.partition(ctx, node)
+    ctx.node = None
+    outputs = []
+    for k, r in enumerate(program.ir.outputs):
+      value, _ = ctx.values[r]
+      outputs.append(tf.identity(value, name=f"gspmd/output_{k}").op.name)
+  side_effects = [op.name for name, op in ctx.ops.items()
+                  if not program.ir.node(name).outputs and program.ir.node(name).op not in ("NoOp",)]
+  return program.replace(local_graph_def=graph.as_graph_def(), local_inputs=tuple(ctx.local_inputs),
+                         local_outputs=tuple(outputs), side_effects=tuple(side_effects), report=report)

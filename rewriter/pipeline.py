@@ -1,0 +1,97 @@
+"""The pass pipeline: one explicit list, one line per pass; the pass manager that runs it.
+
+Every pass is a function Program -> Program that never mutates its input. The manager times each pass
+(into the report), dumps each pass's graph when TF_GSPMD_DUMP_DIR is set, and names the failing pass in
+errors. The last stage, importing the per-device program as a tf.function on every device, is done by the
+runtime (`tf_gspmd._runtime`), because it needs the devices; everything here runs without them.
+"""
+
+import dataclasses
+import os
+import time
+from typing import Any, Optional, Tuple
+
+from tf_gspmd.errors import PartitionError, ShardingError
+from tf_gspmd.rewriter import cleanup, completion, grappler, import_annotations, partition, trace
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  strict: bool = False               # an op without a rule is an error instead of a replicated fallback
+  collective_timeout: float = 300.0  # seconds before a stuck collective raises DeadlineExceededError
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """Everything known about one lowering; passes fill in fields with `replace`."""
+
+  fn: Any
+  mesh: Any
+  options: Options
+  arg_specs: Tuple[Any, ...]
+  declared_in: Tuple[Any, ...]           # Sharding or None per argument (the function's in_shardings)
+  arriving_in: Tuple[Any, ...]           # Sharding or None per argument (layout of ShardedTensor arguments)
+  declared_out: Any = None               # None, or a tuple of Sharding-or-None per flattened output
+  devices: Optional[Tuple[str, ...]] = None
+  # trace / grappler
+  graph_def: Any = None
+  input_names: Tuple[str, ...] = ()
+  output_refs: Tuple[str, ...] = ()
+  output_structure: Any = None
+  # import_annotations / complete
+  ir: Any = None
+  annotations: Any = None                # ref -> Sharding, pinned
+  shardings: Any = None                  # ref -> Sharding for every tensor
+  explanations: Any = None               # ref -> why completion chose it
+  param_shardings: Tuple[Any, ...] = ()
+  completion_iterations: int = 0
+  # partition / cleanup
+  local_graph_def: Any = None
+  local_inputs: Tuple[str, ...] = ()
+  local_outputs: Tuple[str, ...] = ()
+  side_effects: Tuple[str, ...] = ()
+  report: Any = None
+
+  def replace(self, **changes):
+    return dataclasses.replace(self, **changes)
+
+  @property
+  def output_shardings(self):
+    return tuple(self.shardings[r] for r in self.ir.outputs)
+
+
+PASSES = (
+    ("trace", trace.run),                          # Python fn -> global GraphDef with static shapes
+    ("grappler", grappler.run),                    # shape/constant folding, function inlining
+    ("import_annotations", import_annotations.run),  # _XlaSharding / XlaSharding / boundaries -> pinned shardings
+    ("complete", completion.run),                  # a sharding for every tensor
+    ("partition", partition.run),                  # one per-device GraphDef + collective report
+    ("cleanup", cleanup.run),                      # dead nodes removed
+    ("verify", cleanup.verify),                    # invariants of the per-device program
+)
+
+
+def run(program):
+  times = {}
+  dump = os.environ.get("TF_GSPMD_DUMP_DIR")
+  for k, (name, fn) in enumerate(PASSES):
+    start = time.perf_counter()
+    try:
+      program = fn(program)
+    except ShardingError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      raise PartitionError(f"pass '{name}' failed: {type(e).__name__}: {e}") from e
+    times[name] = time.perf_counter() - start
+    if dump:
+      _dump(dump, k, name, program)
+  program.report.pass_times.update(times)
+  return program
+
+
+def _dump(directory, k, name, program):
+  os.makedirs(directory, exist_ok=True)
+  gd = program.local_graph_def if program.local_graph_def is not None else program.graph_def
+  if gd is not None:
+    with open(os.path.join(directory, f"{k:02d}_{name}.pbtxt"), "w") as f:
+      f.write(str(gd))

@@ -1,0 +1,28 @@
+"""tf_gspmd: GSPMD sharding completion and SPMD partitioning for TensorFlow.
+
+Annotate a few tensors of a function with shardings over a device mesh; tf_gspmd completes the shardings
+of every other tensor, rewrites the graph into one per-device program with TF collectives, and runs it on
+every device of the mesh.
+
+Example:
+  >>> import tf_gspmd as gs
+  >>> mesh = gs.Mesh((2, 4), ("data", "model"))
+  >>> @gs.function(mesh=mesh, in_shardings=(gs.P("data", None), gs.P(None, "model")))
+  ... def f(x, w):
+  ...   return tf.nn.relu(x @ w)
+"""
+
+from tf_gspmd._annotations import mesh_split, replicate, shard
+from tf_gspmd._function import Lowered, ShardedFunction, function
+from tf_gspmd._mesh import Mesh, P
+from tf_gspmd._sharded_tensor import ShardedTensor, sharding_of
+from tf_gspmd._sharding import Sharding
+from tf_gspmd.errors import (InputError, MeshError, PartitionError, ShapeError, ShardingError, SpecError,
+                             UnsupportedOpError)
+
+__all__ = [
+    "Mesh", "P", "Sharding", "mesh_split", "shard", "replicate", "function", "ShardedFunction", "Lowered",
+    "ShardedTensor", "sharding_of", "ShardingError", "MeshError", "SpecError", "ShapeError", "PartitionError",
+    "UnsupportedOpError", "InputError",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,128 @@
+"""Sharding annotations inside a tf.function: `mesh_split` (the GSPMD paper's API), `shard`, `replicate`.
+
+An annotation is an Identity op carrying the `_XlaSharding` attribute, the same serialized OpSharding that
+TensorFlow's own `xla_sharding` writes, so graphs annotated either way read the same. Outside a graph
+(eager) the annotations check their arguments and return the tensor unchanged.
+"""
+
+import contextlib
+import threading
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
+
+from tf_gspmd._mesh import Mesh, P
+from tf_gspmd._sharding import Sharding, to_sharding
+from tf_gspmd.errors import MeshError, ShapeError, SpecError
+
+SHARDING_ATTR = "_XlaSharding"
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def mesh_scope(mesh):
+  """Makes `mesh` the mesh of `shard`/`replicate` while a gs.function traces."""
+  prev = getattr(_state, "mesh", None)
+  _state.mesh = mesh
+  try:
+    yield
+  finally:
+    _state.mesh = prev
+
+
+def current_mesh():
+  return getattr(_state, "mesh", None)
+
+
+def _tensor_name(t):
+  try:
+    return t.name
+  except (AttributeError, ValueError):
+    return "<eager tensor>"
+
+
+def _annotate(t, sharding):
+  t = tf.convert_to_tensor(t)
+  rank = t.shape.rank
+  if rank is None:
+    raise ShapeError("cannot annotate a tensor of unknown rank; give the tf.function an input_signature or "
+                     "TensorSpecs with static shapes", node=_tensor_name(t))
+  sharding = sharding.with_rank(rank, what=_tensor_name(t)) if sharding.dims else sharding
+  if tf.executing_eagerly():
+    return t
+  out = tf.identity(t)
+  out.op._set_attr(SHARDING_ATTR, attr_value_pb2.AttrValue(s=sharding.to_proto().SerializeToString()))  # pylint: disable=protected-access
+  return out
+
+
+def _mesh_from_device_mesh(device_mesh, mesh):
+  """The Mesh to use for a `mesh_split` device_mesh array."""
+  device_mesh = np.asarray(device_mesh)
+  if mesh is not None and mesh.shape == device_mesh.shape:
+    return mesh
+  names = tuple(f"mesh_dim{k}" for k in range(device_mesh.ndim))
+  return Mesh(device_mesh.shape, names)
+
+
+def mesh_split(tensor, device_mesh, dims_mapping):
+  """Annotates `tensor` as split over `device_mesh` (GSPMD's `mesh_split`).
+
+  Args:
+    tensor: the tensor to annotate.
+    device_mesh: an np.ndarray of device ids (mesh positions) or a `gs.Mesh`.
+    dims_mapping: one entry per tensor dimension: the mesh dimension that splits it, or -1.
+
+  Returns:
+    The annotated tensor (use it in place of `tensor`).
+
+  Example:
+    >>> y = mesh_split(x, np.arange(8).reshape(2, 4), [0, -1])   # rows split over mesh dim 0
+  """
+  t = tf.convert_to_tensor(tensor)
+  name = _tensor_name(t)
+  if isinstance(device_mesh, Mesh):
+    mesh, ids = device_mesh, device_mesh.device_ids
+  else:
+    ids = np.asarray(device_mesh)
+    if ids.ndim == 0 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+      raise SpecError(f"device_mesh must be a non-empty integer array of device ids; got {device_mesh!r}", node=name)
+    if sorted(ids.reshape(-1).tolist()) != list(range(ids.size)):
+      raise SpecError(f"device_mesh must hold each device id 0..{ids.size - 1} once; got {ids.tolist()}", node=name)
+    mesh = _mesh_from_device_mesh(ids, current_mesh())
+  dims_mapping = [int(d) for d in dims_mapping]
+  if t.shape.rank is not None and len(dims_mapping) != t.shape.rank:
+    raise SpecError(f"dims_mapping {dims_mapping} has {len(dims_mapping)} entries but the tensor has rank "
+                    f"{t.shape.rank}; give one entry per dimension (-1 = not split)", node=name)
+  used = [d for d in dims_mapping if d >= 0]
+  dup = {d for d in used if used.count(d) > 1}
+  if dup:
+    raise SpecError(f"dims_mapping {dims_mapping} uses mesh dimension {sorted(dup)[0]} for more than one tensor "
+                    "dimension; each mesh dimension may split at most one", node=name)
+  sharding = Sharding.from_dims_mapping(mesh, dims_mapping, what=name)
+  if not np.array_equal(ids, mesh.device_ids):
+    # A permuted device_mesh: write exactly what TF would, then read it back over the mesh.
+    from tensorflow.python.compiler.xla.experimental import xla_sharding  # pylint: disable=g-import-not-at-top
+    proto = xla_sharding.mesh_split_sharding(ids, dims_mapping).proto
+    sharding = Sharding.from_proto(proto, mesh, what=name)
+  return _annotate(t, sharding)
+
+
+def shard(tensor, spec, mesh=None):
+  """Annotates `tensor` with a named-axis partition spec, e.g. ``shard(x, P("data", None))``.
+
+  The mesh is the enclosing `gs.function`'s unless `mesh` is given.
+  """
+  t = tf.convert_to_tensor(tensor)
+  mesh = mesh or current_mesh()
+  if mesh is None:
+    raise MeshError("gs.shard() needs a mesh: call it inside a gs.function or pass mesh=", node=_tensor_name(t))
+  return _annotate(t, to_sharding(spec, mesh, rank=t.shape.rank, what=_tensor_name(t)))
+
+
+def replicate(tensor, mesh=None):
+  """Annotates `tensor` as replicated on every device."""
+  t = tf.convert_to_tensor(tensor)
+  mesh = mesh or current_mesh() or Mesh((1,), ("_",))
+  return _annotate(t, Sharding(mesh))

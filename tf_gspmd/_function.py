@@ -1,0 +1,191 @@
+"""`gs.function`: the decorator that partitions a TF function over a mesh and runs it SPMD."""
+
+import functools
+import threading
+
+import tensorflow as tf
+
+from tf_gspmd._mesh import Mesh, P
+from tf_gspmd._sharded_tensor import ShardedTensor
+from tf_gspmd._sharding import Sharding, to_sharding
+from tf_gspmd.errors import InputError, MeshError
+from tf_gspmd.rewriter import pipeline
+from tf_gspmd.rewriter.graph_ir import public_key
+
+
+class Lowered:
+  """The result of lowering a gs.function for given argument specs (no devices needed).
+
+  Attributes:
+    shardings: {tensor name: Sharding} for every tensor of the global graph ("h", "h:1", ...).
+    report: the partition report (`counts()`, `bytes_per_device()`, `collectives`).
+    graph_def: the per-device program; global_graph_def: the global graph after folding.
+    in_shardings / out_shardings: the layouts the arguments arrive in and the results leave in.
+  """
+
+  def __init__(self, program):
+    self.program = program
+    self._executable = None
+
+  @property
+  def shardings(self):
+    return {public_key(r): s for r, s in self.program.shardings.items()}
+
+  @property
+  def report(self):
+    return self.program.report
+
+  @property
+  def graph_def(self):
+    return self.program.local_graph_def
+
+  @property
+  def global_graph_def(self):
+    return self.program.graph_def
+
+  @property
+  def in_shardings(self):
+    return self.program.param_shardings
+
+  @property
+  def out_shardings(self):
+    return self.program.output_shardings
+
+  def explain(self):
+    """A table: node, op, global shape, sharding, and why completion chose it."""
+    ir = self.program.ir
+    rows = [("tensor", "op", "shape", "sharding", "why")]
+    for node in ir.nodes:
+      for o, info in enumerate(node.outputs):
+        r = node.ref(o)
+        rows.append((public_key(r), node.op, str(list(info.shape)), str(self.program.shardings[r]),
+                     self.program.explanations.get(r, "")))
+    widths = [max(len(row[k]) for row in rows) for k in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4] for row in rows)
+
+  def as_text(self):
+    """The per-device program, one line per node: name = Op(inputs)."""
+    lines = []
+    for n in self.graph_def.node:
+      lines.append(f"{n.name} = {n.op}({', '.join(n.input)})")
+    return "\n".join(lines)
+
+  def executable(self):
+    if self._executable is None:
+      from tf_gspmd._runtime import Executable  # pylint: disable=g-import-not-at-top
+      self._executable = Executable(self.program)
+    return self._executable
+
+
+class ShardedFunction:
+  """A TF function partitioned over a mesh. Create with `gs.function`."""
+
+  def __init__(self, fn, mesh, in_shardings, out_shardings, strict, collective_timeout):
+    if not isinstance(mesh, Mesh):
+      raise MeshError(f"gs.function needs mesh=gs.Mesh(...); got {mesh!r}")
+    self.fn = fn
+    self.mesh = mesh
+    self._in = in_shardings
+    self._out = out_shardings
+    self.options = pipeline.Options(strict=strict, collective_timeout=collective_timeout)
+    self._cache = {}
+    self._lock = threading.Lock()
+    functools.update_wrapper(self, fn)
+
+  def _declared_in(self, specs):
+    n = len(specs)
+    raw = self._in
+    if raw is None:
+      raw = (None,) * n
+    elif isinstance(raw, (P, Sharding)):
+      raw = (raw,) * n
+    elif not isinstance(raw, (tuple, list)) or len(raw) != n:
+      raise InputError(f"in_shardings has {len(raw) if isinstance(raw, (tuple, list)) else 1} entries but the "
+                       f"function was called with {n} arguments; give one spec per argument")
+    return tuple(to_sharding(s, self.mesh, rank=spec.shape.rank, what=f"argument {k}")
+                 for k, (s, spec) in enumerate(zip(raw, specs)))
+
+  def _declared_out(self):
+    raw = self._out
+    if raw is None:
+      return None
+    if isinstance(raw, (P, Sharding)):
+      return raw
+    return tuple(raw)
+
+  def lower(self, *specs, arg_shardings=None):
+    """Completes and partitions the function for `specs` (TensorSpecs); needs no devices."""
+    specs = tuple(_as_spec(s, k) for k, s in enumerate(specs))
+    arriving = tuple(arg_shardings) if arg_shardings else (None,) * len(specs)
+    try:
+      devices = self.mesh.resolve_devices()
+    except MeshError:
+      devices = None
+    return self._lower(specs, arriving, devices)
+
+  def _lower(self, specs, arriving, devices):
+    key = (specs, arriving, devices)
+    with self._lock:
+      if key in self._cache:
+        return self._cache[key]
+    declared_in = self._declared_in(specs)
+    program = pipeline.Program(fn=self.fn, mesh=self.mesh, options=self.options, arg_specs=specs,
+                               declared_in=declared_in, arriving_in=arriving, devices=devices)
+    program = pipeline.run(program.replace(declared_out=self._declared_out()))
+    lowered = Lowered(program)
+    with self._lock:
+      self._cache[key] = lowered
+    return lowered
+
+  def __call__(self, *args):
+    specs, arriving = [], []
+    for k, a in enumerate(args):
+      if isinstance(a, ShardedTensor):
+        if a.sharding.mesh != self.mesh:
+          raise InputError(f"argument {k} is sharded over {a.sharding.mesh}, but this function runs on {self.mesh}")
+        specs.append(tf.TensorSpec(a.shape, a.dtype))
+        arriving.append(a.sharding.with_rank(a.shape.rank) if not a.sharding.is_maximal else a.sharding)
+      else:
+        t = a if isinstance(a, tf.Tensor) else tf.convert_to_tensor(a)
+        specs.append(tf.TensorSpec(t.shape, t.dtype))
+        arriving.append(None)
+    lowered = self._lower(tuple(specs), tuple(arriving), self.mesh.resolve_devices())
+    flat = lowered.executable()(args)
+    structure = lowered.program.output_structure
+    return tf.nest.pack_sequence_as(structure, flat, expand_composites=False) if structure is not None else None
+
+
+def _as_spec(s, k):
+  if isinstance(s, tf.TensorSpec):
+    spec = s
+  elif hasattr(s, "shape") and hasattr(s, "dtype"):
+    spec = tf.TensorSpec(s.shape, s.dtype)
+  else:
+    raise InputError(f"argument {k} of lower() must be a tf.TensorSpec or an array; got {s!r}")
+  if not spec.shape.is_fully_defined():
+    from tf_gspmd.errors import ShapeError  # pylint: disable=g-import-not-at-top
+    raise ShapeError(f"argument {k} has dynamic shape {spec.shape}; give every dimension a size", node=f"argument {k}")
+  return tf.TensorSpec(spec.shape, spec.dtype)
+
+
+def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=False, collective_timeout=300.0):
+  """Partitions `fn` over `mesh` and runs it as one SPMD program on every mesh device.
+
+  Args:
+    fn: a Python function or tf.function taking tensors.
+    mesh: the `gs.Mesh`.
+    in_shardings: one `P`/`Sharding` (or None = let completion decide) per positional argument, or one
+      for all of them.
+    out_shardings: one spec per flattened output, one for all, or None (completion decides).
+    strict: raise instead of running ops without a partitioning rule replicated.
+    collective_timeout: seconds before a stuck collective raises DeadlineExceededError.
+
+  Example:
+    >>> @gs.function(mesh=mesh, in_shardings=(P("data", None), P(None, "model")))
+    ... def f(x, w):
+    ...   return tf.nn.relu(x @ w)
+  """
+  def wrap(f):
+    return ShardedFunction(f, mesh, in_shardings, out_shardings, strict, collective_timeout)
+
+  return wrap(fn) if fn is not None else wrap

@@ -1,0 +1,158 @@
+"""Device meshes and partition specs: small frozen values, no TF runtime state."""
+
+import dataclasses
+import math
+from typing import Optional, Tuple
+
+import numpy as np
+
+from tf_gspmd.errors import MeshError, SpecError
+
+
+class P(tuple):
+  """A partition spec: one entry per tensor dimension.
+
+  Each entry is ``None`` (dimension not split), a mesh axis name, or a tuple of mesh axis names (the
+  dimension is split over several axes, major first). A spec shorter than the tensor's rank leaves the
+  trailing dimensions unsplit; ``P()`` is fully replicated for any rank.
+
+  Example:
+    >>> P("data", None)
+    P('data', None)
+  """
+
+  def __new__(cls, *entries):
+    norm = []
+    for e in entries:
+      if e is None or isinstance(e, str):
+        norm.append(e)
+      elif isinstance(e, (tuple, list)) and all(isinstance(a, str) for a in e):
+        e = tuple(e)
+        norm.append(None if not e else (e[0] if len(e) == 1 else e))
+      else:
+        raise SpecError(f"partition spec entries must be None, an axis name or a tuple of axis names; got {e!r}")
+    return super().__new__(cls, norm)
+
+  def axes(self, i):
+    """Mesh axes (a tuple, possibly empty) that split dimension i."""
+    if i >= len(self):
+      return ()
+    e = self[i]
+    if e is None:
+      return ()
+    return (e,) if isinstance(e, str) else tuple(e)
+
+  def __repr__(self):
+    return "P(" + ", ".join(repr(e) for e in self) + ")"
+
+  __str__ = __repr__
+
+  def __getnewargs__(self):
+    return tuple(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+  """A logical n-dimensional array of devices with named axes.
+
+  Args:
+    shape: size of each mesh axis, e.g. ``(2, 4)``.
+    axis_names: one unique name per axis, e.g. ``("data", "model")``.
+    devices: optional flat list (row-major) of TF device names. Default: the first ``prod(shape)``
+      logical devices of the default type (GPU when present, else CPU), resolved when the mesh first
+      runs, so a mesh can be planned on a machine that lacks its devices.
+
+  Example:
+    >>> mesh = Mesh((2, 4), ("data", "model"))
+    >>> mesh.axis_size("model")
+    4
+  """
+
+  shape: Tuple[int, ...]
+  axis_names: Tuple[str, ...]
+  devices: Optional[Tuple[str, ...]] = None
+
+  def __post_init__(self):
+    try:
+      shape = tuple(int(s) for s in self.shape)
+    except (TypeError, ValueError):
+      raise MeshError(f"mesh shape must be a tuple of positive ints; got {self.shape!r}") from None
+    if isinstance(self.axis_names, str):
+      names = (self.axis_names,)
+    else:
+      names = tuple(self.axis_names)
+    object.__setattr__(self, "shape", shape)
+    object.__setattr__(self, "axis_names", names)
+    if not shape or any(s < 1 for s in shape):
+      raise MeshError(f"mesh shape must be a non-empty tuple of positive ints; got {shape}")
+    if len(names) != len(shape):
+      raise MeshError(f"mesh shape {shape} has {len(shape)} axes but {len(names)} axis names {names} were given; "
+                      "give one name per axis")
+    if not all(isinstance(n, str) and n for n in names):
+      raise MeshError(f"mesh axis names must be non-empty strings; got {names}")
+    if len(set(names)) != len(names):
+      raise MeshError(f"mesh axis names must be unique; got {names}")
+    if self.devices is not None:
+      devs = tuple(_device_name(d) for d in self.devices)
+      if len(devs) != self.size:
+        raise MeshError(f"mesh {shape} needs {self.size} devices but {len(devs)} were given")
+      if len(set(devs)) != len(devs):
+        raise MeshError(f"mesh devices must be distinct; got {devs}")
+      object.__setattr__(self, "devices", devs)
+
+  @property
+  def size(self):
+    return math.prod(self.shape)
+
+  @property
+  def ndim(self):
+    return len(self.shape)
+
+  def axis_size(self, name):
+    return self.shape[self.axis_index(name)]
+
+  def axis_index(self, name):
+    try:
+      return self.axis_names.index(name)
+    except ValueError:
+      raise SpecError(f"unknown mesh axis {name!r}; this mesh has axes {self.axis_names}") from None
+
+  @property
+  def device_ids(self):
+    """Mesh positions 0..size-1 as an array of the mesh's shape (the `device_mesh` of `mesh_split`)."""
+    return np.arange(self.size).reshape(self.shape)
+
+  def coords(self, position):
+    """Mesh coordinates (one per axis) of the device at flat position `position`."""
+    return np.unravel_index(position, self.shape)
+
+  def resolve_devices(self):
+    """The TF device names of the mesh, row-major. Raises MeshError when there are too few devices."""
+    if self.devices is not None:
+      return self.devices
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    kind = "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
+    avail = [d.name for d in tf.config.list_logical_devices(kind)]
+    if len(avail) < self.size:
+      raise MeshError(
+          f"mesh {dict(zip(self.axis_names, self.shape))} needs {self.size} devices but only {len(avail)} logical "
+          f"{kind} device(s) exist; use a smaller mesh, pass devices=[...], or split the CPU before TF starts with "
+          f"tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * {self.size})")
+    return tuple(_device_name(d) for d in avail[:self.size])
+
+  def __str__(self):
+    return "Mesh(" + ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape)) + ")"
+
+
+def _device_name(d):
+  """Canonical full device name, e.g. '/job:localhost/replica:0/task:0/device:CPU:3'."""
+  name = getattr(d, "name", d)
+  if not isinstance(name, str):
+    raise MeshError(f"devices must be device names or tf.config.LogicalDevice objects; got {d!r}")
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  spec = tf.DeviceSpec.from_string(name)
+  if spec.job is None:
+    spec = spec.replace(job="localhost", replica=0, task=0)
+  if spec.device_type is None or spec.device_index is None:
+    raise MeshError(f"device {name!r} must name a device type and index, e.g. '/device:CPU:0'")
+  return spec.to_string()

@@ -1,0 +1,84 @@
+"""Runs a per-device program on every mesh device concurrently.
+
+TF's collectives deadlock when several logical devices run them inside one tf.function; TF's
+ParallelDevice (DTensor's runtime) instead runs one function per component device on its own thread, which
+is what an SPMD program needs. The per-device GraphDef is imported into a tf.function; the partition id
+is a packed per-device input.
+"""
+
+import threading
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.distribute.parallel_device import parallel_device
+
+from tf_gspmd._sharded_tensor import ShardedTensor, shard_host_value
+from tf_gspmd.errors import InputError
+from tf_gspmd.rewriter.partition import PARTITION_ID
+
+_lock = threading.Lock()
+_parallel_devices = {}
+
+
+def _parallel(devices):
+  with _lock:
+    if devices not in _parallel_devices:
+      pd = parallel_device.ParallelDevice(list(devices))
+      pids = []
+      for p, d in enumerate(devices):
+        with tf.device(d):
+          pids.append(tf.identity(tf.constant(p, tf.int32)))
+      _parallel_devices[devices] = (pd, pd.pack(pids))
+    return _parallel_devices[devices]
+
+
+class Executable:
+  """The imported per-device program of one lowering, bound to the mesh's devices."""
+
+  def __init__(self, program):
+    self.program = program
+    self.devices = program.devices
+    self.pd, self.pid = _parallel(self.devices)
+    gd = program.local_graph_def
+    inputs = [n + ":0" for n in program.local_inputs]
+    outputs = [n + ":0" for n in program.local_outputs]
+    side_effects = list(program.side_effects)
+
+    def body(pid, *args):
+      input_map = dict(zip(inputs, args))
+      input_map[PARTITION_ID + ":0"] = pid
+      results = tf.graph_util.import_graph_def(gd, input_map=input_map, return_elements=outputs + side_effects,
+                                               name="")
+      return results[:len(outputs)]
+
+    self.fn = tf.function(body, autograph=False)
+
+  def place(self, value, sharding, spec, what):
+    """Per-device components of an argument: in place for a matching ShardedTensor, else scattered."""
+    shape = tuple(spec.shape.as_list())
+    if isinstance(value, ShardedTensor):
+      if value.sharding != sharding or value.devices and tuple(
+          tf.DeviceSpec.from_string(d).to_string() for d in value.devices) != self.devices:
+        raise InputError(f"ShardedTensor {value} is not laid out as {sharding} on this mesh's devices", node=what)
+      return list(value.components)
+    if isinstance(value, tf.Tensor):
+      value = value.numpy()
+    host = np.asarray(value, dtype=spec.dtype.as_numpy_dtype)
+    comps = []
+    for d, shard in zip(self.devices, shard_host_value(host, sharding, shape)):
+      with tf.device(d):
+        comps.append(tf.identity(tf.constant(shard)))
+    return comps
+
+  def __call__(self, args):
+    program = self.program
+    packed = []
+    for k, (value, sharding, spec) in enumerate(zip(args, program.param_shardings, program.arg_specs)):
+      packed.append(self.pd.pack(self.place(value, sharding, spec, program.input_names[k])))
+    with tf.device(self.pd._name):  # pylint: disable=protected-access
+      outs = self.fn(self.pid, *packed)
+    results = []
+    for r, out in zip(program.ir.outputs, outs):
+      info = program.ir.info(r)
+      results.append(ShardedTensor(self.pd.unpack(out), program.shardings[r], info.shape, info.dtype))
+    return results

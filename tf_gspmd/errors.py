@@ -1,0 +1,45 @@
+"""Typed errors raised by tf_gspmd.
+
+Every error names what is wrong (the tensor or node, the dimension, the mesh axis) and how to fix it.
+"""
+
+
+class ShardingError(ValueError):
+  """Base class of all tf_gspmd errors about shardings, meshes and programs.
+
+  Attributes:
+    node: name of the graph node or tensor the error is about, when known.
+    op_type: TF op type of that node, when known.
+  """
+
+  def __init__(self, message, node=None, op_type=None):
+    self.node = node
+    self.op_type = op_type
+    where = ""
+    if node is not None:
+      where = f"[{node}{' (' + op_type + ')' if op_type else ''}] "
+    super().__init__(where + message)
+
+
+class MeshError(ShardingError):
+  """A mesh is malformed or cannot be placed on the available devices."""
+
+
+class SpecError(ShardingError):
+  """A partition spec, dims_mapping or OpSharding does not fit its tensor or mesh."""
+
+
+class ShapeError(ShardingError):
+  """A tensor has a shape tf_gspmd cannot partition (for example a dynamic one)."""
+
+
+class UnsupportedOpError(ShardingError):
+  """An op has no partitioning rule and strict mode forbids the replicated fallback."""
+
+
+class PartitionError(ShardingError):
+  """The partitioner or a verifier found an inconsistency in the per-device program."""
+
+
+class InputError(ShardingError):
+  """Arguments passed to a gs.function do not match what it was declared with."""
