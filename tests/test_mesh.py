@@ -1,0 +1,60 @@
+"""Mesh and P: validation, hashing, text."""
+
+import numpy as np
+import pytest
+
+import tf_gspmd as gs
+from tf_gspmd import P
+
+
+def test_mesh_values():
+  mesh = gs.Mesh((2, 4), ("data", "model"))
+  assert mesh.size == 8 and mesh.ndim == 2
+  assert mesh.axis_size("model") == 4
+  assert str(mesh) == "Mesh(data=2, model=4)"
+  assert hash(mesh) == hash(gs.Mesh([2, 4], ["data", "model"]))
+  assert mesh == gs.Mesh([2, 4], ["data", "model"])
+  np.testing.assert_array_equal(mesh.device_ids, np.arange(8).reshape(2, 4))
+  assert tuple(mesh.coords(6)) == (1, 2)
+
+
+def test_mesh_frozen():
+  mesh = gs.Mesh((8,), ("x",))
+  with pytest.raises(Exception):
+    mesh.shape = (4,)
+
+
+@pytest.mark.parametrize("shape,names,msg", [
+    ((2, 4), ("a",), "axis names"),
+    ((2, 2), ("a", "a"), "unique"),
+    ((0,), ("a",), "positive"),
+    ((), (), "non-empty"),
+])
+def test_mesh_rejects(shape, names, msg):
+  with pytest.raises(gs.MeshError, match=msg):
+    gs.Mesh(shape, names)
+
+
+def test_mesh_larger_than_devices():
+  mesh = gs.Mesh((16,), ("x",))
+  with pytest.raises(gs.MeshError, match="needs 16 devices but only 8") as e:
+    mesh.resolve_devices()
+  assert "set_logical_device_configuration" in str(e.value)
+
+
+def test_mesh_explicit_devices():
+  devs = [f"/device:CPU:{i}" for i in (3, 2, 1, 0)]
+  mesh = gs.Mesh((4,), ("x",), devices=devs)
+  assert mesh.resolve_devices()[0] == "/job:localhost/replica:0/task:0/device:CPU:3"
+  with pytest.raises(gs.MeshError, match="needs 4 devices but 2"):
+    gs.Mesh((4,), ("x",), devices=devs[:2])
+
+
+def test_partition_spec():
+  assert P("data", None) == ("data", None)
+  assert repr(P("data", ("a", "b"))) == "P('data', ('a', 'b'))"
+  assert P(("a",)) == P("a")
+  assert P("a", None).axes(0) == ("a",) and P("a").axes(3) == ()
+  assert hash(P("a", None)) == hash(P("a", None))
+  with pytest.raises(gs.SpecError, match="entries"):
+    P(3)
