@@ -114,10 +114,12 @@ class Backend:
     g = tf.raw_ops.CollectiveGatherV2(
         input=y, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
         timeout_seconds=self.timeout, name="all_gather")
+    gathered = [size * y.shape[0]] + y.shape.as_list()[1:]
+    g = tf.reshape(g, gathered)  # CollectiveGatherV2 leaves dim 0 unknown; the shape is static here
     rank_perm = self._rank_permutation(axes)
     if rank_perm is not None:
       chunks = tf.reshape(g, [size, -1])
-      g = tf.reshape(tf.gather(chunks, self.lookup(rank_perm, f"rank_perm_{'_'.join(axes)}")), g.shape)
+      g = tf.reshape(tf.gather(chunks, self.lookup(rank_perm, f"rank_perm_{'_'.join(axes)}")), gathered)
     if dim:
       g = tf.transpose(g, np.argsort(perm))
     self._record("all-gather", x, g.shape, size, axes, source, reason)

@@ -22,9 +22,12 @@ def run(program):
   captured = list(zip(cf.inputs[n_args:], cf.captured_inputs))
   if captured:
     gd = _inline_captures(gd, captured)
-  for t in cf.outputs:
-    if t.dtype != tf.resource and (t.shape.rank is None or not t.shape.is_fully_defined()):
-      raise ShapeError(f"output {t.name} has dynamic shape {t.shape}; tf_gspmd needs static shapes", node=t.op.name)
+  for op in graph.get_operations():  # creation order: the first dynamic tensor is the cause
+    for t in op.outputs:
+      if t.dtype not in (tf.resource, tf.variant) and (t.shape.rank is None or not t.shape.is_fully_defined()):
+        raise ShapeError(f"tensor {t.name} produced by {op.type} has dynamic shape {t.shape}; tf_gspmd needs static "
+                         "shapes: trace with fully defined TensorSpecs and avoid ops with data-dependent shapes",
+                         node=op.name, op_type=op.type)
   outputs = [ref(*split_ref(t.name)) for t in cf.outputs]
   return program.replace(graph_def=gd, input_names=tuple(inputs), output_refs=tuple(outputs),
                          output_structure=cf.structured_outputs)

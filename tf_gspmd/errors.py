@@ -12,6 +12,9 @@ class ShardingError(ValueError):
     op_type: TF op type of that node, when known.
   """
 
+  # Raised while a tf.function traces: AutoGraph must let it through unchanged (type and message).
+  ag_pass_through = True
+
   def __init__(self, message, node=None, op_type=None):
     self.node = node
     self.op_type = op_type

@@ -1,0 +1,84 @@
+"""Annotations inside tf.function: the attribute they write and the errors they raise."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.compiler.xla.experimental import xla_sharding
+
+import tf_gspmd as gs
+from tf_gspmd import P
+
+MESH = gs.Mesh((2, 4), ("data", "model"))
+
+
+def _annotated_attr(fn, *specs):
+  graph = tf.function(fn).get_concrete_function(*specs).graph
+  attrs = [op.get_attr("_XlaSharding") for op in graph.get_operations() if "_XlaSharding" in op.node_def.attr]
+  assert len(attrs) == 1
+  return attrs[0]
+
+
+def test_mesh_split_writes_what_tf_writes():
+  spec = tf.TensorSpec([8, 16])
+  ours = _annotated_attr(lambda x: gs.mesh_split(x, MESH.device_ids, [0, -1]) * 2, spec)
+  theirs = _annotated_attr(lambda x: xla_sharding.mesh_split(x * 1, MESH.device_ids, [0, -1]) * 2, spec)
+  assert ours == theirs
+
+
+def test_shard_with_explicit_mesh_and_replicate():
+  spec = tf.TensorSpec([8, 16])
+  attr = _annotated_attr(lambda x: gs.shard(x, P(None, "model"), mesh=MESH) + 1, spec)
+  assert attr == gs.Sharding.from_spec(MESH, P(None, "model")).to_proto().SerializeToString()
+  attr = _annotated_attr(lambda x: gs.replicate(x) + 1, spec)
+  assert attr == xla_sharding.Sharding.replicate().proto.SerializeToString()
+
+
+def test_eager_annotation_is_identity():
+  x = tf.ones([4, 4])
+  assert gs.mesh_split(x, MESH.device_ids, [0, 1]) is not None
+  np.testing.assert_array_equal(gs.shard(x, P("data"), mesh=MESH).numpy(), x.numpy())
+
+
+def test_wrong_dims_mapping_length_names_tensor():
+  @tf.function
+  def f(x):
+    return gs.mesh_split(tf.identity(x, name="act"), MESH.device_ids, [0])
+
+  with pytest.raises(gs.SpecError, match=r"act:0.*1 entries but the tensor has rank 2"):
+    f.get_concrete_function(tf.TensorSpec([4, 4]))
+
+
+def test_mesh_axis_used_twice():
+  @tf.function
+  def f(x):
+    return gs.mesh_split(x, MESH.device_ids, [1, 1])
+
+  with pytest.raises(gs.SpecError, match="mesh dimension 1 for more than one"):
+    f.get_concrete_function(tf.TensorSpec([4, 4]))
+
+
+def test_unknown_axis_name():
+  @tf.function
+  def f(x):
+    return gs.shard(tf.identity(x, name="h"), P("modle", None), mesh=MESH)
+
+  with pytest.raises(gs.SpecError, match=r"h:0.*unknown mesh axis 'modle'.*\('data', 'model'\)"):
+    f.get_concrete_function(tf.TensorSpec([4, 4]))
+
+
+def test_shard_needs_a_mesh_outside_gs_function():
+  @tf.function
+  def f(x):
+    return gs.shard(x, P("data"))
+
+  with pytest.raises(gs.MeshError, match="needs a mesh"):
+    f.get_concrete_function(tf.TensorSpec([4, 4]))
+
+
+def test_unknown_rank_rejected():
+  @tf.function
+  def f(x):
+    return gs.shard(x, P("data"), mesh=MESH)
+
+  with pytest.raises(gs.ShapeError, match="unknown rank"):
+    f.get_concrete_function(tf.TensorSpec(None))
