@@ -10,10 +10,20 @@ COLLECTIVE_OPS = ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAl
 
 def run(program):
   """Pass: drop nodes that neither feed an output nor have side effects."""
-  dests = list(program.local_outputs) + list(program.side_effects) + list(program.local_inputs) + [PARTITION_ID]
-  gd = tf.compat.v1.graph_util.extract_sub_graph(program.local_graph_def, dests)
-  if program.local_graph_def.library.function and not gd.library.function:
-    gd.library.CopyFrom(program.local_graph_def.library)
+  src = program.local_graph_def
+  by_name = {n.name: n for n in src.node}
+  live = set()
+  stack = list(program.local_outputs) + list(program.side_effects) + list(program.local_inputs) + [PARTITION_ID]
+  while stack:
+    name = stack.pop()
+    if name in live or name not in by_name:
+      continue
+    live.add(name)
+    stack.extend(i.lstrip("^").split(":")[0] for i in by_name[name].input)
+  gd = tf.compat.v1.GraphDef()
+  gd.versions.CopyFrom(src.versions)
+  gd.library.CopyFrom(src.library)
+  gd.node.extend(n for n in src.node if n.name in live)
   return program.replace(local_graph_def=gd)
 
 

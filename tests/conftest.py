@@ -6,20 +6,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
+
+import tf_gspmd as gs  # noqa: E402
 
 NUM_DEVICES = 8
 
 
-def _split_cpu():
-  cpus = tf.config.list_physical_devices("CPU")
-  try:
-    tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_DEVICES)
-  except RuntimeError:  # already initialised by an earlier import in this process
-    pass
-
-
-_split_cpu()
+gs.split_cpu_devices(NUM_DEVICES)
 
 
 @pytest.fixture

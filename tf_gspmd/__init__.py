@@ -14,14 +14,14 @@ Example:
 
 from tf_gspmd._annotations import mesh_split, replicate, shard
 from tf_gspmd._function import Lowered, ShardedFunction, function
-from tf_gspmd._mesh import Mesh, P
+from tf_gspmd._mesh import Mesh, P, split_cpu_devices
 from tf_gspmd._sharded_tensor import ShardedTensor, sharding_of
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.errors import (InputError, MeshError, PartitionError, ShapeError, ShardingError, SpecError,
                              UnsupportedOpError)
 
 __all__ = [
-    "Mesh", "P", "Sharding", "mesh_split", "shard", "replicate", "function", "ShardedFunction", "Lowered",
+    "Mesh", "P", "Sharding", "split_cpu_devices", "mesh_split", "shard", "replicate", "function", "ShardedFunction", "Lowered",
     "ShardedTensor", "sharding_of", "ShardingError", "MeshError", "SpecError", "ShapeError", "PartitionError",
     "UnsupportedOpError", "InputError",
 ]

@@ -156,3 +156,22 @@ def _device_name(d):
   if spec.device_type is None or spec.device_index is None:
     raise MeshError(f"device {name!r} must name a device type and index, e.g. '/device:CPU:0'")
   return spec.to_string()
+
+
+def split_cpu_devices(n):
+  """Splits the host CPU into `n` logical devices (call before TensorFlow runs anything).
+
+  Lets a mesh of `n` devices run on one machine without accelerators. Returns the logical CPU names.
+  Raises MeshError when TensorFlow has already initialised with a different number of devices.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  try:
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+  except RuntimeError:
+    pass
+  names = [d.name for d in tf.config.list_logical_devices("CPU")]
+  if len(names) < n:
+    raise MeshError(f"TensorFlow already started with {len(names)} CPU device(s); call split_cpu_devices({n}) "
+                    "before running any TensorFlow op")
+  return names
