@@ -53,7 +53,10 @@ def main(argv):
   print("bazel_pytest: tf_gspmd from %s" % spec.origin, flush=True)
 
   import pytest  # pylint: disable=g-import-not-at-top
-  code = pytest.main([argv[1], "-q", "-p", "no:cacheprovider"] + argv[2:])
+  # Bazel runs tests in the workspace's runfiles directory, which has no setup.py or ini file. Pin pytest's
+  # rootdir to it: without a config file the default rootdir has differed between pytest versions, and
+  # --confcutdir defaults to the rootdir, so a rootdir of tests/op_rules/ would skip tests/conftest.py.
+  code = pytest.main([argv[1], "-q", "-p", "no:cacheprovider", "--rootdir", os.getcwd()] + argv[2:])
 
   # Every tf_gspmd module the tests loaded must come from the runfiles tree.
   strays = sorted("%s (%s)" % (name, getattr(mod, "__file__", None))

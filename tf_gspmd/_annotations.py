@@ -43,7 +43,7 @@ def _tensor_name(t):
     return "<eager tensor>"
 
 
-def _annotate(t, sharding):
+def _annotate(t, sharding, name=None):
   t = tf.convert_to_tensor(t)
   rank = t.shape.rank
   if rank is None:
@@ -52,7 +52,7 @@ def _annotate(t, sharding):
   sharding = sharding.with_rank(rank, what=_tensor_name(t)) if sharding.dims else sharding
   if tf.executing_eagerly():
     return t
-  out = tf.identity(t)
+  out = tf.identity(t, name=name)
   out.op._set_attr(SHARDING_ATTR, attr_value_pb2.AttrValue(s=sharding.to_proto().SerializeToString()))  # pylint: disable=protected-access
   return out
 
@@ -66,13 +66,14 @@ def _mesh_from_device_mesh(device_mesh, mesh):
   return Mesh(device_mesh.shape, names)
 
 
-def mesh_split(tensor, device_mesh, dims_mapping):
+def mesh_split(tensor, device_mesh, dims_mapping, name=None):
   """Annotates `tensor` as split over `device_mesh` (GSPMD's `mesh_split`).
 
   Args:
     tensor: the tensor to annotate.
     device_mesh: an np.ndarray of device ids (mesh positions) or a `gs.Mesh`.
     dims_mapping: one entry per tensor dimension: the mesh dimension that splits it, or -1.
+    name: optional name of the annotated tensor (its key in `Lowered.shardings`).
 
   Returns:
     The annotated tensor (use it in place of `tensor`).
@@ -106,10 +107,10 @@ def mesh_split(tensor, device_mesh, dims_mapping):
     from tensorflow.python.compiler.xla.experimental import xla_sharding  # pylint: disable=g-import-not-at-top
     proto = xla_sharding.mesh_split_sharding(ids, dims_mapping).proto
     sharding = Sharding.from_proto(proto, mesh, what=name)
-  return _annotate(t, sharding)
+  return _annotate(t, sharding, name)
 
 
-def shard(tensor, spec, mesh=None):
+def shard(tensor, spec, mesh=None, name=None):
   """Annotates `tensor` with a named-axis partition spec, e.g. ``shard(x, P("data", None))``.
 
   The mesh is the enclosing `gs.function`'s unless `mesh` is given.
@@ -118,11 +119,11 @@ def shard(tensor, spec, mesh=None):
   mesh = mesh or current_mesh()
   if mesh is None:
     raise MeshError("gs.shard() needs a mesh: call it inside a gs.function or pass mesh=", node=_tensor_name(t))
-  return _annotate(t, to_sharding(spec, mesh, rank=t.shape.rank, what=_tensor_name(t)))
+  return _annotate(t, to_sharding(spec, mesh, rank=t.shape.rank, what=_tensor_name(t)), name)
 
 
-def replicate(tensor, mesh=None):
+def replicate(tensor, mesh=None, name=None):
   """Annotates `tensor` as replicated on every device."""
   t = tf.convert_to_tensor(tensor)
   mesh = mesh or current_mesh() or Mesh((1,), ("_",))
-  return _annotate(t, Sharding(mesh))
+  return _annotate(t, Sharding(mesh), name)
