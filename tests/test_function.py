@@ -227,3 +227,36 @@ def test_lowered_inspection(rng):
   assert "CollectiveReduceV2" in low.as_text()
   assert "matmul" in low.explain()
   assert {n.op for n in low.graph_def.node} >= {"MatMul", "CollectiveReduceV2", "Placeholder"}
+
+
+def test_tf_mesh_split_directly_on_arguments(rng):
+  """Attribute-form annotations land on the argument Placeholders themselves."""
+  ids = MESH24.device_ids
+
+  def annotated(x, w1, w2):
+    x = xla_sharding.mesh_split(x, ids, [0, -1])
+    w1 = xla_sharding.mesh_split(w1, ids, [-1, 1])
+    w2 = xla_sharding.mesh_split(w2, ids, [1, -1])
+    return xla_sharding.mesh_split(tf.nn.gelu(x @ w1) @ w2, ids, [0, -1])
+
+  f = gs.function(annotated, mesh=MESH24)
+  args = _mlp_inputs(rng)
+  low = f.lower(*[tf.TensorSpec(a.shape) for a in args])
+  assert [s.spec for s in low.in_shardings] == [P("data", None), P(None, "model"), P("model", None)]
+  assert low.report.counts() == {"all-reduce": 1} and low.report.bytes_per_device() == 131072
+  assert_close(f(*args).numpy(), mlp(*args))
+
+
+def test_tf_function_dict_outputs_int_dtypes_and_maximal():
+  @tf.function
+  def g(a, b):
+    return {"s": a + b, "m": tf.reduce_max(a, axis=0)}
+
+  h = gs.function(g, mesh=MESH24, in_shardings=(gs.Sharding(MESH24, maximal=3), P("model")))
+  a = np.arange(16, dtype=np.int32).reshape(4, 4)
+  b = np.arange(4, dtype=np.int32)
+  out = h(a, b)
+  assert set(out) == {"s", "m"} and out["s"].dtype == tf.int32
+  np.testing.assert_array_equal(out["s"].numpy(), a + b)
+  np.testing.assert_array_equal(out["m"].numpy(), a.max(axis=0))
+  assert gs.sharding_of(out["s"]) == out["s"].sharding and gs.sharding_of(a) is None
