@@ -82,31 +82,31 @@ def mesh_split(tensor, device_mesh, dims_mapping, name=None):
     >>> y = mesh_split(x, np.arange(8).reshape(2, 4), [0, -1])   # rows split over mesh dim 0
   """
   t = tf.convert_to_tensor(tensor)
-  name = _tensor_name(t)
+  what = _tensor_name(t)
   if isinstance(device_mesh, Mesh):
     mesh, ids = device_mesh, device_mesh.device_ids
   else:
     ids = np.asarray(device_mesh)
     if ids.ndim == 0 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-      raise SpecError(f"device_mesh must be a non-empty integer array of device ids; got {device_mesh!r}", node=name)
+      raise SpecError(f"device_mesh must be a non-empty integer array of device ids; got {device_mesh!r}", node=what)
     if sorted(ids.reshape(-1).tolist()) != list(range(ids.size)):
-      raise SpecError(f"device_mesh must hold each device id 0..{ids.size - 1} once; got {ids.tolist()}", node=name)
+      raise SpecError(f"device_mesh must hold each device id 0..{ids.size - 1} once; got {ids.tolist()}", node=what)
     mesh = _mesh_from_device_mesh(ids, current_mesh())
   dims_mapping = [int(d) for d in dims_mapping]
   if t.shape.rank is not None and len(dims_mapping) != t.shape.rank:
     raise SpecError(f"dims_mapping {dims_mapping} has {len(dims_mapping)} entries but the tensor has rank "
-                    f"{t.shape.rank}; give one entry per dimension (-1 = not split)", node=name)
+                    f"{t.shape.rank}; give one entry per dimension (-1 = not split)", node=what)
   used = [d for d in dims_mapping if d >= 0]
   dup = {d for d in used if used.count(d) > 1}
   if dup:
     raise SpecError(f"dims_mapping {dims_mapping} uses mesh dimension {sorted(dup)[0]} for more than one tensor "
-                    "dimension; each mesh dimension may split at most one", node=name)
-  sharding = Sharding.from_dims_mapping(mesh, dims_mapping, what=name)
+                    "dimension; each mesh dimension may split at most one", node=what)
+  sharding = Sharding.from_dims_mapping(mesh, dims_mapping, what=what)
   if not np.array_equal(ids, mesh.device_ids):
     # A permuted device_mesh: write exactly what TF would, then read it back over the mesh.
     from tensorflow.python.compiler.xla.experimental import xla_sharding  # pylint: disable=g-import-not-at-top
     proto = xla_sharding.mesh_split_sharding(ids, dims_mapping).proto
-    sharding = Sharding.from_proto(proto, mesh, what=name)
+    sharding = Sharding.from_proto(proto, mesh, what=what)
   return _annotate(t, sharding, name)
 
 
