@@ -3,6 +3,7 @@
 import tensorflow as tf
 
 from tf_gspmd.errors import PartitionError
+from tf_gspmd.rewriter.graph_ir import prune
 from tf_gspmd.rewriter.partition import PARTITION_ID
 
 COLLECTIVE_OPS = ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2", "CollectiveReduceScatterV2")
@@ -10,20 +11,8 @@ COLLECTIVE_OPS = ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAl
 
 def run(program):
   """Pass: drop nodes that neither feed an output nor have side effects."""
-  src = program.local_graph_def
-  by_name = {n.name: n for n in src.node}
-  live = set()
-  stack = list(program.local_outputs) + list(program.side_effects) + list(program.local_inputs) + [PARTITION_ID]
-  while stack:
-    name = stack.pop()
-    if name in live or name not in by_name:
-      continue
-    live.add(name)
-    stack.extend(i.lstrip("^").split(":")[0] for i in by_name[name].input)
-  gd = tf.compat.v1.GraphDef()
-  gd.versions.CopyFrom(src.versions)
-  gd.library.CopyFrom(src.library)
-  gd.node.extend(n for n in src.node if n.name in live)
+  roots = list(program.local_outputs) + list(program.side_effects) + list(program.local_inputs) + [PARTITION_ID]
+  gd = prune(program.local_graph_def, roots)
   return program.replace(local_graph_def=gd)
 
 

@@ -151,6 +151,34 @@ class Graph:
         yield node.ref(i)
 
 
+def prune(graph_def, roots):
+  """A copy of `graph_def` with only the nodes that `roots` (node names) depend on."""
+  by_name = {n.name: n for n in graph_def.node}
+  live, stack = set(), list(roots)
+  while stack:
+    name = stack.pop()
+    if name in live or name not in by_name:
+      continue
+    live.add(name)
+    stack.extend(split_ref(i.lstrip("^"))[0] for i in by_name[name].input)
+  out = tf.compat.v1.GraphDef()
+  out.versions.CopyFrom(graph_def.versions)
+  out.library.CopyFrom(graph_def.library)
+  out.node.extend(n for n in graph_def.node if n.name in live)
+  return out
+
+
+def side_effect_nodes(graph_def):
+  """Nodes run for their effect: stateful ops whose outputs nobody needs to see (e.g. variable writes)."""
+  from tensorflow.python.framework import op_def_registry  # pylint: disable=g-import-not-at-top
+  out = []
+  for n in graph_def.node:
+    op_def = op_def_registry.get(n.op)
+    if op_def is not None and op_def.is_stateful and not op_def.output_arg and n.op != "NoOp":
+      out.append(n.name)
+  return out
+
+
 def _norm_ref(r):
   name, idx = split_ref(r)
   return ref(name, idx)

@@ -1,7 +1,8 @@
 """The Grappler pass: TF's own graph optimizer folds shape computations to constants and inlines calls.
 
 Only folding optimizers run (function inlining, constant folding, shape, arithmetic); the function's
-inputs, outputs and every annotated node are preserved, so names users query survive.
+inputs, outputs and every annotated node are preserved, so names users query survive. Nodes that nothing
+needs afterwards are pruned, so no dead computation reaches completion or the report.
 """
 
 import tensorflow as tf
@@ -9,7 +10,7 @@ from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config
 from tensorflow.python.grappler import tf_optimizer
 
 from tf_gspmd._annotations import SHARDING_ATTR
-from tf_gspmd.rewriter.graph_ir import split_ref
+from tf_gspmd.rewriter.graph_ir import prune, side_effect_nodes, split_ref
 
 OPTIMIZERS = ("function", "constfold", "shape", "arithmetic")
 
@@ -31,4 +32,6 @@ def run(program):
   if missing:  # Grappler dropped a node we must keep: fall back to the unoptimized graph.
     optimized = tf.compat.v1.GraphDef()
     optimized.CopyFrom(gd)
+  # Drop what no output, annotation or side effect needs (Grappler leaves rewritten nodes behind).
+  optimized = prune(optimized, sorted(keep) + side_effect_nodes(optimized))
   return program.replace(graph_def=optimized)

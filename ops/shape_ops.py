@@ -1,0 +1,161 @@
+"""View ops that move or regroup dimensions: Transpose, ExpandDims, Squeeze, Reshape.
+
+Transpose/ExpandDims/Squeeze are pure dimension mappings. Reshape is GSPMD's group rule: input and output
+dims are cut into minimal groups of equal size; a 1:1 group passes its split; a split or merge group keeps
+the split on the major dim when its size divides by the number of shards (so the local reshape of the
+shards is exact); any other group is replicated before the reshape and re-split after (local slices).
+"""
+
+import math
+
+import numpy as np
+
+from tf_gspmd._sharding import Sharding
+from tf_gspmd.ops.factors import Factors, FactorRule
+from tf_gspmd.ops.registry import Rule, register
+
+
+def _labels(n, prefix="d"):
+  return tuple(f"{prefix}{i}" for i in range(n))
+
+
+@register("Transpose")
+class Transpose(FactorRule):
+  """out[i] = in[perm[i]]: the split of each dim moves with it."""
+
+  priority = 0
+
+  def data_inputs(self, node):
+    return [0]
+
+  def factors(self, node):
+    rank = len(node.input_shape(0))
+    perm = node.const_input(1)
+    labels = _labels(rank)
+    if perm is None:
+      return Factors(((None,) * rank,), ((None,) * rank,))
+    return Factors((labels,), (tuple(labels[int(p)] for p in np.atleast_1d(perm)),))
+
+
+@register("ExpandDims")
+class ExpandDims(FactorRule):
+  """A new size-1 dim: never split; the others keep theirs."""
+
+  priority = 0
+
+  def data_inputs(self, node):
+    return [0]
+
+  def factors(self, node):
+    labels = _labels(len(node.input_shape(0)))
+    out_rank = len(node.outputs[0].shape)
+    axis = int(np.asarray(node.const_input(1)).reshape(-1)[0]) % out_rank
+    return Factors((labels,), (labels[:axis] + (None,) + labels[axis:],))
+
+
+@register("Squeeze")
+class Squeeze(FactorRule):
+  """Removed size-1 dims carry no split; the others keep theirs."""
+
+  priority = 0
+
+  def factors(self, node):
+    shape = node.input_shape(0)
+    dims = [int(d) % len(shape) for d in node.attr("squeeze_dims").i] if node.attr("squeeze_dims") else []
+    if not dims:
+      dims = [i for i, s in enumerate(shape) if s == 1]
+    ins = tuple(None if i in dims else f"d{i}" for i in range(len(shape)))
+    return Factors((ins,), (tuple(l for l in ins if l),))
+
+
+def reshape_groups(src, dst):
+  """Minimal aligned groups [(input dims, output dims)] with equal element counts, in order."""
+  groups, i, j = [], 0, 0
+  while i < len(src) or j < len(dst):
+    gi, gj, a, b = [], [], 1, 1
+    if i < len(src):
+      a, i = a * src[i], i + 1
+      gi.append(i - 1)
+    if j < len(dst):
+      b, j = b * dst[j], j + 1
+      gj.append(j - 1)
+    while a != b and (i < len(src) or j < len(dst)):
+      if (a < b and i < len(src)) or j == len(dst):
+        a, i = a * src[i], i + 1
+        gi.append(i - 1)
+      else:
+        b, j = b * dst[j], j + 1
+        gj.append(j - 1)
+    groups.append((gi, gj))
+  return groups
+
+
+def _map_group(mesh, src, dst, gi, gj, axes):
+  """Axes of one group's major output dim given the major input dim's axes (None when not exact)."""
+  if not axes:
+    return ()
+  tiles = math.prod(mesh.axis_size(a) for a in axes)
+  major_in = [d for d in gi if src[d] != 1]
+  major_out = [d for d in gj if dst[d] != 1]
+  if not major_in or not major_out:
+    return None
+  if len(major_in) == 1 and len(major_out) == 1:
+    return axes
+  if dst[major_out[0]] % tiles == 0 and src[major_in[0]] % tiles == 0:
+    return axes
+  return None
+
+
+@register("Reshape")
+class Reshape(Rule):
+  """Reshape by groups of dims (split/merge keeps the split on the major dim when exact)."""
+
+  priority = 0
+
+  def data_inputs(self, node):
+    return [0]
+
+  def _convert(self, node, sharding, forward):
+    src, dst = node.input_shape(0), node.outputs[0].shape
+    if not forward:
+      src, dst = dst, src
+    s = sharding.with_rank(len(src))
+    out = [()] * len(dst)
+    for gi, gj in reshape_groups(src, dst):
+      major_in = [d for d in gi if src[d] != 1]
+      lead = major_in[0] if major_in else None
+      if any(s.dims[d] for d in gi if d != lead):
+        continue  # a minor dim of the group is split: not expressible after the reshape
+      mapped = _map_group(s.mesh, src, dst, gi, gj, s.dims[lead] if lead is not None else ())
+      if mapped:
+        major_out = [d for d in gj if dst[d] != 1]
+        out[major_out[0]] = mapped
+    return Sharding(s.mesh, tuple(out))
+
+  def forward(self, node, operands):
+    s = operands[0]
+    if s is None or s.is_maximal:
+      return [[]]
+    return [[self._convert(node, s, True)]]
+
+  def backward(self, node, outputs, operands):
+    s = outputs[0]
+    if s is None or s.is_maximal:
+      return [[], []]
+    return [[self._convert(node, s, False)], []]
+
+  def partition(self, ctx, node):
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    target = ctx.target(0)
+    need = self._convert(node, target, False)            # input layout the target's splits come from
+    natural = self._convert(node, need, True)            # what the local reshape then produces
+    x = ctx.operand(0, need)
+    local = natural.shard_shape(node.outputs[0].shape)
+    if x.shape.num_elements() != math.prod(local):
+      need = Sharding(ctx.mesh, ((),) * len(node.input_shape(0)))
+      natural = Sharding(ctx.mesh, ((),) * len(node.outputs[0].shape))
+      x = ctx.operand(0, need)
+      local = node.outputs[0].shape
+    shape_dtype = node.input_info(1).dtype
+    (y,) = ctx.clone(node, {0: x, 1: tf.constant(local, shape_dtype)})
+    ctx.set_output(0, y, natural)
