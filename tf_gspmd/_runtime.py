@@ -2,8 +2,8 @@
 
 TF's collectives deadlock when several logical devices run them inside one tf.function; TF's
 ParallelDevice (DTensor's runtime) instead runs one function per component device on its own thread, which
-is what an SPMD program needs. The per-device GraphDef is imported into a tf.function; the partition id
-is a packed per-device input.
+is what an SPMD program needs. The per-device GraphDef becomes one concrete function (no retracing); the
+partition id is a packed per-device input.
 """
 
 import threading
@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute.parallel_device import parallel_device
+from tensorflow.python.eager import wrap_function
 
 from tf_gspmd._sharded_tensor import ShardedTensor, shard_host_value
 from tf_gspmd.errors import InputError
@@ -39,19 +40,12 @@ class Executable:
     self.program = program
     self.devices = program.devices
     self.pd, self.pid = _parallel(self.devices)
-    gd = program.local_graph_def
-    inputs = [n + ":0" for n in program.local_inputs]
+    inputs = [PARTITION_ID + ":0"] + [n + ":0" for n in program.local_inputs]
     outputs = [n + ":0" for n in program.local_outputs]
-    side_effects = list(program.side_effects)
-
-    def body(pid, *args):
-      input_map = dict(zip(inputs, args))
-      input_map[PARTITION_ID + ":0"] = pid
-      results = tf.graph_util.import_graph_def(gd, input_map=input_map, return_elements=outputs + side_effects,
-                                               name="")
-      return results[:len(outputs)]
-
-    self.fn = tf.function(body, autograph=False)
+    # A concrete function straight from the GraphDef (no Python tracing); side-effect ops are control outputs.
+    self.fn = wrap_function.function_from_graph_def(program.local_graph_def, inputs,
+                                                    outputs + list(program.side_effects))
+    self.n_outputs = len(outputs)
 
   def place(self, value, sharding, spec, what):
     """Per-device components of an argument: in place for a matching ShardedTensor, else scattered."""
@@ -76,7 +70,7 @@ class Executable:
     for k, (value, sharding, spec) in enumerate(zip(args, program.param_shardings, program.arg_specs)):
       packed.append(self.pd.pack(self.place(value, sharding, spec, program.input_names[k])))
     with tf.device(self.pd._name):  # pylint: disable=protected-access
-      outs = self.fn(self.pid, *packed)
+      outs = self.fn(self.pid, *packed)[:self.n_outputs]
     results = []
     for r, out in zip(program.ir.outputs, outs):
       info = program.ir.info(r)
