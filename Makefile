@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests
 
 bazel-test: $(STAMP)
-	PYTHON=$(PY) ../shared/bazel/bazel-offline test //:all --local_test_jobs=1 --test_output=errors
+	PYTHON=$(CURDIR)/$(PY) ../shared/bazel/bazel-offline test //:all --local_test_jobs=1 --test_output=errors
 
 clean:
 	rm -rf $(VENV) build *.egg-info
