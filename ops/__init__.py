@@ -1,9 +1,12 @@
 """Per-op sharding rules, one module per op family, registered in `registry`."""
 
 from tf_gspmd.ops import basic  # noqa: F401
+from tf_gspmd.ops import einsum  # noqa: F401
 from tf_gspmd.ops import elementwise  # noqa: F401
+from tf_gspmd.ops import indexing  # noqa: F401
 from tf_gspmd.ops import matmul  # noqa: F401
 from tf_gspmd.ops import reduction  # noqa: F401
 from tf_gspmd.ops import shape_ops  # noqa: F401
+from tf_gspmd.ops import softmax  # noqa: F401
 from tf_gspmd.ops.fallback import FALLBACK  # noqa: F401
 from tf_gspmd.ops.registry import lookup, register, registered_ops, Rule  # noqa: F401

@@ -43,6 +43,22 @@ def _rank_key(name):
   return (spec.job or "", spec.replica or 0, spec.task or 0, spec.device_type or "", spec.device_index or 0)
 
 
+_NATIVE = (tf.float32, tf.float16, tf.float64, tf.int32, tf.int64)
+_CARRIER = {tf.bool: tf.int32, tf.int8: tf.int32, tf.uint8: tf.int32, tf.int16: tf.int32, tf.uint16: tf.int32,
+            tf.bfloat16: tf.float32, tf.uint32: tf.int64}
+
+
+def _carry(x, source):
+  """Cast `x` to a dtype TF's collectives accept (exactly representable), with the cast back."""
+  if x.dtype in _NATIVE:
+    return x, lambda y: y
+  if x.dtype not in _CARRIER:
+    raise PartitionError(f"TF collectives cannot carry {x.dtype.name} tensors; keep this tensor replicated",
+                         node=source)
+  dtype = x.dtype
+  return tf.cast(x, _CARRIER[dtype]), lambda y: tf.cast(y, dtype)
+
+
 class Backend:
   """Emits collectives over mesh axes into the per-device graph being built."""
 
@@ -99,18 +115,20 @@ class Backend:
   # ---- collectives ----------------------------------------------------------------------------------------
   def all_reduce(self, x, axes, op, source, reason):
     size, key = self._keys(axes)
+    y, back = _carry(x, source)
     out = tf.raw_ops.CollectiveReduceV2(
-        input=x, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
+        input=y, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
         merge_op=op, final_op="Id", timeout_seconds=self.timeout, name="all_reduce")
     self._record("all-reduce", x, x.shape, size, axes, source, reason)
-    return out
+    return back(out)
 
   def all_gather(self, x, dim, axes, source, reason):
     """Concatenate the shards of the group along `dim`, in mesh order."""
     size, key = self._keys(axes)
     rank = x.shape.rank
     perm = [dim] + [d for d in range(rank) if d != dim]
-    y = tf.transpose(x, perm) if dim else x
+    y, back = _carry(x, source)
+    y = tf.transpose(y, perm) if dim else y
     g = tf.raw_ops.CollectiveGatherV2(
         input=y, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
         timeout_seconds=self.timeout, name="all_gather")
@@ -123,7 +141,7 @@ class Backend:
     if dim:
       g = tf.transpose(g, np.argsort(perm))
     self._record("all-gather", x, g.shape, size, axes, source, reason)
-    return g
+    return back(g)
 
   def _record(self, kind, x, shape, size, axes, source, reason):
     shape = tuple(int(s) for s in shape)

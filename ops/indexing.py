@@ -1,0 +1,364 @@
+"""Ops that select, combine or repeat slices: concat/stack/split, slice, pad, tile, broadcast, cumulative and
+arg/top-k ops along one dim, one-hot, gather and segment sums.
+
+The dim an op reads across (concat axis, sliced or padded dims, the scanned axis, ...) carries no factor:
+it is whole on every device, so the op runs unchanged on the local shards; every other dim passes its
+split through. Gather from a table split along the gathered dim never gathers the table: each device looks
+up the ids it owns and one all-reduce combines the rows.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gspmd._sharding import Sharding
+from tf_gspmd.ops.factors import Factors, FactorRule
+from tf_gspmd.ops.registry import register
+
+
+def _labels(rank):
+  return tuple(f"d{i}" for i in range(rank))
+
+
+def _axis(node, i, rank):
+  v = node.const_input(i)
+  return None if v is None else int(np.asarray(v).reshape(-1)[0]) % max(rank, 1)
+
+
+def _without(labels, dims):
+  return tuple(None if k in dims else l for k, l in enumerate(labels))
+
+
+class AlongAxis(FactorRule):
+  """Base: data inputs share labels except `fixed_dims` (whole on every device)."""
+
+  priority = 1
+
+  def fixed_dims(self, node):
+    raise NotImplementedError
+
+  def factors(self, node):
+    rank = len(node.outputs[0].shape)
+    labels = _without(_labels(rank), self.fixed_dims(node))
+    return Factors(tuple(labels for _ in self.data_inputs(node)), tuple(labels for _ in node.outputs))
+
+
+@register("ConcatV2")
+class Concat(AlongAxis):
+  priority = 0
+
+  def data_inputs(self, node):
+    return list(range(len(node.inputs) - 1))
+
+  def fixed_dims(self, node):
+    return {_axis(node, len(node.inputs) - 1, len(node.outputs[0].shape))}
+
+
+@register("Cumsum", "Cumprod", "CumulativeLogsumexp")
+class Scan(AlongAxis):
+  def data_inputs(self, node):
+    return [0]
+
+  def fixed_dims(self, node):
+    return {_axis(node, 1, len(node.outputs[0].shape))}
+
+
+@register("Pack")
+class Pack(FactorRule):
+  """stack: a new, unsplit dim at `axis`."""
+
+  priority = 0
+
+  def factors(self, node):
+    rank = len(node.input_shape(0))
+    axis = node.attr("axis") % (rank + 1)
+    labels = _labels(rank)
+    return Factors(tuple(labels for _ in node.inputs), (labels[:axis] + (None,) + labels[axis:],))
+
+
+@register("Unpack")
+class Unpack(FactorRule):
+  """unstack: the unpacked dim is whole on every device."""
+
+  priority = 0
+
+  def factors(self, node):
+    rank = len(node.input_shape(0))
+    axis = node.attr("axis") % rank
+    labels = _labels(rank)
+    out = labels[:axis] + labels[axis + 1:]
+    return Factors((_without(labels, {axis}),), tuple(out for _ in node.outputs))
+
+
+@register("Split")
+class Split(AlongAxis):
+  priority = 0
+
+  def data_inputs(self, node):
+    return [1]
+
+  def fixed_dims(self, node):
+    return {_axis(node, 0, len(node.outputs[0].shape))}
+
+
+@register("SplitV")
+class SplitV(AlongAxis):
+  priority = 0
+
+  def data_inputs(self, node):
+    return [0]
+
+  def fixed_dims(self, node):
+    return {_axis(node, 2, len(node.outputs[0].shape))}
+
+
+@register("Slice")
+class Slice(FactorRule):
+  """Dims sliced to less than their size are whole locally; full-size dims pass their split."""
+
+  def data_inputs(self, node):
+    return [0]
+
+  def _sliced(self, node):
+    shape, out = node.input_shape(0), node.outputs[0].shape
+    return {d for d in range(len(shape)) if out[d] != shape[d]}
+
+  def factors(self, node):
+    labels = _without(_labels(len(node.input_shape(0))), self._sliced(node))
+    return Factors((labels,), (labels,))
+
+  def emit(self, ctx, node, local_inputs, axes_of):
+    (x,) = local_inputs
+    begin = node.const_input(1)
+    if begin is None:
+      return ctx.clone(node, {0: x})
+    size = [x.shape[d] if d not in self._sliced(node) else node.outputs[0].shape[d] for d in range(x.shape.rank)]
+    begin = [0 if d not in self._sliced(node) else int(b) for d, b in enumerate(begin)]
+    return ctx.clone(node, {0: x, 1: tf.constant(begin, node.input_info(1).dtype),
+                            2: tf.constant(size, node.input_info(2).dtype)})
+
+
+@register("StridedSlice")
+class StridedSlice(FactorRule):
+  """Without new-axis/ellipsis masks: untouched full-range dims pass their split; shrunk dims vanish."""
+
+  def data_inputs(self, node):
+    return [0]
+
+  def _plain(self, node):
+    return not node.attr("new_axis_mask") and not node.attr("ellipsis_mask") and all(
+        node.const_input(i) is not None for i in (1, 2, 3))
+
+  def _full(self, node):
+    """Input dims read whole with stride 1 (their split can pass through)."""
+    shape = node.input_shape(0)
+    if not self._plain(node):
+      return set()
+    begin, end, strides = (np.asarray(node.const_input(i)).reshape(-1) for i in (1, 2, 3))
+    bm, em, sm = node.attr("begin_mask"), node.attr("end_mask"), node.attr("shrink_axis_mask")
+    full = set()
+    for d in range(len(shape)):
+      if d >= len(begin):
+        full.add(d)
+        continue
+      b = 0 if bm >> d & 1 else int(begin[d])
+      e = shape[d] if em >> d & 1 else int(end[d])
+      if not sm >> d & 1 and strides[d] == 1 and b in (0, -shape[d]) and (e >= shape[d]):
+        full.add(d)
+    return full
+
+  def factors(self, node):
+    shape = node.input_shape(0)
+    full = self._full(node)
+    ins = tuple(f"d{d}" if d in full else None for d in range(len(shape)))
+    if not self._plain(node):
+      return Factors(((None,) * len(shape),), ((None,) * len(node.outputs[0].shape),))
+    sm = node.attr("shrink_axis_mask")
+    out = tuple(l for d, l in enumerate(ins) if not sm >> d & 1)
+    return Factors((ins,), (out,))
+
+
+@register("Pad", "PadV2", "MirrorPad")
+class Pad(FactorRule):
+  """Padded dims are whole locally; unpadded dims pass their split (their paddings are zero)."""
+
+  def data_inputs(self, node):
+    return [0]
+
+  def factors(self, node):
+    pads = node.const_input(1)
+    rank = len(node.input_shape(0))
+    padded = set(range(rank)) if pads is None else {d for d in range(rank) if np.any(np.asarray(pads)[d] != 0)}
+    labels = _without(_labels(rank), padded)
+    return Factors((labels,), (labels,))
+
+
+@register("Tile")
+class Tile(FactorRule):
+  """Repeated dims are whole locally; dims with multiple 1 pass their split."""
+
+  priority = 2
+
+  def data_inputs(self, node):
+    return [0]
+
+  def factors(self, node):
+    mult = node.const_input(1)
+    rank = len(node.input_shape(0))
+    tiled = set(range(rank)) if mult is None else {d for d in range(rank) if int(np.asarray(mult)[d]) != 1}
+    labels = _without(_labels(rank), tiled)
+    return Factors((labels,), (labels,))
+
+
+@register("BroadcastTo")
+class BroadcastTo(FactorRule):
+  """Broadcast dims (new or size 1) are produced locally at their shard size; others pass their split."""
+
+  priority = 2
+
+  def data_inputs(self, node):
+    return [0]
+
+  def factors(self, node):
+    out = node.outputs[0].shape
+    shape = node.input_shape(0)
+    labels = _labels(len(out))
+    off = len(out) - len(shape)
+    ins = tuple(None if (shape[i] == 1 and out[off + i] != 1) else labels[off + i] for i in range(len(shape)))
+    return Factors((ins,), (labels,))
+
+  def emit(self, ctx, node, local_inputs, axes_of):
+    mesh = ctx.mesh
+    natural = Sharding(mesh, tuple(axes_of.get(l, ()) for l in self.factors(node).outputs[0]))
+    local = natural.shard_shape(node.outputs[0].shape)
+    # Only input-carried dims may be split here (new dims are unsplit in the natural layout).
+    return ctx.clone(node, {0: local_inputs[0], 1: tf.constant(local, node.input_info(1).dtype)})
+
+
+@register("TopKV2")
+class TopK(FactorRule):
+  """Top-k over the last dim: the last dim is whole locally."""
+
+  def data_inputs(self, node):
+    return [0]
+
+  def factors(self, node):
+    rank = len(node.input_shape(0))
+    labels = _without(_labels(rank), {rank - 1})
+    return Factors((labels,), (labels, labels))
+
+
+@register("ArgMax", "ArgMin")
+class ArgReduce(FactorRule):
+  """The reduced dim is whole locally; the others pass their split."""
+
+  def data_inputs(self, node):
+    return [0]
+
+  def factors(self, node):
+    rank = len(node.input_shape(0))
+    axis = _axis(node, 1, rank)
+    labels = _labels(rank)
+    return Factors((_without(labels, {axis}),), (labels[:axis] + labels[axis + 1:],))
+
+
+@register("All", "Any")
+class LogicalReduce(FactorRule):
+  """Logical reductions: reduced dims are whole locally (no boolean all-reduce in TF's collectives)."""
+
+  def data_inputs(self, node):
+    return [0]
+
+  def factors(self, node):
+    rank = len(node.input_shape(0))
+    axes = node.const_input(1)
+    red = set(range(rank)) if axes is None else {int(a) % rank for a in np.atleast_1d(axes)}
+    labels = _labels(rank)
+    keep = node.attr("keep_dims")
+    out = tuple((None if i in red else l) for i, l in enumerate(labels) if keep or i not in red)
+    return Factors((_without(labels, red),), (out,))
+
+
+@register("OneHot")
+class OneHot(FactorRule):
+  """The depth dim is produced whole (sliced afterwards if it should be split); index dims pass."""
+
+  def data_inputs(self, node):
+    return [0]
+
+  def factors(self, node):
+    rank = len(node.input_shape(0))
+    axis = node.attr("axis")
+    axis = rank if axis == -1 else axis
+    labels = _labels(rank)
+    return Factors((labels,), (labels[:axis] + (None,) + labels[axis:],))
+
+
+@register("UnsortedSegmentSum")
+class UnsortedSegmentSum(FactorRule):
+  """data[ids..., rest] -> out[segments, rest]: id dims are summed (partial sums + all-reduce), rest pass."""
+
+  def data_inputs(self, node):
+    return [0, 1]
+
+  def factors(self, node):
+    rank = len(node.input_shape(0))
+    k = len(node.input_shape(1))
+    ids = tuple(f"r{i}" for i in range(k))
+    rest = tuple(f"d{i}" for i in range(k, rank))
+    return Factors((ids + rest, ids), ((None,) + rest,))
+
+
+@register("GatherV2")
+class Gather(FactorRule):
+  """params[..., axis, ...][indices]: index dims and params' other dims pass their split.
+
+  When the table is split along the gathered dim (a vocabulary-split embedding), each device looks up the
+  ids in its own range (clamped), zeroes the rows it does not own, and one all-reduce sums the rows.
+  """
+
+  def data_inputs(self, node):
+    return [0, 1]
+
+  def _axis(self, node):
+    return _axis(node, 2, len(node.input_shape(0)))
+
+  def factors(self, node):
+    p_rank, i_rank = len(node.input_shape(0)), len(node.input_shape(1))
+    axis = self._axis(node)
+    if node.attr("batch_dims") or axis is None:
+      return Factors(((None,) * p_rank, (None,) * i_rank), ((None,) * len(node.outputs[0].shape),))
+    p = tuple(f"p{d}" for d in range(p_rank))
+    idx = tuple(f"i{d}" for d in range(i_rank))
+    out = p[:axis] + idx + p[axis + 1:]
+    return Factors((p[:axis] + ("v",) + p[axis + 1:], idx), (out,))
+
+  def partition(self, ctx, node):
+    axis = self._axis(node)
+    cur = ctx.current(0)
+    v_axes = () if cur is None or cur.is_maximal or axis is None else cur.with_rank(len(node.input_shape(0))).dims[axis]
+    target = ctx.target(0)
+    if not v_axes or node.attr("batch_dims") or target.is_maximal or set(v_axes) & set(target.used_axes):
+      return FactorRule.partition(self, ctx, node)   # the table is whole along the gathered dim
+    mesh = ctx.mesh
+    f = self.factors(node)
+    p_labels, i_labels = f.operands
+    out_labels = f.outputs[0]
+    axes_of = {l: target.dims[d] for d, l in enumerate(out_labels)}
+    params_s = Sharding(mesh, tuple(v_axes if l == "v" else axes_of.get(l, ()) for l in p_labels))
+    ids_s = Sharding(mesh, tuple(axes_of.get(l, ()) for l in i_labels))
+    params = ctx.operand(0, params_s)
+    ids = ctx.operand(1, ids_s)
+    size = node.input_shape(0)[axis]
+    c = params_s.shard_shape(node.input_shape(0))[axis]
+    lo = np.array([params_s.tile_index(p, axis) * c for p in range(mesh.size)], ids.dtype.as_numpy_dtype)
+    with tf.name_scope(node.name + "/gspmd/"):
+      ids = tf.clip_by_value(ids, 0, size - 1) - ctx.lookup(lo, f"vocab_offset_{axis}_{c}")
+      owned = (ids >= 0) & (ids < c)
+      rows = tf.gather(params, tf.clip_by_value(ids, 0, c - 1), axis=axis)
+      mask_shape = [1] * axis + ids.shape.as_list() + [1] * (len(node.input_shape(0)) - axis - 1)
+      rows = tf.where(tf.reshape(owned, mask_shape), rows, tf.zeros([], rows.dtype))
+    natural = Sharding(mesh, tuple(axes_of.get(l, ()) for l in out_labels))
+    ctx.set_output(0, rows, natural, partial=(v_axes, "Add"))
+
+  def split_reduced(self, node):
+    return False   # "v" is not summed: the generic path keeps the gathered dim whole (see partition)

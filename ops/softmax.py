@@ -1,0 +1,95 @@
+"""Softmax, LogSoftmax and the fused cross-entropy ops, including over a split class dimension.
+
+With the class dim split, each device reduces its slice and a few small all-reduces (max, sum of exp,
+label logit) replace gathering the logits: the way GSPMD partitions an expanded softmax.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gspmd._sharding import Sharding
+from tf_gspmd.ops.factors import Factors, FactorRule
+from tf_gspmd.ops.registry import register
+
+
+def _class_stats(ctx, x, shape, sharding, source):
+  """(max, sum of exp(x - max)) over the last dim, all-reduced over the axes that split it; and exp(x - max)."""
+  axes = sharding.dims[-1]
+  last = len(shape) - 1
+  uneven = bool(axes) and shape[last] % sharding.tiles(last)
+  xm = ctx.mask(x, shape, sharding, last, x.dtype.min) if uneven else x
+  m = tf.reduce_max(xm, axis=-1, keepdims=True)
+  if axes:
+    m = ctx.backend.all_reduce(m, axes, "Max", source, f"max over the class dim split by {'x'.join(axes)}")
+  e = tf.exp(x - m)
+  if uneven:
+    e = ctx.mask(e, shape, sharding, last, 0.0)
+  s = tf.reduce_sum(e, axis=-1, keepdims=True)
+  if axes:
+    s = ctx.backend.all_reduce(s, axes, "Add", source, f"sum of exp over the class dim split by {'x'.join(axes)}")
+  return m, s, e
+
+
+@register("Softmax", "LogSoftmax")
+class Softmax(FactorRule):
+  """Normalise over the last dim: every dim passes its split through."""
+
+  priority = 0
+
+  def factors(self, node):
+    labels = tuple(f"d{i}" for i in range(len(node.outputs[0].shape)))
+    return Factors((labels,), (labels,))
+
+  def partition(self, ctx, node):
+    target = ctx.target(0)
+    if target.is_maximal or not target.dims[-1]:
+      return super().partition(ctx, node)
+    shape = node.input_shape(0)
+    x = ctx.operand(0, target)
+    with tf.name_scope(node.name + "/gspmd/"):
+      m, s, e = _class_stats(ctx, x, shape, target, node.name)
+      y = e / s if node.op == "Softmax" else x - m - tf.math.log(s)
+    ctx.set_output(0, y, target)
+
+
+@register("SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits")
+class SoftmaxCrossEntropy(FactorRule):
+  """(loss[b], backprop[b, c]) from logits[b, c] and labels ([b] ids or [b, c] probabilities)."""
+
+  def factors(self, node):
+    sparse = node.op.startswith("Sparse")
+    return Factors((("b", "c"), ("b",) if sparse else ("b", "c")), (("b",), ("b", "c")))
+
+  def partition(self, ctx, node):
+    loss_t = ctx.target(0)
+    b_axes = () if loss_t.is_maximal else loss_t.dims[0]
+    cur = ctx.current(0)
+    c_axes = () if cur is None or cur.is_maximal else cur.with_rank(2).dims[1]
+    if not c_axes or set(c_axes) & set(b_axes):
+      return super().partition(ctx, node)   # class dim whole on every device: the op runs locally
+    mesh = ctx.mesh
+    sparse = node.op.startswith("Sparse")
+    xs = Sharding(mesh, (b_axes, c_axes))
+    shape = node.input_shape(0)
+    x = ctx.operand(0, xs)
+    labels = ctx.operand(1, Sharding(mesh, (b_axes,)) if sparse else xs)
+    with tf.name_scope(node.name + "/gspmd/"):
+      m, s, e = _class_stats(ctx, x, shape, xs, node.name)
+      lse = tf.math.log(s) + m
+      if sparse:
+        c = xs.shard_shape(shape)[1]
+        offsets = np.array([xs.tile_index(p, 1) * c for p in range(mesh.size)], np.int32)
+        local_ids = tf.cast(labels, tf.int32) - ctx.lookup(offsets, f"class_offset_{c}")
+        onehot = tf.one_hot(local_ids, c, dtype=x.dtype)   # all zeros where the label lives on another device
+        picked = tf.reduce_sum(x * onehot, axis=-1, keepdims=True)
+        picked = ctx.backend.all_reduce(picked, c_axes, "Add", node.name, "label logit from the device holding it")
+        loss = tf.squeeze(lse - picked, -1)
+        grad = e / s - onehot
+      else:
+        lab = ctx.mask(labels, shape, xs, 1, 0.0) if shape[1] % xs.tiles(1) else labels
+        xm = ctx.mask(x, shape, xs, 1, 0.0) if shape[1] % xs.tiles(1) else x
+        partial = tf.reduce_sum(lab * (lse - xm), axis=-1)
+        loss = ctx.backend.all_reduce(partial, c_axes, "Add", node.name, "cross-entropy terms over the split class dim")
+        grad = e / s - lab
+    ctx.set_output(0, loss, Sharding(mesh, (b_axes,)))
+    ctx.set_output(1, grad, xs)
