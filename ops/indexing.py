@@ -150,19 +150,22 @@ class StridedSlice(FactorRule):
 
   def _full(self, node):
     """Input dims read whole with stride 1 (their split can pass through)."""
-    shape = node.input_shape(0)
     if not self._plain(node):
       return set()
-    begin, end, strides = (np.asarray(node.const_input(i)).reshape(-1) for i in (1, 2, 3))
-    bm, em, sm = node.attr("begin_mask"), node.attr("end_mask"), node.attr("shrink_axis_mask")
+    return self.full_dims(node.input_shape(0), *(np.asarray(node.const_input(i)).reshape(-1) for i in (1, 2, 3)),
+                          node.attr("begin_mask"), node.attr("end_mask"), node.attr("shrink_axis_mask"))
+
+  @staticmethod
+  def full_dims(shape, begin, end, strides, begin_mask, end_mask, shrink_mask):
+    """Dims of `shape` that a strided slice reads entirely, in order, with stride 1."""
     full = set()
     for d in range(len(shape)):
       if d >= len(begin):
         full.add(d)
         continue
-      b = 0 if bm >> d & 1 else int(begin[d])
-      e = shape[d] if em >> d & 1 else int(end[d])
-      if not sm >> d & 1 and strides[d] == 1 and b in (0, -shape[d]) and (e >= shape[d]):
+      b = 0 if begin_mask >> d & 1 else int(begin[d])
+      e = shape[d] if end_mask >> d & 1 else int(end[d])
+      if not shrink_mask >> d & 1 and strides[d] == 1 and b in (0, -shape[d]) and e >= shape[d]:
         full.add(d)
     return full
 

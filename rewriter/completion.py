@@ -60,7 +60,7 @@ def run(program):
     if r in pinned or cand is None:
       return False
     info = ir.info(r)
-    if info.dtype in (tf.resource, tf.variant, tf.string):
+    if not info.partitionable:
       return False
     if not cand.is_maximal:
       cand = cand.with_rank(len(info.shape))
@@ -104,9 +104,9 @@ def run(program):
     info = ir.info(r)
     s = shard.get(r)
     if s is None:
-      s = Sharding(mesh, ((),) * len(info.shape))
+      s = Sharding(mesh, ((),) * len(info.shape or ()))
       why[r] = "default: nothing decided it (replicated)"
-    elif not s.is_maximal and info.dtype not in (tf.resource, tf.variant, tf.string):
+    elif not s.is_maximal and info.partitionable:
       s = s.with_rank(len(info.shape))
     complete[r] = s
   params = tuple(complete[f"{name}:0"] for name in ir.inputs)

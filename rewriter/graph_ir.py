@@ -37,11 +37,9 @@ class TensorInfo:
   dtype: tf.DType
 
   @property
-  def nbytes(self):
-    n = 1
-    for s in self.shape:
-      n *= s
-    return n * (self.dtype.size if self.dtype not in _SHAPELESS else 0)
+  def partitionable(self):
+    """False for opaque values (resources, variants, strings, unknown rank): they stay as produced."""
+    return self.shape is not None and self.dtype not in _SHAPELESS
 
 
 class Node:
@@ -104,10 +102,10 @@ class Graph:
     for op in tf_graph.get_operations():
       outs = []
       for t in op.outputs:
-        if t.dtype in _SHAPELESS:
-          shape = tuple(t.shape.as_list()) if t.shape.rank is not None and t.shape.is_fully_defined() else ()
+        if t.dtype in _SHAPELESS or t.shape.rank is None:   # opaque (e.g. a kernel's reserve space)
+          shape = tuple(t.shape.as_list()) if t.shape.rank is not None and t.shape.is_fully_defined() else None
         else:
-          if t.shape.rank is None or not t.shape.is_fully_defined():
+          if not t.shape.is_fully_defined():
             raise ShapeError(f"tensor {t.name} has dynamic shape {t.shape}; tf_gspmd needs static shapes: trace with "
                              "fully defined TensorSpecs (no None dimensions) and avoid data-dependent shapes",
                              node=op.name, op_type=op.type)

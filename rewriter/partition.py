@@ -61,7 +61,7 @@ class PartitionContext:
     r = self.node.inputs[i]
     value, have = self.values[r]
     info = self.ir.info(r)
-    if info.dtype in (tf.resource, tf.variant) or have == sharding:
+    if not info.partitionable or have == sharding:
       return value
     sharding = sharding.with_rank(len(info.shape))
     if have.with_rank(len(info.shape)) == sharding:
@@ -134,8 +134,7 @@ class PartitionContext:
     r = self.node.ref(o)
     target = self.program.shardings[r]
     info = self.ir.info(r)
-    if info.dtype not in (tf.resource, tf.variant, tf.string) and (partial or natural != target.with_rank(
-        len(info.shape))):
+    if info.partitionable and (partial or natural != target.with_rank(len(info.shape))):
       with tf.name_scope(self._scope()):
         what = f"{self.node.name} ({self.node.op}) produces {natural}"
         if partial:
@@ -150,7 +149,7 @@ class PartitionContext:
 
   def _store(self, r, value, sharding):
     info = self.ir.info(r)
-    if info.dtype not in (tf.resource, tf.variant, tf.string):
+    if info.partitionable:
       want = sharding.with_rank(len(info.shape)).shard_shape(info.shape)
       got = tuple(value.shape.as_list()) if value.shape.rank is not None else None
       if got != want:

@@ -24,7 +24,7 @@ def run(program):
     gd = _inline_captures(gd, captured)
   for op in graph.get_operations():  # creation order: the first dynamic tensor is the cause
     for t in op.outputs:
-      if t.dtype not in (tf.resource, tf.variant) and (t.shape.rank is None or not t.shape.is_fully_defined()):
+      if t.dtype not in (tf.resource, tf.variant) and t.shape.rank is not None and not t.shape.is_fully_defined():
         raise ShapeError(f"tensor {t.name} produced by {op.type} has dynamic shape {t.shape}; tf_gspmd needs static "
                          "shapes: trace with fully defined TensorSpecs and avoid ops with data-dependent shapes",
                          node=op.name, op_type=op.type)

@@ -1,0 +1,135 @@
+"""Convolutions, pooling and batch normalisation (and their gradients).
+
+Batch and channel dims pass their split; an input-channel (or, for the filter gradient, batch) split gives
+partial sums and one all-reduce, like a matmul. Spatial dims are whole on every device here. Batch
+normalisation in training mode reduces over batch and space, so those dims are whole too; only channels
+split (inference-mode batch norm is element-wise per channel and passes every split).
+"""
+
+import tensorflow as tf
+
+from tf_gspmd._sharding import Sharding
+from tf_gspmd.ops.factors import Factors, FactorRule
+from tf_gspmd.ops.registry import register
+
+
+def _nhwc(node, b, c, rank=4):
+  """Labels of an activation: batch label `b`, channel label `c`, spatial dims unsplit."""
+  fmt = node.attr("data_format")
+  fmt = fmt.decode() if isinstance(fmt, bytes) else (fmt or "NHWC")
+  spatial = (None,) * (rank - 2)
+  return (b, c) + spatial if fmt.startswith("NC") else (b,) + spatial + (c,)
+
+
+def _local_sizes(ctx, node, index, natural, shape):
+  return tf.constant(natural.shard_shape(shape), node.input_info(index).dtype)
+
+
+@register("Conv2D", "Conv3D")
+class Conv(FactorRule):
+  """out[b, ..., co] = sum over window and ci of in[b, ..., ci] * filter[..., ci, co]."""
+
+  def factors(self, node):
+    rank = len(node.outputs[0].shape)
+    filt = (None,) * (rank - 2) + ("ci", "co")
+    return Factors((_nhwc(node, "b", "ci", rank), filt), (_nhwc(node, "b", "co", rank),))
+
+
+@register("Conv2DBackpropInput", "Conv3DBackpropInputV2")
+class ConvBackpropInput(FactorRule):
+  """d_in[b, ..., ci] = sum over co of filter[..., ci, co] * d_out[b, ..., co]."""
+
+  def data_inputs(self, node):
+    return [1, 2]
+
+  def factors(self, node):
+    rank = len(node.outputs[0].shape)
+    filt = (None,) * (rank - 2) + ("ci", "co")
+    return Factors((filt, _nhwc(node, "b", "co", rank)), (_nhwc(node, "b", "ci", rank),))
+
+  def emit(self, ctx, node, local_inputs, axes_of):
+    out = self.factors(node).outputs[0]
+    natural = Sharding(ctx.mesh, tuple(axes_of.get(l, ()) for l in out))
+    sizes = _local_sizes(ctx, node, 0, natural, node.outputs[0].shape)
+    return ctx.clone(node, {0: sizes, 1: local_inputs[0], 2: local_inputs[1]})
+
+
+@register("Conv2DBackpropFilter", "Conv3DBackpropFilterV2")
+class ConvBackpropFilter(FactorRule):
+  """d_filter[..., ci, co] = sum over b and space of in[b, ..., ci] * d_out[b, ..., co]."""
+
+  def data_inputs(self, node):
+    return [0, 2]
+
+  def factors(self, node):
+    rank = len(node.outputs[0].shape)
+    return Factors((_nhwc(node, "b", "ci", rank), _nhwc(node, "b", "co", rank)),
+                   ((None,) * (rank - 2) + ("ci", "co"),))
+
+  def emit(self, ctx, node, local_inputs, axes_of):
+    out = self.factors(node).outputs[0]
+    natural = Sharding(ctx.mesh, tuple(axes_of.get(l, ()) for l in out))
+    sizes = _local_sizes(ctx, node, 1, natural, node.outputs[0].shape)
+    return ctx.clone(node, {0: local_inputs[0], 1: sizes, 2: local_inputs[1]})
+
+
+@register("MaxPool", "AvgPool", "MaxPool3D", "AvgPool3D", "LRN")
+class Pool(FactorRule):
+  """Windows over space: batch and channels pass their split."""
+
+  def data_inputs(self, node):
+    return [0]
+
+  def factors(self, node):
+    labels = _nhwc(node, "b", "c", len(node.outputs[0].shape))
+    return Factors((labels,), (labels,))
+
+
+@register("MaxPoolGrad", "MaxPool3DGrad", "MaxPoolGradGrad")
+class MaxPoolGrad(FactorRule):
+  def data_inputs(self, node):
+    return [0, 1, 2]
+
+  def factors(self, node):
+    labels = _nhwc(node, "b", "c", len(node.outputs[0].shape))
+    return Factors((labels, labels, labels), (labels,))
+
+
+@register("AvgPoolGrad", "AvgPool3DGrad")
+class AvgPoolGrad(FactorRule):
+  def data_inputs(self, node):
+    return [1]
+
+  def factors(self, node):
+    labels = _nhwc(node, "b", "c", len(node.outputs[0].shape))
+    return Factors((labels,), (labels,))
+
+  def emit(self, ctx, node, local_inputs, axes_of):
+    natural = Sharding(ctx.mesh, tuple(axes_of.get(l, ()) for l in self.factors(node).outputs[0]))
+    sizes = _local_sizes(ctx, node, 0, natural, node.outputs[0].shape)
+    return ctx.clone(node, {0: sizes, 1: local_inputs[0]})
+
+
+@register("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
+class FusedBatchNorm(FactorRule):
+  """y = normalise(x) per channel; statistics over batch and space (whole when training)."""
+
+  def factors(self, node):
+    x = _nhwc(node, None if node.attr("is_training") else "b", "c", len(node.input_shape(0)))
+    others = _per_channel([node.input_shape(i) for i in range(1, len(node.inputs))])
+    return Factors((x,) + others, (x,) + _per_channel([o.shape for o in node.outputs[1:]]))
+
+
+def _per_channel(shapes):
+  """Labels of per-channel vectors; other (e.g. opaque reserve-space) operands carry no factor."""
+  return tuple(() if s is None else ("c",) if len(s) == 1 and s[0] else (None,) * len(s) for s in shapes)
+
+
+@register("FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3")
+class FusedBatchNormGrad(FactorRule):
+  """dx, d_scale, d_offset per channel: batch and space are whole on every device."""
+
+  def factors(self, node):
+    x = _nhwc(node, None, "c", len(node.input_shape(0)))
+    others = _per_channel([node.input_shape(i) for i in range(2, len(node.inputs))])
+    return Factors((x, x) + others, (x,) + _per_channel([o.shape for o in node.outputs[1:]]))

@@ -1,0 +1,65 @@
+"""Convolutions, pooling and batch norm, forward and gradients, against the unpartitioned program."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import assert_close
+import tf_gspmd as gs
+from tf_gspmd import P
+
+MESH = gs.Mesh((2, 4), ("data", "model"))
+
+
+def _convnet(x, k1, k2, scale, offset):
+  with tf.GradientTape() as tape:
+    tape.watch([x, k1, k2, scale, offset])
+    h = tf.nn.conv2d(x, k1, 1, "SAME")
+    h, _, _ = tf.compat.v1.nn.fused_batch_norm(h, scale, offset, is_training=True)
+    h = tf.nn.max_pool2d(tf.nn.relu(h), 2, 2, "VALID")
+    h = tf.nn.conv2d(h, k2, 1, "VALID")
+    loss = tf.reduce_mean(tf.nn.avg_pool2d(h, 2, 1, "SAME") ** 2)
+  return (loss,) + tuple(tape.gradient(loss, [x, k1, k2, scale, offset]))
+
+
+@pytest.mark.parametrize("x_spec,k_spec", [
+    (P("data", None, None, None), P()),
+    (P(("data", "model"), None, None, None), P()),
+    (P("data", None, None, "model"), P(None, None, "model", None)),
+    (P(), P(None, None, None, "model")),
+], ids=str)
+def test_convnet_step(rng, x_spec, k_spec):
+  x = rng.standard_normal((8, 10, 10, 4)).astype(np.float32)
+  k1 = rng.standard_normal((3, 3, 4, 8)).astype(np.float32) * 0.3
+  k2 = rng.standard_normal((3, 3, 8, 4)).astype(np.float32) * 0.3
+  scale = np.ones(8, np.float32)
+  offset = np.zeros(8, np.float32)
+  f = gs.function(_convnet, mesh=MESH, in_shardings=(x_spec, k_spec, None, None, None))
+  low = f.lower(*[tf.TensorSpec(a.shape) for a in (x, k1, k2, scale, offset)])
+  assert low.report.fallbacks == []
+  got = f(x, k1, k2, scale, offset)
+  want = _convnet(*[tf.constant(a) for a in (x, k1, k2, scale, offset)])
+  for g, w in zip(got, want):
+    assert_close(g.numpy(), w, rtol=2e-4, atol=2e-4)
+
+
+def test_batch_split_conv_needs_no_forward_collective():
+  f = gs.function(lambda x, k: tf.nn.relu(tf.nn.conv2d(x, k, 1, "SAME")), mesh=MESH,
+                  in_shardings=(P("data", None, None, None), P()))
+  low = f.lower(tf.TensorSpec([8, 6, 6, 3]), tf.TensorSpec([3, 3, 3, 4]))
+  assert low.report.collectives == []
+  assert low.out_shardings[0].spec == P("data", None, None, None)
+
+
+def test_filter_gradient_of_batch_split_is_one_all_reduce():
+  def step(x, k):
+    with tf.GradientTape() as tape:
+      tape.watch(k)
+      loss = tf.reduce_sum(tf.nn.conv2d(x, k, 1, "SAME"))
+    return tape.gradient(loss, k)
+
+  f = gs.function(step, mesh=gs.Mesh((8,), ("data",)), in_shardings=(P("data", None, None, None), P()),
+                  out_shardings=P())
+  low = f.lower(tf.TensorSpec([8, 6, 6, 3]), tf.TensorSpec([3, 3, 3, 4]))
+  kinds = [c.kind for c in low.report.collectives]
+  assert kinds.count("all-reduce") >= 1 and "all-gather" not in kinds
