@@ -11,5 +11,6 @@ from tf_gspmd.ops import reduction  # noqa: F401
 from tf_gspmd.ops import scatter  # noqa: F401
 from tf_gspmd.ops import shape_ops  # noqa: F401
 from tf_gspmd.ops import softmax  # noqa: F401
+from tf_gspmd.ops import variables  # noqa: F401
 from tf_gspmd.ops.fallback import FALLBACK  # noqa: F401
 from tf_gspmd.ops.registry import lookup, register, registered_ops, Rule  # noqa: F401

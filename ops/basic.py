@@ -54,3 +54,24 @@ class BiasAdd(FactorRule):
     labels = tuple(f"d{i}" for i in range(rank))
     channel = 1 if node.attr("data_format") in (b"NCHW", "NCHW") else rank - 1
     return Factors((labels, (labels[channel],)), (labels,))
+
+
+@register("BiasAddGrad")
+class BiasAddGrad(FactorRule):
+  """d_bias[c] = sum over every other dim of d_out: those dims are summed factors."""
+
+  def factors(self, node):
+    rank = len(node.input_shape(0))
+    channel = 1 if node.attr("data_format") in (b"NCHW", "NCHW") else rank - 1
+    labels = tuple("c" if i == channel else f"r{i}" for i in range(rank))
+    return Factors((labels,), (("c",),))
+
+
+@register("NoOp")
+class NoOp(Rule):
+  """A control-dependency anchor: cloned with its control inputs."""
+
+  priority = 0
+
+  def partition(self, ctx, node):
+    ctx.clone(node, {})

@@ -76,6 +76,14 @@ class FactorRule(Rule):
   def factors(self, node) -> Factors:
     raise NotImplementedError
 
+  def cached_factors(self, node):
+    """`factors(node)`, computed once per node (completion asks many times)."""
+    f = getattr(node, "_factors", None)
+    if f is None:
+      f = self.factors(node)
+      node._factors = f  # pylint: disable=protected-access
+    return f
+
   def split_reduced(self, node):  # pylint: disable=unused-argument
     """Whether reduced factors may stay split (partial results + all-reduce)."""
     return True
@@ -85,7 +93,7 @@ class FactorRule(Rule):
     return ctx.clone(node, dict(zip(self.data_inputs(node), local_inputs)))
 
   def forward(self, node, operands):
-    f = self.factors(node)
+    f = self.cached_factors(node)
     operands = [operands[i] for i in self.data_inputs(node)]
     result = []
     for out_labels in f.outputs:
@@ -98,7 +106,7 @@ class FactorRule(Rule):
     return result
 
   def backward(self, node, outputs, operands):
-    f = self.factors(node)
+    f = self.cached_factors(node)
     data = self.data_inputs(node)
     operands = [operands[i] for i in data]
     result = [[] for _ in node.inputs]

@@ -351,17 +351,21 @@ class Gather(FactorRule):
     ids_s = Sharding(mesh, tuple(axes_of.get(l, ()) for l in i_labels))
     params = ctx.operand(0, params_s)
     ids = ctx.operand(1, ids_s)
-    size = node.input_shape(0)[axis]
-    c = params_s.shard_shape(node.input_shape(0))[axis]
+    rows = self.masked_lookup(ctx, node, params, ids, params_s, axis, node.input_shape(0)[axis])
+    natural = Sharding(mesh, tuple(axes_of.get(l, ()) for l in out_labels))
+    ctx.set_output(0, rows, natural, partial=(v_axes, "Add"))
+
+  def masked_lookup(self, ctx, node, params, ids, params_s, axis, size):
+    """Rows of the ids this device owns along `axis` (zeros elsewhere): the partial result of a split table."""
+    mesh = ctx.mesh
+    c = -(-size // params_s.tiles(axis))
     lo = np.array([params_s.tile_index(p, axis) * c for p in range(mesh.size)], ids.dtype.as_numpy_dtype)
     with tf.name_scope(node.name + "/gspmd/"):
       ids = tf.clip_by_value(ids, 0, size - 1) - ctx.lookup(lo, f"vocab_offset_{axis}_{c}")
       owned = (ids >= 0) & (ids < c)
       rows = tf.gather(params, tf.clip_by_value(ids, 0, c - 1), axis=axis)
-      mask_shape = [1] * axis + ids.shape.as_list() + [1] * (len(node.input_shape(0)) - axis - 1)
-      rows = tf.where(tf.reshape(owned, mask_shape), rows, tf.zeros([], rows.dtype))
-    natural = Sharding(mesh, tuple(axes_of.get(l, ()) for l in out_labels))
-    ctx.set_output(0, rows, natural, partial=(v_axes, "Add"))
+      mask_shape = [1] * axis + ids.shape.as_list() + [1] * (params.shape.rank - axis - 1)
+      return tf.where(tf.reshape(owned, mask_shape), rows, tf.zeros([], rows.dtype))
 
   def split_reduced(self, node):
     return False   # "v" is not summed: the generic path keeps the gathered dim whole (see partition)

@@ -11,7 +11,8 @@ COLLECTIVE_OPS = ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAl
 
 def run(program):
   """Pass: drop nodes that neither feed an output nor have side effects."""
-  roots = list(program.local_outputs) + list(program.side_effects) + list(program.local_inputs) + [PARTITION_ID]
+  roots = (list(program.local_outputs) + list(program.side_effects) + list(program.local_inputs) +
+           list(program.local_variables) + [PARTITION_ID])
   gd = prune(program.local_graph_def, roots)
   return program.replace(local_graph_def=gd)
 

@@ -1,7 +1,7 @@
 """The completion pass: a sharding for every tensor, GSPMD's way.
 
-A worklist fixed point in both directions (forward: operands -> results, backward: results -> operands)
-run in priority rounds: round 0 lets only pass-through ops (element-wise, identity, parameters) propagate,
+A worklist fixed point in both directions (forward: operands -> results, backward: results -> operands;
+a node is looked at again only when a neighbouring tensor changed) run in priority rounds: round 0 lets only pass-through ops (element-wise, identity, parameters) propagate,
 round 1 adds contractions and reductions, round 3 everything, so shardings flow along cheap paths first.
 Annotations are pinned and never overwritten; conflicts are left for the partitioner, which reshards at
 the annotated boundary. All conflict resolution is in `merge`. Tensors nothing decides are replicated.
@@ -60,10 +60,11 @@ def run(program):
     if r in pinned or cand is None:
       return False
     info = ir.info(r)
-    if not info.partitionable:
+    rank = info.sharding_rank
+    if rank is None:
       return False
     if not cand.is_maximal:
-      cand = cand.with_rank(len(info.shape))
+      cand = cand.with_rank(rank)
     old = shard.get(r)
     new = merge(old, cand)
     if new != old:
@@ -72,42 +73,67 @@ def run(program):
       return True
     return False
 
+  nodes = ir.nodes
+  producer = {}
+  users = {}
+  for k, n in enumerate(nodes):
+    for o in range(len(n.outputs)):
+      producer[n.ref(o)] = k
+    for r in n.inputs:
+      users.setdefault(r, []).append(k)
+  priority = [rules[n.name].priority for n in nodes]
+
+  def touched(r, fwd, bwd, level):
+    """Tensor r changed: its users look again in both directions, its producer looks backward again."""
+    for k in users.get(r, ()):
+      if priority[k] <= level:
+        fwd[k] = bwd[k] = True
+    k = producer.get(r)
+    if k is not None and priority[k] <= level:
+      bwd[k] = True
+
   iterations = 0
   for level in range(ROUNDS):
-    changed = True
-    while changed and iterations < MAX_ITERATIONS:
+    fwd = [p <= level for p in priority]
+    bwd = list(fwd)
+    while (any(fwd) or any(bwd)) and iterations < MAX_ITERATIONS:
       iterations += 1
-      changed = False
-      for node in ir.nodes:
-        rule = rules[node.name]
-        if rule.priority > level or not node.outputs:
+      for k, node in enumerate(nodes):
+        if not fwd[k]:
+          continue
+        fwd[k] = False
+        if not node.outputs:
           continue
         ins = [shard.get(r) for r in node.inputs]
         if not any(s is not None for s in ins):
           continue
-        for o, cands in enumerate(rule.forward(node, ins)):
+        for o, cands in enumerate(rules[node.name].forward(node, ins)):
           for c in cands:
-            changed |= propose(node.ref(o), c, f"round {level}: forward from the operands of {node.name} ({node.op})")
-      for node in reversed(ir.nodes):
-        rule = rules[node.name]
-        if rule.priority > level:
+            if propose(node.ref(o), c, f"round {level}: forward from the operands of {node.name} ({node.op})"):
+              touched(node.ref(o), fwd, bwd, level)
+      for k in range(len(nodes) - 1, -1, -1):
+        if not bwd[k]:
           continue
+        bwd[k] = False
+        node = nodes[k]
         outs = [shard.get(node.ref(o)) for o in range(len(node.outputs))]
         if not any(s is not None for s in outs):
           continue
         ins = [shard.get(r) for r in node.inputs]
-        for i, cands in enumerate(rule.backward(node, outs, ins)):
+        for i, cands in enumerate(rules[node.name].backward(node, outs, ins)):
           for c in cands:
-            changed |= propose(node.inputs[i], c, f"round {level}: backward from {node.name} ({node.op})")
+            if propose(node.inputs[i], c, f"round {level}: backward from {node.name} ({node.op})"):
+              touched(node.inputs[i], fwd, bwd, level)
   complete = {}
   for r in ir.tensors():
     info = ir.info(r)
     s = shard.get(r)
+    rank = info.sharding_rank or 0
     if s is None:
-      s = Sharding(mesh, ((),) * len(info.shape or ()))
+      s = Sharding(mesh, ((),) * rank)
       why[r] = "default: nothing decided it (replicated)"
-    elif not s.is_maximal and info.partitionable:
-      s = s.with_rank(len(info.shape))
+    elif not s.is_maximal:
+      s = s.with_rank(rank)
     complete[r] = s
   params = tuple(complete[f"{name}:0"] for name in ir.inputs)
   return program.replace(shardings=complete, explanations=why, param_shardings=params,

@@ -33,13 +33,21 @@ def public_key(r):
 
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
-  shape: Tuple[int, ...]
+  shape: Optional[Tuple[int, ...]]
   dtype: tf.DType
+  value_shape: Optional[Tuple[int, ...]] = None   # for a variable handle: the shape of the variable's value
 
   @property
   def partitionable(self):
     """False for opaque values (resources, variants, strings, unknown rank): they stay as produced."""
     return self.shape is not None and self.dtype not in _SHAPELESS
+
+  @property
+  def sharding_rank(self):
+    """Rank of the layout this tensor can carry: its own, its variable's value rank, or None (opaque)."""
+    if self.partitionable:
+      return len(self.shape)
+    return None if self.value_shape is None else len(self.value_shape)
 
 
 class Node:
@@ -98,21 +106,31 @@ class Graph:
       tf.graph_util.import_graph_def(graph_def, name="")
     self.nodes = []
     self.by_name: Dict[str, Node] = {}
-    infos = {}
+    infos, dynamic = {}, {}
+    traced = {n.name: n.attr["_output_shapes"].list.shape for n in graph_def.node if "_output_shapes" in n.attr}
     for op in tf_graph.get_operations():
       outs = []
       for t in op.outputs:
-        if t.dtype in _SHAPELESS or t.shape.rank is None:   # opaque (e.g. a kernel's reserve space)
-          shape = tuple(t.shape.as_list()) if t.shape.rank is not None and t.shape.is_fully_defined() else None
+        static = t.shape
+        if not static.is_fully_defined() and op.name in traced and t.value_index < len(traced[op.name]):
+          static = static.merge_with(tf.TensorShape(traced[op.name][t.value_index]))   # known when traced
+        if t.dtype in _SHAPELESS or static.rank is None:   # opaque (e.g. a kernel's reserve space)
+          shape = tuple(static.as_list()) if static.rank is not None and static.is_fully_defined() else None
+        elif not static.is_fully_defined():
+          dynamic.setdefault(op.name, (t, op))
+          shape = None
         else:
-          if not t.shape.is_fully_defined():
-            raise ShapeError(f"tensor {t.name} has dynamic shape {t.shape}; tf_gspmd needs static shapes: trace with "
-                             "fully defined TensorSpecs (no None dimensions) and avoid data-dependent shapes",
-                             node=op.name, op_type=op.type)
-          shape = tuple(t.shape.as_list())
+          shape = tuple(static.as_list())
         outs.append(TensorInfo(shape, t.dtype))
       infos[op.name] = outs
+    _attach_variable_shapes(tf_graph, infos)
     order = _topological(graph_def)
+    for nd in order:  # the first dynamic tensor in data-flow order is the cause
+      if nd.name in dynamic:
+        t, op = dynamic[nd.name]
+        raise ShapeError(f"tensor {t.name} produced by {op.type} has dynamic shape {t.shape}; tf_gspmd needs static "
+                         "shapes: trace with fully defined TensorSpecs and avoid ops with data-dependent shapes",
+                         node=op.name, op_type=op.type)
     for nd in order:
       data = [i for i in nd.input if not i.startswith("^")]
       ctrl = [i[1:] for i in nd.input if i.startswith("^")]
@@ -147,6 +165,21 @@ class Graph:
     for node in self.nodes:
       for i in range(len(node.outputs)):
         yield node.ref(i)
+
+
+_READS = {"ReadVariableOp": 0, "AssignVariableOp": 1, "AssignAddVariableOp": 1, "AssignSubVariableOp": 1}
+
+
+def _attach_variable_shapes(tf_graph, infos):
+  """Give every variable handle the shape of its value, read off the ops that read or write it."""
+  for op in tf_graph.get_operations():
+    if op.type in _READS and op.inputs:
+      handle = op.inputs[0]
+      value = op.outputs[0] if op.type == "ReadVariableOp" else op.inputs[_READS[op.type]]
+      if value.shape.is_fully_defined():
+        outs = infos[handle.op.name]
+        old = outs[handle.value_index]
+        outs[handle.value_index] = TensorInfo(old.shape, old.dtype, tuple(value.shape.as_list()))
 
 
 def prune(graph_def, roots):

@@ -17,7 +17,7 @@ OPTIMIZERS = ("function", "constfold", "shape", "arithmetic")
 
 def run(program):
   gd = program.graph_def
-  keep = set(program.input_names) | {split_ref(r)[0] for r in program.output_refs}
+  keep = set(program.input_names) | set(program.variable_names) | {split_ref(r)[0] for r in program.output_refs}
   keep |= {n.name for n in gd.node if SHARDING_ATTR in n.attr or n.op == "XlaSharding"}
   meta = meta_graph_pb2.MetaGraphDef()
   meta.graph_def.CopyFrom(gd)
@@ -32,6 +32,12 @@ def run(program):
   if missing:  # Grappler dropped a node we must keep: fall back to the unoptimized graph.
     optimized = tf.compat.v1.GraphDef()
     optimized.CopyFrom(gd)
+  # Grappler drops the traced static shapes (`_output_shapes`); put them back on the nodes it kept as they were.
+  traced = {n.name: n for n in gd.node if "_output_shapes" in n.attr}
+  for n in optimized.node:
+    old = traced.get(n.name)
+    if old is not None and old.op == n.op and "_output_shapes" not in n.attr:
+      n.attr["_output_shapes"].CopyFrom(old.attr["_output_shapes"])
   # Drop what no output, annotation or side effect needs (Grappler leaves rewritten nodes behind).
   optimized = prune(optimized, sorted(keep) + side_effect_nodes(optimized))
   return program.replace(graph_def=optimized)

@@ -68,7 +68,7 @@ def run(program):
   for r, s in annotations.items():
     info = ir.info(r)
     try:
-      pinned[r] = s if s.is_maximal or not info.partitionable else s.with_rank(len(info.shape), r)
+      pinned[r] = s if s.is_maximal or info.sharding_rank is None else s.with_rank(info.sharding_rank, r)
     except SpecError as e:
       raise SpecError(f"annotation on {r} does not fit its shape {list(info.shape)}: {e}", node=split_ref(r)[0]) from None
   return program.replace(graph_def=gd, ir=ir, annotations=pinned)

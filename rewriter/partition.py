@@ -11,6 +11,8 @@ import warnings
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import cpp_shape_inference_pb2
+from tensorflow.python.ops import handle_data_util
 
 from tf_gspmd import ops as op_rules
 from tf_gspmd._sharding import Sharding
@@ -41,6 +43,7 @@ class PartitionContext:
     self.backend = Backend(self.mesh, devices, self.pid, self.lookup, report, program.options.collective_timeout)
     self.node = None
     self.local_inputs = []
+    self.local_variables = []
 
   # ---- helpers for rules ------------------------------------------------------------------------------------
   def target(self, o):
@@ -121,6 +124,18 @@ class PartitionContext:
       return tf.where(tf.reshape(keep, bshape), x, tf.constant(value, x.dtype))
 
   def parameter(self, node):
+    if node.name in self.program.variable_names:   # a variable handle: one shard of the variable per device
+      var = self.program.variables[self.program.variable_names.index(node.name)]
+      ph = tf.compat.v1.placeholder(tf.resource, [], name=node.name)
+      local = self.program.shardings[node.ref(0)].shard_shape(node.outputs[0].value_shape or var.shape.as_list())
+      handle_data = cpp_shape_inference_pb2.CppShapeInferenceResult.HandleData(
+          is_set=True, shape_and_type=[cpp_shape_inference_pb2.CppShapeInferenceResult.HandleShapeAndType(
+              shape=tf.TensorShape(local).as_proto(), dtype=var.dtype.as_datatype_enum)])
+      handle_data_util.set_handle_data(ph, handle_data)   # local reads get the shard's static shape
+      self.ops[node.name] = ph.op
+      self.local_variables.append(ph.op.name)
+      self._store(node.ref(0), ph, self.program.shardings[node.ref(0)])
+      return
     k = self.ir.inputs.index(node.name)
     arriving = self.program.param_shardings[k]
     info = node.outputs[0]
@@ -160,7 +175,7 @@ class PartitionContext:
 
 def run(program):
   """Pass: build the per-device program (GraphDef), its input/output names and the collective report."""
-  report = Report(fallbacks=[], pass_times=dict(program.report.pass_times) if program.report else {})
+  report = Report(completion_iterations=program.completion_iterations)
   graph = tf.Graph()
   devices = program.devices
   with graph.as_default():
@@ -189,4 +204,5 @@ def run(program):
   side_effects = [op.name for name, op in ctx.ops.items()
                   if not program.ir.node(name).outputs and program.ir.node(name).op not in ("NoOp",)]
   return program.replace(local_graph_def=graph.as_graph_def(), local_inputs=tuple(ctx.local_inputs),
+                         local_variables=tuple(ctx.local_variables),
                          local_outputs=tuple(outputs), side_effects=tuple(side_effects), report=report)

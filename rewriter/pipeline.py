@@ -38,6 +38,8 @@ class Program:
   input_names: Tuple[str, ...] = ()
   output_refs: Tuple[str, ...] = ()
   output_structure: Any = None
+  variable_names: Tuple[str, ...] = ()   # Placeholders of captured variables (resource handles)
+  variables: Tuple[Any, ...] = ()        # the captured tf.Variables, in the same order
   # import_annotations / complete
   ir: Any = None
   annotations: Any = None                # ref -> Sharding, pinned
@@ -48,6 +50,7 @@ class Program:
   # partition / cleanup
   local_graph_def: Any = None
   local_inputs: Tuple[str, ...] = ()
+  local_variables: Tuple[str, ...] = ()
   local_outputs: Tuple[str, ...] = ()
   side_effects: Tuple[str, ...] = ()
   report: Any = None

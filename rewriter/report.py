@@ -36,6 +36,8 @@ class CollectiveRecord:
 class Report:
   collectives: List[CollectiveRecord] = dataclasses.field(default_factory=list)
   fallbacks: List[Tuple[str, str]] = dataclasses.field(default_factory=list)   # (node, op type)
+  reshards: List[Tuple[str, str, str, Tuple[str, ...]]] = dataclasses.field(default_factory=list)  # (op, from, to, steps)
+  completion_iterations: int = 0
   warnings: List[str] = dataclasses.field(default_factory=list)
   pass_times: dict = dataclasses.field(default_factory=dict)
 
@@ -52,7 +54,8 @@ class Report:
     return sum(c.bytes for c in self.collectives)
 
   def __str__(self):
-    lines = [f"{len(self.collectives)} collective(s), {self.bytes_per_device():,} bytes per device"]
+    lines = [f"{len(self.collectives)} collective(s), {self.bytes_per_device():,} bytes per device, "
+             f"{len(self.reshards)} reshard(s)"]
     lines += ["  " + str(c) for c in self.collectives]
     if self.fallbacks:
       lines.append("replicated fallback for: " + ", ".join(f"{n} ({op})" for n, op in self.fallbacks))

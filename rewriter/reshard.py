@@ -86,7 +86,10 @@ def emit_reshard(ctx, x, shape, src, dst, partial, source, reason):
   mesh = dst.mesh
   rank = len(shape)
   cur = list((Sharding(mesh, ((),) * rank) if src.is_maximal else src.with_rank(rank)).dims)
-  for step in plan_reshard(shape, src, dst, partial):
+  steps = plan_reshard(shape, src, dst, partial)
+  if steps:
+    ctx.report.reshards.append((source, str(src), str(dst), tuple(type(s).__name__ for s in steps)))
+  for step in steps:
     if isinstance(step, AllReduce):
       x = ctx.backend.all_reduce(x, step.axes, step.op, source, reason)
     elif isinstance(step, AllGather):

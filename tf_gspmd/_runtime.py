@@ -37,6 +37,11 @@ class Executable:
   """The imported per-device program of one lowering, bound to the mesh's devices."""
 
   def __init__(self, program):
+    if program.variables:
+      names = ", ".join(v.name for v in program.variables[:4])
+      raise InputError(f"the function captures variables ({names}{', ...' if len(program.variables) > 4 else ''}); "
+                       "gs.function can plan such functions (lower) but runs only functions whose state is passed "
+                       "as arguments: pass the variables' values in and return the new values")
     self.program = program
     self.devices = program.devices
     self.pd, self.pid = _parallel(self.devices)

@@ -1,0 +1,195 @@
+"""A decoder-only transformer language model in plain TensorFlow ops, with a full Adam training step.
+
+Parameters are a flat dict of tensors passed as function arguments, so a `gs.function` sees every weight
+and optimizer slot as an input it can shard. `megatron_specs` gives the Megatron-style layout on a
+(data, model) mesh: attention heads and the MLP hidden dim split over `model`, the batch over `data`.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gspmd import P
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  layers: int = 12
+  d_model: int = 64
+  heads: int = 4
+  d_ff: int = 256
+  vocab: int = 128
+  seq: int = 16
+  batch: int = 8
+  lr: float = 1e-3
+
+
+def param_shapes(cfg):
+  shapes = {"embed": (cfg.vocab, cfg.d_model), "pos": (cfg.seq, cfg.d_model), "ln_f/scale": (cfg.d_model,),
+            "ln_f/bias": (cfg.d_model,)}
+  hd = cfg.d_model // cfg.heads
+  for l in range(cfg.layers):
+    p = f"l{l}/"
+    shapes.update({
+        p + "ln1/scale": (cfg.d_model,), p + "ln1/bias": (cfg.d_model,),
+        p + "wq": (cfg.d_model, cfg.heads, hd), p + "wk": (cfg.d_model, cfg.heads, hd),
+        p + "wv": (cfg.d_model, cfg.heads, hd), p + "wo": (cfg.heads, hd, cfg.d_model),
+        p + "ln2/scale": (cfg.d_model,), p + "ln2/bias": (cfg.d_model,),
+        p + "w1": (cfg.d_model, cfg.d_ff), p + "b1": (cfg.d_ff,), p + "w2": (cfg.d_ff, cfg.d_model),
+        p + "b2": (cfg.d_model,)})
+  return shapes
+
+
+def init_params(cfg, seed=0):
+  rng = np.random.default_rng(seed)
+  params = {}
+  for name, shape in param_shapes(cfg).items():
+    if name.endswith("scale"):
+      params[name] = np.ones(shape, np.float32)
+    elif name.endswith("bias") or name.split("/")[-1] in ("b1", "b2"):
+      params[name] = np.zeros(shape, np.float32)
+    else:
+      fan_in = shape[0] if len(shape) < 3 or not name.endswith("wo") else shape[0] * shape[1]
+      params[name] = (rng.standard_normal(shape) / math.sqrt(fan_in)).astype(np.float32)
+  return params
+
+
+def megatron_specs(cfg):
+  """Megatron layout: heads and MLP hidden over `model`; vectors and embeddings replicated."""
+  specs = {}
+  for name, shape in param_shapes(cfg).items():
+    leaf = name.split("/")[-1]
+    specs[name] = {"wq": P(None, "model", None), "wk": P(None, "model", None), "wv": P(None, "model", None),
+                   "wo": P("model", None, None), "w1": P(None, "model"), "b1": P("model"),
+                   "w2": P("model", None)}.get(leaf, P())
+  return specs
+
+
+def layer_norm(x, scale, bias, eps=1e-5):
+  mean = tf.reduce_mean(x, axis=-1, keepdims=True)
+  var = tf.reduce_mean(tf.math.squared_difference(x, mean), axis=-1, keepdims=True)
+  return (x - mean) * tf.math.rsqrt(var + eps) * scale + bias
+
+
+def forward(params, tokens, cfg):
+  """Logits [batch, seq, vocab] of a causal decoder."""
+  x = tf.gather(params["embed"], tokens) + params["pos"]
+  hd = cfg.d_model // cfg.heads
+  mask = tf.constant(np.triu(np.full((cfg.seq, cfg.seq), -1e9, np.float32), 1))
+  for l in range(cfg.layers):
+    p = f"l{l}/"
+    h = layer_norm(x, params[p + "ln1/scale"], params[p + "ln1/bias"])
+    q = tf.einsum("bsd,dhk->bhsk", h, params[p + "wq"])
+    k = tf.einsum("bsd,dhk->bhsk", h, params[p + "wk"])
+    v = tf.einsum("bsd,dhk->bhsk", h, params[p + "wv"])
+    att = tf.nn.softmax(tf.einsum("bhqk,bhsk->bhqs", q, k) / math.sqrt(hd) + mask)
+    o = tf.einsum("bhqs,bhsk->bhqk", att, v)
+    x = x + tf.einsum("bhqk,hkd->bqd", o, params[p + "wo"])
+    h = layer_norm(x, params[p + "ln2/scale"], params[p + "ln2/bias"])
+    h = tf.nn.gelu(h @ params[p + "w1"] + params[p + "b1"])
+    x = x + h @ params[p + "w2"] + params[p + "b2"]
+  x = layer_norm(x, params["ln_f/scale"], params["ln_f/bias"])
+  return tf.einsum("bsd,vd->bsv", x, params["embed"])
+
+
+def loss_fn(params, tokens, targets, cfg):
+  logits = forward(params, tokens, cfg)
+  return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets, logits=logits))
+
+
+def make_train_step(cfg, names):
+  """train_step(step, tokens, targets, *params, *m, *v) -> (loss, *new_params, *new_m, *new_v): one Adam step."""
+  n = len(names)
+  b1, b2, eps = 0.9, 0.999, 1e-7
+
+  def train_step(step, tokens, targets, *state):
+    params = dict(zip(names, state[:n]))
+    m, v = state[n:2 * n], state[2 * n:]
+    with tf.GradientTape() as tape:
+      tape.watch(list(params.values()))
+      loss = loss_fn(params, tokens, targets, cfg)
+    grads = tape.gradient(loss, [params[k] for k in names])
+    t = tf.cast(step, tf.float32) + 1.0
+    lr = cfg.lr * tf.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t)
+    new_p, new_m, new_v = [], [], []
+    for k, g, mk, vk in zip(names, grads, m, v):
+      mk = b1 * mk + (1.0 - b1) * g
+      vk = b2 * vk + (1.0 - b2) * g * g
+      new_p.append(params[k] - lr * mk / (tf.sqrt(vk) + eps))
+      new_m.append(mk)
+      new_v.append(vk)
+    return (loss,) + tuple(new_p) + tuple(new_m) + tuple(new_v)
+
+  return train_step
+
+
+def synthetic_batch(cfg, seed=0):
+  """Token sequences with structure (each token predicts the next by a fixed rule), so the loss can fall."""
+  rng = np.random.default_rng(seed)
+  start = rng.integers(0, cfg.vocab, size=(cfg.batch, 1))
+  steps = rng.integers(1, 4, size=(cfg.batch, 1))
+  seq = (start + steps * np.arange(cfg.seq + 1)[None, :]) % cfg.vocab
+  return seq[:, :-1].astype(np.int32), seq[:, 1:].astype(np.int32)
+
+
+def keras_model(cfg):
+  """The same decoder as a Keras 3 model (Embedding, MultiHeadAttention, LayerNormalization, Dense)."""
+  import keras  # pylint: disable=g-import-not-at-top
+
+  tokens = keras.Input((cfg.seq,), dtype="int32", batch_size=cfg.batch)
+  embed = keras.layers.Embedding(cfg.vocab, cfg.d_model, name="embed")
+  x = embed(tokens)
+  x = x + keras.layers.Embedding(cfg.seq, cfg.d_model, name="pos")(keras.ops.arange(cfg.seq)[None, :])
+  for l in range(cfg.layers):
+    h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"l{l}_ln1")(x)
+    h = keras.layers.MultiHeadAttention(cfg.heads, cfg.d_model // cfg.heads, name=f"l{l}_attn")(
+        h, h, use_causal_mask=True)
+    x = x + h
+    h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"l{l}_ln2")(x)
+    h = keras.layers.Dense(cfg.d_ff, activation="gelu", name=f"l{l}_up")(h)
+    x = x + keras.layers.Dense(cfg.d_model, name=f"l{l}_down")(h)
+  x = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_f")(x)
+  logits = keras.layers.Dense(cfg.vocab, name="head")(x)
+  return keras.Model(tokens, logits)
+
+
+def keras_megatron_spec(path, shape):
+  """Megatron layout for a Keras variable path (query/key/value kernels [d, heads, hd], output [heads, hd, d])."""
+  if any(k in path for k in ("query/kernel", "key/kernel", "value/kernel")):
+    return P(None, "model", None)
+  if any(k in path for k in ("query/bias", "key/bias", "value/bias")):
+    return P("model", None)
+  if "attention_output/kernel" in path:
+    return P("model", None, None)
+  if path.endswith("_up/kernel"):
+    return P(None, "model")
+  if path.endswith("_up/bias"):
+    return P("model")
+  if path.endswith("_down/kernel"):
+    return P("model", None)
+  if path.endswith("head/kernel"):
+    return P(None, "model")
+  if path.endswith("head/bias"):
+    return P("model")
+  return P(*([None] * len(shape)))
+
+
+def make_keras_train_step(model, optimizer):
+  """A Keras training step: forward, cross-entropy, GradientTape, optimizer.apply (the variables annotated)."""
+  import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
+  loss_obj = None
+
+  def train_step(tokens, targets):
+    nonlocal loss_obj
+    for v in model.trainable_variables:
+      gs.shard(v, keras_megatron_spec(v.path, v.shape))
+    with tf.GradientTape() as tape:
+      logits = model(tokens, training=True)
+      loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets, logits=logits))
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply(grads, model.trainable_variables)
+    return loss
+
+  return train_step

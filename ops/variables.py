@@ -1,0 +1,89 @@
+"""Variables: a handle carries the layout of its variable's value; every device holds one shard.
+
+Reads produce the local shard in the variable's layout; writes reshard the new value to that layout
+first (a variable is never resharded in place). Gathers from a variable split along its first dim use the
+masked local lookup of `GatherV2`.
+"""
+
+import tensorflow as tf
+
+from tf_gspmd._sharding import Sharding
+from tf_gspmd.ops.factors import Factors, FactorRule
+from tf_gspmd.ops.indexing import Gather
+from tf_gspmd.ops.registry import register
+
+
+def _value_labels(node, i=0):
+  return tuple(f"d{k}" for k in range(len(node.input_info(i).value_shape or ())))
+
+
+def _handle_sharding(ctx, node):
+  s = ctx.current(0)
+  rank = len(node.input_info(0).value_shape or ())
+  return Sharding(ctx.mesh, ((),) * rank) if s is None or s.is_maximal else s.with_rank(rank)
+
+
+@register("ReadVariableOp")
+class ReadVariable(FactorRule):
+  """value = read(handle): the value is laid out like the variable."""
+
+  priority = 0
+
+  def factors(self, node):
+    labels = _value_labels(node)
+    return Factors((labels,), (labels,))
+
+  def partition(self, ctx, node):
+    (value,) = ctx.clone(node, {0: ctx.operand(0, None)})
+    ctx.set_output(0, value, _handle_sharding(ctx, node))
+
+
+@register("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
+class AssignVariable(FactorRule):
+  """write(handle, value): the value is resharded to the variable's layout, then written locally."""
+
+  priority = 0
+
+  def factors(self, node):
+    labels = _value_labels(node)
+    return Factors((labels, labels), ())
+
+  def partition(self, ctx, node):
+    value = ctx.operand(1, _handle_sharding(ctx, node))
+    ctx.clone(node, {0: ctx.operand(0, None), 1: value})
+
+
+@register("ResourceGather")
+class ResourceGather(Gather):
+  """table[ids] with the table a variable: like GatherV2 along dim 0, the table never resharded."""
+
+  def _axis(self, node):
+    return 0
+
+  def _params_shape(self, node):
+    return node.input_info(0).value_shape
+
+  def factors(self, node):
+    p_rank, i_rank = len(self._params_shape(node)), len(node.input_shape(1))
+    p = tuple(f"p{d}" for d in range(p_rank))
+    idx = tuple(f"i{d}" for d in range(i_rank))
+    return Factors((("v",) + p[1:], idx), (idx + p[1:],))
+
+  def partition(self, ctx, node):
+    table = _handle_sharding(ctx, node)
+    target = ctx.target(0)
+    i_rank = len(node.input_shape(1))
+    # Index dims follow the output's layout where the table does not already use those mesh axes.
+    ids_dims = tuple(() if target.is_maximal or set(target.dims[d]) & set(table.used_axes) else target.dims[d]
+                     for d in range(i_rank))
+    ids = ctx.operand(1, Sharding(ctx.mesh, ids_dims))
+    natural = Sharding(ctx.mesh, ids_dims + table.dims[1:])
+    handle = ctx.operand(0, None)
+    v_axes = table.dims[0] if table.dims else ()
+    if not v_axes:
+      (rows,) = ctx.clone(node, {0: handle, 1: ids})
+      return ctx.set_output(0, rows, natural)
+    size = self._params_shape(node)[0]
+    params = tf.raw_ops.ReadVariableOp(resource=handle, dtype=node.attr("dtype"), name=node.name + "/gspmd/read")
+    rows = self.masked_lookup(ctx, node, params, ids, table, 0, size)
+    ctx.set_output(0, rows, natural, partial=(v_axes, "Add"))
