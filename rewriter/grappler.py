@@ -18,7 +18,8 @@ OPTIMIZERS = ("function", "constfold", "shape", "arithmetic")
 def run(program):
   gd = program.graph_def
   keep = set(program.input_names) | set(program.variable_names) | {split_ref(r)[0] for r in program.output_refs}
-  keep |= {n.name for n in gd.node if SHARDING_ATTR in n.attr or n.op == "XlaSharding"}
+  # Annotations, and Identity nodes: the names users give tensors (tf.identity(x, name="h")) must survive.
+  keep |= {n.name for n in gd.node if SHARDING_ATTR in n.attr or n.op in ("XlaSharding", "Identity")}
   meta = meta_graph_pb2.MetaGraphDef()
   meta.graph_def.CopyFrom(gd)
   meta.collection_def["train_op"].node_list.value.extend(sorted(keep))

@@ -63,6 +63,12 @@ class Lowered:
     widths = [max(len(row[k]) for row in rows) for k in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4] for row in rows)
 
+  def visualize(self, name, show=True):
+    """Draw how tensor `name` (a key of `shardings`) is laid out over the mesh; returns the drawing."""
+    from tf_gspmd._visualize import visualize_sharding  # pylint: disable=g-import-not-at-top
+    r = name if ":" in name else name + ":0"
+    return visualize_sharding(self.program.shardings[r], self.program.ir.info(r).shape, show=show)
+
   def as_text(self):
     """The per-device program, one line per node: name = Op(inputs)."""
     lines = []

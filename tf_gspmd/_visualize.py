@@ -1,0 +1,74 @@
+"""A terminal picture of how a tensor is laid out over the mesh (in the spirit of JAX's
+`visualize_array_sharding`): one cell per tile of the first two dims, naming the devices that hold it."""
+
+import io
+
+from tf_gspmd._sharded_tensor import ShardedTensor
+from tf_gspmd._sharding import Sharding
+
+
+def visualize_sharding(x, shape=None, *, show=True, width=None):
+  """Draws the layout of `x` (a ShardedTensor, or a Sharding with `shape`) and returns the drawing as text.
+
+  Each cell is one tile of dims 0 and 1 (rows x columns); it lists the mesh positions holding that tile
+  (several when the tensor is replicated over unused mesh axes) and the tile's element range.
+
+  Example:
+    >>> gs.visualize_sharding(gs.Sharding.from_spec(mesh, P("data", "model")), (64, 1024))
+  """
+  from rich.console import Console  # pylint: disable=g-import-not-at-top
+  from rich.table import Table  # pylint: disable=g-import-not-at-top
+  from rich import box  # pylint: disable=g-import-not-at-top
+
+  if isinstance(x, ShardedTensor):
+    sharding, shape = x.sharding, tuple(x.shape.as_list())
+  elif isinstance(x, Sharding):
+    sharding = x
+    if shape is None:
+      raise ValueError("visualize_sharding(sharding, shape): give the tensor's shape")
+    shape = tuple(shape)
+  else:
+    raise TypeError(f"visualize_sharding takes a ShardedTensor or a Sharding; got {type(x).__name__}")
+  mesh = sharding.mesh
+  rank = len(shape)
+  title = f"{list(shape)} {sharding} on {mesh}"
+  if sharding.is_maximal:
+    cells, rows, cols = {(0, 0): [sharding.maximal]}, 1, 1
+    bounds = [[(0, shape[0] if rank else 1)], [(0, shape[1] if rank > 1 else 1)]]
+  else:
+    s = sharding.with_rank(rank)
+    rows = s.tiles(0) if rank > 0 else 1
+    cols = s.tiles(1) if rank > 1 else 1
+    cells = {}
+    for p in range(mesh.size):
+      key = (s.tile_index(p, 0) if rank > 0 else 0, s.tile_index(p, 1) if rank > 1 else 0)
+      cells.setdefault(key, []).append(p)
+    local = s.shard_shape(shape)
+
+    def ranges(d, n):
+      if d >= rank:
+        return [(0, 1)]
+      c = local[d]
+      return [(min(i * c, shape[d]), min((i + 1) * c, shape[d])) for i in range(n)]
+
+    bounds = [ranges(0, rows), ranges(1, cols)]
+  if rank > 2:
+    title += f"  (dims 0 and 1 shown; dims 2.. split as {sharding.spec[2:] if sharding.spec else '-'})"
+  table = Table(title=title, show_header=False, box=box.SQUARE, show_lines=True)
+  for _ in range(cols):
+    table.add_column(justify="center")
+  for r in range(rows):
+    row = []
+    for c in range(cols):
+      devs = cells.get((r, c), [])
+      (r0, r1), (c0, c1) = bounds[0][r], bounds[1][c]
+      rng = f"[{r0}:{r1}" + (f", {c0}:{c1}]" if rank > 1 else "]")
+      row.append(("dev " if len(devs) == 1 else "devs ") + ",".join(map(str, devs)) + "\n" + rng)
+    table.add_row(*row)
+  buf = io.StringIO()
+  console = Console(file=buf, width=width or max(40, 22 * cols), force_terminal=False, color_system=None)
+  console.print(table)
+  text = buf.getvalue()
+  if show:
+    print(text, end="")
+  return text
