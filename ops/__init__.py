@@ -1,6 +1,7 @@
 """Per-op sharding rules, one module per op family, registered in `registry`."""
 
 from tf_gspmd.ops import basic  # noqa: F401
+from tf_gspmd.ops import control_flow  # noqa: F401
 from tf_gspmd.ops import einsum  # noqa: F401
 from tf_gspmd.ops import elementwise  # noqa: F401
 from tf_gspmd.ops import generators  # noqa: F401

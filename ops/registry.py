@@ -17,6 +17,7 @@ class Rule:
 
   priority = 1
   name = "rule"
+  forward_without_operands = False   # ask `forward` even when no operand has a sharding yet
 
   def data_inputs(self, node):
     """Indices of the inputs that carry data to be partitioned (others are read whole, e.g. axis constants)."""

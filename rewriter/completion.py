@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from tf_gspmd import ops as op_rules
 from tf_gspmd._sharding import Sharding
+from tf_gspmd.rewriter import functions
 
 ROUNDS = 4
 MAX_ITERATIONS = 64
@@ -55,6 +56,9 @@ def run(program):
     why[r] = "annotation"
   pinned = set(program.annotations)
   rules = {n.name: (op_rules.lookup(n.op) or op_rules.FALLBACK) for n in ir.nodes}
+  # Control-flow rules complete their bodies through this hook (ops/ never imports the rewriter).
+  ir.complete_function = lambda fname, shapes, params, outs: functions.body_program(program, fname, shapes, params,
+                                                                                     outs)
 
   def propose(r, cand, reason):
     if r in pinned or cand is None:
@@ -105,7 +109,7 @@ def run(program):
         if not node.outputs:
           continue
         ins = [shard.get(r) for r in node.inputs]
-        if not any(s is not None for s in ins):
+        if not any(s is not None for s in ins) and not rules[node.name].forward_without_operands:
           continue
         for o, cands in enumerate(rules[node.name].forward(node, ins)):
           for c in cands:
@@ -128,12 +132,12 @@ def run(program):
   for r in ir.tensors():
     info = ir.info(r)
     s = shard.get(r)
-    rank = info.sharding_rank or 0
+    rank = info.sharding_rank
     if s is None:
-      s = Sharding(mesh, ((),) * rank)
+      s = Sharding(mesh, ((),) * (rank or 0))
       why[r] = "default: nothing decided it (replicated)"
-    elif not s.is_maximal:
-      s = s.with_rank(rank)
+    elif not s.is_maximal and rank is not None:
+      s = s.with_rank(rank, what=r)
     complete[r] = s
   params = tuple(complete[f"{name}:0"] for name in ir.inputs)
   return program.replace(shardings=complete, explanations=why, param_shardings=params,

@@ -194,9 +194,30 @@ def prune(graph_def, roots):
     stack.extend(split_ref(i.lstrip("^"))[0] for i in by_name[name].input)
   out = tf.compat.v1.GraphDef()
   out.versions.CopyFrom(graph_def.versions)
-  out.library.CopyFrom(graph_def.library)
   out.node.extend(n for n in graph_def.node if n.name in live)
+  # Only the functions the kept nodes use (directly or through other functions).
+  funcs = {f.signature.name: f for f in graph_def.library.function}
+  used, stack = set(), [name for n in out.node for name in _func_names(n)]
+  while stack:
+    name = stack.pop()
+    if name in used or name not in funcs:
+      continue
+    used.add(name)
+    stack.extend(x for nd in funcs[name].node_def for x in _func_names(nd))
+  out.library.function.extend(f for f in graph_def.library.function if f.signature.name in used)
+  out.library.gradient.extend(g for g in graph_def.library.gradient if g.function_name in used)
   return out
+
+
+def _func_names(node_def):
+  """Names of the functions a NodeDef refers to (func attrs, lists of funcs, and function-call op types)."""
+  names = [node_def.op]
+  for v in node_def.attr.values():
+    if v.HasField("func"):
+      names.append(v.func.name)
+    elif v.HasField("list"):
+      names.extend(f.name for f in v.list.func)
+  return names
 
 
 def side_effect_nodes(graph_def):

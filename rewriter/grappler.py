@@ -7,6 +7,7 @@ needs afterwards are pruned, so no dead computation reaches completion or the re
 
 import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
+from tensorflow.python.framework import convert_to_constants
 from tensorflow.python.grappler import tf_optimizer
 
 from tf_gspmd._annotations import SHARDING_ATTR
@@ -21,7 +22,8 @@ def run(program):
   # Annotations, and Identity nodes: the names users give tensors (tf.identity(x, name="h")) must survive.
   keep |= {n.name for n in gd.node if SHARDING_ATTR in n.attr or n.op in ("XlaSharding", "Identity")}
   meta = meta_graph_pb2.MetaGraphDef()
-  meta.graph_def.CopyFrom(gd)
+  # Keep While/If functional (completion and partitioning treat their bodies as functions); calls inline.
+  meta.graph_def.CopyFrom(convert_to_constants.disable_lower_using_switch_merge(gd))
   meta.collection_def["train_op"].node_list.value.extend(sorted(keep))
   config = config_pb2.ConfigProto()
   rewrite = config.graph_options.rewrite_options

@@ -17,7 +17,7 @@ from tensorflow.python.ops import handle_data_util
 from tf_gspmd import ops as op_rules
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.errors import PartitionError, UnsupportedOpError
-from tf_gspmd.rewriter import reshard
+from tf_gspmd.rewriter import functions, reshard
 from tf_gspmd.rewriter.collectives import Backend
 from tf_gspmd.rewriter.graph_ir import public_key, split_ref
 from tf_gspmd.rewriter.report import Report
@@ -29,7 +29,7 @@ _warned_fallback = set()
 class PartitionContext:
   """What a rule's `partition` sees: the node's operands (resharded on demand) and where to put results."""
 
-  def __init__(self, program, graph, devices, report):
+  def __init__(self, program, graph, devices, report, functions=None):
     self.program = program
     self.ir = program.ir
     self.mesh = program.mesh
@@ -44,6 +44,7 @@ class PartitionContext:
     self.node = None
     self.local_inputs = []
     self.local_variables = []
+    self.functions = [] if functions is None else functions   # per-device FunctionDefs of partitioned bodies
 
   # ---- helpers for rules ------------------------------------------------------------------------------------
   def target(self, o):
@@ -77,18 +78,20 @@ class PartitionContext:
                                                    reason)
     return self._reshards[key]
 
-  def clone(self, node, inputs, op_type=None, attrs=None):
+  def clone(self, node, inputs, op_type=None, attrs=None, extra_inputs=(), extra_dtypes=()):
     """The node's op on local inputs ({input index: tensor}; other inputs replicated). Returns its outputs."""
     args = []
     for i in range(len(node.inputs)):
       args.append(inputs[i] if i in inputs else self.operand(i, Sharding(self.mesh)))
+    args += list(extra_inputs)
     node_attrs = {k: v for k, v in node.attrs.items() if not k.startswith("_")}
     node_attrs.update(attrs or {})
     ctrl = [self.ops[c] for c in node.control if c in self.ops]
     try:
       with self.graph.control_dependencies(ctrl):
         op = self.graph._create_op_internal(  # pylint: disable=protected-access
-            op_type or node.op, args, dtypes=[o.dtype for o in node.outputs], attrs=node_attrs, name=node.name)
+            op_type or node.op, args, dtypes=[o.dtype for o in node.outputs] + list(extra_dtypes), attrs=node_attrs,
+            name=node.name)
     except (ValueError, tf.errors.OpError) as e:
       raise PartitionError(f"local op could not be built from inputs "
                            f"{[tuple(a.shape.as_list()) for a in args]}: {e}", node=node.name, op_type=node.op) from e
@@ -99,6 +102,29 @@ class PartitionContext:
     op = tf.identity(x, name=self.node.name)
     self.ops[self.node.name] = op.op
     return op
+
+  def partition_function(self, fname, arg_shapes, param_shardings, out_shardings, return_pid=False):
+    """Partition function `fname` (a While/If body) for these layouts; returns the per-device function's name.
+
+    The per-device function takes the partition id as its last parameter (and, for a loop body, also
+    returns it as its last result, so it stays a loop variable).
+    """
+    sub = functions.body_program(self.program, fname, arg_shapes, param_shardings, out_shardings)
+    graph = tf.Graph()
+    with graph.as_default():
+      _import_library(sub)
+      ctx = PartitionContext(sub, graph, self.backend.devices, self.report, self.functions)
+      _partition_nodes(ctx)
+      outs = [ctx.values[r][0] for r in sub.ir.outputs] + ([tf.identity(ctx.pid)] if return_pid else [])
+      params = [graph.get_tensor_by_name(ctx.ops[name].name + ":0") for name in sub.ir.inputs]
+    name = f"{fname}_gspmd_{len(self.functions)}"
+    self.functions.append(functions.to_function_def(graph, name, params + [ctx.pid], outs))
+    return name
+
+  def local_shape(self, i, sharding):
+    """Per-device shape of input i under `sharding` (None for opaque values)."""
+    info = self.node.input_info(i)
+    return sharding.with_rank(len(info.shape)).shard_shape(info.shape) if info.partitionable else None
 
   def lookup(self, table, name):
     """Row `partition_id` of a per-device constant table (deduplicated per graph)."""
@@ -173,36 +199,49 @@ class PartitionContext:
     self.values[r] = (value, sharding)
 
 
+def _partition_nodes(ctx):
+  """Every node of the context's program through its rule (or the reported fallback)."""
+  program, report = ctx.program, ctx.report
+  for node in program.ir.nodes:
+    ctx.node = node
+    rule = op_rules.lookup(node.op)
+    if rule is None:
+      if program.options.strict:
+        raise UnsupportedOpError(f"no partitioning rule for op type {node.op}; strict=True forbids the replicated "
+                                 "fallback (remove strict=True to run it replicated)", node=node.name, op_type=node.op)
+      report.fallbacks.append((node.name, node.op))
+      if node.op not in _warned_fallback:
+        _warned_fallback.add(node.op)
+        warnings.warn(f"tf_gspmd: op type {node.op} (first at {node.name}) has no partitioning rule; its operands "
+                      "are replicated and it runs whole on every device", stacklevel=3)
+      rule = op_rules.FALLBACK
+    rule.partition(ctx, node)
+  ctx.node = None
+
+
+def _import_library(program):
+  if program.ir.graph_def.library.function:
+    # With the graph's versions: a GraphDef of producer 0 would make [] mean "unknown shape" for placeholders.
+    lib = tf.compat.v1.GraphDef(library=program.ir.graph_def.library, versions=program.ir.graph_def.versions)
+    tf.graph_util.import_graph_def(lib, name="")
+
+
 def run(program):
   """Pass: build the per-device program (GraphDef), its input/output names and the collective report."""
   report = Report(completion_iterations=program.completion_iterations)
   graph = tf.Graph()
-  devices = program.devices
   with graph.as_default():
-    if program.ir.graph_def.library.function:
-      tf.graph_util.import_graph_def(tf.compat.v1.GraphDef(library=program.ir.graph_def.library), name="")
-    ctx = PartitionContext(program, graph, devices, report)
-    for node in program.ir.nodes:
-      ctx.node = node
-      rule = op_rules.lookup(node.op)
-      if rule is None:
-        if program.options.strict:
-          raise UnsupportedOpError(f"no partitioning rule for op type {node.op}; strict=True forbids the replicated "
-                                   "fallback (remove strict=True to run it replicated)", node=node.name, op_type=node.op)
-        report.fallbacks.append((node.name, node.op))
-        if node.op not in _warned_fallback:
-          _warned_fallback.add(node.op)
-          warnings.warn(f"tf_gspmd: op type {node.op} (first at {node.name}) has no partitioning rule; its operands "
-                        "are replicated and it runs whole on every device", stacklevel=2)
-        rule = op_rules.FALLBACK
-      rule.partition(ctx, node)
-    ctx.node = None
+    _import_library(program)
+    ctx = PartitionContext(program, graph, program.devices, report)
+    _partition_nodes(ctx)
     outputs = []
     for k, r in enumerate(program.ir.outputs):
       value, _ = ctx.values[r]
       outputs.append(tf.identity(value, name=f"gspmd/output_{k}").op.name)
   side_effects = [op.name for name, op in ctx.ops.items()
                   if not program.ir.node(name).outputs and program.ir.node(name).op not in ("NoOp",)]
-  return program.replace(local_graph_def=graph.as_graph_def(), local_inputs=tuple(ctx.local_inputs),
+  graph_def = graph.as_graph_def()
+  graph_def.library.function.extend(ctx.functions)
+  return program.replace(local_graph_def=graph_def, local_inputs=tuple(ctx.local_inputs),
                          local_variables=tuple(ctx.local_variables),
                          local_outputs=tuple(outputs), side_effects=tuple(side_effects), report=report)

@@ -54,6 +54,7 @@ class Program:
   local_outputs: Tuple[str, ...] = ()
   side_effects: Tuple[str, ...] = ()
   report: Any = None
+  function_cache: Any = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   def replace(self, **changes):
     return dataclasses.replace(self, **changes)

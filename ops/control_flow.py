@@ -1,0 +1,109 @@
+"""Functional control flow: While and If, completed and partitioned through their bodies.
+
+A loop variable has one layout for the While's input and output and for the body's parameter and result.
+Completion ties input and output, and asks the body what its results become for given parameters; the
+partitioner reshards the initial values to the loop layout and partitions body and condition as per-device
+functions that also receive the partition id. An If's predicate is replicated (every device takes the same
+branch); its branches are partitioned for the arguments' layouts and return the If's completed layouts.
+"""
+
+import tensorflow as tf
+
+from tf_gspmd._sharding import Sharding
+from tf_gspmd.ops.registry import Rule, register
+
+
+def _shapes(node, first=0):
+  return [node.input_info(i).shape for i in range(first, len(node.inputs))]
+
+
+def _func_attr(name):
+  from tensorflow.core.framework import attr_value_pb2  # pylint: disable=g-import-not-at-top
+  return attr_value_pb2.AttrValue(func=attr_value_pb2.NameAttrList(name=name))
+
+
+def _shape_list_attr(shapes):
+  from tensorflow.core.framework import attr_value_pb2  # pylint: disable=g-import-not-at-top
+  return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
+      shape=[tf.TensorShape(s).as_proto() for s in shapes]))
+
+
+def _type_list_attr(dtypes):
+  from tensorflow.core.framework import attr_value_pb2  # pylint: disable=g-import-not-at-top
+  return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(type=[d.as_datatype_enum for d in dtypes]))
+
+
+def _body_results(node, fname, shapes, params):
+  """Completed result layouts of function `fname` for parameter layouts `params` (None = free)."""
+  complete = getattr(node.graph, "complete_function", None)
+  if complete is None:
+    return []
+  return list(complete(fname, shapes, params, None).output_shardings)
+
+
+@register("While", "StatelessWhile")
+class While(Rule):
+  """Loop variables keep one layout through the loop."""
+
+  priority = 0
+  forward_without_operands = True   # annotations inside the body speak even when nothing outside does
+
+  def forward(self, node, operands):
+    cands = [[s] if s is not None else [] for s in operands]
+    for i, s in enumerate(_body_results(node, node.attr("body").name, _shapes(node), operands)):
+      if operands[i] is None or s == operands[i]:
+        cands[i].append(s)
+    return cands
+
+  def backward(self, node, outputs, operands):
+    return [[s] if s is not None else [] for s in outputs]
+
+  def partition(self, ctx, node):
+    n = len(node.inputs)
+    loop = [ctx.target(i) for i in range(n)]
+    values = [ctx.operand(i, loop[i]) for i in range(n)]
+    shapes = _shapes(node)
+    body = ctx.partition_function(node.attr("body").name, shapes, loop, loop, return_pid=True)
+    cond = ctx.partition_function(node.attr("cond").name, shapes, loop, [Sharding(ctx.mesh)])
+    local = [ctx.local_shape(i, loop[i]) for i in range(n)] + [[]]
+    outs = ctx.clone(node, dict(enumerate(values)), extra_inputs=[ctx.pid], extra_dtypes=[tf.int32], attrs={
+        "body": _func_attr(body), "cond": _func_attr(cond),
+        "T": _type_list_attr([o.dtype for o in node.outputs] + [tf.int32]),
+        "output_shapes": _shape_list_attr([s if s is not None else None for s in local])})
+    for i in range(n):
+      ctx.set_output(i, outs[i], loop[i])
+
+
+@register("If", "StatelessIf")
+class If(Rule):
+  """Both branches see the arguments' layouts; results take the If's completed layouts."""
+
+  priority = 1
+  forward_without_operands = True
+
+  def forward(self, node, operands):
+    outs = [[] for _ in node.outputs]
+    for branch in ("then_branch", "else_branch"):
+      for o, s in enumerate(_body_results(node, node.attr(branch).name, _shapes(node, 1), operands[1:])):
+        outs[o].append(s)
+    return outs
+
+  def partition(self, ctx, node):
+    mesh = ctx.mesh
+    pred = ctx.operand(0, Sharding(mesh))
+    n = len(node.inputs) - 1
+    arrive = [ctx.current(1 + i) or Sharding(mesh) for i in range(n)]
+    values = [ctx.operand(1 + i, arrive[i]) for i in range(n)]
+    targets = [ctx.target(o) for o in range(len(node.outputs))]
+    shapes = _shapes(node, 1)
+    then_b = ctx.partition_function(node.attr("then_branch").name, shapes, arrive, targets)
+    else_b = ctx.partition_function(node.attr("else_branch").name, shapes, arrive, targets)
+    local = [t.shard_shape(o.shape) if o.shape is not None else None for t, o in zip(targets, node.outputs)]
+    inputs = {0: pred}
+    inputs.update({1 + i: v for i, v in enumerate(values)})
+    outs = ctx.clone(node, inputs, extra_inputs=[ctx.pid], attrs={
+        "then_branch": _func_attr(then_b), "else_branch": _func_attr(else_b),
+        "Tin": _type_list_attr([node.input_info(1 + i).dtype for i in range(n)] + [tf.int32]),
+        "output_shapes": _shape_list_attr(local)})
+    for o, t in enumerate(targets):
+      ctx.set_output(o, outs[o], t)
