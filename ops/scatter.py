@@ -73,3 +73,16 @@ class StridedSliceGrad(FactorRule):
     natural = Sharding(ctx.mesh, tuple(axes_of.get(l, ()) for l in out))
     shape = tf.constant(natural.shard_shape(node.outputs[0].shape), node.input_info(0).dtype)
     return ctx.clone(node, {0: shape, 4: local_inputs[0]})
+
+
+@register("GatherNd")
+class GatherNd(FactorRule):
+  """params[indices[..., :K]]: indexed params dims whole, trailing params dims and index batch dims pass."""
+
+  def factors(self, node):
+    p_rank = len(node.input_shape(0))
+    idx = node.input_shape(1)
+    k = idx[-1]
+    batch = tuple(f"i{d}" for d in range(len(idx) - 1))
+    rest = tuple(f"p{d}" for d in range(k, p_rank))
+    return Factors(((None,) * k + rest, batch + (None,)), (batch + rest,))

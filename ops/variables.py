@@ -87,3 +87,37 @@ class ResourceGather(Gather):
     params = tf.raw_ops.ReadVariableOp(resource=handle, dtype=node.attr("dtype"), name=node.name + "/gspmd/read")
     rows = self.masked_lookup(ctx, node, params, ids, table, 0, size)
     ctx.set_output(0, rows, natural, partial=(v_axes, "Add"))
+
+
+_APPLY_OPS = ("ResourceApplyGradientDescent", "ResourceApplyMomentum", "ResourceApplyKerasMomentum",
+              "ResourceApplyAdagrad", "ResourceApplyAdagradV2", "ResourceApplyAdam", "ResourceApplyAdamWithAmsgrad",
+              "ResourceApplyAdaMax", "ResourceApplyRMSProp", "ResourceApplyCenteredRMSProp", "ResourceApplyAdadelta",
+              "ResourceApplyFtrl", "ResourceApplyFtrlV2", "ResourceApplyProximalGradientDescent",
+              "ResourceApplyProximalAdagrad", "ResourceApplyAddSign", "ResourceApplyPowerSign")
+
+
+@register(*_APPLY_OPS)
+class ResourceApply(FactorRule):
+  """Fused optimizer updates: the variable, its slots and the gradient share one layout; scalars replicated."""
+
+  priority = 0
+
+  def _grad_index(self, node):
+    from tensorflow.python.framework import op_def_registry  # pylint: disable=g-import-not-at-top
+    names = [a.name for a in op_def_registry.get(node.op).input_arg]
+    return names.index("grad") if "grad" in names else names.index("delta")
+
+  def factors(self, node):
+    labels = _value_labels(node)
+    g = self._grad_index(node)
+    per_input = []
+    for i in range(len(node.inputs)):
+      info = node.input_info(i)
+      per_input.append(labels if (i == g or info.value_shape is not None) else (None,) * len(info.shape or ()))
+    return Factors(tuple(per_input), ())
+
+  def partition(self, ctx, node):
+    layout = _handle_sharding(ctx, node)
+    g = self._grad_index(node)
+    inputs = {i: ctx.operand(i, layout if i == g else Sharding(ctx.mesh)) for i in range(len(node.inputs))}
+    ctx.clone(node, inputs)

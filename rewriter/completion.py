@@ -121,9 +121,9 @@ def run(program):
         bwd[k] = False
         node = nodes[k]
         outs = [shard.get(node.ref(o)) for o in range(len(node.outputs))]
-        if not any(s is not None for s in outs):
-          continue
         ins = [shard.get(r) for r in node.inputs]
+        if not any(s is not None for s in outs) and (node.outputs or not any(s is not None for s in ins)):
+          continue   # (an op without outputs, e.g. a variable write, relates its operands to each other)
         for i, cands in enumerate(rules[node.name].backward(node, outs, ins)):
           for c in cands:
             if propose(node.inputs[i], c, f"round {level}: backward from {node.name} ({node.op})"):

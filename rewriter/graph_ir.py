@@ -36,6 +36,7 @@ class TensorInfo:
   shape: Optional[Tuple[int, ...]]
   dtype: tf.DType
   value_shape: Optional[Tuple[int, ...]] = None   # for a variable handle: the shape of the variable's value
+  value_dtype: Optional[tf.DType] = None           # ... and its element type
 
   @property
   def partitionable(self):
@@ -173,13 +174,18 @@ _READS = {"ReadVariableOp": 0, "AssignVariableOp": 1, "AssignAddVariableOp": 1, 
 def _attach_variable_shapes(tf_graph, infos):
   """Give every variable handle the shape of its value, read off the ops that read or write it."""
   for op in tf_graph.get_operations():
+    pairs = []
     if op.type in _READS and op.inputs:
-      handle = op.inputs[0]
-      value = op.outputs[0] if op.type == "ReadVariableOp" else op.inputs[_READS[op.type]]
+      pairs = [(op.inputs[0], op.outputs[0] if op.type == "ReadVariableOp" else op.inputs[_READS[op.type]])]
+    elif op.type.startswith("ResourceApply"):   # variable and slots are shaped like the gradient
+      names = [a.name for a in op.op_def.input_arg]
+      grad = op.inputs[names.index("grad") if "grad" in names else names.index("delta")]
+      pairs = [(t, grad) for t in op.inputs if t.dtype == tf.resource]
+    for handle, value in pairs:
       if value.shape.is_fully_defined():
         outs = infos[handle.op.name]
         old = outs[handle.value_index]
-        outs[handle.value_index] = TensorInfo(old.shape, old.dtype, tuple(value.shape.as_list()))
+        outs[handle.value_index] = TensorInfo(old.shape, old.dtype, tuple(value.shape.as_list()), value.dtype)
 
 
 def prune(graph_def, roots):

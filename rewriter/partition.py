@@ -151,13 +151,14 @@ class PartitionContext:
 
   def parameter(self, node):
     if node.name in self.program.variable_names:   # a variable handle: one shard of the variable per device
-      var = self.program.variables[self.program.variable_names.index(node.name)]
+      info = node.outputs[0]
       ph = tf.compat.v1.placeholder(tf.resource, [], name=node.name)
-      local = self.program.shardings[node.ref(0)].shard_shape(node.outputs[0].value_shape or var.shape.as_list())
-      handle_data = cpp_shape_inference_pb2.CppShapeInferenceResult.HandleData(
-          is_set=True, shape_and_type=[cpp_shape_inference_pb2.CppShapeInferenceResult.HandleShapeAndType(
-              shape=tf.TensorShape(local).as_proto(), dtype=var.dtype.as_datatype_enum)])
-      handle_data_util.set_handle_data(ph, handle_data)   # local reads get the shard's static shape
+      if info.value_shape is not None:   # local reads get the shard's static shape
+        local = self.program.shardings[node.ref(0)].shard_shape(info.value_shape)
+        handle_data = cpp_shape_inference_pb2.CppShapeInferenceResult.HandleData(
+            is_set=True, shape_and_type=[cpp_shape_inference_pb2.CppShapeInferenceResult.HandleShapeAndType(
+                shape=tf.TensorShape(local).as_proto(), dtype=info.value_dtype.as_datatype_enum)])
+        handle_data_util.set_handle_data(ph, handle_data)
       self.ops[node.name] = ph.op
       self.local_variables.append(ph.op.name)
       self._store(node.ref(0), ph, self.program.shardings[node.ref(0)])

@@ -9,7 +9,6 @@ import tensorflow as tf
 from tensorflow.python.framework import tensor_util
 
 from tf_gspmd._annotations import mesh_scope
-from tf_gspmd.errors import ShardingError
 from tf_gspmd.rewriter.graph_ir import ref, split_ref
 
 
@@ -26,9 +25,6 @@ def run(program):
   captured = list(zip(cf.inputs[n_args:], cf.captured_inputs))
   by_handle = {id(v.handle): v for v in graph.variables}
   variables = [(ph.op.name, by_handle.get(id(value))) for ph, value in captured if value.dtype == tf.resource]
-  for name, var in variables:
-    if var is None:
-      raise ShardingError("the function captures a resource that is not a tf.Variable", node=name)
   tensors = [(ph, value) for ph, value in captured if value.dtype != tf.resource]
   if tensors:
     gd = _inline_captures(gd, tensors)

@@ -38,7 +38,7 @@ class Executable:
 
   def __init__(self, program):
     if program.variables:
-      names = ", ".join(v.name for v in program.variables[:4])
+      names = ", ".join(v.name if v is not None else n for v, n in zip(program.variables[:4], program.variable_names))
       raise InputError(f"the function captures variables ({names}{', ...' if len(program.variables) > 4 else ''}); "
                        "gs.function can plan such functions (lower) but runs only functions whose state is passed "
                        "as arguments: pass the variables' values in and return the new values")

@@ -56,3 +56,19 @@ def test_strided_slice_gradient(rng, spec):
   x = rng.standard_normal((8, 12)).astype(np.float32)
   f = gs.function(fn, mesh=MESH, in_shardings=spec)
   assert_close(f(x).numpy(), fn(tf.constant(x)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec", [P(), P("data", "model"), P(None, "model")], ids=str)
+def test_gather_nd_and_its_gradient(rng, spec):
+  x = rng.standard_normal((8, 12)).astype(np.float32)
+  idx = np.array([[0, 1], [2, 3], [7, 11]], np.int32)
+
+  def fn(t):
+    with tf.GradientTape() as tape:
+      tape.watch(t)
+      y = tf.reduce_sum(tf.gather_nd(t, idx) ** 2) + tf.reduce_sum(tf.gather_nd(t, idx[:, :1]))
+    return y, tape.gradient(y, t)
+
+  f = gs.function(fn, mesh=MESH, in_shardings=spec)
+  for got, want in zip(f(x), fn(tf.constant(x))):
+    assert_close(got.numpy(), want, rtol=1e-5, atol=1e-5)

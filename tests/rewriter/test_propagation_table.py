@@ -157,3 +157,21 @@ def test_variable_layout_flows_from_an_annotated_read():
   assert low.shardings["y"].spec == P(D, M)
   with pytest.raises(gs.InputError, match="captures variables"):
     low.executable()
+
+
+def test_fused_optimizer_update_ties_variable_slots_and_gradient():
+  v, m, s = (tf.Variable(np.zeros((8, 16), np.float32)) for _ in range(3))
+
+  def step(x):
+    w = gs.shard(v, P(None, M))
+    with tf.GradientTape() as tape:
+      tape.watch(w)
+      loss = tf.reduce_sum(x @ w)
+    g = tape.gradient(loss, w)
+    tf.raw_ops.ResourceApplyAdam(var=v.handle, m=m.handle, v=s.handle, beta1_power=0.9, beta2_power=0.99, lr=0.1,
+                                 beta1=0.9, beta2=0.999, epsilon=1e-7, grad=g)
+    return loss
+
+  low = gs.function(step, mesh=MESH, in_shardings=P(D)).lower(tf.TensorSpec([4, 8]))
+  assert low.report.fallbacks == []
+  assert [low.shardings[h].spec for h in low.program.variable_names] == [P(None, M)] * 3
