@@ -10,7 +10,7 @@ from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config
 from tensorflow.python.framework import convert_to_constants
 from tensorflow.python.grappler import tf_optimizer
 
-from tf_gspmd._annotations import SHARDING_ATTR
+from tf_gspmd._annotations import SHARDING_ATTR, SPEC_ATTR
 from tf_gspmd.rewriter.graph_ir import prune, side_effect_nodes, split_ref
 
 OPTIMIZERS = ("function", "constfold", "shape", "arithmetic")
@@ -20,7 +20,8 @@ def run(program):
   gd = program.graph_def
   keep = set(program.input_names) | set(program.variable_names) | {split_ref(r)[0] for r in program.output_refs}
   # Annotations, and Identity nodes: the names users give tensors (tf.identity(x, name="h")) must survive.
-  keep |= {n.name for n in gd.node if SHARDING_ATTR in n.attr or n.op in ("XlaSharding", "Identity")}
+  keep |= {n.name for n in gd.node if SHARDING_ATTR in n.attr or SPEC_ATTR in n.attr or
+           n.op in ("XlaSharding", "Identity")}
   meta = meta_graph_pb2.MetaGraphDef()
   # Keep While/If functional (completion and partitioning treat their bodies as functions); calls inline.
   meta.graph_def.CopyFrom(convert_to_constants.disable_lower_using_switch_merge(gd))

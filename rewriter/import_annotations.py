@@ -9,7 +9,7 @@ annotated Identity is inserted after it, so the reshard happens inside the progr
 import tensorflow as tf
 from tensorflow.compiler.xla import xla_data_pb2
 
-from tf_gspmd._annotations import SHARDING_ATTR
+from tf_gspmd._annotations import SHARDING_ATTR, SPEC_ATTR, decode_spec
 from tf_gspmd._mesh import P
 from tf_gspmd._sharding import Sharding, to_sharding
 from tf_gspmd.errors import InputError, SpecError
@@ -20,6 +20,8 @@ BOUNDARY_SUFFIX = "/gspmd_in"
 
 def _read(node_def, mesh):
   """Per-output shardings annotated on a NodeDef ({output index: Sharding})."""
+  if SPEC_ATTR in node_def.attr:
+    return {0: Sharding.from_spec(mesh, decode_spec(node_def.attr[SPEC_ATTR].s), what=node_def.name)}
   raw = None
   if SHARDING_ATTR in node_def.attr:
     raw = node_def.attr[SHARDING_ATTR].s

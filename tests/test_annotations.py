@@ -66,13 +66,16 @@ def test_unknown_axis_name():
     f.get_concrete_function(tf.TensorSpec([4, 4]))
 
 
-def test_shard_needs_a_mesh_outside_gs_function():
-  @tf.function
+def test_shard_without_a_mesh_is_resolved_by_the_gs_function(rng):
   def f(x):
-    return gs.shard(x, P("data"))
+    return gs.shard(x * 2.0, P("data"), name="h") + 1.0
 
-  with pytest.raises(gs.MeshError, match="needs a mesh"):
-    f.get_concrete_function(tf.TensorSpec([4, 4]))
+  # Plain TF runs it (the annotation waits for a mesh); a gs.function resolves it with its own mesh.
+  x = rng.standard_normal((8, 4)).astype(np.float32)
+  np.testing.assert_allclose(tf.function(f)(x).numpy(), x * 2 + 1)
+  np.testing.assert_allclose(f(x).numpy(), x * 2 + 1)
+  low = gs.function(tf.function(f), mesh=MESH).lower(tf.TensorSpec([8, 4]))
+  assert low.shardings["h"].spec == P("data", None)
 
 
 def test_unknown_rank_rejected():

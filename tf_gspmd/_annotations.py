@@ -6,6 +6,7 @@ TensorFlow's own `xla_sharding` writes, so graphs annotated either way read the 
 """
 
 import contextlib
+import json
 import threading
 
 import numpy as np
@@ -17,6 +18,7 @@ from tf_gspmd._sharding import Sharding, to_sharding
 from tf_gspmd.errors import MeshError, ShapeError, SpecError
 
 SHARDING_ATTR = "_XlaSharding"
+SPEC_ATTR = "_gspmd_spec"   # a named-axis spec awaiting the mesh of the gs.function that traces it
 
 _state = threading.local()
 
@@ -113,13 +115,30 @@ def mesh_split(tensor, device_mesh, dims_mapping, name=None):
 def shard(tensor, spec, mesh=None, name=None):
   """Annotates `tensor` with a named-axis partition spec, e.g. ``shard(x, P("data", None))``.
 
-  The mesh is the enclosing `gs.function`'s unless `mesh` is given.
+  The mesh is `mesh`, else the enclosing `gs.function`'s. Traced by plain TF (no mesh known yet), the
+  annotation is kept by name and resolved when a gs.function lowers the graph; run eagerly it is a no-op,
+  so the same model code runs unpartitioned.
   """
   t = tf.convert_to_tensor(tensor)
   mesh = mesh or current_mesh()
+  spec = spec if isinstance(spec, (P, Sharding)) else P(*spec)
   if mesh is None:
-    raise MeshError("gs.shard() needs a mesh: call it inside a gs.function or pass mesh=", node=_tensor_name(t))
+    if isinstance(spec, Sharding):
+      return _annotate(t, spec, name)
+    if tf.executing_eagerly():
+      return t
+    out = tf.identity(t, name=name)
+    out.op._set_attr(SPEC_ATTR, attr_value_pb2.AttrValue(s=encode_spec(spec)))  # pylint: disable=protected-access
+    return out
   return _annotate(t, to_sharding(spec, mesh, rank=t.shape.rank, what=_tensor_name(t)), name)
+
+
+def encode_spec(spec):
+  return json.dumps([list(spec.axes(i)) for i in range(len(spec))]).encode()
+
+
+def decode_spec(raw):
+  return P(*[tuple(e) if e else None for e in json.loads(raw)])
 
 
 def replicate(tensor, mesh=None, name=None):
