@@ -132,6 +132,36 @@ class FactorRule(Rule):
   def partition(self, ctx, node):
     f = self.factors(node)
     data = self.data_inputs(node)
+    # Two strategies, GSPMD's choice by estimated bytes: split as the output wants (operands follow), or
+    # compute where the operands already are (the result follows). Ties keep the output-driven one.
+    plans = [self._axes_from_target(ctx, node, f, data), self._axes_from_operands(ctx, node, f, data)]
+    axes_of = min(plans, key=lambda p: self._cost(ctx, f, data, p))
+    mesh = ctx.mesh
+    reduced_split = [l for l in f.reduced if axes_of.get(l)]
+    local = []
+    for j, labels in enumerate(f.operands):
+      req = Sharding(mesh, _dims_from(labels, axes_of))
+      x = ctx.operand(data[j], req)
+      shape = ctx.input_shape(data[j])
+      for d, l in enumerate(labels):
+        if l in reduced_split and shape[d] % req.tiles(d):
+          x = ctx.mask(x, shape, req, d, identity_value(f.reduce_op, ctx.input_dtype(data[j])))
+      local.append(x)
+    outs = self.emit(ctx, node, local, axes_of)
+    partial = _partial(f, axes_of)
+    for o, out_labels in enumerate(f.outputs):
+      ctx.set_output(o, outs[o], Sharding(mesh, _dims_from(out_labels, axes_of)), partial=partial)
+
+  def _cost(self, ctx, f, data, axes_of):
+    mesh = ctx.mesh
+    cost = sum(ctx.operand_cost(data[j], Sharding(mesh, _dims_from(labels, axes_of)))
+               for j, labels in enumerate(f.operands))
+    partial = _partial(f, axes_of)
+    return cost + sum(ctx.output_cost(o, Sharding(mesh, _dims_from(labels, axes_of)), partial)
+                      for o, labels in enumerate(f.outputs))
+
+  def _axes_from_target(self, ctx, node, f, data):
+    """Output labels split as the completed outputs; reduced labels as the operands already are."""
     mesh = ctx.mesh
     axes_of, used = {}, set()
     for o, out_labels in enumerate(f.outputs):
@@ -156,22 +186,30 @@ class FactorRule(Rule):
             best = ax
       axes_of[l] = best
       used.update(best)
-    reduced_split = [l for l in f.reduced if axes_of[l]]
-    local = []
+    return axes_of
+
+  def _axes_from_operands(self, ctx, node, f, data):
+    """Every label split as the operands already are (first operand wins, no mesh axis used twice)."""
+    axes_of, used = {}, set()
+    split_reduced = self.split_reduced(node)
     for j, labels in enumerate(f.operands):
-      req = Sharding(mesh, _dims_from(labels, axes_of))
-      x = ctx.operand(data[j], req)
-      shape = ctx.input_shape(data[j])
+      cur = ctx.current(data[j])
+      if cur is None or cur.is_maximal:
+        continue
+      cur = cur.with_rank(len(labels))
       for d, l in enumerate(labels):
-        if l in reduced_split and shape[d] % req.tiles(d):
-          x = ctx.mask(x, shape, req, d, identity_value(f.reduce_op, ctx.input_dtype(data[j])))
-      local.append(x)
-    outs = self.emit(ctx, node, local, axes_of)
-    partial = None
-    if reduced_split:
-      partial = (tuple(a for l in reduced_split for a in axes_of[l]), f.reduce_op)
-    for o, out_labels in enumerate(f.outputs):
-      ctx.set_output(o, outs[o], Sharding(mesh, _dims_from(out_labels, axes_of)), partial=partial)
+        ax = cur.dims[d]
+        if l and l not in axes_of and ax and not used & set(ax) and (split_reduced or l not in f.reduced):
+          axes_of[l] = ax
+          used.update(ax)
+    return axes_of
+
+
+def _partial(f, axes_of):
+  reduced_split = [l for l in f.reduced if axes_of.get(l)]
+  if not reduced_split:
+    return None
+  return tuple(a for l in reduced_split for a in axes_of[l]), f.reduce_op
 
 
 def _size(mesh, axes):

@@ -143,6 +143,37 @@ class Backend:
     self._record("all-gather", x, g.shape, size, axes, source, reason)
     return back(g)
 
+  def all_to_all(self, x, src, dst, axes, source, reason):
+    """Move a split from dim `src` to dim `dst` over the group of `axes`.
+
+    Dim `dst` is cut into group-size chunks; chunk k goes to the k-th member (mesh order); what arrives is
+    concatenated along `src` in the senders' mesh order.
+    """
+    size, key = self._keys(axes)
+    y, back = _carry(x, source)
+    shape = y.shape.as_list()
+    rank = len(shape)
+    c = shape[dst] // size
+    # 1. [.., dst, ..] -> [chunk, .., c, ..]: TF's CPU all-to-all exchanges slices of dim 0.
+    parts = tf.reshape(y, shape[:dst] + [size, c] + shape[dst + 1:])
+    parts = tf.transpose(parts, [dst] + [d for d in range(rank + 1) if d != dst])
+    rank_perm = self._rank_permutation(axes)
+    tag = "_".join(axes)
+    if rank_perm is not None:   # slot r must carry the chunk of the member with runtime rank r
+      parts = tf.gather(parts, self.lookup(np.argsort(rank_perm, axis=1).astype(np.int32), f"rank_inv_{tag}"))
+    got = tf.raw_ops.CollectiveAllToAllV2(
+        input=parts, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
+        timeout_seconds=self.timeout, name="all_to_all")
+    got = tf.reshape(got, parts.shape)
+    if rank_perm is not None:   # slot r came from rank r: back to the senders' mesh order
+      got = tf.gather(got, self.lookup(rank_perm, f"rank_perm_{tag}"))
+    # 2. [sender, .., src, ..] -> [.., sender * src, ..]: the sender index is the major part of `src`.
+    got = tf.transpose(got, list(range(1, src + 1)) + [0] + list(range(src + 1, rank + 1)))
+    out_shape = shape[:dst] + [c] + shape[dst + 1:]
+    out_shape[src] *= size
+    self._record("all-to-all", x, x.shape, size, axes, source, reason)
+    return back(tf.reshape(got, out_shape))
+
   def _record(self, kind, x, shape, size, axes, source, reason):
     shape = tuple(int(s) for s in shape)
     if any(s is None for s in shape):

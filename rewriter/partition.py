@@ -78,6 +78,21 @@ class PartitionContext:
                                                    reason)
     return self._reshards[key]
 
+  def operand_cost(self, i, sharding):
+    """Bytes per device that resharding input i to `sharding` would move."""
+    r = self.node.inputs[i]
+    info = self.ir.info(r)
+    if not info.partitionable or r not in self.values:
+      return 0
+    return reshard.plan_bytes(info.shape, info.dtype.size, self.values[r][1], sharding.with_rank(len(info.shape)))
+
+  def output_cost(self, o, natural, partial=None):
+    """Bytes per device that bringing output o from `natural` (+ partial) to its completed sharding moves."""
+    info = self.ir.info(self.node.ref(o))
+    if not info.partitionable:
+      return 0
+    return reshard.plan_bytes(info.shape, info.dtype.size, natural, self.target(o), partial)
+
   def clone(self, node, inputs, op_type=None, attrs=None, extra_inputs=(), extra_dtypes=()):
     """The node's op on local inputs ({input index: tensor}; other inputs replicated). Returns its outputs."""
     args = []

@@ -1,7 +1,8 @@
 """Resharding: plan pure steps from one layout to another, then emit them.
 
 Legal moves used here: all-reduce of partial results, all-gather of the minor mesh axes of a dimension,
-local slicing of a replicated (or coarser) dimension, and removal of padding after a full gather. An
+local slicing of a replicated (or coarser) dimension, removal of padding after a full gather, and
+all-to-all where a split moves from one dimension to another. An
 uneven dimension whose shards would not line up after a partial gather is gathered whole and re-sliced.
 """
 
@@ -36,6 +37,14 @@ class Unpad:
 @dataclasses.dataclass(frozen=True)
 class LocalSlice:
   dim: int
+  axes: Tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class AllToAll:
+  """Move the split by `axes` from dim `src` (gathered) to dim `dst` (split): one all-to-all."""
+  src: int
+  dst: int
   axes: Tuple[str, ...]
 
 
@@ -78,7 +87,82 @@ def plan_reshard(shape, src, dst, partial=None):
   for d in range(rank):
     if len(dst.dims[d]) > len(cur[d]):
       steps.append(LocalSlice(d, dst.dims[d][len(cur[d]):]))
-  return steps
+  return _fuse_all_to_all(steps, shape, mesh, src)
+
+
+def _fuse_all_to_all(steps, shape, mesh, src):
+  """An all-gather of axes A on one dim plus a local slice by A on another is one all-to-all of A.
+
+  It moves 1/|A| of the data instead of gathering it all. A fusion is kept only if the whole plan stays
+  valid step by step (A is the minor split of the source dim when it moves) and both dims stay aligned
+  (no padding would cross a shard boundary).
+  """
+  plan = list(steps)
+  k = 0
+  while k < len(plan):
+    g = plan[k]
+    if isinstance(g, AllGather):
+      for j, sl in enumerate(plan):
+        if isinstance(sl, LocalSlice) and sl.dim != g.dim and sl.axes[:len(g.axes)] == g.axes:
+          rest = sl.axes[len(g.axes):]
+          first_slice = next(i for i, x in enumerate(plan) if isinstance(x, LocalSlice))
+          trial = [x for i, x in enumerate(plan) if i not in (k, j)]
+          pos = first_slice - (1 if k < first_slice else 0) - (1 if j < first_slice else 0)
+          trial[pos:pos] = [AllToAll(g.dim, sl.dim, g.axes)]
+          if rest:
+            trial.insert(pos + 1, LocalSlice(sl.dim, rest))
+          if _valid(trial, shape, mesh, src):
+            plan = trial
+            k = -1
+          break
+    k += 1
+  return plan
+
+
+def _valid(steps, shape, mesh, src):
+  """Simulate `steps`: every move removes a minor split, and every all-to-all keeps both dims aligned."""
+  cur = list(src.dims)
+  for st in steps:
+    if isinstance(st, AllGather):
+      if cur[st.dim][len(cur[st.dim]) - len(st.axes):] != st.axes:
+        return False
+      cur[st.dim] = cur[st.dim][:len(cur[st.dim]) - len(st.axes)]
+    elif isinstance(st, LocalSlice):
+      cur[st.dim] = cur[st.dim] + st.axes
+    elif isinstance(st, AllToAll):
+      if cur[st.src][len(cur[st.src]) - len(st.axes):] != st.axes or shape[st.src] % _tiles(mesh, cur[st.src]):
+        return False
+      cur[st.src] = cur[st.src][:len(cur[st.src]) - len(st.axes)]
+      cur[st.dst] = cur[st.dst] + st.axes
+      if shape[st.dst] % _tiles(mesh, cur[st.dst]):
+        return False
+  # A slice after an all-to-all on the same dim must stay aligned too.
+  return all(shape[d] % _tiles(mesh, cur[d]) == 0 for st in steps if isinstance(st, AllToAll) for d in (st.dst,))
+
+
+def plan_bytes(shape, itemsize, src, dst, partial=None):
+  """Bytes per device the reshard `src` -> `dst` puts on the wire (the report's convention)."""
+  mesh = dst.mesh
+  rank = len(shape)
+  cur = list((Sharding(mesh, ((),) * rank) if src.is_maximal else src.with_rank(rank)).dims)
+
+  def local():
+    return math.prod(_ceil(shape[d], _tiles(mesh, cur[d])) for d in range(rank)) * itemsize
+
+  total = 0
+  for step in plan_reshard(shape, src, dst, partial):
+    if isinstance(step, AllReduce):
+      total += local()
+    elif isinstance(step, AllGather):
+      cur[step.dim] = cur[step.dim][:len(cur[step.dim]) - len(step.axes)]
+      total += local()
+    elif isinstance(step, LocalSlice):
+      cur[step.dim] = cur[step.dim] + step.axes
+    elif isinstance(step, AllToAll):
+      total += local()
+      cur[step.src] = cur[step.src][:len(cur[step.src]) - len(step.axes)]
+      cur[step.dst] = cur[step.dst] + step.axes
+  return total
 
 
 def emit_reshard(ctx, x, shape, src, dst, partial, source, reason):
@@ -103,6 +187,10 @@ def emit_reshard(ctx, x, shape, src, dst, partial, source, reason):
     elif isinstance(step, LocalSlice):
       x = _local_slice(ctx, x, shape, cur, step)
       cur[step.dim] = cur[step.dim] + step.axes
+    elif isinstance(step, AllToAll):
+      x = ctx.backend.all_to_all(x, step.src, step.dst, step.axes, source, reason)
+      cur[step.src] = cur[step.src][:len(cur[step.src]) - len(step.axes)]
+      cur[step.dst] = cur[step.dst] + step.axes
   return x
 
 

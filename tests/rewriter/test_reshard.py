@@ -9,7 +9,7 @@ import tensorflow as tf
 from conftest import assert_close
 import tf_gspmd as gs
 from tf_gspmd import P
-from tf_gspmd.rewriter.reshard import AllGather, AllReduce, LocalSlice, Unpad, plan_reshard
+from tf_gspmd.rewriter.reshard import AllGather, AllReduce, AllToAll, LocalSlice, Unpad, plan_reshard
 
 MESH = gs.Mesh((2, 4), ("data", "model"))
 
@@ -22,8 +22,13 @@ def test_plan_gather_and_slice():
   assert plan_reshard((8, 8), S("data", None), S(None, None)) == [AllGather(0, ("data",))]
   assert plan_reshard((8, 8), S(None, None), S("data", "model")) == [LocalSlice(0, ("data",)),
                                                                       LocalSlice(1, ("model",))]
-  assert plan_reshard((8, 8), S("data", None), S(None, "data")) == [AllGather(0, ("data",)),
-                                                                     LocalSlice(1, ("data",))]
+  assert plan_reshard((8, 8), S("data", None), S(None, "data")) == [AllToAll(0, 1, ("data",))]
+  assert plan_reshard((8, 8), S(("data", "model"), None), S("data", "model")) == [AllToAll(0, 1, ("model",))]
+  assert plan_reshard((8, 8), S("model", None), S(None, ("model", "data"))) == [AllToAll(0, 1, ("model",)),
+                                                                                LocalSlice(1, ("data",))]
+  # Uneven dims do not fuse (padding would cross shard boundaries): gather, then slice.
+  assert plan_reshard((7, 6), S("model", None), S(None, "model")) == [AllGather(0, ("model",)), Unpad(0, 7),
+                                                                      LocalSlice(1, ("model",))]
   assert plan_reshard((8, 8), S("data", None), S("data", None)) == []
 
 
