@@ -130,7 +130,10 @@ class FactorRule(Rule):
     return result
 
   def partition(self, ctx, node):
-    f = self.factors(node)
+    self.partition_with(ctx, node, self.factors(node))
+
+  def partition_with(self, ctx, node, f):
+    """Partition by the factors `f` (rules with several factorisations pick one and call this)."""
     data = self.data_inputs(node)
     # Two strategies, GSPMD's choice by estimated bytes: split as the output wants (operands follow), or
     # compute where the operands already are (the result follows). Ties keep the output-driven one.

@@ -7,6 +7,7 @@ split (inference-mode batch norm is element-wise per channel and passes every sp
 """
 
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.ops.factors import Factors, FactorRule
@@ -25,14 +26,69 @@ def _local_sizes(ctx, node, index, natural, shape):
   return tf.constant(natural.shard_shape(shape), node.input_info(index).dtype)
 
 
+def _halo_eligible(node):
+  """Stride 1, no dilation, SAME padding, NHWC: a split spatial dim needs only its neighbours' edge rows."""
+  fmt = node.attr("data_format")
+  fmt = fmt.decode() if isinstance(fmt, bytes) else (fmt or "NHWC")
+  padding = node.attr("padding")
+  padding = padding.decode() if isinstance(padding, bytes) else padding
+  return (node.op == "Conv2D" and not fmt.startswith("NC") and padding == "SAME" and
+          all(v == 1 for v in node.attr("strides").i) and
+          all(v == 1 for v in (node.attr("dilations").i or [1])))
+
+
 @register("Conv2D", "Conv3D")
 class Conv(FactorRule):
-  """out[b, ..., co] = sum over window and ci of in[b, ..., ci] * filter[..., ci, co]."""
+  """out[b, ..., co] = sum over window and ci of in[b, ..., ci] * filter[..., ci, co].
 
-  def factors(self, node):
+  With stride 1 and SAME padding a spatial dim may stay split: each device convolves its rows plus a halo
+  of its neighbours' edge rows (GSPMD's halo exchange), so only the halos move.
+  """
+
+  def factors(self, node, spatial=None):
     rank = len(node.outputs[0].shape)
     filt = (None,) * (rank - 2) + ("ci", "co")
-    return Factors((_nhwc(node, "b", "ci", rank), filt), (_nhwc(node, "b", "co", rank),))
+    if spatial is None:
+      spatial = _halo_eligible(node)
+    if not spatial:
+      return Factors((_nhwc(node, "b", "ci", rank), filt), (_nhwc(node, "b", "co", rank),))
+    space = tuple(f"s{i}" for i in range(rank - 2))
+    return Factors((("b",) + space + ("ci",), filt), (("b",) + space + ("co",),))
+
+  def partition(self, ctx, node):
+    target = ctx.target(0)
+    shape = node.input_shape(0)
+    rank = len(shape)
+    split = [d for d in range(1, rank - 1) if not target.is_maximal and target.dims[d]]
+    kernel = node.input_shape(1)
+    if not _halo_eligible(node) or len(split) != 1:
+      return self.partition_with(ctx, node, self.factors(node, spatial=False))
+    d = split[0]
+    axes = target.dims[d]
+    n = target.tiles(d)
+    k = kernel[d - 1]
+    left, right = (k - 1) // 2, k - 1 - (k - 1) // 2
+    if shape[d] % n or max(left, right) > shape[d] // n:
+      return self.partition_with(ctx, node, self.factors(node, spatial=False))
+    mesh = ctx.mesh
+    b_axes = target.dims[0]
+    co_axes = tuple(a for a in target.dims[-1] if a not in axes and a not in b_axes)
+    x = ctx.operand(0, Sharding(mesh, tuple(axes if i == d else (b_axes if i == 0 else ()) for i in range(rank))))
+    w = ctx.operand(1, Sharding(mesh, ((),) * (rank - 1) + (co_axes,)))
+    with tf.name_scope(node.name + "/gspmd/"):
+      x = ctx.backend.halo_exchange(x, d, axes, left, right, node.name,
+                                    f"{node.name} convolves rows split over {'x'.join(axes)}")
+    pads = [0, 0]
+    for i in range(1, rank - 1):
+      total = 0 if i == d else kernel[i - 1] - 1
+      pads += [total // 2, total - total // 2]
+    pads += [0, 0]
+    (y,) = ctx.clone(node, {0: x, 1: w}, attrs={"padding": attr_value_pb2.AttrValue(s=b"EXPLICIT"),
+                                                 "explicit_paddings": attr_value_pb2.AttrValue(
+                                                     list=attr_value_pb2.AttrValue.ListValue(i=pads))})
+    natural = Sharding(mesh, tuple(axes if i == d else (b_axes if i == 0 else (co_axes if i == rank - 1 else ()))
+                                   for i in range(rank)))
+    ctx.set_output(0, y, natural)
 
 
 @register("Conv2DBackpropInput", "Conv3DBackpropInputV2")

@@ -122,7 +122,7 @@ class Backend:
     self._record("all-reduce", x, x.shape, size, axes, source, reason)
     return back(out)
 
-  def all_gather(self, x, dim, axes, source, reason):
+  def all_gather(self, x, dim, axes, source, reason, record=True):
     """Concatenate the shards of the group along `dim`, in mesh order."""
     size, key = self._keys(axes)
     rank = x.shape.rank
@@ -140,7 +140,8 @@ class Backend:
       g = tf.reshape(tf.gather(chunks, self.lookup(rank_perm, f"rank_perm_{'_'.join(axes)}")), gathered)
     if dim:
       g = tf.transpose(g, np.argsort(perm))
-    self._record("all-gather", x, g.shape, size, axes, source, reason)
+    if record:
+      self._record("all-gather", x, g.shape, size, axes, source, reason)
     return back(g)
 
   def all_to_all(self, x, src, dst, axes, source, reason):
@@ -173,6 +174,48 @@ class Backend:
     out_shape[src] *= size
     self._record("all-to-all", x, x.shape, size, axes, source, reason)
     return back(tf.reshape(got, out_shape))
+
+  def halo_exchange(self, x, dim, axes, left, right, source, reason):
+    """x extended along `dim` by the last `left` rows of the previous shard and the first `right` rows of the
+    next one (zeros at the ends of the group): two collective-permutes.
+
+    TF has no CPU collective-permute, so both halos travel in one all-gather of the shards' edge rows and
+    each device keeps its neighbours'; the report lists the logical permutes and names what was emitted.
+    """
+    size, _ = self._keys(axes)
+    n = x.shape[dim]
+    rank = x.shape.rank
+
+    def rows(start, count):
+      begin = [0] * rank
+      extent = [-1] * rank
+      begin[dim], extent[dim] = start, count
+      return tf.slice(x, begin, extent)
+
+    edges = tf.concat([rows(0, right), rows(n - left, left)], axis=dim)   # [first `right`, last `left`]
+    gathered = self.all_gather(edges, dim, axes, source, reason, record=False)
+    of, members = self.groups(axes)
+    index = np.zeros(self.mesh.size, np.int32)
+    for m in members:
+      for k, p in enumerate(m):
+        index[p] = k
+    width = left + right
+    parts = [x]
+    for count, offset, step, valid in ((left, right, -1, index > 0), (right, 0, 1, index < size - 1)):
+      if not count:
+        continue
+      start = np.clip(index + step, 0, size - 1) * width + offset
+      idx = start[:, None] + np.arange(count)[None, :]
+      halo = tf.gather(gathered, self.lookup(idx.astype(np.int32), f"halo_{dim}_{count}_{offset}_{size}"), axis=dim)
+      keep = self.lookup(valid.astype(x.dtype.as_numpy_dtype), f"halo_valid_{step}_{size}")
+      halo = halo * keep
+      parts.insert(0 if step < 0 else len(parts), halo)
+      shape = halo.shape.as_list()
+      self.report.add(CollectiveRecord(
+          "collective-permute", x.dtype.name, tuple(shape), math.prod(shape) * x.dtype.size, size, tuple(axes),
+          source, f"{reason} ({'previous' if step < 0 else 'next'} shard's {count} edge row(s))",
+          emitted=f"all-gather of {width} edge row(s) per shard"))
+    return tf.concat(parts, axis=dim)
 
   def _record(self, kind, x, shape, size, axes, source, reason):
     shape = tuple(int(s) for s in shape)
