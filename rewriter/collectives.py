@@ -175,6 +175,34 @@ class Backend:
     self._record("all-to-all", x, x.shape, size, axes, source, reason)
     return back(tf.reshape(got, out_shape))
 
+  def reduce_scatter(self, x, dim, axes, op, source, reason):
+    """Sum (or max/min/product) partial results over the group, each member keeping its chunk of `dim`.
+
+    TF's CollectiveReduceScatterV2 has no CPU kernel: emitted as an all-to-all of the chunks (member k
+    receives everyone's chunk k) and a local reduction, which moves no more than a reduce-scatter.
+    """
+    size, key = self._keys(axes)
+    y, back = _carry(x, source)
+    shape = y.shape.as_list()
+    rank = len(shape)
+    c = shape[dim] // size
+    parts = tf.reshape(y, shape[:dim] + [size, c] + shape[dim + 1:])
+    parts = tf.transpose(parts, [dim] + [d for d in range(rank + 1) if d != dim])
+    rank_perm = self._rank_permutation(axes)
+    if rank_perm is not None:
+      parts = tf.gather(parts, self.lookup(np.argsort(rank_perm, axis=1).astype(np.int32),
+                                           f"rank_inv_{'_'.join(axes)}"))
+    got = tf.raw_ops.CollectiveAllToAllV2(
+        input=parts, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
+        timeout_seconds=self.timeout, name="reduce_scatter")
+    got = tf.reshape(got, parts.shape)
+    combine = {"Add": tf.reduce_sum, "Max": tf.reduce_max, "Min": tf.reduce_min, "Mul": tf.reduce_prod}[op]
+    out = combine(got, axis=0)
+    shape = tuple(int(v) for v in x.shape)
+    self.report.add(CollectiveRecord("reduce-scatter", x.dtype.name, shape, math.prod(shape) * x.dtype.size, size,
+                                     tuple(axes), source, reason, emitted="all-to-all + local reduction"))
+    return back(out)
+
   def halo_exchange(self, x, dim, axes, left, right, source, reason):
     """x extended along `dim` by the last `left` rows of the previous shard and the first `right` rows of the
     next one (zeros at the ends of the group): two collective-permutes.

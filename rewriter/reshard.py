@@ -2,7 +2,8 @@
 
 Legal moves used here: all-reduce of partial results, all-gather of the minor mesh axes of a dimension,
 local slicing of a replicated (or coarser) dimension, removal of padding after a full gather, and
-all-to-all where a split moves from one dimension to another. An
+all-to-all where a split moves from one dimension to another, and reduce-scatter where partial results
+are wanted split. An
 uneven dimension whose shards would not line up after a partial gather is gathered whole and re-sliced.
 """
 
@@ -38,6 +39,14 @@ class Unpad:
 class LocalSlice:
   dim: int
   axes: Tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceScatter:
+  """Combine partial results over `axes` and keep this device's slice of dim `dim` (split by `axes`)."""
+  dim: int
+  axes: Tuple[str, ...]
+  op: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +96,23 @@ def plan_reshard(shape, src, dst, partial=None):
   for d in range(rank):
     if len(dst.dims[d]) > len(cur[d]):
       steps.append(LocalSlice(d, dst.dims[d][len(cur[d]):]))
-  return _fuse_all_to_all(steps, shape, mesh, src)
+  return _fuse_all_to_all(_fuse_reduce_scatter(steps, shape, mesh, src), shape, mesh, src)
+
+
+def _fuse_reduce_scatter(steps, shape, mesh, src):
+  """All-reduce of partial results followed by a local slice by the same axes is one reduce-scatter."""
+  if not steps or not isinstance(steps[0], AllReduce):
+    return steps
+  red = steps[0]
+  for j, sl in enumerate(steps):
+    if isinstance(sl, LocalSlice) and sl.axes[:len(red.axes)] == red.axes:
+      prefix = _prefix_before(steps, j, src)
+      if shape[sl.dim] % _tiles(mesh, prefix + sl.axes):
+        continue
+      rest = sl.axes[len(red.axes):]
+      fused = [ReduceScatter(sl.dim, red.axes, red.op)] + ([LocalSlice(sl.dim, rest)] if rest else [])
+      return steps[1:j] + fused + steps[j + 1:]
+  return steps
 
 
 def _fuse_all_to_all(steps, shape, mesh, src):
@@ -127,7 +152,7 @@ def _valid(steps, shape, mesh, src):
       if cur[st.dim][len(cur[st.dim]) - len(st.axes):] != st.axes:
         return False
       cur[st.dim] = cur[st.dim][:len(cur[st.dim]) - len(st.axes)]
-    elif isinstance(st, LocalSlice):
+    elif isinstance(st, (LocalSlice, ReduceScatter)):
       cur[st.dim] = cur[st.dim] + st.axes
     elif isinstance(st, AllToAll):
       if cur[st.src][len(cur[st.src]) - len(st.axes):] != st.axes or shape[st.src] % _tiles(mesh, cur[st.src]):
@@ -162,6 +187,9 @@ def plan_bytes(shape, itemsize, src, dst, partial=None):
       total += local()
       cur[step.src] = cur[step.src][:len(cur[step.src]) - len(step.axes)]
       cur[step.dst] = cur[step.dst] + step.axes
+    elif isinstance(step, ReduceScatter):
+      total += local()
+      cur[step.dim] = cur[step.dim] + step.axes
   return total
 
 
@@ -186,6 +214,9 @@ def emit_reshard(ctx, x, shape, src, dst, partial, source, reason):
       x = tf.slice(x, begin, size)
     elif isinstance(step, LocalSlice):
       x = _local_slice(ctx, x, shape, cur, step)
+      cur[step.dim] = cur[step.dim] + step.axes
+    elif isinstance(step, ReduceScatter):
+      x = ctx.backend.reduce_scatter(x, step.dim, step.axes, step.op, source, reason)
       cur[step.dim] = cur[step.dim] + step.axes
     elif isinstance(step, AllToAll):
       x = ctx.backend.all_to_all(x, step.src, step.dst, step.axes, source, reason)
@@ -213,3 +244,13 @@ def _local_slice(ctx, x, shape, cur, step):
   size = list(local)
   size[d] = c_new
   return tf.slice(x, ctx.lookup(begin, f"slice_begin_{d}_{'_'.join(step.axes)}_{c_new}"), size)
+
+
+def _prefix_before(steps, j, src):
+  """Axes of dim `steps[j].dim` just before step j runs (after the gathers planned before it)."""
+  d = steps[j].dim
+  axes = src.dims[d]
+  for x in steps[:j]:
+    if isinstance(x, AllGather) and x.dim == d:
+      axes = axes[:len(axes) - len(x.axes)]
+  return axes

@@ -9,7 +9,8 @@ import tensorflow as tf
 from conftest import assert_close
 import tf_gspmd as gs
 from tf_gspmd import P
-from tf_gspmd.rewriter.reshard import AllGather, AllReduce, AllToAll, LocalSlice, Unpad, plan_reshard
+from tf_gspmd.rewriter.reshard import (AllGather, AllReduce, AllToAll, LocalSlice, ReduceScatter, Unpad,
+                                       plan_reshard)
 
 MESH = gs.Mesh((2, 4), ("data", "model"))
 
@@ -35,6 +36,26 @@ def test_plan_gather_and_slice():
 def test_plan_partial_sum_all_reduces_first():
   assert plan_reshard((8, 8), S("data", None), S("data", None), partial=(("model",), "Add")) == [
       AllReduce(("model",), "Add")]
+
+
+def test_plan_partial_sum_wanted_split_is_a_reduce_scatter():
+  assert plan_reshard((8, 8), S("data", None), S("data", "model"), partial=(("model",), "Add")) == [
+      ReduceScatter(1, ("model",), "Add")]
+  assert plan_reshard((8, 8), S(), S(None, ("model", "data")), partial=(("model",), "Max")) == [
+      ReduceScatter(1, ("model",), "Max"), LocalSlice(1, ("data",))]
+  # 6 rows do not split evenly 4 ways: all-reduce, then slice locally.
+  assert plan_reshard((8, 6), S(), S(None, "model"), partial=(("model",), "Add")) == [
+      AllReduce(("model",), "Add"), LocalSlice(1, ("model",))]
+
+
+@pytest.mark.parametrize("out", [P(None, "model"), P("model", None), P("data", "model"), P(None, ("model", "data"))],
+                         ids=str)
+def test_reduce_scatter_matches(rng, out):
+  x = rng.standard_normal((8, 16)).astype(np.float32)
+  w = rng.standard_normal((16, 12)).astype(np.float32)
+  f = gs.function(lambda a, b: a @ b, mesh=MESH, in_shardings=(P(None, "model"), P("model", None)),
+                  out_shardings=out)
+  assert_close(f(x, w).numpy(), x @ w, rtol=1e-5, atol=1e-5)
 
 
 def test_plan_gathers_only_minor_axes_when_aligned():
