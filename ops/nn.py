@@ -129,36 +129,76 @@ class ConvBackpropFilter(FactorRule):
     return ctx.clone(node, {0: local_inputs[0], 1: sizes, 2: local_inputs[1]})
 
 
-@register("MaxPool", "AvgPool", "MaxPool3D", "AvgPool3D", "LRN")
-class Pool(FactorRule):
-  """Windows over space: batch and channels pass their split."""
+def _tiled_windows(node):
+  """Pooling windows that tile space exactly (VALID, window == stride, NHWC): a split spatial dim whose
+  shards hold whole windows pools locally, with no halo."""
+  fmt = node.attr("data_format")
+  fmt = fmt.decode() if isinstance(fmt, bytes) else (fmt or "NHWC")
+  padding = node.attr("padding")
+  padding = padding.decode() if isinstance(padding, bytes) else padding
+  ksize, strides = list(node.attr("ksize").i), list(node.attr("strides").i)
+  if fmt.startswith("NC") or padding != "VALID" or not ksize or ksize != strides:
+    return None
+  return strides
 
+
+class _PoolRule(FactorRule):
+  """Batch and channels pass their split; space too when windows tile it and every shard holds whole ones."""
+
+  def _labels(self, node, spatial):
+    rank = len(node.outputs[0].shape)
+    if spatial:
+      return ("b",) + tuple(f"s{i}" for i in range(rank - 2)) + ("c",)
+    return _nhwc(node, "b", "c", rank)
+
+  def factors(self, node, spatial=None):
+    labels = self._labels(node, _tiled_windows(node) is not None if spatial is None else spatial)
+    return Factors(tuple(labels for _ in self.data_inputs(node)), (labels,))
+
+  def partition(self, ctx, node):
+    strides = _tiled_windows(node)
+    target = ctx.target(0)
+    shape = self.input_image_shape(node)
+    ok = strides is not None and not target.is_maximal and all(
+        shape[d] % (target.tiles(d) * strides[d]) == 0 for d in range(1, len(shape) - 1))
+    self.partition_with(ctx, node, self.factors(node, spatial=ok))
+
+  def input_image_shape(self, node):
+    return node.input_shape(self.data_inputs(node)[0])
+
+
+@register("MaxPool", "AvgPool", "MaxPool3D", "AvgPool3D")
+class Pool(_PoolRule):
   def data_inputs(self, node):
     return [0]
 
+
+@register("LRN")
+class LRN(FactorRule):
+  """Local response normalisation runs across channels: batch and space pass their split."""
+
   def factors(self, node):
-    labels = _nhwc(node, "b", "c", len(node.outputs[0].shape))
+    labels = ("b", "h", "w", None)
     return Factors((labels,), (labels,))
 
 
 @register("MaxPoolGrad", "MaxPool3DGrad", "MaxPoolGradGrad")
-class MaxPoolGrad(FactorRule):
+class MaxPoolGrad(_PoolRule):
   def data_inputs(self, node):
     return [0, 1, 2]
 
-  def factors(self, node):
-    labels = _nhwc(node, "b", "c", len(node.outputs[0].shape))
+  def factors(self, node, spatial=None):
+    labels = self._labels(node, _tiled_windows(node) is not None if spatial is None else spatial)
     return Factors((labels, labels, labels), (labels,))
 
 
 @register("AvgPoolGrad", "AvgPool3DGrad")
-class AvgPoolGrad(FactorRule):
+class AvgPoolGrad(_PoolRule):
   def data_inputs(self, node):
     return [1]
 
-  def factors(self, node):
-    labels = _nhwc(node, "b", "c", len(node.outputs[0].shape))
-    return Factors((labels,), (labels,))
+  def input_image_shape(self, node):
+    return node.outputs[0].shape
 
   def emit(self, ctx, node, local_inputs, axes_of):
     natural = Sharding(ctx.mesh, tuple(axes_of.get(l, ()) for l in self.factors(node).outputs[0]))

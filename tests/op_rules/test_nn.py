@@ -94,3 +94,23 @@ def test_conv_workload_matches_xla_bytes():
   low = f.lower(tf.TensorSpec([8, 128, 128, 16]), tf.TensorSpec([3, 3, 16, 32]), tf.TensorSpec([3, 3, 32, 32]))
   assert low.report.counts() == {"collective-permute": 4}
   assert low.report.bytes_per_device() == 393216
+
+
+@pytest.mark.parametrize("mesh_shape,spec", [((8,), P(None, "s", None, None)), ((2, 4), P("b", "s", None, None))],
+                         ids=str)
+def test_pooling_with_split_space_is_local(rng, mesh_shape, spec):
+  """2x2 stride-2 windows tile space: shards holding whole windows pool locally, forward and backward."""
+  mesh = gs.Mesh(mesh_shape, ("s",) if len(mesh_shape) == 1 else ("b", "s"))
+  x = rng.standard_normal((4, 16, 8, 3)).astype(np.float32)
+
+  def fn(x):
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      y = tf.reduce_sum(tf.nn.max_pool2d(x, 2, 2, "VALID") ** 2) + tf.reduce_sum(tf.nn.avg_pool2d(x, 2, 2, "VALID"))
+    return y, tape.gradient(y, x)
+
+  f = gs.function(fn, mesh=mesh, in_shardings=spec, out_shardings=(P(), spec))
+  low = f.lower(tf.TensorSpec(x.shape))
+  assert "all-gather" not in low.report.counts(), str(low.report)
+  for got, want in zip(f(x), fn(tf.constant(x))):
+    assert_close(got.numpy(), want, rtol=1e-5, atol=1e-5)
