@@ -44,6 +44,9 @@ class AlongAxis(FactorRule):
 
 @register("ConcatV2")
 class Concat(AlongAxis):
+  """Concatenation. Split along the concat dim, each device assembles its window of the result from the
+  operands' rows it owns and its neighbours' (masked windows summed); otherwise the concat dim is whole."""
+
   priority = 0
 
   def data_inputs(self, node):
@@ -51,6 +54,25 @@ class Concat(AlongAxis):
 
   def fixed_dims(self, node):
     return {_axis(node, len(node.inputs) - 1, len(node.outputs[0].shape))}
+
+  def factors(self, node, windowed=True):
+    rank = len(node.outputs[0].shape)
+    labels = _labels(rank) if windowed and None not in self.fixed_dims(node) else \
+        _without(_labels(rank), self.fixed_dims(node))
+    return Factors(tuple(labels for _ in self.data_inputs(node)), (labels,))
+
+  def partition(self, ctx, node):
+    target = ctx.target(0)
+    (axis,) = self.fixed_dims(node)
+    dtype = node.outputs[0].dtype
+    if axis is None or target.is_maximal or not target.dims[axis] or not (dtype.is_floating or dtype.is_integer):
+      return self.partition_with(ctx, node, self.factors(node, windowed=False))
+    total = node.outputs[0].shape[axis]
+    offsets = np.cumsum([0] + [node.input_shape(i)[axis] for i in self.data_inputs(node)])
+    if not all(ctx.window_fits(i, target, axis, total, -int(o)) for i, o in zip(self.data_inputs(node), offsets)):
+      return self.partition_with(ctx, node, self.factors(node, windowed=False))
+    windows = [ctx.window(i, target, axis, total, -int(o), 0) for i, o in zip(self.data_inputs(node), offsets)]
+    ctx.set_output(0, ctx.identity(tf.add_n(windows) if len(windows) > 1 else windows[0]), target)
 
 
 @register("Cumsum", "Cumprod", "CumulativeLogsumexp")
@@ -111,38 +133,71 @@ class SplitV(AlongAxis):
     return {_axis(node, 2, len(node.outputs[0].shape))}
 
 
-@register("Slice")
-class Slice(FactorRule):
-  """Dims sliced to less than their size are whole locally; full-size dims pass their split."""
+class _Windowed(FactorRule):
+  """A rule whose selected dims may stay split: each device takes its window of the result from its own
+  rows and its neighbours' (halo exchange). Subclasses give `ranges(node)`: {input dim: (start, size)}."""
 
   def data_inputs(self, node):
     return [0]
 
-  def _sliced(self, node):
-    shape, out = node.input_shape(0), node.outputs[0].shape
-    return {d for d in range(len(shape)) if out[d] != shape[d]}
+  def ranges(self, node):
+    raise NotImplementedError
 
-  def factors(self, node):
-    labels = _without(_labels(len(node.input_shape(0))), self._sliced(node))
+  def factors(self, node, windowed=True):
+    shape = node.input_shape(0)
+    ranges = self.ranges(node)
+    if ranges is None:
+      return Factors(((None,) * len(shape),), ((None,) * len(node.outputs[0].shape),))
+    labels = _labels(len(shape)) if windowed else _without(_labels(len(shape)), set(ranges))
     return Factors((labels,), (labels,))
+
+  def partition(self, ctx, node):
+    ranges = self.ranges(node)
+    target = ctx.target(0)
+    split = [d for d in (ranges or {}) if not target.is_maximal and d < target.rank and target.dims[d]]
+    if ranges is None or len(split) != 1:
+      return self.partition_with(ctx, node, self.factors(node, windowed=False))
+    d = split[0]
+    start, size = ranges[d]
+    x = ctx.window(0, target, d, size, start, 0)
+    if x is None:
+      return self.partition_with(ctx, node, self.factors(node, windowed=False))
+    begin = [0] * x.shape.rank
+    extent = x.shape.as_list()
+    for k, (b, n) in ranges.items():   # the other selected dims are whole: select them locally
+      if k != d:
+        begin[k], extent[k] = b, n
+    ctx.set_output(0, ctx.identity(tf.slice(x, begin, extent)), target)
+
+
+@register("Slice")
+class Slice(_Windowed):
+  """Dims sliced to less than their size take a window (split: with halos); full-size dims pass their split."""
+
+  def ranges(self, node):
+    begin, size = node.const_input(1), node.const_input(2)
+    if begin is None or size is None:
+      return None
+    shape, out = node.input_shape(0), node.outputs[0].shape
+    return {d: (int(begin[d]), out[d]) for d in range(len(shape)) if out[d] != shape[d]}
 
   def emit(self, ctx, node, local_inputs, axes_of):
     (x,) = local_inputs
-    begin = node.const_input(1)
-    if begin is None:
+    ranges = self.ranges(node)
+    if ranges is None:
       return ctx.clone(node, {0: x})
-    size = [x.shape[d] if d not in self._sliced(node) else node.outputs[0].shape[d] for d in range(x.shape.rank)]
-    begin = [0 if d not in self._sliced(node) else int(b) for d, b in enumerate(begin)]
+    size = [ranges[d][1] if d in ranges else x.shape[d] for d in range(x.shape.rank)]
+    begin = [ranges[d][0] if d in ranges else 0 for d in range(x.shape.rank)]
     return ctx.clone(node, {0: x, 1: tf.constant(begin, node.input_info(1).dtype),
                             2: tf.constant(size, node.input_info(2).dtype)})
 
 
 @register("StridedSlice")
-class StridedSlice(FactorRule):
-  """Without new-axis/ellipsis masks: untouched full-range dims pass their split; shrunk dims vanish."""
+class StridedSlice(_Windowed):
+  """Without new-axis/ellipsis masks: untouched full-range dims pass their split; shrunk dims vanish.
 
-  def data_inputs(self, node):
-    return [0]
+  A contiguous range (stride 1, no shrink) on a split dim takes a window with halos, like Slice.
+  """
 
   def _plain(self, node):
     return not node.attr("new_axis_mask") and not node.attr("ellipsis_mask") and all(
@@ -169,7 +224,27 @@ class StridedSlice(FactorRule):
         full.add(d)
     return full
 
-  def factors(self, node):
+  def ranges(self, node):
+    """{dim: (start, size)} of a contiguous stride-1 selection without shrinking, else None."""
+    if not self._plain(node) or node.attr("shrink_axis_mask"):
+      return None
+    shape = node.input_shape(0)
+    begin, end, strides = (np.asarray(node.const_input(i)).reshape(-1) for i in (1, 2, 3))
+    if np.any(strides != 1):
+      return None
+    out = {}
+    for d in range(min(len(begin), len(shape))):
+      b = 0 if node.attr("begin_mask") >> d & 1 else int(begin[d])
+      e = shape[d] if node.attr("end_mask") >> d & 1 else int(end[d])
+      b, e = (b + shape[d] if b < 0 else b), (e + shape[d] if e < 0 else e)
+      b, e = min(max(b, 0), shape[d]), min(max(e, 0), shape[d])
+      if (b, e) != (0, shape[d]):
+        out[d] = (b, max(e - b, 0))
+    return out
+
+  def factors(self, node, windowed=True):
+    if self.ranges(node) is not None:
+      return super().factors(node, windowed)
     shape = node.input_shape(0)
     full = self._full(node)
     ins = tuple(f"d{d}" if d in full else None for d in range(len(shape)))
@@ -182,17 +257,42 @@ class StridedSlice(FactorRule):
 
 @register("Pad", "PadV2", "MirrorPad")
 class Pad(FactorRule):
-  """Padded dims are whole locally; unpadded dims pass their split (their paddings are zero)."""
+  """Unpadded dims pass their split. A padded dim may stay split too (constant padding): each device takes
+  its window of the padded result, with halo rows from its neighbours (GSPMD's windowed pad)."""
 
   def data_inputs(self, node):
     return [0]
 
-  def factors(self, node):
+  def _padded(self, node):
     pads = node.const_input(1)
     rank = len(node.input_shape(0))
-    padded = set(range(rank)) if pads is None else {d for d in range(rank) if np.any(np.asarray(pads)[d] != 0)}
-    labels = _without(_labels(rank), padded)
+    return set(range(rank)) if pads is None else {d for d in range(rank) if np.any(np.asarray(pads)[d] != 0)}
+
+  def factors(self, node, windowed=None):
+    rank = len(node.input_shape(0))
+    if windowed is None:
+      windowed = node.op != "MirrorPad" and node.const_input(1) is not None
+    labels = _labels(rank) if windowed else _without(_labels(rank), self._padded(node))
     return Factors((labels,), (labels,))
+
+  def partition(self, ctx, node):
+    target = ctx.target(0)
+    padded = self._padded(node)
+    split = [d for d in padded if not target.is_maximal and target.dims[d]]
+    if node.op == "MirrorPad" or len(split) != 1 or node.const_input(1) is None:
+      return self.partition_with(ctx, node, self.factors(node, windowed=False))
+    d = split[0]
+    pads = np.asarray(node.const_input(1))
+    fill = 0 if node.op == "Pad" else np.asarray(node.const_input(2)).item()
+    shape = node.input_shape(0)
+    x = ctx.window(0, target, d, shape[d] + int(pads[d].sum()), -int(pads[d][0]), fill)
+    if x is None:
+      return self.partition_with(ctx, node, self.factors(node, windowed=False))
+    rest = pads.copy()
+    rest[d] = 0
+    if rest.any():   # the other padded dims are whole: pad them locally
+      x = tf.pad(x, rest, constant_values=fill)
+    ctx.set_output(0, ctx.identity(x), target)
 
 
 @register("Tile")

@@ -164,6 +164,59 @@ class PartitionContext:
       bshape[dim] = c
       return tf.where(tf.reshape(keep, bshape), x, tf.constant(value, x.dtype))
 
+  def window(self, i, sharding, dim, out_size, start, fill):
+    """Input i re-split along `dim` for a result of `out_size` rows split like `sharding` on `dim`.
+
+    Device p gets the input's global rows [start + t*c, start + (t+1)*c) (t its shard index, c the
+    result's shard size), rows outside the input filled with `fill`. The input is first laid out as
+    `sharding` (same axes on `dim`), then each device takes what it lacks from its neighbours (a halo
+    exchange) and slices its window. Returns None when a window reaches past a neighbour (the caller then
+    gathers instead).
+    """
+    fit = self._window_plan(i, sharding, dim, out_size, start)
+    if fit is None:
+      return None
+    shape, axes, own, need, left, right, c_out = fit
+    x = self.operand(i, sharding)
+    with tf.name_scope(self._scope()):
+      if left or right:
+        x = self.backend.halo_exchange(x, dim, axes, left, right, self.node.name,
+                                       f"{self.node.name} ({self.node.op}) moves its window along dim {dim}")
+      offset = (need - (own - left)).astype(np.int32)
+      begin = np.zeros((self.mesh.size, len(shape)), np.int32)
+      begin[:, dim] = offset
+      size = x.shape.as_list()
+      size[dim] = c_out
+      if x.shape[dim] < int(offset.max()) + c_out:   # windows past the extended rows read only fill
+        pads = [[0, 0] for _ in shape]
+        pads[dim][1] = int(offset.max()) + c_out - x.shape[dim]
+        x = tf.pad(x, pads)
+      x = tf.slice(x, self.lookup(begin, f"window_{dim}_{c_out}_{start}"), size)
+      rows = need[:, None] + np.arange(c_out)[None, :]
+      valid = ((rows >= 0) & (rows < shape[dim])).astype(np.bool_)
+      keep = self.lookup(valid, f"window_valid_{dim}_{c_out}_{start}")
+      bshape = [1] * len(shape)
+      bshape[dim] = c_out
+      return tf.where(tf.reshape(keep, bshape), x, tf.constant(fill, x.dtype))
+
+  def window_fits(self, i, sharding, dim, out_size, start):
+    """Whether `window` can serve input i from neighbours only (no emission)."""
+    return self._window_plan(i, sharding, dim, out_size, start) is not None
+
+  def _window_plan(self, i, sharding, dim, out_size, start):
+    shape = self.node.input_info(i).shape
+    n = sharding.tiles(dim)
+    c_in = -(-shape[dim] // n)
+    c_out = -(-out_size // n)
+    tiles = np.array([sharding.tile_index(p, dim) for p in range(self.mesh.size)])
+    own = tiles * c_in
+    need = start + tiles * c_out
+    left = int(max(0, np.max(own - need)))
+    right = int(max(0, np.max(need + c_out - own - c_in)))
+    if left > c_in or right > c_in:
+      return None
+    return shape, sharding.dims[dim], own, need, left, right, c_out
+
   def parameter(self, node):
     if node.name in self.program.variable_names:   # a variable handle: one shard of the variable per device
       info = node.outputs[0]

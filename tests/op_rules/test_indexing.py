@@ -47,13 +47,14 @@ def test_slices_pad_tile(rng, spec):
   check(fn, [_x(rng)], (spec,))
 
 
-def test_unsplit_dims_pass_through_slices():
+def test_slices_and_pads_keep_the_operand_layout():
   def fn(a):
     return tf.identity(a[:, 3:9], name="s"), tf.identity(tf.pad(a, [[1, 1], [0, 0]]), name="p")
 
   low = gs.function(fn, mesh=MESH, in_shardings=P("data", "model")).lower(tf.TensorSpec([8, 12]))
-  assert low.shardings["s"].spec == P("data", None)
-  assert low.shardings["p"].spec == P(None, "model")
+  # GSPMD's rule: slices and pads keep the operand's layout (split dims take windows with halos).
+  assert low.shardings["s"].spec == P("data", "model")
+  assert low.shardings["p"].spec == P("data", "model")
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
@@ -107,3 +108,32 @@ def test_embedding_workload_matches_xla(rng):
   assert low.report.counts() == {"all-reduce": 1}
   (c,) = low.report.collectives
   assert c.shape == (32, 128, 512) and c.axes == ("model",) and low.report.bytes_per_device() == 8388608
+
+
+@pytest.mark.parametrize("mesh_shape,spec,shape", [((4,), P("d", None), (17, 6)), ((8,), P("d", None), (16, 6)),
+                                                   ((2, 4), P("b", "a"), (12, 6)), ((8,), P(None, "d"), (5, 24))],
+                         ids=str)
+def test_windowed_pad_and_slices_match(rng, mesh_shape, spec, shape):
+  """Pad / Slice / StridedSlice along a split dim: halos from neighbours, or a gather when too far."""
+  mesh = gs.Mesh(mesh_shape, ("d",) if len(mesh_shape) == 1 else ("a", "b"))
+  x = rng.standard_normal(shape).astype(np.float32)
+  n0, n1 = shape
+
+  def fn(t):
+    e = tf.exp(t)
+    return (tf.pad(e, [[1, 2], [0, 1]], constant_values=3.0), tf.slice(e, [2, 1], [n0 - 3, n1 - 1]), e[1:-1],
+            e[:, 2:], tf.concat([e, e * 2.0], 0), e[2:n0 - 1, 1:3])
+
+  f = gs.function(fn, mesh=mesh, in_shardings=spec, out_shardings=spec)
+  for got, want in zip(f(x), fn(tf.constant(x))):
+    assert_close(got.numpy(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_pad_and_slice_along_split_dim_exchange_halos_only():
+  mesh = gs.Mesh((4,), ("d",))
+  f = gs.function(lambda t: (tf.pad(t, [[1, 1], [0, 0]]), t[1:15] * 2.0), mesh=mesh, in_shardings=P("d", None),
+                  out_shardings=P("d", None))
+  low = f.lower(tf.TensorSpec([16, 8]))
+  assert set(low.report.counts()) == {"collective-permute"}
+  # pad: 1 row from the previous shard, up to 3 from the next (18 rows re-split 5 per device); slice: 1 row
+  assert sorted(c.shape[0] for c in low.report.collectives) == [1, 1, 3]

@@ -83,7 +83,7 @@ CASES = [
      {"y": P(None, M)}),
     ("tile", lambda x: I(tf.tile(x, [1, 3]), name="y"), [((8, 8), F32)], (P(D, M),), None, {"y": P(D, None)}),
     ("concat", lambda a, b: I(tf.concat([a, b], 1), name="y"), [((8, 8), F32)] * 2, (P(D, M), None), None,
-     {"y": P(D, None), "b": P(D, None)}),
+     {"y": P(D, M), "b": P(D, M)}),   # GSPMD: concat keeps the operands' layout, concat dim included
     ("split", lambda x: I(tf.split(x, 2, axis=1)[1], name="y"), [((8, 8), F32)], (P(D, M),), None,
      {"y": P(D, None)}),
     ("split_v", lambda x: I(tf.split(x, [3, 5], axis=0)[0], name="y"), [((8, 8), F32)], (P(D, M),), None,
@@ -91,11 +91,11 @@ CASES = [
     ("pack_unpack", lambda a, b: (I(tf.stack([a, b], 1), name="s"), I(tf.unstack(a, axis=1)[0], name="u")),
      [((8, 8), F32)] * 2, (P(D, M), None), None, {"s": P(D, None, M), "u": P(D)}),
     ("slice", lambda x: I(tf.slice(x, [0, 1], [8, 4]), name="y"), [((8, 8), F32)], (P(D, M),), None,
-     {"y": P(D, None)}),
+     {"y": P(D, M)}),   # the sliced dim stays split (windows with halos)
     ("strided_slice", lambda x: (I(x[:, 2], name="a"), I(x[1:3], name="b")), [((8, 8), F32)], (P(D, M),), None,
-     {"a": P(D), "b": P(None, M)}),
+     {"a": P(D), "b": P(D, M)}),
     ("pad", lambda x: I(tf.pad(x, [[0, 0], [1, 1]]), name="y"), [((8, 8), F32)], (P(D, M),), None,
-     {"y": P(D, None)}),
+     {"y": P(D, M)}),
     ("gather_ids", lambda t, i: I(tf.gather(t, i), name="y"), [((32, 8), F32), ((4, 6), I32)], (None, P(D)), None,
      {"y": P(D, None, None)}),
     ("gather_table", lambda t, i: I(tf.gather(t, i), name="y"), [((32, 8), F32), ((4, 6), I32)],
