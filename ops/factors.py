@@ -176,17 +176,12 @@ class FactorRule(Rule):
           used.update(ax)
     # Reduced factors: keep the largest existing split of an operand that does not clash (slicing is free,
     # gathering is not; the partial result then costs one all-reduce).
+    splits = list(_operand_splits(ctx, f, data)) if self.split_reduced(node) else []
     for l in f.reduced:
       best = ()
-      for j, labels in enumerate(f.operands if self.split_reduced(node) else ()):
-        cur = ctx.current(data[j])
-        if cur is None or cur.is_maximal:
-          continue
-        cur = cur.with_rank(len(labels))
-        for d, lab in enumerate(labels):
-          ax = cur.dims[d]
-          if lab == l and ax and not used & set(ax) and _size(mesh, ax) > _size(mesh, best):
-            best = ax
+      for lab, ax in splits:
+        if lab == l and not used & set(ax) and _size(mesh, ax) > _size(mesh, best):
+          best = ax
       axes_of[l] = best
       used.update(best)
     return axes_of
@@ -195,17 +190,23 @@ class FactorRule(Rule):
     """Every label split as the operands already are (first operand wins, no mesh axis used twice)."""
     axes_of, used = {}, set()
     split_reduced = self.split_reduced(node)
-    for j, labels in enumerate(f.operands):
-      cur = ctx.current(data[j])
-      if cur is None or cur.is_maximal:
-        continue
-      cur = cur.with_rank(len(labels))
-      for d, l in enumerate(labels):
-        ax = cur.dims[d]
-        if l and l not in axes_of and ax and not used & set(ax) and (split_reduced or l not in f.reduced):
-          axes_of[l] = ax
-          used.update(ax)
+    for l, ax in _operand_splits(ctx, f, data):
+      if l not in axes_of and not used & set(ax) and (split_reduced or l not in f.reduced):
+        axes_of[l] = ax
+        used.update(ax)
     return axes_of
+
+
+def _operand_splits(ctx, f, data):
+  """(label, mesh axes) for every split dim of the operands as they currently are, in operand order."""
+  for j, labels in enumerate(f.operands):
+    cur = ctx.current(data[j])
+    if cur is None or cur.is_maximal:
+      continue
+    cur = cur.with_rank(len(labels))
+    for d, l in enumerate(labels):
+      if l and cur.dims[d]:
+        yield l, cur.dims[d]
 
 
 def _partial(f, axes_of):

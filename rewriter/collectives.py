@@ -144,33 +144,43 @@ class Backend:
       self._record("all-gather", x, g.shape, size, axes, source, reason)
     return back(g)
 
-  def all_to_all(self, x, src, dst, axes, source, reason):
-    """Move a split from dim `src` to dim `dst` over the group of `axes`.
+  def _exchange_chunks(self, y, dim, axes, name):
+    """Cut dim `dim` of y into group-size chunks and send chunk k to the k-th member (mesh order).
 
-    Dim `dst` is cut into group-size chunks; chunk k goes to the k-th member (mesh order); what arrives is
-    concatenated along `src` in the senders' mesh order.
+    Returns [sender, ..., chunk, ...]: what arrived, in the senders' mesh order.
     """
     size, key = self._keys(axes)
-    y, back = _carry(x, source)
     shape = y.shape.as_list()
-    rank = len(shape)
-    c = shape[dst] // size
-    # 1. [.., dst, ..] -> [chunk, .., c, ..]: TF's CPU all-to-all exchanges slices of dim 0.
-    parts = tf.reshape(y, shape[:dst] + [size, c] + shape[dst + 1:])
-    parts = tf.transpose(parts, [dst] + [d for d in range(rank + 1) if d != dst])
+    c = shape[dim] // size
+    # [.., dim, ..] -> [chunk, .., c, ..]: TF's CPU all-to-all exchanges slices of dim 0.
+    parts = tf.reshape(y, shape[:dim] + [size, c] + shape[dim + 1:])
+    parts = tf.transpose(parts, [dim] + [d for d in range(len(shape) + 1) if d != dim])
     rank_perm = self._rank_permutation(axes)
     tag = "_".join(axes)
     if rank_perm is not None:   # slot r must carry the chunk of the member with runtime rank r
       parts = tf.gather(parts, self.lookup(np.argsort(rank_perm, axis=1).astype(np.int32), f"rank_inv_{tag}"))
     got = tf.raw_ops.CollectiveAllToAllV2(
         input=parts, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
-        timeout_seconds=self.timeout, name="all_to_all")
+        timeout_seconds=self.timeout, name=name)
     got = tf.reshape(got, parts.shape)
     if rank_perm is not None:   # slot r came from rank r: back to the senders' mesh order
       got = tf.gather(got, self.lookup(rank_perm, f"rank_perm_{tag}"))
-    # 2. [sender, .., src, ..] -> [.., sender * src, ..]: the sender index is the major part of `src`.
+    return got
+
+  def all_to_all(self, x, src, dst, axes, source, reason):
+    """Move a split from dim `src` to dim `dst` over the group of `axes`.
+
+    Dim `dst` is cut into group-size chunks; chunk k goes to the k-th member (mesh order); what arrives is
+    concatenated along `src` in the senders' mesh order.
+    """
+    y, back = _carry(x, source)
+    shape = y.shape.as_list()
+    rank = len(shape)
+    got = self._exchange_chunks(y, dst, axes, "all_to_all")
+    size = got.shape[0]
+    # [sender, .., src, ..] -> [.., sender * src, ..]: the sender index is the major part of `src`.
     got = tf.transpose(got, list(range(1, src + 1)) + [0] + list(range(src + 1, rank + 1)))
-    out_shape = shape[:dst] + [c] + shape[dst + 1:]
+    out_shape = shape[:dst] + [shape[dst] // size] + shape[dst + 1:]
     out_shape[src] *= size
     self._record("all-to-all", x, x.shape, size, axes, source, reason)
     return back(tf.reshape(got, out_shape))
@@ -181,27 +191,14 @@ class Backend:
     TF's CollectiveReduceScatterV2 has no CPU kernel: emitted as an all-to-all of the chunks (member k
     receives everyone's chunk k) and a local reduction, which moves no more than a reduce-scatter.
     """
-    size, key = self._keys(axes)
     y, back = _carry(x, source)
-    shape = y.shape.as_list()
-    rank = len(shape)
-    c = shape[dim] // size
-    parts = tf.reshape(y, shape[:dim] + [size, c] + shape[dim + 1:])
-    parts = tf.transpose(parts, [dim] + [d for d in range(rank + 1) if d != dim])
-    rank_perm = self._rank_permutation(axes)
-    if rank_perm is not None:
-      parts = tf.gather(parts, self.lookup(np.argsort(rank_perm, axis=1).astype(np.int32),
-                                           f"rank_inv_{'_'.join(axes)}"))
-    got = tf.raw_ops.CollectiveAllToAllV2(
-        input=parts, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
-        timeout_seconds=self.timeout, name="reduce_scatter")
-    got = tf.reshape(got, parts.shape)
+    got = self._exchange_chunks(y, dim, axes, "reduce_scatter")
     combine = {"Add": tf.reduce_sum, "Max": tf.reduce_max, "Min": tf.reduce_min, "Mul": tf.reduce_prod}[op]
-    out = combine(got, axis=0)
     shape = tuple(int(v) for v in x.shape)
-    self.report.add(CollectiveRecord("reduce-scatter", x.dtype.name, shape, math.prod(shape) * x.dtype.size, size,
-                                     tuple(axes), source, reason, emitted="all-to-all + local reduction"))
-    return back(out)
+    self.report.add(CollectiveRecord("reduce-scatter", x.dtype.name, shape, math.prod(shape) * x.dtype.size,
+                                     int(got.shape[0]), tuple(axes), source, reason,
+                                     emitted="all-to-all + local reduction"))
+    return back(combine(got, axis=0))
 
   def halo_exchange(self, x, dim, axes, left, right, source, reason):
     """x extended along `dim` by the last `left` rows of the previous shard and the first `right` rows of the
