@@ -5,15 +5,30 @@ inputs, outputs and every annotated node are preserved, so names users query sur
 needs afterwards are pruned, so no dead computation reaches completion or the report.
 """
 
+import threading
+
 import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
 from tensorflow.python.framework import convert_to_constants
+from tensorflow.python.grappler import cluster as gcluster
 from tensorflow.python.grappler import tf_optimizer
 
 from tf_gspmd._annotations import SHARDING_ATTR, SPEC_ATTR
 from tf_gspmd.rewriter.graph_ir import prune, side_effect_nodes, split_ref
 
 OPTIMIZERS = ("function", "constfold", "shape", "arithmetic")
+
+_CLUSTER = []
+_LOCK = threading.Lock()
+
+
+def _cluster():
+  """One Grappler cluster for the process: a new one per call starts a thread pool each time (thousands of
+  lowerings would exhaust the process's threads)."""
+  with _LOCK:
+    if not _CLUSTER:
+      _CLUSTER.append(gcluster.Cluster())
+    return _CLUSTER[0]
 
 
 def run(program):
@@ -31,7 +46,7 @@ def run(program):
   rewrite.min_graph_nodes = -1
   rewrite.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
   rewrite.optimizers.extend(OPTIMIZERS)
-  optimized = tf_optimizer.OptimizeGraph(config, meta, verbose=False)
+  optimized = tf_optimizer.OptimizeGraph(config, meta, verbose=False, cluster=_cluster())
   missing = keep - {n.name for n in optimized.node}
   if missing:  # Grappler dropped a node we must keep: fall back to the unoptimized graph.
     optimized = tf.compat.v1.GraphDef()
