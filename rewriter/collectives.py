@@ -3,8 +3,9 @@
 Groups are sets of mesh devices that differ only along some mesh axes. Every device runs the same
 program, so per-device values (group key, permutation) are read from constant tables indexed by the
 partition id. Group keys derive from the member device names (the same in every process); instance keys
-come from one process-wide counter, so every program gets fresh, deterministic keys. Every collective
-carries a timeout: a mismatched program fails with DeadlineExceededError instead of hanging.
+come from one process-wide counter, so every program gets fresh, deterministic keys. No collective hangs:
+the runtime aborts a program's collectives past its deadline (DeadlineExceededError). The ops' own
+`timeout_seconds` stays 0 on purpose: TF starts a timer thread per collective per device for it.
 """
 
 import itertools
@@ -62,14 +63,13 @@ def _carry(x, source):
 class Backend:
   """Emits collectives over mesh axes into the per-device graph being built."""
 
-  def __init__(self, mesh, devices, pid, lookup, report, timeout):
+  def __init__(self, mesh, devices, pid, lookup, report):
     self.mesh = mesh
     self.devices = tuple(devices) if devices else tuple(f"/job:localhost/replica:0/task:0/device:CPU:{p}"
                                                          for p in range(mesh.size))
     self.pid = pid
     self.lookup = lookup      # lookup(np table, name) -> per-device row of the table (a tensor)
     self.report = report
-    self.timeout = float(timeout)
     self._groups = {}
 
   # ---- groups -------------------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ class Backend:
     y, back = _carry(x, source)
     out = tf.raw_ops.CollectiveReduceV2(
         input=y, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
-        merge_op=op, final_op="Id", timeout_seconds=self.timeout, name="all_reduce")
+        merge_op=op, final_op="Id", name="all_reduce")
     self._record("all-reduce", x, x.shape, size, axes, source, reason)
     return back(out)
 
@@ -131,7 +131,7 @@ class Backend:
     y = tf.transpose(y, perm) if dim else y
     g = tf.raw_ops.CollectiveGatherV2(
         input=y, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
-        timeout_seconds=self.timeout, name="all_gather")
+        name="all_gather")
     gathered = [size * y.shape[0]] + y.shape.as_list()[1:]
     g = tf.reshape(g, gathered)  # CollectiveGatherV2 leaves dim 0 unknown; the shape is static here
     rank_perm = self._rank_permutation(axes)
@@ -161,7 +161,7 @@ class Backend:
       parts = tf.gather(parts, self.lookup(np.argsort(rank_perm, axis=1).astype(np.int32), f"rank_inv_{tag}"))
     got = tf.raw_ops.CollectiveAllToAllV2(
         input=parts, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
-        timeout_seconds=self.timeout, name=name)
+        name=name)
     got = tf.reshape(got, parts.shape)
     if rank_perm is not None:   # slot r came from rank r: back to the senders' mesh order
       got = tf.gather(got, self.lookup(rank_perm, f"rank_perm_{tag}"))

@@ -40,7 +40,7 @@ class PartitionContext:
     self._reshards = {}
     self._tables = {}
     self.pid = tf.compat.v1.placeholder(tf.int32, [], name=PARTITION_ID)
-    self.backend = Backend(self.mesh, devices, self.pid, self.lookup, report, program.options.collective_timeout)
+    self.backend = Backend(self.mesh, devices, self.pid, self.lookup, report)
     self.node = None
     self.local_inputs = []
     self.local_variables = []

@@ -18,7 +18,7 @@ from tf_gspmd.rewriter import cleanup, completion, grappler, import_annotations,
 @dataclasses.dataclass(frozen=True)
 class Options:
   strict: bool = False               # an op without a rule is an error instead of a replicated fallback
-  collective_timeout: float = 300.0  # seconds before a stuck collective raises DeadlineExceededError
+  collective_timeout: float = 300.0  # seconds before a stuck program's collectives are aborted
 
 
 @dataclasses.dataclass(frozen=True)

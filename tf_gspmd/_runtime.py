@@ -11,7 +11,9 @@ import threading
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute.parallel_device import parallel_device
+from tensorflow.python.eager import context
 from tensorflow.python.eager import wrap_function
+from tensorflow.python.framework import errors
 
 from tf_gspmd._sharded_tensor import ShardedTensor, shard_host_value
 from tf_gspmd.errors import InputError
@@ -69,13 +71,35 @@ class Executable:
         comps.append(tf.identity(tf.constant(shard)))
     return comps
 
+  def run_packed(self, pd, pid, packed):
+    """Run the per-device program on the parallel device `pd`, aborting its collectives past the deadline.
+
+    The deadline is kept here rather than in each collective's own timeout, which costs a timer thread per
+    collective per device (thousands per second in a training loop).
+    """
+    timeout = self.program.options.collective_timeout
+    done = threading.Event()
+
+    def watchdog():
+      if not done.wait(timeout):
+        context.context().abort_collective_ops(
+            errors.DEADLINE_EXCEEDED, f"tf_gspmd: the per-device program did not finish within {timeout} s "
+            "(collective_timeout): its collectives were aborted; restart the process to run collectives again")
+
+    guard = threading.Thread(target=watchdog, name="tf_gspmd_collective_deadline", daemon=True)
+    guard.start()
+    try:
+      with tf.device(pd._name):  # pylint: disable=protected-access
+        return self.fn(pid, *packed)[:self.n_outputs]
+    finally:
+      done.set()
+
   def __call__(self, args):
     program = self.program
     packed = []
     for k, (value, sharding, spec) in enumerate(zip(args, program.param_shardings, program.arg_specs)):
       packed.append(self.pd.pack(self.place(value, sharding, spec, program.input_names[k])))
-    with tf.device(self.pd._name):  # pylint: disable=protected-access
-      outs = self.fn(self.pid, *packed)[:self.n_outputs]
+    outs = self.run_packed(self.pd, self.pid, packed)
     results = []
     for r, out in zip(program.ir.outputs, outs):
       info = program.ir.info(r)

@@ -43,7 +43,7 @@ def test_local_program_nodes_and_shapes():
   assert ops.count("CollectiveReduceV2") == 1 and ops.count("MatMul") == 2
   assert PARTITION_ID in shapes
   coll = next(op for op in g.get_operations() if op.type == "CollectiveReduceV2")
-  assert coll.name.startswith("matmul_1/gspmd/") and coll.get_attr("timeout_seconds") > 0
+  assert coll.name.startswith("matmul_1/gspmd/")
 
 
 def test_pipeline_is_one_list_and_times_every_pass():
@@ -59,14 +59,14 @@ def test_dump_dir(tmp_path, monkeypatch):
   assert files[0] == "00_trace.pbtxt" and "04_partition.pbtxt" in files
 
 
-def test_verify_rejects_collective_without_timeout():
+def test_verify_rejects_foreign_collective():
   low = _megatron()
   gd = tf.compat.v1.GraphDef()
   gd.CopyFrom(low.graph_def)
   for n in gd.node:
     if n.op == "CollectiveReduceV2":
-      n.attr["timeout_seconds"].f = 0
-  with pytest.raises(PartitionError, match="collective without a timeout"):
+      n.name = "user_all_reduce"
+  with pytest.raises(PartitionError, match="not built by the partitioner"):
     cleanup.verify(low.program.replace(local_graph_def=gd))
 
 
@@ -85,7 +85,7 @@ def test_plan_a_large_mesh_without_devices():
   assert c.group_size == 64 and c.shape == (8, 512)
 
 
-def test_collective_timeout_raises_instead_of_hanging():
+def test_collective_deadline_raises_instead_of_hanging():
   """A program whose peers never arrive fails with DeadlineExceededError (in a subprocess: aborts poison)."""
   script = textwrap.dedent("""
       import tensorflow as tf
@@ -103,8 +103,7 @@ def test_collective_timeout_raises_instead_of_hanging():
         with tf.device(d):
           comps.append((tf.constant(p), tf.constant([1.0])))
       try:
-        with tf.device(pd._name):
-          exe.fn(pd.pack([c[0] for c in comps]), pd.pack([c[1] for c in comps]))
+        exe.run_packed(pd, pd.pack([c[0] for c in comps]), [pd.pack([c[1] for c in comps])])
       except tf.errors.DeadlineExceededError as e:
         print("DEADLINE", type(e).__name__)
       """)
