@@ -9,6 +9,7 @@ shards is exact); any other group is replicated before the reshape and re-split 
 import math
 
 import numpy as np
+from tensorflow.core.framework import attr_value_pb2
 
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.ops.factors import Factors, FactorRule
@@ -59,13 +60,20 @@ class Squeeze(FactorRule):
 
   priority = 0
 
-  def factors(self, node):
+  def _dims(self, node):
     shape = node.input_shape(0)
     dims = [int(d) % len(shape) for d in node.attr("squeeze_dims").i] if node.attr("squeeze_dims") else []
-    if not dims:
-      dims = [i for i, s in enumerate(shape) if s == 1]
-    ins = tuple(None if i in dims else f"d{i}" for i in range(len(shape)))
+    return dims or [i for i, s in enumerate(shape) if s == 1]
+
+  def factors(self, node):
+    dims = self._dims(node)
+    ins = tuple(None if i in dims else f"d{i}" for i in range(len(node.input_shape(0))))
     return Factors((ins,), (tuple(l for l in ins if l),))
+
+  def emit(self, ctx, node, local_inputs, axes_of):
+    # Name the squeezed dims: without them the local op would also drop dims whose *shard* has size 1.
+    dims = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(i=self._dims(node)))
+    return ctx.clone(node, {0: local_inputs[0]}, attrs={"squeeze_dims": dims})
 
 
 def reshape_groups(src, dst):

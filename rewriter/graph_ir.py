@@ -102,19 +102,27 @@ class Graph:
     self.graph_def = graph_def
     self.inputs = tuple(inputs)      # Placeholder node names, in argument order
     self.outputs = tuple(outputs)    # output tensor refs, in flattened output order
+    # Traced shapes are hints for what shape inference cannot see (e.g. reads of variables); they are not
+    # imported as attributes, which TF would reject where a rewrite changed a node's shape.
+    traced = {n.name: n.attr["_output_shapes"].list.shape for n in graph_def.node if "_output_shapes" in n.attr}
+    bare = tf.compat.v1.GraphDef()
+    bare.CopyFrom(graph_def)
+    for n in bare.node:
+      n.attr.pop("_output_shapes", None)
     tf_graph = tf.Graph()
     with tf_graph.as_default():
-      tf.graph_util.import_graph_def(graph_def, name="")
+      tf.graph_util.import_graph_def(bare, name="")
     self.nodes = []
     self.by_name: Dict[str, Node] = {}
     infos, dynamic = {}, {}
-    traced = {n.name: n.attr["_output_shapes"].list.shape for n in graph_def.node if "_output_shapes" in n.attr}
     for op in tf_graph.get_operations():
       outs = []
       for t in op.outputs:
         static = t.shape
         if not static.is_fully_defined() and op.name in traced and t.value_index < len(traced[op.name]):
-          static = static.merge_with(tf.TensorShape(traced[op.name][t.value_index]))   # known when traced
+          hint = tf.TensorShape(traced[op.name][t.value_index])
+          if static.is_compatible_with(hint):
+            static = static.merge_with(hint)   # known when traced
         if t.dtype in _SHAPELESS or static.rank is None:   # opaque (e.g. a kernel's reserve space)
           shape = tuple(static.as_list()) if static.rank is not None and static.is_fully_defined() else None
         elif not static.is_fully_defined():
