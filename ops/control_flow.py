@@ -107,3 +107,29 @@ class If(Rule):
         "output_shapes": _shape_list_attr(local)})
     for o, t in enumerate(targets):
       ctx.set_output(o, outs[o], t)
+
+
+@register("PartitionedCall", "StatefulPartitionedCall")
+class Call(Rule):
+  """A function call left after inlining: its body is completed and partitioned like an If branch."""
+
+  priority = 0
+  forward_without_operands = True
+
+  def forward(self, node, operands):
+    return [[s] for s in _body_results(node, node.attr("f").name, _shapes(node), operands)] or \
+        [[] for _ in node.outputs]
+
+  def partition(self, ctx, node):
+    mesh = ctx.mesh
+    n = len(node.inputs)
+    arrive = [ctx.current(i) or Sharding(mesh) for i in range(n)]
+    values = {i: ctx.operand(i, arrive[i]) for i in range(n)}
+    targets = [ctx.target(o) for o in range(len(node.outputs))]
+    body = ctx.partition_function(node.attr("f").name, _shapes(node), arrive, targets)
+    outs = ctx.clone(node, values, extra_inputs=[ctx.pid], attrs={
+        "f": _func_attr(body), "Tin": _type_list_attr([node.input_info(i).dtype for i in range(n)] + [tf.int32])})
+    for o, t in enumerate(targets):
+      if node.outputs[o].partitionable:   # a call's shapes are not inferred through its body
+        outs[o].set_shape(t.shard_shape(node.outputs[o].shape))
+      ctx.set_output(o, outs[o], t)

@@ -6,11 +6,12 @@ masked local lookup of `GatherV2`.
 """
 
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.ops.factors import Factors, FactorRule
 from tf_gspmd.ops.indexing import Gather
-from tf_gspmd.ops.registry import register
+from tf_gspmd.ops.registry import Rule, register
 
 
 def _value_labels(node, i=0):
@@ -21,6 +22,20 @@ def _handle_sharding(ctx, node):
   s = ctx.current(0)
   rank = len(node.input_info(0).value_shape or ())
   return Sharding(ctx.mesh, ((),) * rank) if s is None or s.is_maximal else s.with_rank(rank)
+
+
+@register("VarHandleOp")
+class VarHandle(Rule):
+  """A variable created inside the function: each device creates its own shard (shape attr = shard shape)."""
+
+  priority = 0
+
+  def partition(self, ctx, node):
+    layout = ctx.target(0)
+    local = layout.shard_shape(node.outputs[0].value_shape or ())
+    shape = attr_value_pb2.AttrValue(shape=tf.TensorShape(local).as_proto())
+    (handle,) = ctx.clone(node, {}, attrs={"shape": shape})
+    ctx.set_output(0, handle, layout)
 
 
 @register("ReadVariableOp")

@@ -183,6 +183,12 @@ def _attach_variable_shapes(tf_graph, infos):
   """Give every variable handle the shape of its value, read off the ops that read or write it."""
   for op in tf_graph.get_operations():
     pairs = []
+    if op.type == "VarHandleOp":
+      shape = tf.TensorShape(op.get_attr("shape"))
+      if shape.is_fully_defined():
+        old = infos[op.name][0]
+        infos[op.name][0] = TensorInfo(old.shape, old.dtype, tuple(shape.as_list()), op.get_attr("dtype"))
+      continue
     if op.type in _READS and op.inputs:
       pairs = [(op.inputs[0], op.outputs[0] if op.type == "ReadVariableOp" else op.inputs[_READS[op.type]])]
     elif op.type.startswith("ResourceApply"):   # variable and slots are shaped like the gradient

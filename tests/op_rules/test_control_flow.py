@@ -61,3 +61,35 @@ def test_annotation_inside_body_reaches_the_loop():
   assert low.out_shardings[0].spec == P(None, "model")
   x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8)
   assert_close(f(x).numpy(), fn(tf.constant(x)), rtol=1e-6)
+
+
+@tf.function(experimental_attributes={"_noinline": True})
+def _kept_call(x, w):
+  return tf.nn.relu(x @ w)
+
+
+def test_call_that_is_not_inlined_is_partitioned_through_its_body(rng):
+  def fn(x, w):
+    return _kept_call(x, w) * 2.0
+
+  f = gs.function(fn, mesh=MESH, in_shardings=(P("data", None), P(None, "model")))
+  low = f.lower(tf.TensorSpec([8, 16]), tf.TensorSpec([16, 8]))
+  assert "PartitionedCall" in {n.op for n in low.global_graph_def.node}
+  assert low.out_shardings[0].spec == P("data", "model") and low.report.collectives == []
+  x = rng.standard_normal((8, 16)).astype(np.float32)
+  w = rng.standard_normal((16, 8)).astype(np.float32)
+  assert_close(f(x, w).numpy(), fn(x, w), rtol=1e-5)
+
+
+def test_variable_created_inside_the_program_holds_one_shard_per_device(rng):
+  def fn(x):
+    v = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[8, 4], shared_name="gspmd_test_local_var")
+    tf.raw_ops.AssignVariableOp(resource=v, value=x * 3.0)
+    return gs.shard(tf.raw_ops.ReadVariableOp(resource=v, dtype=tf.float32), P("data", "model")) + 1.0
+
+  f = gs.function(fn, mesh=MESH, in_shardings=P("data", "model"))
+  low = f.lower(tf.TensorSpec([8, 4]))
+  local = [n for n in low.graph_def.node if n.op == "VarHandleOp"]
+  assert [list(d.size for d in n.attr["shape"].shape.dim) for n in local] == [[4, 1]]
+  x = rng.standard_normal((8, 4)).astype(np.float32)
+  assert_close(f(x).numpy(), x * 3.0 + 1.0, rtol=1e-6)
