@@ -5,6 +5,7 @@ output "h:1"), matching how users name tensors with tf.identity(..., name="h").
 """
 
 import dataclasses
+import re
 from typing import Dict, Optional, Tuple
 
 import tensorflow as tf
@@ -102,16 +103,23 @@ class Graph:
     self.graph_def = graph_def
     self.inputs = tuple(inputs)      # Placeholder node names, in argument order
     self.outputs = tuple(outputs)    # output tensor refs, in flattened output order
-    # Traced shapes are hints for what shape inference cannot see (e.g. reads of variables); they are not
-    # imported as attributes, which TF would reject where a rewrite changed a node's shape.
-    traced = {n.name: n.attr["_output_shapes"].list.shape for n in graph_def.node if "_output_shapes" in n.attr}
-    bare = tf.compat.v1.GraphDef()
-    bare.CopyFrom(graph_def)
-    for n in bare.node:
-      n.attr.pop("_output_shapes", None)
-    tf_graph = tf.Graph()
-    with tf_graph.as_default():
-      tf.graph_util.import_graph_def(bare, name="")
+    # Traced shapes (`_output_shapes`) let the import see what shape inference cannot (e.g. reads of
+    # variables). A rewrite may have left one that no longer fits its node: drop it and import again.
+    hinted = tf.compat.v1.GraphDef()
+    hinted.CopyFrom(graph_def)
+    by_name = {n.name: n for n in hinted.node}
+    while True:
+      tf_graph = tf.Graph()
+      try:
+        with tf_graph.as_default():
+          tf.graph_util.import_graph_def(hinted, name="")
+        break
+      except ValueError as e:
+        stale = re.search(r"Node '([^']+)' has an _output_shapes attribute inconsistent", str(e))
+        if not stale or "_output_shapes" not in by_name.get(stale.group(1), tf.compat.v1.NodeDef()).attr:
+          raise
+        del by_name[stale.group(1)].attr["_output_shapes"]
+    traced = {n.name: n.attr["_output_shapes"].list.shape for n in hinted.node if "_output_shapes" in n.attr}
     self.nodes = []
     self.by_name: Dict[str, Node] = {}
     infos, dynamic = {}, {}

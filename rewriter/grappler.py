@@ -51,12 +51,12 @@ def run(program):
   if missing:  # Grappler dropped a node we must keep: fall back to the unoptimized graph.
     optimized = tf.compat.v1.GraphDef()
     optimized.CopyFrom(gd)
-  # Grappler drops the traced static shapes (`_output_shapes`); put them back on the nodes it kept as they
-  # were (same op, same inputs: a rewrite may reuse a name for a node of another shape).
+  # Grappler drops the traced static shapes (`_output_shapes`); put them back on the nodes it kept (a rewrite
+  # may reuse a name for a node of another shape: the IR drops such stale hints when it imports the graph).
   traced = {n.name: n for n in gd.node if "_output_shapes" in n.attr}
   for n in optimized.node:
     old = traced.get(n.name)
-    if old is not None and old.op == n.op and list(old.input) == list(n.input) and "_output_shapes" not in n.attr:
+    if old is not None and old.op == n.op and "_output_shapes" not in n.attr:
       n.attr["_output_shapes"].CopyFrom(old.attr["_output_shapes"])
   # Drop what no output, annotation or side effect needs (Grappler leaves rewritten nodes behind).
   optimized = prune(optimized, sorted(keep) + side_effect_nodes(optimized))
