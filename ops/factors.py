@@ -11,6 +11,7 @@ import math
 from typing import Optional, Tuple
 
 import numpy as np
+import tensorflow as tf
 
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.ops.registry import Rule
@@ -87,6 +88,12 @@ class FactorRule(Rule):
   def split_reduced(self, node):  # pylint: disable=unused-argument
     """Whether reduced factors may stay split (partial results + all-reduce)."""
     return True
+
+  def local_shape_input(self, ctx, node, axes_of, index):
+    """The per-device shape of output 0, as a constant for the op's shape input `index` (ops like
+    Conv2DBackpropInput or ScatterNd take their output shape as an input, which must become local)."""
+    layout = Sharding(ctx.mesh, _dims_from(self.factors(node).outputs[0], axes_of))
+    return tf.constant(layout.shard_shape(node.outputs[0].shape), node.input_info(index).dtype)
 
   def emit(self, ctx, node, local_inputs, axes_of):  # pylint: disable=unused-argument
     """Local computation: by default the same op on the local shards (data inputs in order)."""

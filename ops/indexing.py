@@ -330,11 +330,8 @@ class BroadcastTo(FactorRule):
     return Factors((ins,), (labels,))
 
   def emit(self, ctx, node, local_inputs, axes_of):
-    mesh = ctx.mesh
-    natural = Sharding(mesh, tuple(axes_of.get(l, ()) for l in self.factors(node).outputs[0]))
-    local = natural.shard_shape(node.outputs[0].shape)
     # Only input-carried dims may be split here (new dims are unsplit in the natural layout).
-    return ctx.clone(node, {0: local_inputs[0], 1: tf.constant(local, node.input_info(1).dtype)})
+    return ctx.clone(node, {0: local_inputs[0], 1: self.local_shape_input(ctx, node, axes_of, 1)})
 
 
 @register("TopKV2")

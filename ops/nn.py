@@ -22,10 +22,6 @@ def _nhwc(node, b, c, rank=4):
   return (b, c) + spatial if fmt.startswith("NC") else (b,) + spatial + (c,)
 
 
-def _local_sizes(ctx, node, index, natural, shape):
-  return tf.constant(natural.shard_shape(shape), node.input_info(index).dtype)
-
-
 def _halo_eligible(node):
   """Stride 1, no dilation, SAME padding, NHWC: a split spatial dim needs only its neighbours' edge rows."""
   fmt = node.attr("data_format")
@@ -104,9 +100,7 @@ class ConvBackpropInput(FactorRule):
     return Factors((filt, _nhwc(node, "b", "co", rank)), (_nhwc(node, "b", "ci", rank),))
 
   def emit(self, ctx, node, local_inputs, axes_of):
-    out = self.factors(node).outputs[0]
-    natural = Sharding(ctx.mesh, tuple(axes_of.get(l, ()) for l in out))
-    sizes = _local_sizes(ctx, node, 0, natural, node.outputs[0].shape)
+    sizes = self.local_shape_input(ctx, node, axes_of, 0)
     return ctx.clone(node, {0: sizes, 1: local_inputs[0], 2: local_inputs[1]})
 
 
@@ -123,9 +117,7 @@ class ConvBackpropFilter(FactorRule):
                    ((None,) * (rank - 2) + ("ci", "co"),))
 
   def emit(self, ctx, node, local_inputs, axes_of):
-    out = self.factors(node).outputs[0]
-    natural = Sharding(ctx.mesh, tuple(axes_of.get(l, ()) for l in out))
-    sizes = _local_sizes(ctx, node, 1, natural, node.outputs[0].shape)
+    sizes = self.local_shape_input(ctx, node, axes_of, 1)
     return ctx.clone(node, {0: local_inputs[0], 1: sizes, 2: local_inputs[1]})
 
 
@@ -201,9 +193,7 @@ class AvgPoolGrad(_PoolRule):
     return node.outputs[0].shape
 
   def emit(self, ctx, node, local_inputs, axes_of):
-    natural = Sharding(ctx.mesh, tuple(axes_of.get(l, ()) for l in self.factors(node).outputs[0]))
-    sizes = _local_sizes(ctx, node, 0, natural, node.outputs[0].shape)
-    return ctx.clone(node, {0: sizes, 1: local_inputs[0]})
+    return ctx.clone(node, {0: self.local_shape_input(ctx, node, axes_of, 0), 1: local_inputs[0]})
 
 
 @register("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")

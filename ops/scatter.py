@@ -7,9 +7,7 @@ plain strided slice: dims read whole pass their split.
 """
 
 import numpy as np
-import tensorflow as tf
 
-from tf_gspmd._sharding import Sharding
 from tf_gspmd.ops.factors import Factors, FactorRule
 from tf_gspmd.ops.indexing import StridedSlice
 from tf_gspmd.ops.registry import register
@@ -30,9 +28,7 @@ class ScatterNd(FactorRule):
     return Factors((r + (None,), r + rest), ((None,) * k + rest,))
 
   def emit(self, ctx, node, local_inputs, axes_of):
-    out = self.factors(node).outputs[0]
-    natural = Sharding(ctx.mesh, tuple(axes_of.get(l, ()) for l in out))
-    shape = tf.constant(natural.shard_shape(node.outputs[0].shape), node.input_info(2).dtype)
+    shape = self.local_shape_input(ctx, node, axes_of, 2)
     return ctx.clone(node, {0: local_inputs[0], 1: local_inputs[1], 2: shape})
 
 
@@ -69,10 +65,7 @@ class StridedSliceGrad(FactorRule):
     return Factors((tuple(l for d, l in enumerate(out) if not sm >> d & 1),), (out,))
 
   def emit(self, ctx, node, local_inputs, axes_of):
-    out = self.factors(node).outputs[0]
-    natural = Sharding(ctx.mesh, tuple(axes_of.get(l, ()) for l in out))
-    shape = tf.constant(natural.shard_shape(node.outputs[0].shape), node.input_info(0).dtype)
-    return ctx.clone(node, {0: shape, 4: local_inputs[0]})
+    return ctx.clone(node, {0: self.local_shape_input(ctx, node, axes_of, 0), 4: local_inputs[0]})
 
 
 @register("GatherNd")
