@@ -138,10 +138,18 @@ def keras_model(cfg):
   """The same decoder as a Keras 3 model (Embedding, MultiHeadAttention, LayerNormalization, Dense)."""
   import keras  # pylint: disable=g-import-not-at-top
 
+  class PositionEmbedding(keras.layers.Layer):
+    """x + a learned [seq, d_model] table (a weight of the model, unlike an Embedding called on a constant)."""
+
+    def build(self, input_shape):
+      self.table = self.add_weight(shape=tuple(input_shape[1:]), initializer="random_normal", name="table")
+
+    def call(self, x):
+      return x + self.table
+
   tokens = keras.Input((cfg.seq,), dtype="int32", batch_size=cfg.batch)
   embed = keras.layers.Embedding(cfg.vocab, cfg.d_model, name="embed")
-  x = embed(tokens)
-  x = x + keras.layers.Embedding(cfg.seq, cfg.d_model, name="pos")(keras.ops.arange(cfg.seq)[None, :])
+  x = PositionEmbedding(name="pos")(embed(tokens))
   for l in range(cfg.layers):
     h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"l{l}_ln1")(x)
     h = keras.layers.MultiHeadAttention(cfg.heads, cfg.d_model // cfg.heads, name=f"l{l}_attn")(

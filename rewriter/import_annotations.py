@@ -65,6 +65,11 @@ def run(program):
   for name, s in zip(program.input_names, param):
     if s is not None:
       annotations[ref(name)] = s
+  pins = tuple(program.variable_layout(v) if program.variable_layout and v is not None else None
+               for v in program.variables)
+  for name, s in zip(program.variable_names, pins):
+    if s is not None:   # a variable already stored sharded keeps its layout; its reads are resharded if need be
+      annotations[ref(name)] = s
   ir = Graph(gd, program.input_names, outputs)
   pinned = {}
   for r, s in annotations.items():
@@ -73,7 +78,7 @@ def run(program):
       pinned[r] = s if s.is_maximal or info.sharding_rank is None else s.with_rank(info.sharding_rank, r)
     except SpecError as e:
       raise SpecError(f"annotation on {r} does not fit its shape {list(info.shape)}: {e}", node=split_ref(r)[0]) from None
-  return program.replace(graph_def=gd, ir=ir, annotations=pinned)
+  return program.replace(graph_def=gd, ir=ir, annotations=pinned, variable_pins=pins)
 
 
 def _declared_out(raw, n, mesh):

@@ -33,6 +33,7 @@ class Program:
   arriving_in: Tuple[Any, ...]           # Sharding or None per argument (layout of ShardedTensor arguments)
   declared_out: Any = None               # None, or a tuple of Sharding-or-None per flattened output
   devices: Optional[Tuple[str, ...]] = None
+  variable_layout: Any = None            # tf.Variable -> the Sharding it is stored in (pinned), or None
   # trace / grappler
   graph_def: Any = None
   input_names: Tuple[str, ...] = ()
@@ -40,6 +41,7 @@ class Program:
   output_structure: Any = None
   variable_names: Tuple[str, ...] = ()   # Placeholders of captured variables (resource handles)
   variables: Tuple[Any, ...] = ()        # the captured tf.Variables, in the same order
+  variable_pins: Tuple[Any, ...] = ()    # the stored layout of each captured variable when lowered (or None)
   # import_annotations / complete
   ir: Any = None
   annotations: Any = None                # ref -> Sharding, pinned

@@ -4,13 +4,15 @@ import functools
 import threading
 
 import tensorflow as tf
+from absl import logging
 
+from tf_gspmd import _state
 from tf_gspmd._mesh import Mesh, P
 from tf_gspmd._sharded_tensor import ShardedTensor
 from tf_gspmd._sharding import Sharding, to_sharding
 from tf_gspmd.errors import InputError, MeshError
 from tf_gspmd.rewriter import pipeline
-from tf_gspmd.rewriter.graph_ir import public_key
+from tf_gspmd.rewriter.graph_ir import public_key, ref
 
 
 class Lowered:
@@ -132,11 +134,19 @@ class ShardedFunction:
   def _lower(self, specs, arriving, devices):
     key = (specs, arriving, devices)
     with self._lock:
-      if key in self._cache:
-        return self._cache[key]
+      cached = self._cache.get(key)
+    if cached is not None:
+      program = cached.program
+      now = tuple(_state.layout_of(v, self.mesh) if v is not None else None for v in program.variables)
+      if now == program.variable_pins or all(
+          n is None or n == program.shardings[ref(name)] for n, name in zip(now, program.variable_names)):
+        return cached
+      logging.info("tf_gspmd: retracing %s: a captured variable is now stored in another layout",
+                   getattr(self.fn, "__name__", self.fn))
     declared_in = self._declared_in(specs)
     program = pipeline.Program(fn=self.fn, mesh=self.mesh, options=self.options, arg_specs=specs,
-                               declared_in=declared_in, arriving_in=arriving, devices=devices)
+                               declared_in=declared_in, arriving_in=arriving, devices=devices,
+                               variable_layout=functools.partial(_state.layout_of, mesh=self.mesh))
     program = pipeline.run(program.replace(declared_out=self._declared_out()))
     lowered = Lowered(program)
     with self._lock:

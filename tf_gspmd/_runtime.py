@@ -15,9 +15,18 @@ from tensorflow.python.eager import context
 from tensorflow.python.eager import wrap_function
 from tensorflow.python.framework import errors
 
+from tf_gspmd import _state
 from tf_gspmd._sharded_tensor import ShardedTensor, shard_host_value
 from tf_gspmd.errors import InputError
+from tf_gspmd.rewriter.graph_ir import ref
 from tf_gspmd.rewriter.partition import PARTITION_ID
+
+_READ_ONLY = ("ReadVariableOp", "VariableShape", "ResourceGather", "ResourceGatherNd")
+
+
+def _is_written(ir, name):
+  """Whether the program may write the variable whose handle is `name` (any use but a read)."""
+  return any(c.op not in _READ_ONLY for c, _ in ir.consumers.get(ref(name), ()))
 
 _lock = threading.Lock()
 _parallel_devices = {}
@@ -39,15 +48,15 @@ class Executable:
   """The imported per-device program of one lowering, bound to the mesh's devices."""
 
   def __init__(self, program):
-    if program.variables:
-      names = ", ".join(v.name if v is not None else n for v, n in zip(program.variables[:4], program.variable_names))
-      raise InputError(f"the function captures variables ({names}{', ...' if len(program.variables) > 4 else ''}); "
-                       "gs.function can plan such functions (lower) but runs only functions whose state is passed "
-                       "as arguments: pass the variables' values in and return the new values")
     self.program = program
     self.devices = program.devices
     self.pd, self.pid = _parallel(self.devices)
-    inputs = [PARTITION_ID + ":0"] + [n + ":0" for n in program.local_inputs]
+    for v, name in zip(program.variables, program.variable_names):
+      if v is None:
+        raise InputError("the function captures a resource that is not a tf.Variable (or Keras variable); "
+                         "tf_gspmd stores only variables sharded", node=name)
+    self.written = tuple(_is_written(program.ir, name) for name in program.variable_names)
+    inputs = [PARTITION_ID + ":0"] + [n + ":0" for n in program.local_inputs + program.local_variables]
     outputs = [n + ":0" for n in program.local_outputs]
     # A concrete function straight from the GraphDef (no Python tracing); side-effect ops are control outputs.
     self.fn = wrap_function.function_from_graph_def(program.local_graph_def, inputs,
@@ -94,12 +103,24 @@ class Executable:
     finally:
       done.set()
 
+  def storages(self):
+    """The sharded storage of every captured variable (created on first use, in the completed layout)."""
+    program = self.program
+    return [_state.manage(v, program.shardings[ref(name)], self.devices, what=name)
+            for v, name in zip(program.variables, program.variable_names)]
+
   def __call__(self, args):
     program = self.program
     packed = []
     for k, (value, sharding, spec) in enumerate(zip(args, program.param_shardings, program.arg_specs)):
       packed.append(self.pd.pack(self.place(value, sharding, spec, program.input_names[k])))
+    storages = self.storages()
+    for st in storages:
+      st.before_step()
+    packed.extend(st.packed(self.pd) for st in storages)
     outs = self.run_packed(self.pd, self.pid, packed)
+    for st, written in zip(storages, self.written):
+      st.after_step(written)
     results = []
     for r, out in zip(program.ir.outputs, outs):
       info = program.ir.info(r)

@@ -68,5 +68,8 @@ def shard_host_value(value, sharding, shape):
 
 
 def sharding_of(x):
-  """The `Sharding` of a ShardedTensor, or None when tf_gspmd does not manage `x`."""
-  return getattr(x, "sharding", None) if isinstance(x, ShardedTensor) else None
+  """The `Sharding` of a ShardedTensor or of a variable tf_gspmd stores sharded; None when it does not manage `x`."""
+  if isinstance(x, ShardedTensor):
+    return x.sharding
+  from tf_gspmd._state import layout_of  # pylint: disable=g-import-not-at-top
+  return layout_of(x)

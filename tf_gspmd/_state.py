@@ -1,0 +1,317 @@
+"""Sharded variable storage: the state a `gs.function` keeps on the mesh devices across calls.
+
+A variable captured by a gs.function is *managed* from its first run: its value lives as one shard per mesh
+device (a tf.Variable of the shard shape on that device), laid out by the sharding completion gave its
+handle. The partitioned program reads and updates the shards in place; the full value is never put together
+during a step.
+
+The user's `tf.Variable` object stays the variable: tf_gspmd changes its class to a subclass whose eager
+reads (`numpy()`, `value()`, `read_value()`, `tf.convert_to_tensor`) first copy the current shards into it,
+whose eager writes (`assign*`) reach the shards before the next step, and whose checkpoint serialisation saves
+and restores slices shard by shard (TF's `SaveV2` slice specs), so checkpoints hold global tensors that any
+mesh, or plain TF, can read.
+"""
+
+import threading
+import weakref
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.eager import context
+from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.trackable import base as trackable
+from tensorflow.python.training.saving import saveable_object
+
+from tf_gspmd.errors import InputError
+
+_lock = threading.RLock()
+
+
+def _inner(v):
+  """The tf.Variable behind `v` (a Keras variable keeps it in `_value`), or None."""
+  if isinstance(v, resource_variable_ops.BaseResourceVariable):
+    return v
+  inner = getattr(v, "_value", None)
+  return inner if isinstance(inner, resource_variable_ops.BaseResourceVariable) else None
+
+
+def storage_of(v):
+  """The `ShardedStorage` of a managed variable (tf.Variable or Keras variable), or None."""
+  inner = _inner(v)
+  return getattr(inner, "_gspmd_storage", None) if inner is not None else None
+
+
+def layout_of(v, mesh=None):
+  """The sharding a managed variable is stored in (when `mesh` is given: only if stored on it), or None."""
+  s = storage_of(v)
+  if s is None or (mesh is not None and s.sharding.mesh != mesh):
+    return None
+  return s.sharding
+
+
+class ShardedStorage:
+  """One shard of a variable per mesh device.
+
+  Attributes:
+    sharding: the layout (a `Sharding` of the variable's rank, or maximal/replicated).
+    components: per-device tf.Variables of the shard shape (padding included for uneven dims).
+    devices: the mesh's device names, in mesh order.
+  """
+
+  def __init__(self, variable, sharding, devices):
+    self._variable = weakref.ref(variable)
+    self.shape = tuple(variable.shape.as_list())
+    self.dtype = variable.dtype
+    self.sharding = sharding if sharding.is_maximal else sharding.with_rank(len(self.shape))
+    self.devices = tuple(devices)
+    self.components = []
+    self.shards_newer = False   # the shards hold the current value; the tf.Variable's own buffer is stale
+    self.host_newer = False     # the tf.Variable was assigned outside a gs.function since the last step
+    self._packed = {}
+
+  # ---- layout ----------------------------------------------------------------------------------------------
+  @property
+  def shard_shape(self):
+    return self.shape if self.sharding.is_maximal else self.sharding.shard_shape(self.shape)
+
+  def tile_extent(self, p):
+    """(starts, lengths) of the global slice device p holds (lengths exclude padding; may be 0)."""
+    if self.sharding.is_maximal or self.sharding.is_replicated:
+      return (0,) * len(self.shape), self.shape
+    local = self.shard_shape
+    starts = tuple(self.sharding.tile_index(p, d) * local[d] for d in range(len(self.shape)))
+    lengths = tuple(max(0, min(c, n - s)) for c, n, s in zip(local, self.shape, starts))
+    return starts, lengths
+
+  def owners(self):
+    """One device position per distinct tile (the lowest), for saving each slice once."""
+    seen, out = set(), []
+    for p in range(len(self.devices)):
+      key = self.tile_extent(p)
+      if key not in seen:
+        seen.add(key)
+        out.append(p)
+    return out
+
+  # ---- creation and bulk transfer ----------------------------------------------------------------------------
+  def create(self, shard_fn):
+    """Creates the per-device shards; `shard_fn(p, starts, lengths)` gives device p's unpadded slice."""
+    comps = []
+    for p, d in enumerate(self.devices):
+      with tf.device(d):
+        comps.append(tf.Variable(self._padded(shard_fn(p, *self.tile_extent(p))), trainable=False,
+                                 name=f"gspmd_shard_{p}"))
+    self.components = comps
+    self._packed.clear()
+
+  def _padded(self, piece):
+    piece = tf.convert_to_tensor(piece, self.dtype)
+    pad = [(0, c - n) for c, n in zip(self.shard_shape, piece.shape.as_list())]
+    return tf.pad(piece, pad) if any(r for _, r in pad) else piece
+
+  def load(self, value):
+    """Writes a global host value into the shards."""
+    value = np.asarray(value)
+    for p, comp in enumerate(self.components):
+      starts, lengths = self.tile_extent(p)
+      with tf.device(self.devices[p]):
+        comp.assign(self._padded(value[tuple(slice(s, s + n) for s, n in zip(starts, lengths))]))
+
+  def gather(self):
+    """The global value on the host, assembled from one copy of every tile."""
+    out = np.empty(self.shape, self.dtype.as_numpy_dtype)
+    for p in self.owners():
+      starts, lengths = self.tile_extent(p)
+      if all(lengths) or not lengths:
+        piece = self.components[p].numpy()[tuple(slice(0, n) for n in lengths)]
+        out[tuple(slice(s, s + n) for s, n in zip(starts, lengths))] = piece
+    return out
+
+  def packed(self, pd):
+    """The shards' handles packed as one parallel tensor of `pd` (cached)."""
+    key = id(pd)
+    if key not in self._packed:
+      self._packed[key] = pd.pack([c.handle for c in self.components])
+    return self._packed[key]
+
+  # ---- synchronisation with the tf.Variable object ---------------------------------------------------------------
+  def before_step(self):
+    """An eager assign since the last step is copied into the shards."""
+    if self.host_newer:
+      v = self._variable()
+      self.load(_plain_read(v))
+      self.host_newer = False
+
+  def after_step(self, written):
+    if written:
+      self.shards_newer = True
+
+  def flush(self):
+    """The tf.Variable's own buffer is brought up to date with the shards (for an eager read)."""
+    if self.shards_newer:
+      v = self._variable()
+      resource_variable_ops.BaseResourceVariable.assign(v, self.gather(), read_value=False)
+      self.shards_newer = False
+
+  # ---- checkpoints -------------------------------------------------------------------------------------------------
+  def slice_spec(self, p):
+    starts, lengths = self.tile_extent(p)
+    full = " ".join(str(n) for n in self.shape)
+    if not self.shape:
+      return ""
+    parts = ["-" if s == 0 and n == d else f"{s},{n}" for s, n, d in zip(starts, lengths, self.shape)]
+    return f"{full} {':'.join(parts)}"
+
+  def serialize(self):
+    """{slice spec: tensor} with every distinct non-empty tile once, each read on its own device."""
+    self.before_step()
+    if self.sharding.is_maximal or self.sharding.is_replicated or not self.shape:
+      p = self.sharding.maximal or 0
+      return {"": self._read_slice(p)}
+    out = {}
+    for p in self.owners():
+      _, lengths = self.tile_extent(p)
+      if all(lengths):
+        out[self.slice_spec(p)] = self._read_slice(p)
+    return out
+
+  def _read_slice(self, p):
+    _, lengths = self.tile_extent(p)
+    comp = self.components[p]
+    with tf.device(self.devices[p]):
+      x = comp.read_value()
+      if tuple(lengths) != tuple(self.shard_shape):
+        x = x[tuple(slice(0, n) for n in lengths)]
+    return x
+
+  def restore(self, restored):
+    """Assigns restored slices ({spec: tensor}, or one whole tensor) to the shards that hold them."""
+    if not isinstance(restored, dict):
+      restored = {"": restored}
+    for p, comp in enumerate(self.components):
+      spec = "" if "" in restored else self.slice_spec(p)
+      if spec in restored:
+        piece = restored[spec]
+        if spec == "" and not (self.sharding.is_maximal or self.sharding.is_replicated):
+          starts, lengths = self.tile_extent(p)
+          piece = piece[tuple(slice(s, s + n) for s, n in zip(starts, lengths))]
+        with tf.device(self.devices[p]):
+          comp.assign(self._padded(piece))
+      else:   # a tile that holds padding only, or a replica of a tile restored elsewhere
+        starts, lengths = self.tile_extent(p)
+        donor = next((q for q in range(len(self.components)) if self.tile_extent(q) == (starts, lengths)
+                      and self.slice_spec(q) in restored), None)
+        with tf.device(self.devices[p]):
+          if donor is not None:
+            comp.assign(self._padded(restored[self.slice_spec(donor)]))
+          else:
+            comp.assign(tf.zeros(self.shard_shape, self.dtype))
+    self.shards_newer = True
+    self.host_newer = False
+
+
+def _plain_read(v):
+  return resource_variable_ops.BaseResourceVariable._read_variable_op(v)  # pylint: disable=protected-access
+
+
+_warned_graph = set()
+
+
+class _ManagedVariable:
+  """Mixin for a managed tf.Variable: eager reads see the shards, eager writes reach them."""
+
+  def _gspmd_sync_read(self):
+    if context.executing_eagerly():
+      self._gspmd_storage.flush()
+    elif self.name not in _warned_graph:
+      _warned_graph.add(self.name)
+      tf.get_logger().warning(
+          "tf_gspmd: variable %s is stored sharded by a gs.function and is read inside a plain tf.function; that "
+          "function sees the value of the last eager read. Read it in a gs.function or eagerly.", self.name)
+
+  def _read_variable_op(self, no_copy=False):
+    self._gspmd_sync_read()
+    return super()._read_variable_op(no_copy=no_copy)
+
+  def read_value_no_copy(self):
+    self._gspmd_sync_read()
+    return super().read_value_no_copy()
+
+  def _gspmd_write(self, method, *args, **kwargs):
+    self._gspmd_sync_read()
+    out = getattr(super(), method)(*args, **kwargs)
+    if context.executing_eagerly():
+      self._gspmd_storage.host_newer = True
+    return out
+
+  def assign(self, *args, **kwargs):
+    return self._gspmd_write("assign", *args, **kwargs)
+
+  def assign_add(self, *args, **kwargs):
+    return self._gspmd_write("assign_add", *args, **kwargs)
+
+  def assign_sub(self, *args, **kwargs):
+    return self._gspmd_write("assign_sub", *args, **kwargs)
+
+  def scatter_update(self, *args, **kwargs):
+    return self._gspmd_write("scatter_update", *args, **kwargs)
+
+  def scatter_add(self, *args, **kwargs):
+    return self._gspmd_write("scatter_add", *args, **kwargs)
+
+  def scatter_sub(self, *args, **kwargs):
+    return self._gspmd_write("scatter_sub", *args, **kwargs)
+
+  def scatter_nd_update(self, *args, **kwargs):
+    return self._gspmd_write("scatter_nd_update", *args, **kwargs)
+
+  def _serialize_to_tensors(self):
+    storage = self._gspmd_storage
+    slices = {}
+    for spec, tensor in storage.serialize().items():
+      slices[spec] = saveable_object.SaveSpec(tensor, spec, trackable.VARIABLE_VALUE_KEY, dtype=self.dtype,
+                                              device=tensor.device)
+    return {trackable.VARIABLE_VALUE_KEY: slices if "" not in slices else slices[""]}
+
+  def _restore_from_tensors(self, restored_tensors):
+    self._gspmd_storage.restore(restored_tensors[trackable.VARIABLE_VALUE_KEY])
+    return {}
+
+
+_classes = {}
+
+
+def _managed_class(cls):
+  with _lock:
+    if cls not in _classes:
+      _classes[cls] = type(f"Sharded{cls.__name__}", (_ManagedVariable, cls), {"__module__": cls.__module__})
+    return _classes[cls]
+
+
+def manage(v, sharding, devices, what=None):
+  """Stores variable `v` sharded as `sharding` on `devices` (re-laid out when it is stored otherwise)."""
+  inner = _inner(v)
+  if inner is None:
+    raise InputError(f"{what or v!r} is not a resource variable; tf_gspmd stores tf.Variables and Keras variables")
+  with _lock:
+    storage = getattr(inner, "_gspmd_storage", None)
+    want = sharding if sharding.is_maximal else sharding.with_rank(inner.shape.rank)
+    if storage is not None and storage.sharding == want and storage.devices == tuple(devices):
+      return storage
+    if storage is not None:   # another layout: through the host, once
+      value = storage.gather() if storage.shards_newer else _plain_read(inner).numpy()
+    else:
+      value = None
+    new = ShardedStorage(inner, want, devices)
+    if value is None and getattr(inner, "_gspmd_init", None) is not None:
+      new.create(inner._gspmd_init)   # pylint: disable=protected-access
+      new.shards_newer = True
+    else:
+      if value is None:
+        value = _plain_read(inner).numpy()
+      new.create(lambda p, starts, lengths: value[tuple(slice(s, s + n) for s, n in zip(starts, lengths))])
+      new.shards_newer = storage is not None
+    inner._gspmd_storage = new   # pylint: disable=protected-access
+    if not isinstance(inner, _ManagedVariable):
+      inner.__class__ = _managed_class(type(inner))
+    return new
