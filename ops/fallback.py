@@ -3,7 +3,10 @@
 Every use is reported by the partitioner and warned about once per op type; `strict=True` forbids it.
 """
 
+import tensorflow as tf
+
 from tf_gspmd._sharding import Sharding
+from tf_gspmd.errors import UnsupportedOpError
 from tf_gspmd.ops.registry import Rule
 
 
@@ -15,6 +18,13 @@ class Fallback(Rule):
 
   def partition(self, ctx, node):
     mesh = ctx.mesh
+    for i in range(len(node.inputs)):
+      layout = ctx.current(i)
+      if node.input_info(i).dtype == tf.resource and layout is not None and not layout.is_replicated:
+        raise UnsupportedOpError(
+            f"op type {node.op} has no partitioning rule and writes or reads variable input {i} "
+            f"({node.inputs[i]}), which is stored split as {layout}; a replicated fallback cannot run on a shard. "
+            "Annotate that variable replicated (gs.replicate) or use ops with rules", node=node.name, op_type=node.op)
     inputs = {i: ctx.operand(i, Sharding(mesh)) for i in range(len(node.inputs))}
     outs = ctx.clone(node, inputs)
     for o, value in enumerate(outs):

@@ -5,6 +5,7 @@ first (a variable is never resharded in place). Gathers from a variable split al
 masked local lookup of `GatherV2`.
 """
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
@@ -136,3 +137,58 @@ class ResourceApply(FactorRule):
     g = self._grad_index(node)
     inputs = {i: ctx.operand(i, layout if i == g else Sharding(ctx.mesh)) for i in range(len(node.inputs))}
     ctx.clone(node, inputs)
+
+
+# var[ids] (op)= updates, for a variable split along its first dim: each device folds the updates of the rows it
+# owns into one dense delta (the ids of other rows map to the dropped segment -1) and combines it locally.
+_SCATTER_COMBINE = {
+    "ResourceScatterAdd": (tf.math.unsorted_segment_sum, lambda old, d, hit: old + d),
+    "ResourceScatterSub": (tf.math.unsorted_segment_sum, lambda old, d, hit: old - d),
+    "ResourceScatterMul": (tf.math.unsorted_segment_prod, lambda old, d, hit: old * d),
+    "ResourceScatterDiv": (tf.math.unsorted_segment_prod, lambda old, d, hit: old / d),
+    "ResourceScatterMin": (tf.math.unsorted_segment_min, lambda old, d, hit: tf.minimum(old, d)),
+    "ResourceScatterMax": (tf.math.unsorted_segment_max, lambda old, d, hit: tf.maximum(old, d)),
+    "ResourceScatterUpdate": (tf.math.unsorted_segment_max, lambda old, d, hit: tf.where(hit, d, old)),
+}
+
+
+@register(*_SCATTER_COMBINE)
+class ResourceScatter(FactorRule):
+  """var[ids] op= updates: the variable's other dims pass their split to the updates; ids are replicated.
+
+  A variable split along its first dim takes on each device only the updates of its own rows (masked, summed
+  per row into a dense local delta); nothing is communicated.
+  """
+
+  priority = 0
+
+  def factors(self, node):
+    labels = _value_labels(node)
+    ids = tuple(f"i{k}" for k in range(len(node.input_shape(1))))
+    return Factors((labels, ids, ids + labels[1:]), ())
+
+  def partition(self, ctx, node):
+    layout = _handle_sharding(ctx, node)
+    k = len(node.input_shape(1))
+    handle = ctx.operand(0, None)
+    ids = ctx.operand(1, Sharding(ctx.mesh))
+    updates = ctx.operand(2, Sharding(ctx.mesh, ((),) * k + layout.dims[1:]))
+    if not layout.dims or not layout.dims[0]:
+      ctx.clone(node, {0: handle, 1: ids, 2: updates})
+      return
+    size = node.input_info(0).value_shape[0]
+    c = -(-size // layout.tiles(0))
+    lo = np.array([layout.tile_index(p, 0) * c for p in range(ctx.mesh.size)], ids.dtype.as_numpy_dtype)
+    segment, combine = _SCATTER_COMBINE[node.op]
+    dtype = node.attr("dtype")
+    ctrl = [ctx.ops[c] for c in node.control if c in ctx.ops]
+    with tf.name_scope(node.name + "/gspmd/"), tf.control_dependencies(ctrl):
+      local = tf.reshape(ids, [-1]) - ctx.lookup(lo, f"row_offset_{c}")
+      local = tf.where((local >= 0) & (local < c), local, -tf.ones_like(local))
+      flat = tf.reshape(updates, [-1] + updates.shape.as_list()[k:])
+      delta = segment(flat, local, c)
+      hit = tf.math.unsorted_segment_max(tf.ones_like(local), local, c) > 0
+      hit = tf.reshape(hit, [c] + [1] * (flat.shape.rank - 1))
+      old = tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype)
+      new = tf.where(hit, combine(old, delta, hit), old)
+    ctx.ops[node.name] = tf.raw_ops.AssignVariableOp(resource=handle, value=new, name=node.name)

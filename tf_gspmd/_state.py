@@ -12,6 +12,7 @@ and restores slices shard by shard (TF's `SaveV2` slice specs), so checkpoints h
 mesh, or plain TF, can read.
 """
 
+import functools
 import threading
 import weakref
 
@@ -68,6 +69,7 @@ class ShardedStorage:
     self.shards_newer = False   # the shards hold the current value; the tf.Variable's own buffer is stale
     self.host_newer = False     # the tf.Variable was assigned outside a gs.function since the last step
     self._packed = {}
+    self._slice_specs = None
 
   # ---- layout ----------------------------------------------------------------------------------------------
   @property
@@ -162,20 +164,19 @@ class ShardedStorage:
     parts = ["-" if s == 0 and n == d else f"{s},{n}" for s, n, d in zip(starts, lengths, self.shape)]
     return f"{full} {':'.join(parts)}"
 
-  def serialize(self):
-    """{slice spec: tensor} with every distinct non-empty tile once, each read on its own device."""
-    self.before_step()
-    if self.sharding.is_maximal or self.sharding.is_replicated or not self.shape:
-      p = self.sharding.maximal or 0
-      return {"": self._read_slice(p)}
-    out = {}
-    for p in self.owners():
-      _, lengths = self.tile_extent(p)
-      if all(lengths):
-        out[self.slice_spec(p)] = self._read_slice(p)
-    return out
+  def slice_specs(self):
+    """{slice spec: device position} with every distinct non-empty tile once ("" = the whole value)."""
+    if self._slice_specs is None:
+      if self.sharding.is_maximal or self.sharding.is_replicated or not self.shape:
+        self._slice_specs = {"": self.sharding.maximal or 0}
+      else:
+        self._slice_specs = {self.slice_spec(p): p for p in self.owners() if all(self.tile_extent(p)[1])}
+    return self._slice_specs
 
-  def _read_slice(self, p):
+  def read_slice(self, spec):
+    """The current value of one slice (an eager tensor on its device)."""
+    self.before_step()
+    p = self.slice_specs()[spec]
     _, lengths = self.tile_extent(p)
     comp = self.components[p]
     with tf.device(self.devices[p]):
@@ -265,17 +266,27 @@ class _ManagedVariable:
   def scatter_nd_update(self, *args, **kwargs):
     return self._gspmd_write("scatter_nd_update", *args, **kwargs)
 
-  def _serialize_to_tensors(self):
-    storage = self._gspmd_storage
-    slices = {}
-    for spec, tensor in storage.serialize().items():
-      slices[spec] = saveable_object.SaveSpec(tensor, spec, trackable.VARIABLE_VALUE_KEY, dtype=self.dtype,
-                                              device=tensor.device)
-    return {trackable.VARIABLE_VALUE_KEY: slices if "" not in slices else slices[""]}
+  # Checkpoints go through the SaveableObject API: one SaveSpec per slice. (TF's `_serialize_to_tensors` restore
+  # path hands a trackable only the first slice of a multi-slice key.)
+  def _gather_saveables_for_checkpoint(self):
+    return {trackable.VARIABLE_VALUE_KEY: lambda name: _SliceSaveable(self, name)}
 
-  def _restore_from_tensors(self, restored_tensors):
-    self._gspmd_storage.restore(restored_tensors[trackable.VARIABLE_VALUE_KEY])
-    return {}
+
+class _SliceSaveable(saveable_object.SaveableObject):
+  """A managed variable in a checkpoint: every distinct tile saved from its device as a slice of the global value."""
+
+  def __init__(self, variable, name):
+    storage = variable._gspmd_storage  # pylint: disable=protected-access
+    self._storage = storage
+    self._order = storage.slice_specs()
+    specs = [saveable_object.SaveSpec(functools.partial(storage.read_slice, spec), spec, name, dtype=variable.dtype,
+                                      device=storage.devices[p]) for spec, p in self._order.items()]
+    super().__init__(variable, specs, name)
+
+  def restore(self, restored_tensors, restored_shapes):
+    del restored_shapes
+    self._storage.restore(dict(zip(self._order, restored_tensors)))
+    return None
 
 
 _classes = {}
