@@ -43,6 +43,20 @@ class IdentityLike(FactorRule):
     return [ctx.identity(local_inputs[0])]
 
 
+@register("IdentityN")
+class IdentityN(FactorRule):
+  """Several values passed through at once (custom gradients): each output keeps its own input's layout."""
+
+  priority = 0
+
+  def factors(self, node):
+    labels = tuple(tuple(f"t{k}d{i}" for i in range(len(o.shape or ()))) for k, o in enumerate(node.outputs))
+    return Factors(labels, labels)
+
+  def emit(self, ctx, node, local_inputs, axes_of):
+    return ctx.clone(node, dict(enumerate(local_inputs)))
+
+
 @register("BiasAdd", "BiasAddV1")
 class BiasAdd(FactorRule):
   """value + bias broadcast along the channel dim (last for NHWC, 1 for NCHW)."""

@@ -271,6 +271,11 @@ class _ManagedVariable:
   def _gather_saveables_for_checkpoint(self):
     return {trackable.VARIABLE_VALUE_KEY: lambda name: _SliceSaveable(self, name)}
 
+  def _restore_from_tensors(self, restored_tensors):
+    # Reached when a wrapper (a Keras variable) restores through its tf.Variable: one whole tensor.
+    self._gspmd_storage.restore(restored_tensors[trackable.VARIABLE_VALUE_KEY])
+    return None
+
 
 class _SliceSaveable(saveable_object.SaveableObject):
   """A managed variable in a checkpoint: every distinct tile saved from its device as a slice of the global value."""
