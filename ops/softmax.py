@@ -65,10 +65,15 @@ class SoftmaxCrossEntropy(FactorRule):
     b_axes = () if loss_t.is_maximal else loss_t.dims[0]
     cur = ctx.current(0)
     c_axes = () if cur is None or cur.is_maximal else cur.with_rank(2).dims[1]
-    if not c_axes or set(c_axes) & set(b_axes):
-      return super().partition(ctx, node)   # class dim whole on every device: the op runs locally
     mesh = ctx.mesh
     sparse = node.op.startswith("Sparse")
+    if not c_axes or set(c_axes) & set(b_axes):   # class dim whole on every device: the op runs locally
+      whole = Sharding(mesh, (b_axes, ()))
+      loss, grad = ctx.clone(node, {0: ctx.operand(0, whole),
+                                    1: ctx.operand(1, Sharding(mesh, (b_axes,)) if sparse else whole)})
+      ctx.set_output(0, loss, Sharding(mesh, (b_axes,)))
+      ctx.set_output(1, grad, whole)
+      return
     xs = Sharding(mesh, (b_axes, c_axes))
     shape = node.input_shape(0)
     x = ctx.operand(0, xs)

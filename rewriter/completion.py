@@ -46,11 +46,15 @@ def merge(old, new):
   return new if new.num_tiles > old.num_tiles else old
 
 
-def run(program):
+def run(program, seed=None):
+  """Pass: complete `program.annotations` (pinned) to every tensor; `seed` gives unpinned starting values."""
   ir = program.ir
   mesh = program.mesh
   shard = {}
   why = {}
+  for r, s in (seed or {}).items():
+    shard[r] = s
+    why[r] = (program.explanations or {}).get(r, "seeded")
   for r, s in program.annotations.items():
     shard[r] = s
     why[r] = "annotation"

@@ -19,8 +19,8 @@ from tf_gspmd._sharding import Sharding
 from tf_gspmd.errors import PartitionError, UnsupportedOpError
 from tf_gspmd.rewriter import functions, reshard
 from tf_gspmd.rewriter.collectives import Backend
-from tf_gspmd.rewriter.graph_ir import public_key, split_ref
-from tf_gspmd.rewriter.report import Report
+from tf_gspmd.rewriter.graph_ir import public_key, ref, split_ref
+from tf_gspmd.rewriter.report import Report, StateRecord
 
 PARTITION_ID = "gspmd/partition_id"
 _warned_fallback = set()
@@ -295,6 +295,21 @@ def _import_library(program):
     tf.graph_util.import_graph_def(lib, name="")
 
 
+def _state_records(program):
+  records = []
+  for name, var in zip(program.variable_names, program.variables):
+    info, layout = program.ir.info(ref(name)), program.shardings[ref(name)]
+    if info.value_shape is None:
+      continue
+    local = info.value_shape if layout.is_maximal else layout.with_rank(len(info.value_shape)).shard_shape(
+        info.value_shape)
+    size = info.value_dtype.size
+    records.append(StateRecord(var.name if var is not None else name, info.value_shape, str(layout),
+                               int(np.prod(local)) * size, int(np.prod(info.value_shape)) * size,
+                               "update state" if name in program.update_state else "weight"))
+  return records
+
+
 def run(program):
   """Pass: build the per-device program (GraphDef), its input/output names and the collective report."""
   report = Report(completion_iterations=program.completion_iterations)
@@ -311,6 +326,7 @@ def run(program):
                   if not program.ir.node(name).outputs and program.ir.node(name).op not in ("NoOp",)]
   graph_def = graph.as_graph_def()
   graph_def.library.function.extend(ctx.functions)
+  report.state.extend(_state_records(program))
   return program.replace(local_graph_def=graph_def, local_inputs=tuple(ctx.local_inputs),
                          local_variables=tuple(ctx.local_variables),
                          local_outputs=tuple(outputs), side_effects=tuple(side_effects), report=report)

@@ -12,13 +12,14 @@ import time
 from typing import Any, Optional, Tuple
 
 from tf_gspmd.errors import PartitionError, ShardingError
-from tf_gspmd.rewriter import cleanup, completion, grappler, import_annotations, partition, trace
+from tf_gspmd.rewriter import cleanup, completion, grappler, import_annotations, partition, trace, weight_update
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
   strict: bool = False               # an op without a rule is an error instead of a replicated fallback
   collective_timeout: float = 300.0  # seconds before a stuck program's collectives are aborted
+  weight_update_sharding: Any = None  # None/False, True (the "data" axis, else the first), or a mesh axis name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Program:
   explanations: Any = None               # ref -> why completion chose it
   param_shardings: Tuple[Any, ...] = ()
   completion_iterations: int = 0
+  update_state: Tuple[str, ...] = ()     # handles of variables read only to compute updates (optimizer state)
   # partition / cleanup
   local_graph_def: Any = None
   local_inputs: Tuple[str, ...] = ()
@@ -71,6 +73,7 @@ PASSES = (
     ("grappler", grappler.run),                    # shape/constant folding, function inlining
     ("import_annotations", import_annotations.run),  # _XlaSharding / XlaSharding / boundaries -> pinned shardings
     ("complete", completion.run),                  # a sharding for every tensor
+    ("weight_update_sharding", weight_update.run),  # optimizer state and updates split over the data axis
     ("partition", partition.run),                  # one per-device GraphDef + collective report
     ("cleanup", cleanup.run),                      # dead nodes removed
     ("verify", cleanup.verify),                    # invariants of the per-device program

@@ -88,14 +88,18 @@ class Lowered:
 class ShardedFunction:
   """A TF function partitioned over a mesh. Create with `gs.function`."""
 
-  def __init__(self, fn, mesh, in_shardings, out_shardings, strict, collective_timeout):
+  def __init__(self, fn, mesh, in_shardings, out_shardings, strict, collective_timeout, weight_update_sharding=None):
     if not isinstance(mesh, Mesh):
       raise MeshError(f"gs.function needs mesh=gs.Mesh(...); got {mesh!r}")
     self.fn = fn
     self.mesh = mesh
     self._in = in_shardings
     self._out = out_shardings
-    self.options = pipeline.Options(strict=strict, collective_timeout=collective_timeout)
+    if weight_update_sharding not in (None, False, True) and weight_update_sharding not in mesh.axis_names:
+      raise MeshError(f"weight_update_sharding={weight_update_sharding!r} is not an axis of {mesh}; give True (the "
+                      f"'data' axis) or one of {mesh.axis_names}")
+    self.options = pipeline.Options(strict=strict, collective_timeout=collective_timeout,
+                                    weight_update_sharding=weight_update_sharding)
     self._cache = {}
     self._lock = threading.Lock()
     functools.update_wrapper(self, fn)
@@ -184,7 +188,8 @@ def _as_spec(s, k):
   return tf.TensorSpec(spec.shape, spec.dtype)
 
 
-def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=False, collective_timeout=300.0):
+def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=False, collective_timeout=300.0,
+             weight_update_sharding=None):
   """Partitions `fn` over `mesh` and runs it as one SPMD program on every mesh device.
 
   Args:
@@ -195,6 +200,9 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=Fal
     out_shardings: one spec per flattened output, one for all, or None (completion decides).
     strict: raise instead of running ops without a partitioning rule replicated.
     collective_timeout: seconds before a stuck collective raises DeadlineExceededError.
+    weight_update_sharding: split optimizer state and the weight update over a data-parallel mesh axis (True:
+      the "data" axis, or the first axis; or an axis name): gradients are reduce-scattered, the update runs on
+      the shard, weights are all-gathered; optimizer-state memory is divided by the axis size.
 
   Example:
     >>> @gs.function(mesh=mesh, in_shardings=(P("data", None), P(None, "model")))
@@ -202,6 +210,6 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=Fal
     ...   return tf.nn.relu(x @ w)
   """
   def wrap(f):
-    return ShardedFunction(f, mesh, in_shardings, out_shardings, strict, collective_timeout)
+    return ShardedFunction(f, mesh, in_shardings, out_shardings, strict, collective_timeout, weight_update_sharding)
 
   return wrap(fn) if fn is not None else wrap
