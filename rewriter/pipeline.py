@@ -12,7 +12,7 @@ import time
 from typing import Any, Optional, Tuple
 
 from tf_gspmd.errors import PartitionError, ShardingError
-from tf_gspmd.rewriter import cleanup, completion, grappler, import_annotations, partition, trace, weight_update
+from tf_gspmd.rewriter import cleanup, completion, grappler, import_annotations, jit, partition, trace, weight_update
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +20,7 @@ class Options:
   strict: bool = False               # an op without a rule is an error instead of a replicated fallback
   collective_timeout: float = 300.0  # seconds before a stuck program's collectives are aborted
   weight_update_sharding: Any = None  # None/False, True (the "data" axis, else the first), or a mesh axis name
+  jit_compile: Any = "auto"          # "auto" (GPU/TPU), True (every backend; CPU in segments), False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Program:
   local_outputs: Tuple[str, ...] = ()
   side_effects: Tuple[str, ...] = ()
   report: Any = None
+  jit: Optional[str] = None              # None (not compiled), "segments" (CPU) or "whole" (GPU, TPU)
   function_cache: Any = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   def replace(self, **changes):
@@ -77,6 +79,7 @@ PASSES = (
     ("partition", partition.run),                  # one per-device GraphDef + collective report
     ("cleanup", cleanup.run),                      # dead nodes removed
     ("verify", cleanup.verify),                    # invariants of the per-device program
+    ("compile", jit.run),                          # XLA: segments between collectives (CPU) or whole (GPU, TPU)
 )
 
 

@@ -88,18 +88,21 @@ class Lowered:
 class ShardedFunction:
   """A TF function partitioned over a mesh. Create with `gs.function`."""
 
-  def __init__(self, fn, mesh, in_shardings, out_shardings, strict, collective_timeout, weight_update_sharding=None):
+  def __init__(self, fn, mesh, in_shardings, out_shardings, strict, collective_timeout, weight_update_sharding=None,
+               jit_compile="auto"):
     if not isinstance(mesh, Mesh):
       raise MeshError(f"gs.function needs mesh=gs.Mesh(...); got {mesh!r}")
     self.fn = fn
     self.mesh = mesh
     self._in = in_shardings
     self._out = out_shardings
+    if jit_compile not in ("auto", True, False):
+      raise InputError(f"jit_compile must be 'auto', True or False; got {jit_compile!r}")
     if weight_update_sharding not in (None, False, True) and weight_update_sharding not in mesh.axis_names:
       raise MeshError(f"weight_update_sharding={weight_update_sharding!r} is not an axis of {mesh}; give True (the "
                       f"'data' axis) or one of {mesh.axis_names}")
     self.options = pipeline.Options(strict=strict, collective_timeout=collective_timeout,
-                                    weight_update_sharding=weight_update_sharding)
+                                    weight_update_sharding=weight_update_sharding, jit_compile=jit_compile)
     self._cache = {}
     self._lock = threading.Lock()
     functools.update_wrapper(self, fn)
@@ -189,7 +192,7 @@ def _as_spec(s, k):
 
 
 def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=False, collective_timeout=300.0,
-             weight_update_sharding=None):
+             weight_update_sharding=None, jit_compile="auto"):
   """Partitions `fn` over `mesh` and runs it as one SPMD program on every mesh device.
 
   Args:
@@ -203,6 +206,8 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=Fal
     weight_update_sharding: split optimizer state and the weight update over a data-parallel mesh axis (True:
       the "data" axis, or the first axis; or an axis name): gradients are reduce-scattered, the update runs on
       the shard, weights are all-gathered; optimizer-state memory is divided by the axis size.
+    jit_compile: "auto" (XLA on GPU and TPU), True (also on CPU, where the compute between collectives runs as
+      XLA-compiled segments), or False.
 
   Example:
     >>> @gs.function(mesh=mesh, in_shardings=(P("data", None), P(None, "model")))
@@ -210,6 +215,7 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=Fal
     ...   return tf.nn.relu(x @ w)
   """
   def wrap(f):
-    return ShardedFunction(f, mesh, in_shardings, out_shardings, strict, collective_timeout, weight_update_sharding)
+    return ShardedFunction(f, mesh, in_shardings, out_shardings, strict, collective_timeout, weight_update_sharding,
+                           jit_compile)
 
   return wrap(fn) if fn is not None else wrap

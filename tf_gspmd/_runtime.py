@@ -61,6 +61,8 @@ class Executable:
     # A concrete function straight from the GraphDef (no Python tracing); side-effect ops are control outputs.
     self.fn = wrap_function.function_from_graph_def(program.local_graph_def, inputs,
                                                     outputs + list(program.side_effects))
+    if program.jit == "whole":   # GPU: the per-device program, collectives included, compiled by XLA
+      self.fn = tf.function(self.fn, jit_compile=True, autograph=False)
     self.n_outputs = len(outputs)
 
   def place(self, value, sharding, spec, what):

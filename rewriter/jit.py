@@ -1,0 +1,284 @@
+"""The compile pass: XLA compilation of the per-device program, by backend.
+
+* GPU: the whole per-device program is compiled (`jit_compile=True` on the imported function; TF's XLA GPU
+  backend lowers the collective ops). This pass only checks that every op is one XLA can compile.
+* TPU: the per-device program runs under `TPUStrategy.run`, where XLA compiles it whole; same check.
+* CPU: XLA on CPU refuses collectives, so the program is cut into *segments* — maximal groups of compilable
+  ops between collectives — and each segment becomes a function marked `_XlaMustCompile`, called from the
+  (uncompiled) per-device program. Segments are numbered by the number of uncompilable ops (collectives,
+  parameters) on the longest path that reaches them; a path that leaves a segment passes an uncompilable
+  op and so enters a later segment, which keeps the cut acyclic. Constants are copied into every segment
+  that reads them (XLA wants shapes and axes as compile-time constants).
+
+`jit_compile="auto"` compiles on GPU and TPU and leaves CPU programs to TF's executor, which the runtime
+benchmark (bench/runtime.py) measures as faster for CPU programs cut by many collectives; `True` compiles
+on every backend.
+"""
+
+import collections
+
+import tensorflow as tf
+from tensorflow.python.framework import graph_to_function_def
+
+from tf_gspmd.errors import UnsupportedOpError
+from tf_gspmd.rewriter.partition import PARTITION_ID
+
+# Ops XLA has no kernel for (TF's tf2xla registry), or that must stay outside a compiled segment on CPU.
+UNCOMPILABLE = frozenset({
+    "Placeholder", "NoOp", "VarHandleOp", "CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2",
+    "CollectiveReduceScatterV2", "CollectiveBcastSendV2", "CollectiveBcastRecvV2", "While", "StatelessWhile",
+    "If", "StatelessIf", "PartitionedCall", "StatefulPartitionedCall", "PrintV2", "StringFormat", "Assert",
+    "ResourceScatterNdUpdate", "UnsortedSegmentProd",
+})
+# Collectives TF's XLA GPU and TPU bridges lower inside a compiled program.
+XLA_COLLECTIVES = frozenset({"CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2"})
+MIN_SEGMENT_OPS = 2
+
+
+def backend_of(program):
+  """"CPU", "GPU" or "TPU": the type of the mesh's devices (those it names when planning without them; else CPU)."""
+  devices = program.devices or program.mesh.devices
+  if not devices:
+    return "CPU"
+  return (tf.DeviceSpec.from_string(devices[0]).device_type or "CPU").upper()
+
+
+def wants_jit(option, backend):
+  if option == "auto":
+    return backend in ("GPU", "TPU")
+  return bool(option)
+
+
+def _compilable(node):
+  if node.op in UNCOMPILABLE:
+    return False
+  for key in ("T", "dtype", "Tparams", "DstT", "SrcT"):
+    if key in node.attr and node.attr[key].type == tf.string.as_datatype_enum:
+      return False
+  return True
+
+
+def check_whole_program(graph_def, backend):
+  """Raises UnsupportedOpError naming the first op a whole-program XLA compilation on `backend` would refuse."""
+  for node in graph_def.node:
+    if node.op in XLA_COLLECTIVES or node.op == "Placeholder":
+      continue
+    if not _compilable(node):
+      raise UnsupportedOpError(f"op type {node.op} cannot be compiled by XLA on {backend}; run with "
+                               "jit_compile=False or avoid this op", node=node.name, op_type=node.op)
+
+
+def _ref(name):
+  name = name.lstrip("^")
+  return name if ":" in name else name + ":0"
+
+
+def segment(graph_def, keep):
+  """The per-device GraphDef with its compilable ops grouped into `_XlaMustCompile` functions.
+
+  Args:
+    graph_def: the per-device program (with its function library).
+    keep: names of nodes that must stay in the outer program (its inputs and outputs).
+  Returns:
+    (new GraphDef, {old node name: call node name} for the nodes moved into segments).
+  """
+  nodes = list(graph_def.node)
+  by_name = {n.name: n for n in nodes}
+  full = tf.Graph()
+  with full.as_default():
+    tf.graph_util.import_graph_def(graph_def, name="")
+  order = _topological(nodes, by_name)
+  is_const = {n.name: n.op == "Const" for n in nodes}
+  inside = {n.name: _compilable(n) and not is_const[n.name] and n.name not in keep for n in nodes}
+  phase = {}
+  for n in order:
+    p = 0
+    for i in n.input:
+      src = i.lstrip("^").split(":")[0]
+      step = 0 if inside[src] or is_const[src] else 1
+      p = max(p, phase[src] + step)
+    phase[n.name] = p
+  groups = collections.defaultdict(list)
+  for n in order:
+    if inside[n.name]:
+      groups[phase[n.name]].append(n)
+  groups = {k: g for k, g in groups.items() if len(g) >= MIN_SEGMENT_OPS}
+  if not groups:
+    return graph_def, {}
+  member = {n.name: k for k, g in groups.items() for n in g}
+  out = tf.compat.v1.GraphDef()
+  out.versions.CopyFrom(graph_def.versions)
+  out.library.CopyFrom(graph_def.library)
+  moved = {}
+  calls = {}
+  for k, group in sorted(groups.items()):
+    fdef, call, outputs = _build_segment(k, group, by_name, full, graph_def)
+    out.library.function.add().CopyFrom(fdef)
+    calls[k] = (call, outputs)
+    for n in group:
+      moved[n.name] = call.name
+  # Outer program: untouched nodes (inputs rewired to segment outputs) and one call node per segment.
+  remap = {}
+  for k, (call, outputs) in calls.items():
+    for j, r in enumerate(outputs):
+      remap[r] = f"{call.name}:{j}"
+
+  def rewire(inp):
+    if inp.startswith("^"):
+      src = inp[1:]
+      return "^" + moved.get(src, src)
+    r = _ref(inp)
+    return remap.get(r, inp)
+
+  emitted = set()
+  for n in order:
+    if n.name in member:
+      k = member[n.name]
+      if k not in emitted:
+        emitted.add(k)
+        call = calls[k][0]
+        new = out.node.add()
+        new.CopyFrom(call)
+        new.ClearField("input")
+        new.input.extend(_dedupe_controls([rewire(i) for i in call.input]))
+      continue
+    new = out.node.add()
+    new.CopyFrom(n)
+    new.ClearField("input")
+    new.input.extend(_dedupe_controls([rewire(i) for i in n.input]))
+  return out, moved
+
+
+def _dedupe_controls(inputs):
+  data = [i for i in inputs if not i.startswith("^")]
+  seen, ctrl = set(), []
+  for i in inputs:
+    if i.startswith("^") and i not in seen:
+      seen.add(i)
+      ctrl.append(i)
+  return data + ctrl
+
+
+def _build_segment(k, group, by_name, full, graph_def):
+  """FunctionDef for segment k, the call NodeDef (inputs still in old names), and its output refs."""
+  names = {n.name for n in group}
+  ext_inputs, ext_controls, consts = [], [], []
+  for n in group:
+    for i in n.input:
+      src = i.lstrip("^").split(":")[0]
+      if src in names:
+        continue
+      if by_name[src].op == "Const":
+        if src not in consts:
+          consts.append(src)
+        continue
+      if i.startswith("^"):
+        if i not in ext_controls:
+          ext_controls.append(i)
+      elif _ref(i) not in ext_inputs:
+        ext_inputs.append(_ref(i))
+  used_outside = set()
+  for n in by_name.values():
+    if n.name in names:
+      continue
+    for i in n.input:
+      if not i.startswith("^") and i.split(":")[0] in names:
+        used_outside.add(_ref(i))
+  outputs = [t.name for n in group for t in full.get_operation_by_name(n.name).outputs if t.name in used_outside]
+  # The segment as a graph: external inputs become placeholders.
+  g = tf.Graph()
+  sub = tf.compat.v1.GraphDef()
+  sub.versions.CopyFrom(graph_def.versions)
+  arg_names = {}
+  for j, r in enumerate(ext_inputs):
+    ph = sub.node.add()
+    ph.name = f"gspmd_arg_{j}"
+    ph.op = "Placeholder"
+    ph.attr["dtype"].type = full.get_tensor_by_name(r).dtype.as_datatype_enum
+    arg_names[r] = ph.name + ":0"
+  for c in consts:   # a copy, without the control inputs the original may carry
+    node = sub.node.add()
+    node.CopyFrom(by_name[c])
+    node.ClearField("input")
+  for n in group:
+    node = sub.node.add()
+    node.CopyFrom(n)
+    node.ClearField("input")
+    for i in n.input:
+      src = i.lstrip("^").split(":")[0]
+      if i.startswith("^"):
+        if src in names:
+          node.input.append(i)
+      elif src in names or src in consts:
+        node.input.append(i)
+      else:
+        node.input.append(arg_names[_ref(i)])
+    for key in list(node.attr):
+      if key.startswith("_") and key not in ("_output_shapes",):
+        del node.attr[key]
+    node.ClearField("device")
+  sub.library.CopyFrom(graph_def.library)
+  with g.as_default():
+    tf.graph_util.import_graph_def(sub, name="")
+  ops = [g.get_operation_by_name(n.name) for n in group] + [g.get_operation_by_name(c) for c in consts]
+  inputs = [g.get_tensor_by_name(arg_names[r]) for r in ext_inputs]
+  outs = [g.get_tensor_by_name(r) for r in outputs]
+  fname = f"gspmd_xla_segment_{k}"
+  fdef = graph_to_function_def.graph_to_function_def(
+      g, ops + [t.op for t in inputs], inputs, outs, out_names=[f"out_{j}" for j in range(len(outs))])
+  fdef.signature.name = fname
+  fdef.attr["_XlaMustCompile"].b = True
+  fdef.attr["_noinline"].b = True
+  fdef.signature.is_stateful = any(op._is_stateful for op in ops)  # pylint: disable=protected-access
+  for op in ops:
+    if not op.outputs and op._is_stateful:  # pylint: disable=protected-access
+      fdef.signature.control_output.append(op.name)
+      fdef.control_ret[op.name] = op.name
+  call = tf.compat.v1.NodeDef(name=f"gspmd/xla_segment_{k}", op="StatefulPartitionedCall")
+  call.input.extend(ext_inputs + ext_controls)
+  call.attr["Tin"].list.type.extend([t.dtype.as_datatype_enum for t in inputs])
+  call.attr["Tout"].list.type.extend([t.dtype.as_datatype_enum for t in outs])
+  call.attr["f"].func.name = fname
+  call.attr["_XlaMustCompile"].b = True
+  call.attr["config_proto"].s = b""
+  call.attr["executor_type"].s = b""
+  call.attr["config"].s = b""
+  return fdef, call, outputs
+
+
+def _topological(nodes, by_name):
+  indeg = {n.name: 0 for n in nodes}
+  users = collections.defaultdict(list)
+  for n in nodes:
+    for i in n.input:
+      src = i.lstrip("^").split(":")[0]
+      indeg[n.name] += 1
+      users[src].append(n.name)
+  ready = collections.deque(n.name for n in nodes if indeg[n.name] == 0)
+  order = []
+  while ready:
+    name = ready.popleft()
+    order.append(by_name[name])
+    for u in users[name]:
+      indeg[u] -= 1
+      if indeg[u] == 0:
+        ready.append(u)
+  return order
+
+
+def run(program):
+  """Pass: segment (CPU) or check (GPU, TPU) the per-device program for XLA, per `Options.jit_compile`."""
+  backend = backend_of(program)
+  if not wants_jit(program.options.jit_compile, backend):
+    return program.replace(jit=None)
+  if backend in ("GPU", "TPU"):
+    check_whole_program(program.local_graph_def, backend)
+    return program.replace(jit="whole")
+  keep = set(program.local_inputs) | set(program.local_variables) | set(program.local_outputs) | {PARTITION_ID}
+  gd, moved = segment(program.local_graph_def, keep)
+  side = []
+  for name in program.side_effects:
+    call = moved.get(name, name)
+    if call not in side:
+      side.append(call)
+  return program.replace(local_graph_def=gd, side_effects=tuple(side), jit="segments")
