@@ -150,6 +150,12 @@ class ShardedFunction:
         return cached
       logging.info("tf_gspmd: retracing %s: a captured variable is now stored in another layout",
                    getattr(self.fn, "__name__", self.fn))
+    else:
+      with self._lock:
+        previous = [k for k in self._cache if k[2] == devices]
+      if previous:
+        logging.info("tf_gspmd: retracing %s: %s", getattr(self.fn, "__name__", self.fn),
+                     _retrace_reason(previous[-1], key))
     declared_in = self._declared_in(specs)
     program = pipeline.Program(fn=self.fn, mesh=self.mesh, options=self.options, arg_specs=specs,
                                declared_in=declared_in, arriving_in=arriving, devices=devices,
@@ -176,6 +182,19 @@ class ShardedFunction:
     flat = lowered.executable()(args)
     structure = lowered.program.output_structure
     return tf.nest.pack_sequence_as(structure, flat, expand_composites=False) if structure is not None else None
+
+
+def _retrace_reason(old, new):
+  """Why signature `new` (specs, arriving layouts, devices) needed its own lowering, compared with `old`."""
+  if len(old[0]) != len(new[0]):
+    return f"called with {len(new[0])} arguments instead of {len(old[0])}"
+  for k, (a, b) in enumerate(zip(old[0], new[0])):
+    if a != b:
+      return f"argument {k} is {b.dtype.name}{b.shape.as_list()} (was {a.dtype.name}{a.shape.as_list()})"
+  for k, (a, b) in enumerate(zip(old[1], new[1])):
+    if a != b:
+      return f"argument {k} arrives laid out as {b} (was {a})"
+  return "new devices"
 
 
 def _as_spec(s, k):

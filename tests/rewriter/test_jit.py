@@ -1,0 +1,88 @@
+"""The compile pass: XLA segments between collectives on CPU, whole-program checks for GPU and TPU meshes."""
+
+import logging
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import assert_close
+import tf_gspmd as gs
+from tf_gspmd import P
+from tf_gspmd.rewriter import jit
+
+MESH = gs.Mesh((2, 4), ("data", "model"))
+COLLECTIVES = ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2")
+
+
+def _mlp_with_state(v):
+  def f(x, w2):
+    h = tf.nn.relu(x @ gs.shard(v, P(None, "model")) + 1.0)
+    y = tf.tanh(h @ w2) * 2.0
+    v.assign_add(tf.ones_like(v) * 0.01)
+    return tf.reduce_sum(y, axis=1), y
+  return f
+
+
+def test_cpu_segments_compile_between_collectives_and_match(rng):
+  x = rng.standard_normal((16, 32)).astype(np.float32)
+  w1 = rng.standard_normal((32, 64)).astype(np.float32)
+  w2 = rng.standard_normal((64, 32)).astype(np.float32)
+  results = {}
+  for mode in (True, False):
+    v = tf.Variable(w1)
+    g = gs.function(_mlp_with_state(v), mesh=MESH, in_shardings=(P("data", None), P("model", None)),
+                    jit_compile=mode)
+    low = g.lower(tf.TensorSpec(x.shape), tf.TensorSpec(w2.shape))
+    calls = [n for n in low.graph_def.node if n.op == "StatefulPartitionedCall"]
+    if mode:
+      assert low.program.jit == "segments" and len(calls) >= 2
+      lib = {f.signature.name: f for f in low.graph_def.library.function}
+      for call in calls:
+        body = lib[call.attr["f"].func.name]
+        assert body.attr["_XlaMustCompile"].b
+        assert not any(n.op in COLLECTIVES for n in body.node_def)   # XLA on CPU refuses collectives
+      outer = [n.op for n in low.graph_def.node]
+      assert "CollectiveReduceV2" in outer
+    else:
+      assert low.program.jit is None and not calls
+    results[mode] = [t.numpy() for t in g(x, w2)] + [v.numpy()]
+  v = tf.Variable(w1)
+  want = [t.numpy() for t in _mlp_with_state(v)(x, w2)] + [v.numpy()]
+  for got in results.values():
+    for a, b in zip(got, want):
+      assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_auto_compiles_on_gpu_and_tpu_meshes_only():
+  assert not jit.wants_jit("auto", "CPU") and jit.wants_jit("auto", "GPU") and jit.wants_jit("auto", "TPU")
+  assert jit.wants_jit(True, "CPU") and not jit.wants_jit(False, "GPU")
+  gpus = [f"/job:worker/replica:0/task:0/device:GPU:{i}" for i in range(8)]
+  mesh = gs.Mesh((2, 4), ("data", "model"), devices=gpus)
+  f = gs.function(lambda x, w: tf.nn.relu(x @ w), mesh=mesh, in_shardings=(P("data", None), P(None, "model")))
+  low = f.lower(tf.TensorSpec([8, 16]), tf.TensorSpec([16, 32]))   # planned: no GPU on this machine
+  assert low.program.jit == "whole"
+  assert gs.function(lambda x: x * 2.0, mesh=mesh, jit_compile=False).lower(tf.TensorSpec([8])).program.jit is None
+
+
+def test_whole_program_check_names_the_op_xla_refuses():
+  g = tf.Graph()
+  with g.as_default():
+    x = tf.compat.v1.placeholder(tf.float32, [4], name="x")
+    tf.strings.format("{}", [x], name="fmt")
+  with pytest.raises(gs.UnsupportedOpError, match=r"StringFormat.*XLA on GPU.*jit_compile=False"):
+    jit.check_whole_program(g.as_graph_def(), "GPU")
+
+
+def test_bad_jit_option_is_a_typed_error():
+  with pytest.raises(gs.InputError, match="jit_compile must be"):
+    gs.function(lambda x: x, mesh=MESH, jit_compile="yes")
+
+
+def test_retrace_is_logged_with_its_reason(caplog):
+  f = gs.function(lambda x: x * 2.0, mesh=MESH, in_shardings=P("data"))
+  f(np.ones([8], np.float32))
+  with caplog.at_level(logging.INFO, logger="absl"):
+    f(np.ones([16], np.float32))
+  assert any("retracing" in r.getMessage() and "argument 0 is float32[16] (was float32[8])" in r.getMessage()
+             for r in caplog.records)
