@@ -16,6 +16,7 @@ on every backend.
 """
 
 import collections
+import itertools
 
 import tensorflow as tf
 from tensorflow.python.framework import graph_to_function_def
@@ -33,6 +34,7 @@ UNCOMPILABLE = frozenset({
 # Collectives TF's XLA GPU and TPU bridges lower inside a compiled program.
 XLA_COLLECTIVES = frozenset({"CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2"})
 MIN_SEGMENT_OPS = 2
+_function_ids = itertools.count()
 
 
 def backend_of(program):
@@ -223,7 +225,7 @@ def _build_segment(k, group, by_name, full, graph_def):
   ops = [g.get_operation_by_name(n.name) for n in group] + [g.get_operation_by_name(c) for c in consts]
   inputs = [g.get_tensor_by_name(arg_names[r]) for r in ext_inputs]
   outs = [g.get_tensor_by_name(r) for r in outputs]
-  fname = f"gspmd_xla_segment_{k}"
+  fname = f"gspmd_xla_segment_{k}_{next(_function_ids)}"   # unique in the process (the eager context's library)
   fdef = graph_to_function_def.graph_to_function_def(
       g, ops + [t.op for t in inputs], inputs, outs, out_names=[f"out_{j}" for j in range(len(outs))])
   fdef.signature.name = fname
