@@ -35,13 +35,23 @@ _parallel_devices = {}
 def _parallel(devices):
   with _lock:
     if devices not in _parallel_devices:
-      pd = parallel_device.ParallelDevice(list(devices))
+      pd = _new_parallel_device(devices)
       pids = []
       for p, d in enumerate(devices):
         with tf.device(d):
           pids.append(tf.identity(tf.constant(p, tf.int32)))
       _parallel_devices[devices] = (pd, pd.pack(pids))
     return _parallel_devices[devices]
+
+
+def _new_parallel_device(devices):
+  """A ParallelDevice over `devices`, skipping custom-device names other libraries (DTensor) registered."""
+  for _ in range(64):
+    try:
+      return parallel_device.ParallelDevice(list(devices))
+    except errors.AlreadyExistsError:
+      continue   # the name counter has moved on; the next name is free
+  raise InputError("could not register a parallel device: 64 custom device names are taken")
 
 
 class Executable:

@@ -1,0 +1,152 @@
+"""Step time on 8 logical CPUs: unpartitioned vs. tf_gspmd vs. TF DTensor, same program, same layouts.
+
+Two training steps: workload 2 of the reference set (mlp_train_step on mesh (2,4), Megatron MLP) and a 12-layer
+decoder-only transformer with Adam (examples/transformer_model.py, Megatron layout on (2,4)). Each is run
+
+  * unpartitioned: one tf.function on one device;
+  * tf_gspmd: the partitioned program on the 8 devices (arguments already laid out, results kept sharded);
+  * DTensor: `tf.experimental.dtensor` with the same layouts on the same 8 devices;
+
+with XLA off and on (tf_gspmd on CPU: XLA-compiled segments between collectives; DTensor: jit_compile=True where
+it compiles). Times are medians of --steps calls after warm-up, all measured in one run; ratios are to the
+unpartitioned program with XLA off. Every partitioned result is checked against the unpartitioned one.
+
+  python bench/runtime.py [--steps=10] [--layers=12] [--only=mlp_train_step]
+"""
+
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+flags.DEFINE_integer("steps", 10, "Timed calls per configuration (after two warm-up calls).")
+flags.DEFINE_integer("layers", 12, "Transformer layers.")
+flags.DEFINE_list("only", [], "Run only these programs (mlp_train_step, transformer_train_step).")
+FLAGS = flags.FLAGS
+
+
+def programs():
+  """(name, step fn, [numpy args], [P spec per arg])."""
+  import transformer_model as tm  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tf_gspmd import P  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+
+  def normal(*shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+  def mlp_train(x, t, w1, w2):
+    with tf.GradientTape() as tape:
+      tape.watch([w1, w2])
+      loss = tf.reduce_mean(tf.square(tf.nn.gelu(x @ w1) @ w2 - t))
+    g1, g2 = tape.gradient(loss, [w1, w2])
+    return w1 - 0.1 * g1, w2 - 0.1 * g2, loss
+
+  yield ("mlp_train_step", mlp_train,
+         [normal(64, 1024), normal(64, 1024), normal(1024, 4096, scale=0.03), normal(4096, 1024, scale=0.03)],
+         [P("data", None), P("data", None), P(None, "model"), P("model", None)])
+  cfg = tm.Config(layers=FLAGS.layers)
+  names = sorted(tm.param_shapes(cfg))
+  params = tm.init_params(cfg)
+  tokens, targets = tm.synthetic_batch(cfg)
+  state = [params[k] for k in names] + [np.zeros_like(params[k]) for k in names] * 2
+  specs = [tm.megatron_specs(cfg)[k] for k in names] * 3
+  yield (f"transformer_train_step ({cfg.layers} layers, Adam)", tm.make_train_step(cfg, names),
+         [np.int32(0), tokens, targets] + state, [P(), P("data", None), P("data", None)] + specs)
+
+
+def _median_time(call, steps):
+  call()
+  call()
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    call()
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def _check(got, want, what):
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=2e-3, atol=2e-4, err_msg=what)
+
+
+def main(_):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
+  from tensorflow.experimental import dtensor  # pylint: disable=g-import-not-at-top
+  gs.split_cpu_devices(8)
+  mesh = gs.Mesh((2, 4), ("data", "model"))
+  dmesh = dtensor.create_mesh([("data", 2), ("model", 4)], device_type="CPU")
+  dtensor.copy_to_mesh(tf.zeros([]), dtensor.Layout.replicated(dmesh, rank=0))   # DTensor's device first
+  rows = []
+  for name, fn, args, specs in programs():
+    if FLAGS.only and not any(name.startswith(o) for o in FLAGS.only):
+      continue
+    consts = [tf.constant(a) for a in args]
+    want = [np.asarray(t) for t in tf.nest.flatten(tf.function(fn)(*consts))]
+    times = {}
+    for jit in (False, True):
+      with tf.device("/device:CPU:0"):
+        single = tf.function(fn, jit_compile=jit)
+        times[("unpartitioned", jit)] = _median_time(lambda: tf.nest.flatten(single(*consts))[-1].numpy(),
+                                                     FLAGS.steps)
+      f = gs.function(fn, mesh=mesh, in_shardings=tuple(specs), jit_compile=jit)
+      placed = [gs.function(lambda a: a, mesh=mesh, in_shardings=s, out_shardings=s)(a) for a, s in zip(args, specs)]
+      _check([t.numpy() for t in tf.nest.flatten(f(*placed))], want, f"tf_gspmd {name} jit={jit}")
+      times[("tf_gspmd", jit)] = _median_time(lambda: tf.nest.flatten(f(*placed))[-1].numpy(), FLAGS.steps)
+      times[("DTensor", jit)] = _dtensor_time(tf, dtensor, dmesh, fn, args, specs, jit, want, name)
+    rows.append((name, times))
+  base = "unpartitioned, XLA off"
+  head = ("program", "XLA", "unpartitioned ms", "tf_gspmd ms", "DTensor ms", "tf_gspmd / unpart.", "DTensor / unpart.",
+          "tf_gspmd / DTensor")
+  table = []
+  for name, times in rows:
+    for jit in (False, True):
+      u, g, d = times[("unpartitioned", jit)], times[("tf_gspmd", jit)], times[("DTensor", jit)]
+      table.append((name, "on" if jit else "off", f"{u * 1e3:.1f}", f"{g * 1e3:.1f}",
+                    f"{d * 1e3:.1f}" if d else "fails", f"{g / u:.2f}", f"{d / u:.2f}" if d else "-",
+                    f"{g / d:.2f}" if d else "-"))
+  widths = [max(len(x) for x in col) for col in zip(head, *table)]
+  print(f"median step time over {FLAGS.steps} calls, 8 logical CPU devices on {os.cpu_count()} cores ({base} is "
+        "the single-device reference)")
+  for row in [head] + table:
+    print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+
+
+def _dtensor_time(tf, dtensor, dmesh, fn, args, specs, jit, want, name):
+  """Median step time under DTensor with the same layouts, or None when DTensor cannot run the program."""
+  def layout(spec, rank):
+    dims = list(spec) + [None] * (rank - len(spec))
+    return dtensor.Layout([d if d else dtensor.UNSHARDED for d in dims], dmesh)
+
+  placed = []
+  for a, s in zip(args, specs):
+    t = tf.constant(a)
+    placed.append(dtensor.relayout(dtensor.copy_to_mesh(t, layout((), t.shape.rank)), layout(tuple(s), t.shape.rank)))
+  f = tf.function(fn, jit_compile=jit)
+  try:
+    out = tf.nest.flatten(f(*placed))
+    got = [_dtensor_global(tf, dtensor, t) for t in out]
+  except (tf.errors.OpError, ValueError, TypeError) as e:
+    print(f"DTensor cannot run {name} with jit_compile={jit}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    return None
+  _check(got, want, f"DTensor {name} jit={jit}")
+  return _median_time(lambda: tf.nest.flatten(f(*placed))[-1].numpy(), FLAGS.steps)
+
+
+def _dtensor_global(tf, dtensor, t):
+  layout = dtensor.fetch_layout(t)
+  replicated = dtensor.Layout.replicated(layout.mesh, rank=t.shape.rank)
+  return dtensor.unpack(dtensor.relayout(t, replicated))[0].numpy()
+
+
+if __name__ == "__main__":
+  app.run(main)
