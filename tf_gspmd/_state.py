@@ -320,8 +320,9 @@ def manage(v, sharding, devices, what=None):
       value = None
     new = ShardedStorage(inner, want, devices)
     if value is None and getattr(inner, "_gspmd_init", None) is not None:
-      new.create(inner._gspmd_init)   # pylint: disable=protected-access
+      new.create(inner._gspmd_init)   # pylint: disable=protected-access  (each shard on its own device)
       new.shards_newer = True
+      inner._gspmd_init = None   # pylint: disable=protected-access
     else:
       if value is None:
         value = _plain_read(inner).numpy()
@@ -331,3 +332,27 @@ def manage(v, sharding, devices, what=None):
     if not isinstance(inner, _ManagedVariable):
       inner.__class__ = _managed_class(type(inner))
     return new
+
+
+def variable(initializer, shape, dtype=tf.float32, *, mesh, spec, name=None, trainable=True, seed=0):
+  """A tf.Variable created sharded, shard by shard: its full value never exists unless read eagerly.
+
+  Args:
+    initializer: a `tf_gspmd.initializers` initializer, a Keras initializer (object or name), or a number.
+    shape: the global shape; dtype: the element type.
+    mesh: the `gs.Mesh` whose devices hold the shards; spec: its layout (`P(...)` or `Sharding`).
+    name, trainable: as for tf.Variable. seed: used when the initializer has none.
+
+  Values depend only on (seed, element index): the same on every mesh and layout (see `tf_gspmd.initializers`).
+  A gs.function that captures the variable uses it in place when it wants this layout.
+  """
+  from tf_gspmd import initializers  # pylint: disable=g-import-not-at-top
+  from tf_gspmd._sharding import to_sharding  # pylint: disable=g-import-not-at-top
+  shape = tuple(int(s) for s in shape)
+  dtype = tf.as_dtype(dtype)
+  init = initializers.get(initializer, seed)
+  sharding = to_sharding(spec, mesh, rank=len(shape), what=name or "variable")
+  v = resource_variable_ops.UninitializedVariable(shape=shape, dtype=dtype, name=name, trainable=trainable)
+  v._gspmd_init = lambda p, starts, lengths: init.block(shape, starts, lengths, dtype)  # pylint: disable=protected-access
+  manage(v, sharding, mesh.resolve_devices(), what=name)
+  return v
