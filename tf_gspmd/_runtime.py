@@ -76,13 +76,16 @@ class Executable:
     self.n_outputs = len(outputs)
 
   def place(self, value, sharding, spec, what):
-    """Per-device components of an argument: in place for a matching ShardedTensor, else scattered."""
+    """An argument as one packed parallel tensor: in place for a matching ShardedTensor, else scattered."""
     shape = tuple(spec.shape.as_list())
     if isinstance(value, ShardedTensor):
-      if value.sharding != sharding or value.devices and tuple(
-          tf.DeviceSpec.from_string(d).to_string() for d in value.devices) != self.devices:
-        raise InputError(f"ShardedTensor {value} is not laid out as {sharding} on this mesh's devices", node=what)
-      return list(value.components)
+      if value.sharding != sharding:
+        raise InputError(f"ShardedTensor {value} is not laid out as {sharding}", node=what)
+      if value._packed is not None and value._packed[0] is self.pd:  # pylint: disable=protected-access
+        return value.packed_for(self.pd)
+      if tuple(tf.DeviceSpec.from_string(d).to_string() for d in value.devices) != self.devices:
+        raise InputError(f"ShardedTensor {value} lives on other devices than this mesh's", node=what)
+      return value.packed_for(self.pd)
     if isinstance(value, tf.Tensor):
       value = value.numpy()
     host = np.asarray(value, dtype=spec.dtype.as_numpy_dtype)
@@ -90,7 +93,7 @@ class Executable:
     for d, shard in zip(self.devices, shard_host_value(host, sharding, shape)):
       with tf.device(d):
         comps.append(tf.identity(tf.constant(shard)))
-    return comps
+    return self.pd.pack(comps)
 
   def run_packed(self, pd, pid, packed):
     """Run the per-device program on the parallel device `pd`, aborting its collectives past the deadline.
@@ -125,7 +128,7 @@ class Executable:
     program = self.program
     packed = []
     for k, (value, sharding, spec) in enumerate(zip(args, program.param_shardings, program.arg_specs)):
-      packed.append(self.pd.pack(self.place(value, sharding, spec, program.input_names[k])))
+      packed.append(self.place(value, sharding, spec, program.input_names[k]))
     storages = self.storages()
     for st in storages:
       st.before_step()
@@ -136,5 +139,5 @@ class Executable:
     results = []
     for r, out in zip(program.ir.outputs, outs):
       info = program.ir.info(r)
-      results.append(ShardedTensor(self.pd.unpack(out), program.shardings[r], info.shape, info.dtype))
+      results.append(ShardedTensor(None, program.shardings[r], info.shape, info.dtype, packed=(self.pd, out)))
     return results

@@ -16,11 +16,25 @@ class ShardedTensor:
   function wants this sharding). `.numpy()` assembles the global value, with padding removed.
   """
 
-  def __init__(self, components, sharding, shape, dtype):
-    self.components = tuple(components)
+  def __init__(self, components, sharding, shape, dtype, packed=None):
+    self._components = tuple(components) if components is not None else None
+    self._packed = packed    # (parallel device, packed tensor): how a gs.function result arrives
     self.sharding = sharding
     self.shape = tf.TensorShape(shape)
     self.dtype = tf.as_dtype(dtype)
+
+  @property
+  def components(self):
+    if self._components is None:
+      pd, packed = self._packed
+      self._components = tuple(pd.unpack(packed))
+    return self._components
+
+  def packed_for(self, pd):
+    """The components as one parallel tensor of `pd` (kept from the producing call, or packed once)."""
+    if self._packed is None or self._packed[0] is not pd:
+      self._packed = (pd, pd.pack(list(self.components)))
+    return self._packed[1]
 
   def numpy(self):
     shape = tuple(self.shape.as_list())
