@@ -12,7 +12,7 @@ import time
 from typing import Any, Optional, Tuple
 
 from tf_gspmd.errors import PartitionError, ShardingError
-from tf_gspmd.rewriter import cleanup, completion, grappler, import_annotations, jit, partition, trace, weight_update
+from tf_gspmd.rewriter import cleanup, combine, completion, grappler, import_annotations, jit, partition, trace, weight_update
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +77,7 @@ PASSES = (
     ("complete", completion.run),                  # a sharding for every tensor
     ("weight_update_sharding", weight_update.run),  # optimizer state and updates split over the data axis
     ("partition", partition.run),                  # one per-device GraphDef + collective report
+    ("combine", combine.run),                      # independent all-reduces merged into one collective
     ("cleanup", cleanup.run),                      # dead nodes removed
     ("verify", cleanup.verify),                    # invariants of the per-device program
     ("compile", jit.run),                          # XLA: segments between collectives (CPU) or whole (GPU, TPU)

@@ -53,6 +53,7 @@ class Report:
   warnings: List[str] = dataclasses.field(default_factory=list)
   pass_times: dict = dataclasses.field(default_factory=dict)
   state: List[StateRecord] = dataclasses.field(default_factory=list)
+  combined: List[Tuple[int, int]] = dataclasses.field(default_factory=list)  # (all-reduces merged, bytes) each
 
   def add(self, record):
     self.collectives.append(record)
@@ -85,6 +86,9 @@ class Report:
     lines = [f"{len(self.collectives)} collective(s), {self.bytes_per_device():,} bytes per device "
              f"({self.wire_bytes_per_device():,} sent on the wire), {len(self.reshards)} reshard(s)"]
     lines += ["  " + str(c) for c in self.collectives]
+    if self.combined:
+      merged = sum(n for n, _ in self.combined)
+      lines.append(f"emitted: {merged} independent all-reduces combined into {len(self.combined)} collectives")
     for role in ("weight", "update state"):
       if any(r.role == role for r in self.state):
         local, total = self.state_bytes(role)

@@ -55,10 +55,13 @@ def test_keras_transformer_step_completes_without_fallback():
   assert low.report.fallbacks == []
   assert "all-gather" not in low.report.counts()
   by_handle = dict(zip(low.program.variable_names, low.program.variables))
-  ups = [h for h, v in by_handle.items() if v.name.endswith("_up/kernel:0")]
+  handle_of = {id(v): h for h, v in by_handle.items()}
+  paths = [v.path for v in model.trainable_variables]
+  ups = [handle_of[id(v.value)] for v in model.trainable_variables if v.path.endswith("_up/kernel")]
   assert len(ups) == CFG.layers and all(low.shardings[h].spec == P(None, "model") for h in ups)
   # Optimizer slots take their variable's sharding through the update.
-  slots = [h for h, v in by_handle.items() if v.name.startswith("adam/") and "_up_kernel_" in v.name]
+  slots = [handle_of[id(s.value)] for k, path in enumerate(paths) if path.endswith("_up/kernel")
+           for s in (opt._momentums[k], opt._velocities[k])]  # pylint: disable=protected-access
   assert len(slots) == 2 * CFG.layers and all(low.shardings[h].spec == P(None, "model") for h in slots)
 
 

@@ -73,6 +73,9 @@ class Executable:
                                                     outputs + list(program.side_effects))
     if program.jit == "whole":   # GPU: the per-device program, collectives included, compiled by XLA
       self.fn = tf.function(self.fn, jit_compile=True, autograph=False)
+      self._call = lambda pid, packed: self.fn(pid, *packed)
+    else:   # flat call: binding hundreds of arguments to a structured signature costs more than the step
+      self._call = lambda pid, packed: self.fn._call_flat([pid] + list(packed), self.fn.captured_inputs)  # pylint: disable=protected-access
     self.n_outputs = len(outputs)
 
   def place(self, value, sharding, spec, what):
@@ -114,7 +117,7 @@ class Executable:
     guard.start()
     try:
       with tf.device(pd._name):  # pylint: disable=protected-access
-        return self.fn(pid, *packed)[:self.n_outputs]
+        return self._call(pid, packed)[:self.n_outputs]
     finally:
       done.set()
 
