@@ -225,3 +225,30 @@ def test_weight_update_sharding_with_megatron_layout_adds_the_data_axis():
   assert set(low.shardings[handle].used_axes) == {"data", "model"}
   with pytest.raises(gs.MeshError, match="not an axis"):
     gs.function(lambda: None, mesh=MESH, weight_update_sharding="batch")
+
+
+@pytest.mark.parametrize("name", ["SGD", "AdamW"])
+def test_keras_optimizers_train_with_a_vocabulary_split_embedding(name):
+  keras = pytest.importorskip("keras")
+  cfg = tm.Config(layers=1, d_model=32, heads=4, d_ff=64, vocab=64, seq=8, batch=8)
+  keras.utils.set_random_seed(2)
+  model, ref = tm.keras_model(cfg), tm.keras_model(cfg)
+  ref.set_weights(model.get_weights())
+  make = {"SGD": lambda: keras.optimizers.SGD(0.5), "AdamW": lambda: keras.optimizers.AdamW(1e-2)}[name]
+  opt, ref_opt = make(), make()
+  opt.build(model.trainable_variables)
+  ref_opt.build(ref.trainable_variables)
+  inner = tm.make_keras_train_step(model, opt)
+
+  def step(tokens, targets):
+    gs.shard(model.get_layer("embed").embeddings, P("model", None))   # SGD's embedding update is a scatter
+    return inner(tokens, targets)
+
+  f = gs.function(step, mesh=MESH, in_shardings=(P("data", None),) * 2)
+  ref_step = tf.function(tm.make_keras_train_step(ref, ref_opt))
+  for i in range(3):
+    tokens, targets = tm.synthetic_batch(cfg, seed=i)
+    assert_close(f(tokens, targets).numpy(), ref_step(tokens, targets).numpy(), rtol=1e-5)
+  assert gs.sharding_of(model.get_layer("embed").embeddings).spec == P("model", None)
+  for got, want in zip(model.get_weights(), ref.get_weights()):
+    assert_close(got, want, rtol=1e-3, atol=1e-4)
