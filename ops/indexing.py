@@ -349,7 +349,8 @@ class TopK(FactorRule):
 
 @register("ArgMax", "ArgMin")
 class ArgReduce(FactorRule):
-  """The reduced dim is whole locally; the others pass their split."""
+  """The other dims pass their split. An operand already split along the reduced dim is not gathered: each
+  device finds its shard's winner, and only the winners (value and global index) are all-gathered."""
 
   def data_inputs(self, node):
     return [0]
@@ -359,6 +360,39 @@ class ArgReduce(FactorRule):
     axis = _axis(node, 1, rank)
     labels = _labels(rank)
     return Factors((_without(labels, {axis}),), (labels[:axis] + labels[axis + 1:],))
+
+  def partition(self, ctx, node):
+    shape = node.input_shape(0)
+    axis = _axis(node, 1, len(shape))
+    cur = ctx.current(0)
+    if axis is None or cur is None or cur.is_maximal or not cur.with_rank(len(shape)).dims[axis]:
+      return super().partition(ctx, node)
+    cur = cur.with_rank(len(shape))
+    target = ctx.target(0)
+    out_dims = cur.dims[:axis] + cur.dims[axis + 1:]
+    if not target.is_maximal and set(cur.dims[axis]) & set(target.used_axes):
+      return super().partition(ctx, node)
+    x = ctx.operand(0, cur)
+    arg_max = node.op == "ArgMax"
+    dtype = x.dtype
+    worst = (dtype.min if arg_max else dtype.max) if not dtype.is_floating else (-np.inf if arg_max else np.inf)
+    with tf.name_scope(node.name + "/gspmd/"):
+      if shape[axis] % cur.tiles(axis):
+        x = ctx.mask(x, shape, cur, axis, worst)
+      c = cur.shard_shape(shape)[axis]
+      local = (tf.argmax if arg_max else tf.argmin)(x, axis, output_type=tf.int64)
+      best = (tf.reduce_max if arg_max else tf.reduce_min)(x, axis)
+      offsets = np.array([cur.tile_index(p, axis) * c for p in range(ctx.mesh.size)], np.int64)
+      index = local + ctx.lookup(offsets, f"arg_offset_{axis}_{c}")
+      why = "each shard's winner along the split reduced dim"
+      values = ctx.backend.all_gather(best[None], 0, cur.dims[axis], node.name, why)
+      indices = ctx.backend.all_gather(index[None], 0, cur.dims[axis], node.name, why)
+      shard = (tf.argmax if arg_max else tf.argmin)(values, 0, output_type=tf.int32)   # first best: lowest index
+      pick = tf.one_hot(shard, cur.tiles(axis), axis=0, on_value=True, off_value=False)
+      out = tf.reduce_max(tf.where(pick, indices, tf.constant(-1, tf.int64)), 0)
+      out = tf.cast(out, node.attr("output_type") or tf.int64)
+    ctx.ops[node.name] = out.op
+    ctx.set_output(0, out, Sharding(ctx.mesh, out_dims))
 
 
 @register("All", "Any")

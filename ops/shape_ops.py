@@ -114,6 +114,22 @@ def _map_group(mesh, src, dst, gi, gj, axes):
   return None
 
 
+@register("Bitcast")
+class Bitcast(FactorRule):
+  """Reinterpret the element type: dims pass through, except a last dim that a size change adds or removes."""
+
+  priority = 0
+
+  def data_inputs(self, node):
+    return [0]
+
+  def factors(self, node):
+    in_rank, out_rank = len(node.input_shape(0)), len(node.outputs[0].shape)
+    common = min(in_rank, out_rank)   # equal ranks: equal element sizes, every dim passes
+    shared = tuple(f"d{i}" for i in range(common))
+    return Factors((shared + (None,) * (in_rank - common),), (shared + (None,) * (out_rank - common),))
+
+
 @register("Reshape")
 class Reshape(Rule):
   """Reshape by groups of dims (split/merge keeps the split on the major dim when exact)."""

@@ -218,13 +218,18 @@ def _plain_read(v):
 _warned_graph = set()
 
 
+def _tracing_for_gspmd():
+  from tf_gspmd._annotations import current_mesh  # pylint: disable=g-import-not-at-top
+  return current_mesh() is not None
+
+
 class _ManagedVariable:
   """Mixin for a managed tf.Variable: eager reads see the shards, eager writes reach them."""
 
   def _gspmd_sync_read(self):
     if context.executing_eagerly():
       self._gspmd_storage.flush()
-    elif self.name not in _warned_graph:
+    elif self.name not in _warned_graph and not _tracing_for_gspmd():
       _warned_graph.add(self.name)
       tf.get_logger().warning(
           "tf_gspmd: variable %s is stored sharded by a gs.function and is read inside a plain tf.function; that "

@@ -137,3 +137,16 @@ def test_pad_and_slice_along_split_dim_exchange_halos_only():
   assert set(low.report.counts()) == {"collective-permute"}
   # pad: 1 row from the previous shard, up to 3 from the next (18 rows re-split 5 per device); slice: 1 row
   assert sorted(c.shape[0] for c in low.report.collectives) == [1, 1, 3]
+
+
+@pytest.mark.parametrize("op", [tf.argmax, tf.argmin])
+@pytest.mark.parametrize("cols", [64, 61])
+def test_arg_reduce_over_a_split_dim_gathers_only_the_winners(rng, op, cols):
+  mesh = gs.Mesh((2, 4), ("data", "model"))
+  x = rng.standard_normal((8, 6, cols)).astype(np.float32)
+  x[0, 0, :] = 1.0   # ties: the lowest index wins, as in TF
+  f = gs.function(lambda a: op(a, axis=2, output_type=tf.int32), mesh=mesh, in_shardings=P("data", None, "model"))
+  low = f.lower(tf.TensorSpec(x.shape))
+  gathers = [c for c in low.report.collectives if c.kind == "all-gather"]
+  assert gathers and all(c.shape[0] == 4 and c.shape[1:] == (4, 6) for c in gathers)   # winners only
+  np.testing.assert_array_equal(f(x).numpy(), op(x, axis=2, output_type=tf.int32).numpy())

@@ -71,3 +71,22 @@ def test_transpose_and_expand_dims_completion():
   low = gs.function(f, mesh=MESH, in_shardings=P("data", "model")).lower(tf.TensorSpec([8, 8]))
   assert low.shardings["t"].spec == P("model", "data")
   assert low.shardings["e"].spec == P(None, "model", "data")
+
+
+@pytest.mark.parametrize("dtype", [tf.int32, tf.uint8, tf.float64])
+def test_bitcast_keeps_the_dims_it_does_not_resize(rng, dtype):
+  mesh = gs.Mesh((2, 4), ("data", "model"))
+  x = rng.standard_normal((8, 12)).astype(np.float32)
+
+  def fn(v):
+    if dtype == tf.float64:
+      v = tf.reshape(v, [8, 6, 2])
+    return tf.bitcast(v, dtype)
+
+  f = gs.function(fn, mesh=mesh, in_shardings=P("data", "model"))
+  low = f.lower(tf.TensorSpec(x.shape))
+  assert low.report.fallbacks == []
+  assert low.out_shardings[0].dims[0] == ("data",)
+  if dtype == tf.int32:
+    assert low.out_shardings[0].spec == P("data", "model")
+  np.testing.assert_array_equal(f(x).numpy(), fn(x).numpy())

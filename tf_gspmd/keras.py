@@ -1,0 +1,252 @@
+"""Keras 3 on the TensorFlow backend, partitioned: `model.fit / evaluate / predict` over a mesh.
+
+Keras's distribution API (`keras.distribution.ModelParallel`, `DataParallel`, `LayoutMap`) does nothing on
+the TensorFlow backend: its TF `distribution_lib` is a stub. Importing this module supplies it:
+
+* while a distribution is active — `keras.distribution.set_distribution(...)`, `distribution.scope()`, or
+  `gs.keras.scope(...)` with a Keras distribution or tf_gspmd's own `LayoutMap` — the train, test and
+  predict functions Keras builds (`make_train_function` and friends) are gs.functions over the
+  distribution's mesh: each variable annotated with its layout (`re.fullmatch` of the layout map's keys
+  against `variable.path`), the batch split over the batch axis, everything else completed;
+* `"<layer path>/output"` keys annotate that layer's output (Keras calls the backend's
+  `distribute_tensor` after every layer call).
+
+Model code, `compile`, callbacks, metrics, the progress bar, `save_weights` / `load_weights` and
+`tf.train.Checkpoint` keep working: variables are stored sharded from the first step (`gs.sharding_of`)
+and read back whole when Keras reads them eagerly.
+
+Example:
+  >>> import tf_gspmd as gs, tf_gspmd.keras   # noqa
+  >>> mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], keras.distribution.list_devices())
+  >>> layout_map = keras.distribution.LayoutMap(mesh)
+  >>> layout_map[".*_up/kernel"] = (None, "model")
+  >>> keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map,
+  ...                                                                      batch_dim_name="batch"))
+  >>> model.fit(x, y, epochs=1)      # partitioned
+"""
+
+import collections
+import contextlib
+import re
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gspmd._annotations import current_mesh, shard
+from tf_gspmd._function import function as gs_function
+from tf_gspmd._mesh import Mesh, P
+from tf_gspmd._sharded_tensor import ShardedTensor
+from tf_gspmd.errors import InputError
+
+_local = threading.local()
+
+
+class LayoutMap(collections.abc.MutableMapping):
+  """tf_gspmd's layout map: regex keys (matched with `re.fullmatch` against `variable.path`, or
+  `"<layer path>/output"`) to partition specs, over one mesh, with the batch split over `batch_axis`.
+
+  Example:
+    >>> layouts = gs.keras.LayoutMap(gs.Mesh((2, 4), ("data", "model")), batch_axis="data")
+    >>> layouts[".*_up/kernel"] = P(None, "model")
+    >>> with gs.keras.scope(layouts):
+    ...   model.fit(x, y)
+  """
+
+  def __init__(self, mesh, batch_axis="data"):
+    if not isinstance(mesh, Mesh):
+      raise InputError(f"LayoutMap needs a gs.Mesh; got {mesh!r}")
+    if batch_axis is not None:
+      mesh.axis_index(batch_axis)
+    self.mesh = mesh
+    self.batch_axis = batch_axis
+    self._rules = collections.OrderedDict()
+
+  def __setitem__(self, pattern, spec):
+    self._rules[pattern] = spec if isinstance(spec, P) else P(*spec)
+
+  def __getitem__(self, path):
+    if path in self._rules:
+      return self._rules[path]
+    hits = [p for p in self._rules if re.fullmatch(p, path)]
+    if len(hits) > 1:
+      raise InputError(f"path {path!r} matches several layout keys {hits}; make each path match at most one")
+    return self._rules[hits[0]] if hits else None
+
+  def __delitem__(self, pattern):
+    del self._rules[pattern]
+
+  def __iter__(self):
+    return iter(self._rules)
+
+  def __len__(self):
+    return len(self._rules)
+
+
+class _Plan:
+  """What the partitioned Keras functions need: mesh, batch axis, spec for a path (or None)."""
+
+  def __init__(self, mesh, batch_axis, spec_for):
+    self.mesh = mesh
+    self.batch_axis = batch_axis
+    self.spec_for = spec_for
+
+
+def _mesh_of(device_mesh):
+  devices = []
+  for d in np.asarray(device_mesh.devices).reshape(-1):
+    kind, _, index = str(d).rpartition(":")
+    devices.append(f"/device:{kind.split('/')[-1].upper()}:{index}")
+  return Mesh(tuple(device_mesh.shape), tuple(device_mesh.axis_names), devices=devices)
+
+
+def _plan_of(source):
+  if source is None:
+    return None
+  if isinstance(source, _Plan):
+    return source
+  if isinstance(source, LayoutMap):
+    return _Plan(source.mesh, source.batch_axis, lambda path: source[path])
+  from keras.src.distribution.distribution_lib import Distribution  # pylint: disable=g-import-not-at-top
+  if isinstance(source, Distribution):
+    mesh = _mesh_of(source.device_mesh)
+    layout_map = getattr(source, "_layout_map", None)
+
+    def spec_for(path):
+      layout = layout_map[path] if layout_map is not None else None
+      return P(*layout.axes) if layout is not None else None
+    return _Plan(mesh, source.batch_dim_name, spec_for)
+  raise InputError(f"gs.keras.scope takes a Keras distribution or a gs.keras.LayoutMap; got {source!r}")
+
+
+def _active_plan():
+  plan = getattr(_local, "plan", None)
+  if plan is not None:
+    return plan
+  import keras  # pylint: disable=g-import-not-at-top
+  dist = keras.distribution.distribution()
+  if dist is None:
+    return None
+  cached = getattr(_local, "from_keras", None)
+  if cached is None or cached[0] is not dist:
+    _local.from_keras = (dist, _plan_of(dist))
+  return _local.from_keras[1]
+
+
+@contextlib.contextmanager
+def scope(distribution):
+  """Within the block, Keras models train, evaluate and predict partitioned by `distribution`."""
+  previous = getattr(_local, "plan", None)
+  _local.plan = _plan_of(distribution)
+  try:
+    yield
+  finally:
+    _local.plan = previous
+
+
+def _eager(value):
+  if isinstance(value, ShardedTensor):
+    return tf.constant(value.numpy())
+  return value
+
+
+class _Partitioned:
+  """One of Keras's step functions (train, test, predict) as gs.functions, one per batch signature."""
+
+  def __init__(self, model, kind, plan):
+    self.model = model
+    self.kind = kind
+    self.plan = plan
+    self.step = {"train": model.train_step, "test": model.test_step, "predict": model.predict_step}[kind]
+    self.functions = {}
+
+  def _function(self, data):
+    flat = tf.nest.flatten(data)
+    key = (tf.nest.map_structure(lambda _: 0, data).__repr__(),
+           tuple((tuple(t.shape.as_list()), t.dtype) for t in flat))
+    if key not in self.functions:
+      model, plan, structure = self.model, self.plan, data
+
+      def step(*xs):
+        for v in model.weights:
+          spec = plan.spec_for(v.path)
+          if spec is not None:
+            shard(v, spec)
+        return self.step(tf.nest.pack_sequence_as(structure, list(xs)))
+
+      batch = plan.batch_axis
+      ins = tuple(P(batch) if t.shape.rank and batch else P() for t in flat)
+      self.functions[key] = gs_function(step, mesh=plan.mesh, in_shardings=ins)
+    return self.functions[key], flat
+
+  def run(self, data):
+    f, flat = self._function(data)
+    return tf.nest.map_structure(_eager, f(*flat))
+
+  def __call__(self, iterator_or_data):
+    if self.kind == "predict":   # Keras passes a list of steps_per_execution batches
+      outs = [self.run(batch) for batch in iterator_or_data]
+      if len(outs) == 1:
+        return outs[0]
+      return tf.nest.map_structure(lambda *ts: tf.concat(ts, 0), *outs)
+    logs = None
+    for _, data in zip(range(self.model.steps_per_execution), iterator_or_data):
+      logs = self.run(data)
+    if logs is None:
+      raise StopIteration
+    return logs
+
+
+def _install():
+  from keras.src.backend.tensorflow import distribution_lib as backend_dl  # pylint: disable=g-import-not-at-top
+  from keras.src.backend.tensorflow import trainer  # pylint: disable=g-import-not-at-top
+  cls = trainer.TensorFlowTrainer
+  if getattr(cls, "_gspmd_installed", False):
+    return
+  originals = {k: getattr(cls, f"make_{k}_function") for k in ("train", "test", "predict")}
+
+  def make(kind):
+    def make_function(self, force=False):
+      plan = _active_plan()
+      if plan is None:
+        return originals[kind](self, force=force)
+      attr = f"{kind}_function"
+      current = getattr(self, attr, None)
+      if isinstance(current, _Partitioned) and current.plan is plan and not force:
+        return current
+      if kind == "train" and self.optimizer is not None and not self.optimizer.built:
+        self.optimizer.build(self.trainable_variables)
+      setattr(self, attr, _Partitioned(self, kind, plan))
+      return getattr(self, attr)
+    return make_function
+
+  for kind in originals:
+    setattr(cls, f"make_{kind}_function", make(kind))
+
+  def distribute_tensor(tensor, layout):
+    """Keras's hook for `"<layer path>/output"` layouts: an annotation inside a partitioned function."""
+    if current_mesh() is None or tf.executing_eagerly():
+      return tensor
+    return shard(tensor, P(*layout.axes))
+
+  def distribute_variable(value, layout):  # pylint: disable=unused-argument
+    """Variables keep their value here; their layout is applied where they are used (partitioned steps)."""
+    return value
+
+  def get_device_count(device_type=None):
+    return len(backend_dl.list_devices(device_type))
+
+  def initialize(job_addresses=None, num_processes=None, process_id=None):  # pylint: disable=unused-argument
+    if num_processes not in (None, 1):
+      raise InputError("multi-process Keras distribution is not supported by tf_gspmd.keras yet")
+
+  backend_dl.distribute_tensor = distribute_tensor
+  backend_dl.distribute_variable = distribute_variable
+  backend_dl.get_device_count = get_device_count
+  backend_dl.initialize = initialize
+  backend_dl.num_processes = lambda: 1
+  backend_dl.process_id = lambda: 0
+  cls._gspmd_installed = True
+
+
+_install()
