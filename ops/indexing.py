@@ -194,21 +194,46 @@ class Slice(_Windowed):
 
 @register("StridedSlice")
 class StridedSlice(_Windowed):
-  """Without new-axis/ellipsis masks: untouched full-range dims pass their split; shrunk dims vanish.
+  """Untouched full-range dims pass their split, shrunk dims vanish, new axes (`x[..., None]`) are whole.
 
-  A contiguous range (stride 1, no shrink) on a split dim takes a window with halos, like Slice.
+  A contiguous range (stride 1, no shrink, no new axes) on a split dim takes a window with halos, like Slice.
   """
 
   def _plain(self, node):
     return not node.attr("new_axis_mask") and not node.attr("ellipsis_mask") and all(
         node.const_input(i) is not None for i in (1, 2, 3))
 
-  def _full(self, node):
-    """Input dims read whole with stride 1 (their split can pass through)."""
-    if not self._plain(node):
-      return set()
-    return self.full_dims(node.input_shape(0), *(np.asarray(node.const_input(i)).reshape(-1) for i in (1, 2, 3)),
-                          node.attr("begin_mask"), node.attr("end_mask"), node.attr("shrink_axis_mask"))
+  def _entries(self, node):
+    """Output dims in order: ("in", input dim, read whole with stride 1, shrunk) or ("new",); None if dynamic.
+
+    Expands the ellipsis (and the implicit one at the end) and keeps new axes where they are inserted.
+    """
+    shape = node.input_shape(0)
+    consts = [node.const_input(i) for i in (1, 2, 3)]
+    if any(c is None for c in consts):
+      return None
+    begin, end, strides = (np.asarray(c).reshape(-1) for c in consts)
+    bm, em, sm = node.attr("begin_mask"), node.attr("end_mask"), node.attr("shrink_axis_mask")
+    nm, elm = node.attr("new_axis_mask"), node.attr("ellipsis_mask")
+    consumed = sum(1 for i in range(len(begin)) if not (nm >> i & 1 or elm >> i & 1))
+    entries, d = [], 0
+    for i in range(len(begin)):
+      if elm >> i & 1:
+        for _ in range(len(shape) - consumed):
+          entries.append(("in", d, True, False))
+          d += 1
+      elif nm >> i & 1:
+        entries.append(("new",))
+      else:
+        b = 0 if bm >> i & 1 else int(begin[i])
+        e = shape[d] if em >> i & 1 else int(end[i])
+        shrink = bool(sm >> i & 1)
+        entries.append(("in", d, not shrink and strides[i] == 1 and b in (0, -shape[d]) and e >= shape[d], shrink))
+        d += 1
+    while d < len(shape):
+      entries.append(("in", d, True, False))
+      d += 1
+    return entries
 
   @staticmethod
   def full_dims(shape, begin, end, strides, begin_mask, end_mask, shrink_mask):
@@ -246,12 +271,12 @@ class StridedSlice(_Windowed):
     if self.ranges(node) is not None:
       return super().factors(node, windowed)
     shape = node.input_shape(0)
-    full = self._full(node)
-    ins = tuple(f"d{d}" if d in full else None for d in range(len(shape)))
-    if not self._plain(node):
+    entries = self._entries(node)
+    if entries is None:
       return Factors(((None,) * len(shape),), ((None,) * len(node.outputs[0].shape),))
-    sm = node.attr("shrink_axis_mask")
-    out = tuple(l for d, l in enumerate(ins) if not sm >> d & 1)
+    full = {e[1] for e in entries if e[0] == "in" and e[2]}
+    ins = tuple(f"d{d}" if d in full else None for d in range(len(shape)))
+    out = tuple(None if e[0] == "new" else ins[e[1]] for e in entries if e[0] == "new" or not e[3])
     return Factors((ins,), (out,))
 
 

@@ -12,6 +12,7 @@ import threading
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.eager import record
 
 from tf_gspmd._mesh import Mesh, P
 from tf_gspmd._sharding import Sharding, to_sharding
@@ -54,8 +55,20 @@ def _annotate(t, sharding, name=None):
   sharding = sharding.with_rank(rank, what=_tensor_name(t)) if sharding.dims else sharding
   if tf.executing_eagerly():
     return t
-  out = tf.identity(t, name=name)
-  out.op._set_attr(SHARDING_ATTR, attr_value_pb2.AttrValue(s=sharding.to_proto().SerializeToString()))  # pylint: disable=protected-access
+  return _annotated_identity(t, SHARDING_ATTR, sharding.to_proto().SerializeToString(), name)
+
+
+def _annotated_identity(t, attr, value, name):
+  """Identity(t) carrying the annotation `attr`; its gradient carries it too (as JAX transposes a sharding
+  constraint into one on the cotangent), so a layout chosen for a tensor also holds for its gradient."""
+  with record.stop_recording():
+    out = tf.identity(t, name=name)
+  out.op._set_attr(attr, attr_value_pb2.AttrValue(s=value))  # pylint: disable=protected-access
+
+  def backward(dy):
+    return [_annotated_identity(dy, attr, value, None)]
+
+  record.record_operation("Identity", [out], [t], backward)
   return out
 
 
@@ -127,9 +140,7 @@ def shard(tensor, spec, mesh=None, name=None):
       return _annotate(t, spec, name)
     if tf.executing_eagerly():
       return t
-    out = tf.identity(t, name=name)
-    out.op._set_attr(SPEC_ATTR, attr_value_pb2.AttrValue(s=encode_spec(spec)))  # pylint: disable=protected-access
-    return out
+    return _annotated_identity(t, SPEC_ATTR, encode_spec(spec), name)
   return _annotate(t, to_sharding(spec, mesh, rank=t.shape.rank, what=_tensor_name(t)), name)
 
 

@@ -54,12 +54,15 @@ class ShardedTensor:
     return padded[tuple(slice(0, n) for n in shape)]
 
   def __array__(self, dtype=None, copy=None):  # pylint: disable=unused-argument
-    a = self.numpy()
+    a = np.asarray(self.numpy())
     return a.astype(dtype) if dtype is not None else a
 
   @property
   def devices(self):
     return tuple(c.device for c in self.components)
+
+  def __float__(self):
+    return float(self.numpy())
 
   def __repr__(self):
     return f"ShardedTensor(shape={self.shape.as_list()}, dtype={self.dtype.name}, sharding={self.sharding})"

@@ -150,3 +150,15 @@ def test_arg_reduce_over_a_split_dim_gathers_only_the_winners(rng, op, cols):
   gathers = [c for c in low.report.collectives if c.kind == "all-gather"]
   assert gathers and all(c.shape[0] == 4 and c.shape[1:] == (4, 6) for c in gathers)   # winners only
   np.testing.assert_array_equal(f(x).numpy(), op(x, axis=2, output_type=tf.int32).numpy())
+
+
+@pytest.mark.parametrize("index", ["ellipsis_new", "new_middle", "ellipsis_shrink", "new_and_range"])
+def test_strided_slice_with_new_axes_and_ellipsis_keeps_the_split(rng, index):
+  mesh = gs.Mesh((2, 4), ("data", "model"))
+  x = rng.standard_normal((8, 12, 6)).astype(np.float32)
+  fn = {"ellipsis_new": lambda a: a[..., None], "new_middle": lambda a: a[:, None, :, :],
+        "ellipsis_shrink": lambda a: a[..., 2], "new_and_range": lambda a: a[:, :, None, 1:4]}[index]
+  f = gs.function(fn, mesh=mesh, in_shardings=P("data", "model", None))
+  low = f.lower(tf.TensorSpec(x.shape))
+  assert low.report.collectives == [], str(low.report)   # no gather: the split dims pass through
+  np.testing.assert_array_equal(f(x).numpy(), fn(tf.constant(x)).numpy())

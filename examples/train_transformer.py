@@ -1,0 +1,59 @@
+"""Train a decoder-only transformer language model, Megatron-partitioned over a (data, model) mesh.
+
+  python examples/train_transformer.py                      # mesh 2,4 on 8 logical CPUs
+  python examples/train_transformer.py --plan               # the plan for 2048 devices (32 x 64), no devices
+  python examples/train_transformer.py --resume             # continue from the latest checkpoint
+
+Keras 3 model (embedding, causal multi-head attention, GELU MLP, layer norms) and Keras Adam; attention heads
+and the MLP hidden dim split over `model`, the batch over `data`. Data: token sequences with structure
+(each sequence counts up from a random start by a random stride), so the loss falls as the model learns it.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+
+import training  # noqa: E402
+
+flags.DEFINE_integer("layers", 4, "Transformer layers.")
+flags.DEFINE_integer("d_model", 64, "Model width.")
+flags.DEFINE_integer("heads", 4, "Attention heads.")
+flags.DEFINE_integer("d_ff", 256, "MLP hidden width.")
+flags.DEFINE_integer("vocab", 128, "Vocabulary size.")
+flags.DEFINE_integer("seq_len", 32, "Sequence length.")
+flags.DEFINE_integer("batch", 16, "Global batch size.")
+FLAGS = flags.FLAGS
+
+
+def task():
+  import transformer_model as tm  # pylint: disable=g-import-not-at-top
+  from tf_gspmd import P  # pylint: disable=g-import-not-at-top
+  cfg = tm.Config(layers=FLAGS.layers, d_model=FLAGS.d_model, heads=FLAGS.heads, d_ff=FLAGS.d_ff,
+                  vocab=FLAGS.vocab, seq=FLAGS.seq_len, batch=FLAGS.batch, lr=FLAGS.lr)
+
+  def build(mesh, plan_only=False):  # pylint: disable=unused-argument
+    import keras  # pylint: disable=g-import-not-at-top
+    keras.utils.set_random_seed(FLAGS.seed)
+    model = tm.keras_model(cfg)
+    optimizer = keras.optimizers.Adam(cfg.lr)
+    optimizer.build(model.trainable_variables)
+    return training.Model(step=tm.make_keras_train_step(model, optimizer),
+                          trackables={"model": model, "optimizer": optimizer})
+
+  return training.Task(
+      name="transformer", axes=("data", "model"), default_mesh=(2, 4), default_plan_mesh=(32, 64), build=build,
+      batch=lambda k: tm.synthetic_batch(cfg, seed=FLAGS.seed * 1_000_003 + k),
+      in_specs=lambda mesh: (P("data", None), P("data", None)), unit="tokens", per_step=cfg.batch * cfg.seq)
+
+
+def main(_):
+  training.run(task())
+
+
+if __name__ == "__main__":
+  app.run(main)
