@@ -28,9 +28,32 @@ def _halo_eligible(node):
   fmt = fmt.decode() if isinstance(fmt, bytes) else (fmt or "NHWC")
   padding = node.attr("padding")
   padding = padding.decode() if isinstance(padding, bytes) else padding
-  return (node.op == "Conv2D" and not fmt.startswith("NC") and padding == "SAME" and
+  return (node.op.startswith("Conv2D") and not fmt.startswith("NC") and padding == "SAME" and
           all(v == 1 for v in node.attr("strides").i) and
           all(v == 1 for v in (node.attr("dilations").i or [1])))
+
+
+def _split_spatial(layout, rank):
+  """(dim, axes) of the one split spatial dim of an NHWC layout, or None."""
+  if layout is None or layout.is_maximal:
+    return None
+  layout = layout.with_rank(rank)
+  split = [d for d in range(1, rank - 1) if layout.dims[d]]
+  return (split[0], layout.dims[split[0]]) if len(split) == 1 else None
+
+
+def _same_pads(kernel, rank, skip):
+  """EXPLICIT paddings (NHWC) that make a VALID window along `skip` and SAME elsewhere."""
+  pads = [0, 0]
+  for i in range(1, rank - 1):
+    total = 0 if i == skip else kernel[i - 1] - 1
+    pads += [total // 2, total - total // 2]
+  return pads + [0, 0]
+
+
+def _explicit(pads):
+  return {"padding": attr_value_pb2.AttrValue(s=b"EXPLICIT"),
+          "explicit_paddings": attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(i=pads))}
 
 
 @register("Conv2D", "Conv3D")
@@ -74,14 +97,7 @@ class Conv(FactorRule):
     with tf.name_scope(node.name + "/gspmd/"):
       x = ctx.backend.halo_exchange(x, d, axes, left, right, node.name,
                                     f"{node.name} convolves rows split over {'x'.join(axes)}")
-    pads = [0, 0]
-    for i in range(1, rank - 1):
-      total = 0 if i == d else kernel[i - 1] - 1
-      pads += [total // 2, total - total // 2]
-    pads += [0, 0]
-    (y,) = ctx.clone(node, {0: x, 1: w}, attrs={"padding": attr_value_pb2.AttrValue(s=b"EXPLICIT"),
-                                                 "explicit_paddings": attr_value_pb2.AttrValue(
-                                                     list=attr_value_pb2.AttrValue.ListValue(i=pads))})
+    (y,) = ctx.clone(node, {0: x, 1: w}, attrs=_explicit(_same_pads(kernel, rank, d)))
     natural = Sharding(mesh, tuple(axes if i == d else (b_axes if i == 0 else (co_axes if i == rank - 1 else ()))
                                    for i in range(rank)))
     ctx.set_output(0, y, natural)
@@ -89,7 +105,11 @@ class Conv(FactorRule):
 
 @register("Conv2DBackpropInput", "Conv3DBackpropInputV2")
 class ConvBackpropInput(FactorRule):
-  """d_in[b, ..., ci] = sum over co of filter[..., ci, co] * d_out[b, ..., co]."""
+  """d_in[b, ..., ci] = sum over co of filter[..., ci, co] * d_out[b, ..., co].
+
+  For a SAME stride-1 Conv2D a split spatial dim stays split: each device convolves its rows of d_out, plus
+  halo rows from its neighbours, with the flipped filter (the forward convolution's halo exchange, mirrored).
+  """
 
   def data_inputs(self, node):
     return [1, 2]
@@ -97,28 +117,97 @@ class ConvBackpropInput(FactorRule):
   def factors(self, node):
     rank = len(node.outputs[0].shape)
     filt = (None,) * (rank - 2) + ("ci", "co")
+    if _halo_eligible(node):
+      space = tuple(f"s{i}" for i in range(rank - 2))
+      return Factors((filt, ("b",) + space + ("co",)), (("b",) + space + ("ci",),))
     return Factors((filt, _nhwc(node, "b", "co", rank)), (_nhwc(node, "b", "ci", rank),))
 
   def emit(self, ctx, node, local_inputs, axes_of):
     sizes = self.local_shape_input(ctx, node, axes_of, 0)
     return ctx.clone(node, {0: sizes, 1: local_inputs[0], 2: local_inputs[1]})
 
+  def partition(self, ctx, node):
+    rank = len(node.outputs[0].shape)
+    target = ctx.target(0)
+    split = _split_spatial(target, rank) if _halo_eligible(node) else None
+    shape = node.outputs[0].shape
+    kernel = node.input_shape(1)
+    if split is None or shape[split[0]] % target.tiles(split[0]) or kernel[split[0] - 1] - 1 > \
+        shape[split[0]] // target.tiles(split[0]):
+      return self.partition_with(ctx, node, Factors(((None,) * (rank - 2) + ("ci", "co"),
+                                                     _nhwc(node, "b", "co", rank)), (_nhwc(node, "b", "ci", rank),)))
+    d, axes = split
+    mesh = ctx.mesh
+    b_axes = tuple(a for a in target.dims[0] if a not in axes)
+    ci_axes = tuple(a for a in target.dims[-1] if a not in axes and a not in b_axes)
+    k = kernel[d - 1]
+    top = (k - 1) // 2
+    dy = ctx.operand(2, Sharding(mesh, tuple(axes if i == d else (b_axes if i == 0 else ()) for i in range(rank))))
+    w = ctx.operand(1, Sharding(mesh, ((),) * (rank - 2) + (ci_axes, ())))
+    with tf.name_scope(node.name + "/gspmd/"):
+      dy = ctx.backend.halo_exchange(dy, d, axes, k - 1 - top, top, node.name,
+                                     f"{node.name} back-propagates through rows split over {'x'.join(axes)}")
+      w = tf.transpose(tf.reverse(w, list(range(rank - 2))), list(range(rank - 2)) + [rank - 1, rank - 2])
+      pads = [0, 0]
+      for i in range(1, rank - 1):
+        total = 0 if i == d else kernel[i - 1] - 1
+        pads += [total - total // 2, total // 2]   # the forward padding, mirrored
+      pads += [0, 0]
+      dx = tf.nn.conv2d(dy, w, strides=1, padding=[pads[2 * i:2 * i + 2] for i in range(rank)])
+    ctx.ops[node.name] = dx.op
+    ctx.set_output(0, dx, Sharding(mesh, tuple(axes if i == d else (b_axes if i == 0 else
+                                                                    (ci_axes if i == rank - 1 else ()))
+                                               for i in range(rank))))
+
 
 @register("Conv2DBackpropFilter", "Conv3DBackpropFilterV2")
 class ConvBackpropFilter(FactorRule):
-  """d_filter[..., ci, co] = sum over b and space of in[b, ..., ci] * d_out[b, ..., co]."""
+  """d_filter[..., ci, co] = sum over b and space of in[b, ..., ci] * d_out[b, ..., co].
+
+  For a SAME stride-1 Conv2D with rows split, each device correlates its rows of d_out with its rows of the
+  input plus halo rows, giving a partial filter gradient summed by one all-reduce (no gather of activations).
+  """
 
   def data_inputs(self, node):
     return [0, 2]
 
   def factors(self, node):
     rank = len(node.outputs[0].shape)
+    if _halo_eligible(node):
+      space = tuple(f"s{i}" for i in range(rank - 2))
+      return Factors((("b",) + space + ("ci",), ("b",) + space + ("co",)), ((None,) * (rank - 2) + ("ci", "co"),))
     return Factors((_nhwc(node, "b", "ci", rank), _nhwc(node, "b", "co", rank)),
                    ((None,) * (rank - 2) + ("ci", "co"),))
 
   def emit(self, ctx, node, local_inputs, axes_of):
     sizes = self.local_shape_input(ctx, node, axes_of, 1)
     return ctx.clone(node, {0: local_inputs[0], 1: sizes, 2: local_inputs[1]})
+
+  def partition(self, ctx, node):
+    rank = len(node.outputs[0].shape)
+    kernel = node.outputs[0].shape   # the filter's shape (static), whatever computes filter_sizes
+    shape = node.input_shape(0)
+    cur = ctx.current(2)
+    split = _split_spatial(cur, rank) if _halo_eligible(node) else None
+    if split is None or shape[split[0]] % cur.tiles(split[0]) or int(kernel[split[0] - 1]) - 1 > \
+        shape[split[0]] // cur.tiles(split[0]):
+      return self.partition_with(ctx, node, Factors((_nhwc(node, "b", "ci", rank), _nhwc(node, "b", "co", rank)),
+                                                    ((None,) * (rank - 2) + ("ci", "co"),)))
+    d, axes = split
+    mesh = ctx.mesh
+    cur = cur.with_rank(rank)
+    b_axes = tuple(a for a in cur.dims[0] if a not in axes)
+    layout = Sharding(mesh, tuple(axes if i == d else (b_axes if i == 0 else ()) for i in range(rank)))
+    k = int(kernel[d - 1])
+    top = (k - 1) // 2
+    x = ctx.operand(0, layout)
+    dy = ctx.operand(2, layout)
+    with tf.name_scope(node.name + "/gspmd/"):
+      x = ctx.backend.halo_exchange(x, d, axes, top, k - 1 - top, node.name,
+                                    f"{node.name} correlates rows split over {'x'.join(axes)}")
+    (dw,) = ctx.clone(node, {0: x, 1: tf.constant(list(kernel), node.input_info(1).dtype), 2: dy},
+                      attrs=_explicit(_same_pads([int(v) for v in kernel], rank, d)))
+    ctx.set_output(0, dw, Sharding(mesh, ((),) * rank), partial=(tuple(axes) + b_axes, "Add"))
 
 
 def _tiled_windows(node):
