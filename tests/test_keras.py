@@ -103,3 +103,28 @@ def test_own_layout_map_scope_and_save_load_weights(tmp_path):
   with pytest.raises(gs.InputError, match="matches several layout keys"):
     layouts[".*_up/.*"] = P()
     layouts["l0_up/kernel"]   # pylint: disable=pointless-statement
+
+
+def test_variables_are_created_sharded_under_a_layout_map(rng):
+  layouts = gsk.LayoutMap(gs.Mesh((2, 4), ("data", "model")), batch_axis="data")
+  layouts[".*_up/kernel"] = P(None, "model")
+  layouts[".*_down/kernel"] = P("model", None)
+  with gsk.scope(layouts):
+    model = tm.keras_model(CFG)
+    up = model.get_layer("l0_up").kernel
+    # Split from creation, shard by shard: the variable itself holds no value until read.
+    assert gs.sharding_of(up).spec == P(None, "model") and not up.value.is_initialized()
+    values = up.numpy()
+    assert values.shape == (CFG.d_model, CFG.d_ff) and 0.0 < values.std() < 1.0
+    assert not np.allclose(values, model.get_layer("l1_up").kernel.numpy())   # seeded per variable
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data(2, seed=20)
+  keras.utils.set_random_seed(0)
+  plain = tm.keras_model(CFG)
+  plain.set_weights(model.get_weights())
+  plain.compile(optimizer=keras.optimizers.Adam(1e-2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  with gsk.scope(layouts):
+    got = model.fit(x, y, batch_size=CFG.batch, epochs=1, shuffle=False, verbose=0).history["loss"]
+  want = plain.fit(x, y, batch_size=CFG.batch, epochs=1, shuffle=False, verbose=0).history["loss"]
+  np.testing.assert_allclose(got, want, rtol=1e-4)

@@ -29,14 +29,17 @@ import collections
 import contextlib
 import re
 import threading
+import zlib
 
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd import _state
 from tf_gspmd._annotations import current_mesh, shard
 from tf_gspmd._function import function as gs_function
 from tf_gspmd._mesh import Mesh, P
 from tf_gspmd._sharded_tensor import ShardedTensor
+from tf_gspmd._sharding import to_sharding
 from tf_gspmd.errors import InputError
 
 _local = threading.local()
@@ -197,6 +200,19 @@ class _Partitioned:
     return logs
 
 
+def _sharded_initializer(initializer, path):
+  """The mesh-independent equivalent of a Keras initializer, seeded per variable; None if it has none."""
+  import keras  # pylint: disable=g-import-not-at-top
+  from tf_gspmd import initializers  # pylint: disable=g-import-not-at-top
+  if callable(initializer) and not isinstance(initializer, keras.initializers.Initializer):
+    return None
+  seed = int(keras.random.randint((), 0, 2 ** 31 - 1)) ^ zlib.crc32(path.encode())
+  try:
+    return initializers.from_keras(initializer, seed=seed & 0x7FFFFFFF)
+  except InputError:
+    return None
+
+
 def _install():
   from keras.src.backend.tensorflow import distribution_lib as backend_dl  # pylint: disable=g-import-not-at-top
   from keras.src.backend.tensorflow import trainer  # pylint: disable=g-import-not-at-top
@@ -240,6 +256,27 @@ def _install():
     if num_processes not in (None, 1):
       raise InputError("multi-process Keras distribution is not supported by tf_gspmd.keras yet")
 
+  from keras.src.backend.tensorflow import core  # pylint: disable=g-import-not-at-top
+  initialize = core.Variable._initialize_with_initializer  # pylint: disable=protected-access
+
+  def initialize_sharded(self, initializer):
+    """A variable with a layout is created sharded: shard by shard when its initializer has a mesh-independent
+    equivalent (no full value anywhere), else from its full value, then split."""
+    plan = _active_plan()
+    spec = plan.spec_for(self.path) if plan is not None else None
+    if spec is None:
+      return initialize(self, initializer)
+    init = _sharded_initializer(initializer, self.path)
+    if init is not None:
+      self._value = _state.variable(init, self._shape, self._dtype, mesh=plan.mesh, spec=spec, name=self.name,
+                                    trainable=self.trainable)
+      return None
+    initialize(self, initializer)
+    _state.manage(self._value, to_sharding(spec, plan.mesh, rank=len(self._shape), what=self.path),
+                  plan.mesh.resolve_devices(), what=self.path)
+    return None
+
+  core.Variable._initialize_with_initializer = initialize_sharded  # pylint: disable=protected-access
   backend_dl.distribute_tensor = distribute_tensor
   backend_dl.distribute_variable = distribute_variable
   backend_dl.get_device_count = get_device_count
