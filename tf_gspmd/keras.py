@@ -164,18 +164,21 @@ class _Partitioned:
     self.functions = {}
 
   def _function(self, data):
-    flat = tf.nest.flatten(data)
-    key = (tf.nest.map_structure(lambda _: 0, data).__repr__(),
+    leaves = tf.nest.flatten(data)
+    flat = [tf.convert_to_tensor(t) for t in leaves if t is not None]   # e.g. no sample weights
+    key = (tf.nest.map_structure(lambda t: t is None, data).__repr__(),
            tuple((tuple(t.shape.as_list()), t.dtype) for t in flat))
     if key not in self.functions:
       model, plan, structure = self.model, self.plan, data
+      present = [t is not None for t in leaves]
 
       def step(*xs):
         for v in model.weights:
           spec = plan.spec_for(v.path)
           if spec is not None:
             shard(v, spec)
-        return self.step(tf.nest.pack_sequence_as(structure, list(xs)))
+        it = iter(xs)
+        return self.step(tf.nest.pack_sequence_as(structure, [next(it) if p else None for p in present]))
 
       batch = plan.batch_axis
       ins = tuple(P(batch) if t.shape.rank and batch else P() for t in flat)
