@@ -87,10 +87,11 @@ def test_fit_evaluate_predict_with_keras_model_parallel_match_plain_keras():
 def test_own_layout_map_scope_and_save_load_weights(tmp_path):
   x, y = _data(2, seed=10)
   model, ref = _models()
-  layouts = gsk.LayoutMap(gs.Mesh((2, 4), ("data", "model")), batch_axis="data")
+  assert gs.keras is gsk   # the documented spelling
+  layouts = gs.keras.LayoutMap(gs.Mesh((2, 4), ("data", "model")), batch_axis="data")
   layouts[".*_up/kernel"] = P(None, "model")
   layouts[".*_down/kernel"] = P("model", None)
-  with gsk.scope(layouts):
+  with gs.keras.scope(layouts):
     hist = model.fit(x, y, batch_size=CFG.batch, epochs=2, shuffle=False, verbose=0)
   want = ref.fit(x, y, batch_size=CFG.batch, epochs=2, shuffle=False, verbose=0)
   np.testing.assert_allclose(hist.history["loss"], want.history["loss"], rtol=1e-4)

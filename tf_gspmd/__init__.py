@@ -29,3 +29,11 @@ __all__ = [
     "UnsupportedOpError", "InputError",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+  """`gs.keras` (the Keras 3 integration) is imported on first use: it needs Keras, the core does not."""
+  if name == "keras":
+    import importlib  # pylint: disable=g-import-not-at-top
+    return importlib.import_module("tf_gspmd.keras")
+  raise AttributeError(f"module 'tf_gspmd' has no attribute {name!r}")
