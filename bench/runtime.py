@@ -35,31 +35,17 @@ FLAGS = flags.FLAGS
 def programs():
   """(name, step fn, [numpy args], [P spec per arg])."""
   import transformer_model as tm  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tf_gspmd import P  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
 
   def normal(*shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-  def mlp_train(x, t, w1, w2):
-    with tf.GradientTape() as tape:
-      tape.watch([w1, w2])
-      loss = tf.reduce_mean(tf.square(tf.nn.gelu(x @ w1) @ w2 - t))
-    g1, g2 = tape.gradient(loss, [w1, w2])
-    return w1 - 0.1 * g1, w2 - 0.1 * g2, loss
-
-  yield ("mlp_train_step", mlp_train,
+  yield ("mlp_train_step", tm.mlp_train_step,
          [normal(64, 1024), normal(64, 1024), normal(1024, 4096, scale=0.03), normal(4096, 1024, scale=0.03)],
          [P("data", None), P("data", None), P(None, "model"), P("model", None)])
   cfg = tm.Config(layers=FLAGS.layers)
-  names = sorted(tm.param_shapes(cfg))
-  params = tm.init_params(cfg)
-  tokens, targets = tm.synthetic_batch(cfg)
-  state = [params[k] for k in names] + [np.zeros_like(params[k]) for k in names] * 2
-  specs = [tm.megatron_specs(cfg)[k] for k in names] * 3
-  yield (f"transformer_train_step ({cfg.layers} layers, Adam)", tm.make_train_step(cfg, names),
-         [np.int32(0), tokens, targets] + state, [P(), P("data", None), P("data", None)] + specs)
+  yield (f"transformer_train_step ({cfg.layers} layers, Adam)", *tm.megatron_train_args(cfg))
 
 
 def _median_time(call, steps):

@@ -125,6 +125,25 @@ def make_train_step(cfg, names):
   return train_step
 
 
+def megatron_train_args(cfg):
+  """(train step, its arguments, their Megatron specs): one Adam step with params and slots as arguments."""
+  names = sorted(param_shapes(cfg))
+  params = init_params(cfg)
+  tokens, targets = synthetic_batch(cfg)
+  state = [params[k] for k in names] + [np.zeros_like(params[k]) for k in names] * 2
+  specs = [P(), P("data", None), P("data", None)] + [megatron_specs(cfg)[k] for k in names] * 3
+  return make_train_step(cfg, names), [np.int32(0), tokens, targets] + state, specs
+
+
+def mlp_train_step(x, t, w1, w2):
+  """Reference workload 2: one SGD step of a GELU MLP (Megatron layout: w1 P(None, "model"), w2 P("model", None))."""
+  with tf.GradientTape() as tape:
+    tape.watch([w1, w2])
+    loss = tf.reduce_mean(tf.square(tf.nn.gelu(x @ w1) @ w2 - t))
+  g1, g2 = tape.gradient(loss, [w1, w2])
+  return w1 - 0.1 * g1, w2 - 0.1 * g2, loss
+
+
 def synthetic_batch(cfg, seed=0):
   """Token sequences with structure (each token predicts the next by a fixed rule), so the loss can fall."""
   rng = np.random.default_rng(seed)

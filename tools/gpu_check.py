@@ -74,24 +74,11 @@ def main(_):
     print(f"{name:28s} compiled: {low.program.jit or 'no':9s} collectives: {low.report.counts()}  first call "
           f"{first:.1f} s, step {np.median(times) * 1e3:.1f} ms, {'matches' if ok else f'MISMATCH ({err:.1f}x tol)'}")
 
-  def mlp_train(x, t, w1, w2):
-    with tf.GradientTape() as tape:
-      tape.watch([w1, w2])
-      loss = tf.reduce_mean(tf.square(tf.nn.gelu(x @ w1) @ w2 - t))
-    g1, g2 = tape.gradient(loss, [w1, w2])
-    return w1 - 0.1 * g1, w2 - 0.1 * g2, loss
-
-  check("mlp_train_step", mlp_train,
+  check("mlp_train_step", tm.mlp_train_step,
         [rng.standard_normal((64, 1024), np.float32), rng.standard_normal((64, 1024), np.float32),
          rng.standard_normal((1024, 4096), np.float32) * 0.03, rng.standard_normal((4096, 1024), np.float32) * 0.03],
         [P("data", None), P("data", None), P(None, "model"), P("model", None)])
-  cfg = tm.Config(layers=4)
-  names = sorted(tm.param_shapes(cfg))
-  params = tm.init_params(cfg)
-  tokens, targets = tm.synthetic_batch(cfg)
-  state = [params[k] for k in names] + [np.zeros_like(params[k]) for k in names] * 2
-  check("transformer_train_step", tm.make_train_step(cfg, names), [np.int32(0), tokens, targets] + state,
-        [P(), P("data", None), P("data", None)] + [tm.megatron_specs(cfg)[k] for k in names] * 3)
+  check("transformer_train_step", *tm.megatron_train_args(tm.Config(layers=4)))
   if failures:
     raise SystemExit(f"partitioned results differ from the unpartitioned program: {failures}")
   print("all checks passed")
