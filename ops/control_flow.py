@@ -33,12 +33,9 @@ def _type_list_attr(dtypes):
   return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(type=[d.as_datatype_enum for d in dtypes]))
 
 
-def _body_results(node, fname, shapes, params):
+def _body_results(ctx, fname, shapes, params):
   """Completed result layouts of function `fname` for parameter layouts `params` (None = free)."""
-  complete = getattr(node.graph, "complete_function", None)
-  if complete is None:
-    return []
-  return list(complete(fname, shapes, params, None).output_shardings)
+  return list(ctx.complete_function(fname, shapes, params).output_shardings)
 
 
 @register("While", "StatelessWhile")
@@ -48,14 +45,14 @@ class While(Rule):
   priority = 0
   forward_without_operands = True   # annotations inside the body speak even when nothing outside does
 
-  def forward(self, node, operands):
+  def forward(self, ctx, node, operands):
     cands = [[s] if s is not None else [] for s in operands]
-    for i, s in enumerate(_body_results(node, node.attr("body").name, _shapes(node), operands)):
+    for i, s in enumerate(_body_results(ctx, node.attr("body").name, _shapes(node), operands)):
       if operands[i] is None or s == operands[i]:
         cands[i].append(s)
     return cands
 
-  def backward(self, node, outputs, operands):
+  def backward(self, ctx, node, outputs, operands):
     return [[s] if s is not None else [] for s in outputs]
 
   def partition(self, ctx, node):
@@ -81,10 +78,10 @@ class If(Rule):
   priority = 1
   forward_without_operands = True
 
-  def forward(self, node, operands):
+  def forward(self, ctx, node, operands):
     outs = [[] for _ in node.outputs]
     for branch in ("then_branch", "else_branch"):
-      for o, s in enumerate(_body_results(node, node.attr(branch).name, _shapes(node, 1), operands[1:])):
+      for o, s in enumerate(_body_results(ctx, node.attr(branch).name, _shapes(node, 1), operands[1:])):
         outs[o].append(s)
     return outs
 
@@ -116,8 +113,8 @@ class Call(Rule):
   priority = 0
   forward_without_operands = True
 
-  def forward(self, node, operands):
-    return [[s] for s in _body_results(node, node.attr("f").name, _shapes(node), operands)] or \
+  def forward(self, ctx, node, operands):
+    return [[s] for s in _body_results(ctx, node.attr("f").name, _shapes(node), operands)] or \
         [[] for _ in node.outputs]
 
   def partition(self, ctx, node):

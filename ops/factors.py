@@ -99,7 +99,7 @@ class FactorRule(Rule):
     """Local computation: by default the same op on the local shards (data inputs in order)."""
     return ctx.clone(node, dict(zip(self.data_inputs(node), local_inputs)))
 
-  def forward(self, node, operands):
+  def forward(self, ctx, node, operands):
     f = self.cached_factors(node)
     operands = [operands[i] for i in self.data_inputs(node)]
     result = []
@@ -112,7 +112,7 @@ class FactorRule(Rule):
       result.append(cands)
     return result
 
-  def backward(self, node, outputs, operands):
+  def backward(self, ctx, node, outputs, operands):
     f = self.cached_factors(node)
     data = self.data_inputs(node)
     operands = [operands[i] for i in data]

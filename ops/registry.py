@@ -1,11 +1,12 @@
 """The one registry of per-op sharding rules, keyed by TF op type.
 
 A rule answers three questions about an op, so completion and partitioning cannot drift apart:
-- `forward(node, operands)`: candidate shardings of the outputs from the operands' shardings;
-- `backward(node, outputs, operands)`: candidate shardings of the operands from the outputs' shardings;
+- `forward(ctx, node, operands)`: candidate shardings of the outputs from the operands' shardings;
+- `backward(ctx, node, outputs, operands)`: candidate shardings of the operands from the outputs' shardings;
 - `partition(ctx, node)`: emit the op's per-device computation through the partition context `ctx`.
 
-Candidates are lists (one per source) that completion merges with its single merge function; rules never
+`ctx` is the completion context (the program being completed; `ctx.complete_function` completes a function
+body, for control flow), `partition`'s `ctx` the partition context. Candidates are lists (one per source) that completion merges with its single merge function; rules never
 resolve conflicts themselves. `lookup` is the only way to find a rule; an unregistered op gets `FALLBACK`.
 """
 
@@ -23,11 +24,11 @@ class Rule:
     """Indices of the inputs that carry data to be partitioned (others are read whole, e.g. axis constants)."""
     return list(range(len(node.inputs)))
 
-  def forward(self, node, operands):  # pylint: disable=unused-argument
+  def forward(self, ctx, node, operands):  # pylint: disable=unused-argument
     """One list of candidate shardings per output."""
     return [[] for _ in node.outputs]
 
-  def backward(self, node, outputs, operands):  # pylint: disable=unused-argument
+  def backward(self, ctx, node, outputs, operands):  # pylint: disable=unused-argument
     """One list of candidate shardings per input."""
     return [[] for _ in node.inputs]
 

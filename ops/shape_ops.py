@@ -156,13 +156,13 @@ class Reshape(Rule):
         out[major_out[0]] = mapped
     return Sharding(s.mesh, tuple(out))
 
-  def forward(self, node, operands):
+  def forward(self, ctx, node, operands):
     s = operands[0]
     if s is None or s.is_maximal:
       return [[]]
     return [[self._convert(node, s, True)]]
 
-  def backward(self, node, outputs, operands):
+  def backward(self, ctx, node, outputs, operands):
     s = outputs[0]
     if s is None or s.is_maximal:
       return [[], []]

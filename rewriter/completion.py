@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from tf_gspmd import ops as op_rules
 from tf_gspmd._sharding import Sharding
-from tf_gspmd.rewriter import functions
+from tf_gspmd.rewriter import functions, import_annotations
 
 ROUNDS = 4
 MAX_ITERATIONS = 64
@@ -46,6 +46,38 @@ def merge(old, new):
   return new if new.num_tiles > old.num_tiles else old
 
 
+class CompletionContext:
+  """What a rule's `forward`/`backward` sees besides the node: the program being completed.
+
+  Control-flow rules ask it for the completed program of a function body (`complete_function`), which
+  completes the body as a program of its own, cached per program tree.
+  """
+
+  def __init__(self, program):
+    self.program = program
+    self.mesh = program.mesh
+
+  def complete_function(self, fname, arg_shapes, param_shardings, out_shardings=None):
+    """The completed Program of function `fname` for these parameter shapes and layouts (None = free),
+    with its results pinned to `out_shardings` when given."""
+    return body_program(self.program, fname, arg_shapes, param_shardings, out_shardings)
+
+
+def body_program(parent, fname, arg_shapes, param_shardings, out_shardings):
+  """The completed Program of function `fname` of `parent`'s library (see CompletionContext.complete_function)."""
+  key = (fname, tuple(arg_shapes), tuple(param_shardings), tuple(out_shardings) if out_shardings else None)
+  cache = parent.function_cache
+  if key not in cache:
+    gd, inputs, outputs = functions.body_graph_def(parent.graph_def.library, fname, arg_shapes)
+    program = parent.replace(
+        fn=None, arg_specs=(), declared_in=tuple(param_shardings), arriving_in=tuple(param_shardings),
+        declared_out=tuple(out_shardings) if out_shardings else None, graph_def=gd, input_names=inputs,
+        output_refs=outputs, variable_names=(), variables=(), ir=None, annotations=None, shardings=None,
+        local_graph_def=None, report=None)
+    cache[key] = run(import_annotations.run(program))
+  return cache[key]
+
+
 def run(program, seed=None):
   """Pass: complete `program.annotations` (pinned) to every tensor; `seed` gives unpinned starting values."""
   ir = program.ir
@@ -60,9 +92,7 @@ def run(program, seed=None):
     why[r] = "annotation"
   pinned = set(program.annotations)
   rules = {n.name: (op_rules.lookup(n.op) or op_rules.FALLBACK) for n in ir.nodes}
-  # Control-flow rules complete their bodies through this hook (ops/ never imports the rewriter).
-  ir.complete_function = lambda fname, shapes, params, outs: functions.body_program(program, fname, shapes, params,
-                                                                                     outs)
+  ctx = CompletionContext(program)
 
   def propose(r, cand, reason):
     if r in pinned or cand is None:
@@ -115,7 +145,7 @@ def run(program, seed=None):
         ins = [shard.get(r) for r in node.inputs]
         if not any(s is not None for s in ins) and not rules[node.name].forward_without_operands:
           continue
-        for o, cands in enumerate(rules[node.name].forward(node, ins)):
+        for o, cands in enumerate(rules[node.name].forward(ctx, node, ins)):
           for c in cands:
             if propose(node.ref(o), c, f"round {level}: forward from the operands of {node.name} ({node.op})"):
               touched(node.ref(o), fwd, bwd, level)
@@ -128,7 +158,7 @@ def run(program, seed=None):
         ins = [shard.get(r) for r in node.inputs]
         if not any(s is not None for s in outs) and (node.outputs or not any(s is not None for s in ins)):
           continue   # (an op without outputs, e.g. a variable write, relates its operands to each other)
-        for i, cands in enumerate(rules[node.name].backward(node, outs, ins)):
+        for i, cands in enumerate(rules[node.name].backward(ctx, node, outs, ins)):
           for c in cands:
             if propose(node.inputs[i], c, f"round {level}: backward from {node.name} ({node.op})"):
               touched(node.inputs[i], fwd, bwd, level)

@@ -17,7 +17,7 @@ from tensorflow.python.ops import handle_data_util
 from tf_gspmd import ops as op_rules
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.errors import PartitionError, UnsupportedOpError
-from tf_gspmd.rewriter import functions, reshard
+from tf_gspmd.rewriter import completion, functions, reshard
 from tf_gspmd.rewriter.collectives import Backend
 from tf_gspmd.rewriter.graph_ir import public_key, ref, split_ref
 from tf_gspmd.rewriter.report import Report, StateRecord
@@ -124,7 +124,7 @@ class PartitionContext:
     The per-device function takes the partition id as its last parameter (and, for a loop body, also
     returns it as its last result, so it stays a loop variable).
     """
-    sub = functions.body_program(self.program, fname, arg_shapes, param_shardings, out_shardings)
+    sub = completion.body_program(self.program, fname, arg_shapes, param_shardings, out_shardings)
     graph = tf.Graph()
     with graph.as_default():
       _import_library(sub)

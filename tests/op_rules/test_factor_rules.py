@@ -28,9 +28,9 @@ def test_elementwise_forward_backward():
   ir = ir_of(lambda a, b: a + b, (4, 8), (8,))
   node = first_node(ir, "AddV2")
   rule = ops.lookup("AddV2")
-  assert specs(rule.forward(node, [S("data", "model"), None])[0]) == [P("data", "model")]
-  assert specs(rule.forward(node, [None, S("model")])[0]) == [P(None, "model")]
-  back = rule.backward(node, [S("data", "model")], [None, None])
+  assert specs(rule.forward(None, node, [S("data", "model"), None])[0]) == [P("data", "model")]
+  assert specs(rule.forward(None, node, [None, S("model")])[0]) == [P(None, "model")]
+  back = rule.backward(None, node, [S("data", "model")], [None, None])
   assert specs(back[0]) == [P("data", "model")] and specs(back[1]) == [P("model")]
 
 
@@ -38,9 +38,9 @@ def test_matmul_rules():
   ir = ir_of(lambda a, b: tf.matmul(a, b, transpose_b=True), (8, 16), (4, 16))
   node = first_node(ir, "MatMul")
   rule = ops.lookup("MatMul")
-  fwd = rule.forward(node, [S("data", "model"), S(None, "model")])[0]
+  fwd = rule.forward(None, node, [S("data", "model"), S(None, "model")])[0]
   assert specs(fwd) == [P("data", None), P(None, None)]    # contracting dim never reaches the output
-  back = rule.backward(node, [S("data", "model")], [None, S(None, "data")])
+  back = rule.backward(None, node, [S("data", "model")], [None, S(None, "data")])
   assert specs(back[0]) == [P("data", None), P(None, "data")]   # from output; contracting dim from rhs
   assert specs(back[1]) == [P("model", None)]
 
@@ -52,7 +52,7 @@ def test_reduce_rules():
   assert rule.data_inputs(node) == [0]
   f = rule.factors(node)
   assert f.reduced == ["r0", "r2"] and f.reduce_op == "Max"
-  fwd = rule.forward(node, [gs.Sharding.from_spec(MESH, P("data", "model", None)), None])[0]
+  fwd = rule.forward(None, node, [gs.Sharding.from_spec(MESH, P("data", "model", None)), None])[0]
   assert specs(fwd) == [P(None, "model", None)]
 
 
