@@ -3,10 +3,9 @@
 import tensorflow as tf
 
 from tf_gspmd.errors import PartitionError
-from tf_gspmd.rewriter.graph_ir import prune
+from tf_gspmd.rewriter.collectives import TF_COLLECTIVE_OPS
+from tf_gspmd.rewriter.graph_view import prune
 from tf_gspmd.rewriter.partition import PARTITION_ID
-
-COLLECTIVE_OPS = ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2", "CollectiveReduceScatterV2")
 
 
 def run(program):
@@ -14,7 +13,9 @@ def run(program):
   roots = (list(program.local_outputs) + list(program.side_effects) + list(program.local_inputs) +
            list(program.local_variables) + [PARTITION_ID])
   gd = prune(program.local_graph_def, roots)
-  return program.replace(local_graph_def=gd)
+  kept = {n.name for n in gd.node}
+  return program.replace(local_graph_def=gd,
+                         collective_ops={k: v for k, v in (program.collective_ops or {}).items() if k in kept})
 
 
 def verify(program):
@@ -26,7 +27,8 @@ def verify(program):
   for node in program.local_graph_def.node:
     if node.op == "XlaSharding":
       raise PartitionError("an XlaSharding op survived partitioning (it has no kernel outside XLA)", node=node.name)
-    if node.op in COLLECTIVE_OPS and "/gspmd/" not in node.name:
-      raise PartitionError("a collective not built by the partitioner (its keys could clash)", node=node.name,
+    if node.op in TF_COLLECTIVE_OPS and node.name not in program.collective_ops:
+      raise PartitionError("a collective not built by the partitioner (its keys could clash): tf_gspmd emits every "
+                           "collective itself; remove collective ops from the function", node=node.name,
                            op_type=node.op)
   return program

@@ -8,9 +8,11 @@ the runtime aborts a program's collectives past its deadline (DeadlineExceededEr
 `timeout_seconds` stays 0 on purpose: TF starts a timer thread per collective per device for it.
 """
 
+import dataclasses
 import itertools
 import math
 import threading
+from typing import Optional, Tuple
 import zlib
 
 import numpy as np
@@ -18,6 +20,23 @@ import tensorflow as tf
 
 from tf_gspmd.errors import PartitionError
 from tf_gspmd.rewriter.report import CollectiveRecord
+
+# The collective vocabulary. Passes ask here which op types are collectives instead of keeping lists.
+EMITTED_OPS = frozenset({"CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2"})   # what Backend builds
+TF_COLLECTIVE_OPS = EMITTED_OPS | frozenset({   # every TF collective op type (a program may hold only ours)
+    "CollectiveReduceScatterV2", "CollectiveBcastSendV2", "CollectiveBcastRecvV2", "CollectiveReduceV3",
+    "CollectiveAllToAllV3", "CollectiveReduce", "CollectiveGather", "CollectiveBcastSend", "CollectiveBcastRecv"})
+XLA_LOWERED = frozenset({"CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2"})  # XLA GPU/TPU compiles
+
+
+@dataclasses.dataclass(frozen=True)
+class Emitted:
+  """A collective op the backend built, described for later passes (which never decode its keys)."""
+
+  kind: str                        # "all-reduce", "all-gather" or "all-to-all": what the op itself does
+  axes: Tuple[str, ...]            # the mesh axes its groups span
+  reduction: Optional[str] = None  # an all-reduce's merge op ("Add", "Max", ...)
+
 
 _lock = threading.Lock()
 _group_keys = {}          # key -> member device names
@@ -64,6 +83,7 @@ class Backend:
   """Emits collectives over mesh axes into the per-device graph being built."""
 
   def __init__(self, mesh, devices, pid, lookup, report):
+    self.emitted = {}         # op name -> Emitted, for every collective op built here
     self.mesh = mesh
     self.devices = tuple(devices) if devices else tuple(f"/job:localhost/replica:0/task:0/device:CPU:{p}"
                                                          for p in range(mesh.size))
@@ -113,13 +133,15 @@ class Backend:
     return np.array(perms, np.int32)[of]
 
   # ---- collectives ----------------------------------------------------------------------------------------
-  def all_reduce(self, x, axes, op, source, reason):
+  def all_reduce(self, x, axes, op, source, reason, record=True):
     size, key = self._keys(axes)
     y, back = _carry(x, source)
     out = tf.raw_ops.CollectiveReduceV2(
         input=y, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
         merge_op=op, final_op="Id", name="all_reduce")
-    self._record("all-reduce", x, x.shape, size, axes, source, reason)
+    self.emitted[out.op.name] = Emitted("all-reduce", tuple(axes), op)
+    if record:
+      self._record("all-reduce", x, x.shape, size, axes, source, reason)
     return back(out)
 
   def all_gather(self, x, dim, axes, source, reason, record=True):
@@ -132,6 +154,7 @@ class Backend:
     g = tf.raw_ops.CollectiveGatherV2(
         input=y, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
         name="all_gather")
+    self.emitted[g.op.name] = Emitted("all-gather", tuple(axes))
     gathered = [size * y.shape[0]] + y.shape.as_list()[1:]
     g = tf.reshape(g, gathered)  # CollectiveGatherV2 leaves dim 0 unknown; the shape is static here
     rank_perm = self._rank_permutation(axes)
@@ -162,6 +185,7 @@ class Backend:
     got = tf.raw_ops.CollectiveAllToAllV2(
         input=parts, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
         name=name)
+    self.emitted[got.op.name] = Emitted("all-to-all", tuple(axes))
     got = tf.reshape(got, parts.shape)
     if rank_perm is not None:   # slot r came from rank r: back to the senders' mesh order
       got = tf.gather(got, self.lookup(rank_perm, f"rank_perm_{tag}"))

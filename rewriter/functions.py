@@ -9,7 +9,7 @@ import tensorflow as tf
 from tensorflow.python.framework import function_def_to_graph
 from tensorflow.python.framework import graph_to_function_def
 
-from tf_gspmd.rewriter.graph_ir import ref, split_ref
+from tf_gspmd.rewriter.graph_view import ref, split_ref
 
 
 def _fdef(library, fname):

@@ -1,35 +1,17 @@
 """A read-only view of a TF GraphDef with static shapes, in topological order.
 
-Tensor references are "node:index". Public sharding keys drop ":0" (the tensor `h` is "h", its second
-output "h:1"), matching how users name tensors with tf.identity(..., name="h").
+Tensor references are "node:index" (see graph_view, which this module's ref helpers come from).
 """
 
 import dataclasses
-import re
 from typing import Dict, Optional, Tuple
 
 import tensorflow as tf
-from tensorflow.python.framework import tensor_util
 
 from tf_gspmd.errors import ShapeError
+from tf_gspmd.rewriter.graph_view import GraphView, normalize, public_key, ref, split_ref  # noqa: F401 (re-exported)
 
 _SHAPELESS = (tf.resource, tf.variant, tf.string)
-
-
-def ref(name, index=0):
-  return f"{name}:{index}"
-
-
-def split_ref(r):
-  name, _, idx = r.rpartition(":")
-  if not name or not idx.isdigit():
-    return r, 0
-  return name, int(idx)
-
-
-def public_key(r):
-  name, idx = split_ref(r)
-  return name if idx == 0 else f"{name}:{idx}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,22 +86,21 @@ class Graph:
     self.inputs = tuple(inputs)      # Placeholder node names, in argument order
     self.outputs = tuple(outputs)    # output tensor refs, in flattened output order
     # Traced shapes (`_output_shapes`) let the import see what shape inference cannot (e.g. reads of
-    # variables). A rewrite may have left one that no longer fits its node: drop it and import again.
-    hinted = tf.compat.v1.GraphDef()
-    hinted.CopyFrom(graph_def)
-    by_name = {n.name: n for n in hinted.node}
-    while True:
+    # variables). Passes keep them only on nodes they left unchanged; should one still not fit its node, the
+    # graph is imported without any and static shapes come from inference (merged with the traced ones below).
+    tf_graph = tf.Graph()
+    try:
+      with tf_graph.as_default():
+        tf.graph_util.import_graph_def(graph_def, name="")
+    except ValueError:
+      bare = tf.compat.v1.GraphDef()
+      bare.CopyFrom(graph_def)
+      for n in bare.node:
+        n.attr.pop("_output_shapes", None)
       tf_graph = tf.Graph()
-      try:
-        with tf_graph.as_default():
-          tf.graph_util.import_graph_def(hinted, name="")
-        break
-      except ValueError as e:
-        stale = re.search(r"Node '([^']+)' has an _output_shapes attribute inconsistent", str(e))
-        if not stale or "_output_shapes" not in by_name.get(stale.group(1), tf.compat.v1.NodeDef()).attr:
-          raise
-        del by_name[stale.group(1)].attr["_output_shapes"]
-    traced = {n.name: n.attr["_output_shapes"].list.shape for n in hinted.node if "_output_shapes" in n.attr}
+      with tf_graph.as_default():
+        tf.graph_util.import_graph_def(bare, name="")
+    traced = {n.name: n.attr["_output_shapes"].list.shape for n in graph_def.node if "_output_shapes" in n.attr}
     self.nodes = []
     self.by_name: Dict[str, Node] = {}
     infos, dynamic = {}, {}
@@ -141,7 +122,10 @@ class Graph:
         outs.append(TensorInfo(shape, t.dtype))
       infos[op.name] = outs
     _attach_variable_shapes(tf_graph, infos)
-    order = _topological(graph_def)
+    try:
+      order = GraphView(graph_def).order()
+    except ValueError as e:
+      raise ShapeError(f"the traced graph has a cycle outside functional control flow: {e}") from e
     for nd in order:  # the first dynamic tensor in data-flow order is the cause
       if nd.name in dynamic:
         t, op = dynamic[nd.name]
@@ -151,7 +135,7 @@ class Graph:
     for nd in order:
       data = [i for i in nd.input if not i.startswith("^")]
       ctrl = [i[1:] for i in nd.input if i.startswith("^")]
-      node = Node(nd, [_norm_ref(i) for i in data], ctrl, infos[nd.name], self)
+      node = Node(nd, [normalize(i) for i in data], ctrl, infos[nd.name], self)
       self.nodes.append(node)
       self.by_name[nd.name] = node
     self.consumers = {}
@@ -175,7 +159,7 @@ class Graph:
     if node.op != "Const":
       return None
     if r not in self._consts:
-      self._consts[r] = tensor_util.MakeNdarray(node.node_def.attr["value"].tensor)
+      self._consts[r] = tf.make_ndarray(node.node_def.attr["value"].tensor)
     return self._consts[r]
 
   def tensors(self):
@@ -208,87 +192,3 @@ def _attach_variable_shapes(tf_graph, infos):
         outs = infos[handle.op.name]
         old = outs[handle.value_index]
         outs[handle.value_index] = TensorInfo(old.shape, old.dtype, tuple(value.shape.as_list()), value.dtype)
-
-
-def prune(graph_def, roots):
-  """A copy of `graph_def` with only the nodes that `roots` (node names) depend on."""
-  by_name = {n.name: n for n in graph_def.node}
-  live, stack = set(), list(roots)
-  while stack:
-    name = stack.pop()
-    if name in live or name not in by_name:
-      continue
-    live.add(name)
-    stack.extend(split_ref(i.lstrip("^"))[0] for i in by_name[name].input)
-  out = tf.compat.v1.GraphDef()
-  out.versions.CopyFrom(graph_def.versions)
-  out.node.extend(n for n in graph_def.node if n.name in live)
-  # Only the functions the kept nodes use (directly or through other functions).
-  funcs = {f.signature.name: f for f in graph_def.library.function}
-  used, stack = set(), [name for n in out.node for name in _func_names(n)]
-  while stack:
-    name = stack.pop()
-    if name in used or name not in funcs:
-      continue
-    used.add(name)
-    stack.extend(x for nd in funcs[name].node_def for x in _func_names(nd))
-  out.library.function.extend(f for f in graph_def.library.function if f.signature.name in used)
-  out.library.gradient.extend(g for g in graph_def.library.gradient if g.function_name in used)
-  return out
-
-
-def _func_names(node_def):
-  """Names of the functions a NodeDef refers to (func attrs, lists of funcs, and function-call op types)."""
-  names = [node_def.op]
-  for v in node_def.attr.values():
-    if v.HasField("func"):
-      names.append(v.func.name)
-    elif v.HasField("list"):
-      names.extend(f.name for f in v.list.func)
-  return names
-
-
-def side_effect_nodes(graph_def):
-  """Nodes run for their effect: stateful ops whose outputs nobody needs to see (e.g. variable writes)."""
-  from tensorflow.python.framework import op_def_registry  # pylint: disable=g-import-not-at-top
-  out = []
-  for n in graph_def.node:
-    op_def = op_def_registry.get(n.op)
-    if op_def is not None and op_def.is_stateful and not op_def.output_arg and n.op != "NoOp":
-      out.append(n.name)
-  return out
-
-
-def _norm_ref(r):
-  name, idx = split_ref(r)
-  return ref(name, idx)
-
-
-def _topological(graph_def):
-  """Kahn's algorithm, stable in GraphDef order (deterministic)."""
-  nodes = list(graph_def.node)
-  index = {n.name: k for k, n in enumerate(nodes)}
-  deps = {n.name: set() for n in nodes}
-  users = {n.name: [] for n in nodes}
-  for n in nodes:
-    for i in n.input:
-      src = split_ref(i.lstrip("^"))[0]
-      if src in index and src not in deps[n.name]:
-        deps[n.name].add(src)
-        users[src].append(n.name)
-  import heapq  # pylint: disable=g-import-not-at-top
-  ready = [index[n.name] for n in nodes if not deps[n.name]]
-  heapq.heapify(ready)
-  out = []
-  remaining = {k: len(v) for k, v in deps.items()}
-  while ready:
-    k = heapq.heappop(ready)
-    n = nodes[k]
-    out.append(n)
-    for u in users[n.name]:
-      remaining[u] -= 1
-      if remaining[u] == 0:
-        heapq.heappush(ready, index[u])
-  if len(out) != len(nodes):
-    raise ShapeError("the traced graph has a cycle outside functional control flow")
-  return out

@@ -14,7 +14,7 @@ from tensorflow.python.grappler import cluster as gcluster
 from tensorflow.python.grappler import tf_optimizer
 
 from tf_gspmd._annotations import SHARDING_ATTR, SPEC_ATTR
-from tf_gspmd.rewriter.graph_ir import prune, side_effect_nodes, split_ref
+from tf_gspmd.rewriter.graph_view import prune, side_effect_nodes, split_ref
 
 OPTIMIZERS = ("function", "constfold", "shape", "arithmetic")
 
@@ -51,13 +51,28 @@ def run(program):
   if missing:  # Grappler dropped a node we must keep: fall back to the unoptimized graph.
     optimized = tf.compat.v1.GraphDef()
     optimized.CopyFrom(gd)
-  # Grappler drops the traced static shapes (`_output_shapes`); put them back on the nodes it kept (a rewrite
-  # may reuse a name for a node of another shape: the IR drops such stale hints when it imports the graph).
-  traced = {n.name: n for n in gd.node if "_output_shapes" in n.attr}
-  for n in optimized.node:
-    old = traced.get(n.name)
-    if old is not None and old.op == n.op and "_output_shapes" not in n.attr:
-      n.attr["_output_shapes"].CopyFrom(old.attr["_output_shapes"])
+  _restore_shape_hints(gd, optimized)
   # Drop what no output, annotation or side effect needs (Grappler leaves rewritten nodes behind).
   optimized = prune(optimized, sorted(keep) + side_effect_nodes(optimized))
   return program.replace(graph_def=optimized)
+
+
+def _restore_shape_hints(traced_gd, optimized):
+  """Grappler drops the traced static shapes (`_output_shapes`): put them back on the nodes it left unchanged.
+
+  A node is unchanged when it has the same op, attributes and inputs as the traced node of its name. A
+  rewrite may reuse a name for a node of another shape (e.g. an element-wise op hoisted above a transpose),
+  so a node it changed keeps no hint: shape inference gives its shape.
+  """
+  traced = {n.name: n for n in traced_gd.node}
+
+  def same(a, b):
+    if a.op != b.op or list(a.input) != list(b.input) or set(a.attr) - {"_output_shapes"} != set(b.attr) - {
+        "_output_shapes"}:
+      return False
+    return all(a.attr[k] == b.attr[k] for k in a.attr if k != "_output_shapes")
+
+  for n in optimized.node:
+    old = traced.get(n.name)
+    if old is not None and "_output_shapes" in old.attr and "_output_shapes" not in n.attr and same(old, n):
+      n.attr["_output_shapes"].CopyFrom(old.attr["_output_shapes"])

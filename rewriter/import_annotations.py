@@ -13,7 +13,8 @@ from tf_gspmd._annotations import SHARDING_ATTR, SPEC_ATTR, decode_spec
 from tf_gspmd._mesh import P
 from tf_gspmd._sharding import Sharding, to_sharding
 from tf_gspmd.errors import InputError, SpecError
-from tf_gspmd.rewriter.graph_ir import Graph, ref, split_ref
+from tf_gspmd.rewriter.graph_ir import Graph
+from tf_gspmd.rewriter.graph_view import ref, split_ref
 
 BOUNDARY_SUFFIX = "/gspmd_in"
 

@@ -22,17 +22,17 @@ import tensorflow as tf
 from tensorflow.python.framework import graph_to_function_def
 
 from tf_gspmd.errors import UnsupportedOpError
+from tf_gspmd.rewriter import collectives
+from tf_gspmd.rewriter.graph_view import (GraphView, dedupe_controls, is_control, is_stateful, node_def, node_of,
+                                          normalize)
 from tf_gspmd.rewriter.partition import PARTITION_ID
 
-# Ops XLA has no kernel for (TF's tf2xla registry), or that must stay outside a compiled segment on CPU.
-UNCOMPILABLE = frozenset({
-    "Placeholder", "NoOp", "VarHandleOp", "CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2",
-    "CollectiveReduceScatterV2", "CollectiveBcastSendV2", "CollectiveBcastRecvV2", "While", "StatelessWhile",
-    "If", "StatelessIf", "PartitionedCall", "StatefulPartitionedCall", "PrintV2", "StringFormat", "Assert",
-    "ResourceScatterNdUpdate", "UnsortedSegmentProd",
+# Ops XLA has no kernel for (TF's tf2xla registry), or that must stay outside a compiled segment on CPU
+# (every collective: XLA on CPU refuses them).
+UNCOMPILABLE = collectives.TF_COLLECTIVE_OPS | frozenset({
+    "Placeholder", "NoOp", "VarHandleOp", "While", "StatelessWhile", "If", "StatelessIf", "PartitionedCall",
+    "StatefulPartitionedCall", "PrintV2", "StringFormat", "Assert", "ResourceScatterNdUpdate", "UnsortedSegmentProd",
 })
-# Collectives TF's XLA GPU and TPU bridges lower inside a compiled program.
-XLA_COLLECTIVES = frozenset({"CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2"})
 MIN_SEGMENT_OPS = 2
 _function_ids = itertools.count()
 
@@ -63,16 +63,11 @@ def _compilable(node):
 def check_whole_program(graph_def, backend):
   """Raises UnsupportedOpError naming the first op a whole-program XLA compilation on `backend` would refuse."""
   for node in graph_def.node:
-    if node.op in XLA_COLLECTIVES or node.op == "Placeholder":
+    if node.op in collectives.XLA_LOWERED or node.op == "Placeholder":
       continue
     if not _compilable(node):
       raise UnsupportedOpError(f"op type {node.op} cannot be compiled by XLA on {backend}; run with "
                                "jit_compile=False or avoid this op", node=node.name, op_type=node.op)
-
-
-def _ref(name):
-  name = name.lstrip("^")
-  return name if ":" in name else name + ":0"
 
 
 def segment(graph_def, keep):
@@ -84,19 +79,19 @@ def segment(graph_def, keep):
   Returns:
     (new GraphDef, {old node name: call node name} for the nodes moved into segments).
   """
+  view = GraphView(graph_def)
   nodes = list(graph_def.node)
-  by_name = {n.name: n for n in nodes}
   full = tf.Graph()
   with full.as_default():
     tf.graph_util.import_graph_def(graph_def, name="")
-  order = _topological(nodes, by_name)
+  order = view.order()
   is_const = {n.name: n.op == "Const" for n in nodes}
   inside = {n.name: _compilable(n) and not is_const[n.name] and n.name not in keep for n in nodes}
   phase = {}
   for n in order:
     p = 0
     for i in n.input:
-      src = i.lstrip("^").split(":")[0]
+      src = node_of(i)
       step = 0 if inside[src] or is_const[src] else 1
       p = max(p, phase[src] + step)
     phase[n.name] = p
@@ -114,7 +109,7 @@ def segment(graph_def, keep):
   moved = {}
   calls = {}
   for k, group in sorted(groups.items()):
-    fdef, call, outputs = _build_segment(k, group, by_name, full, graph_def)
+    fdef, call, outputs = _build_segment(k, group, view, full)
     out.library.function.add().CopyFrom(fdef)
     calls[k] = (call, outputs)
     for n in group:
@@ -126,11 +121,10 @@ def segment(graph_def, keep):
       remap[r] = f"{call.name}:{j}"
 
   def rewire(inp):
-    if inp.startswith("^"):
+    if is_control(inp):
       src = inp[1:]
       return "^" + moved.get(src, src)
-    r = _ref(inp)
-    return remap.get(r, inp)
+    return remap.get(normalize(inp), inp)
 
   emitted = set()
   for n in order:
@@ -142,79 +136,62 @@ def segment(graph_def, keep):
         new = out.node.add()
         new.CopyFrom(call)
         new.ClearField("input")
-        new.input.extend(_dedupe_controls([rewire(i) for i in call.input]))
+        new.input.extend(dedupe_controls([rewire(i) for i in call.input]))
       continue
     new = out.node.add()
     new.CopyFrom(n)
     new.ClearField("input")
-    new.input.extend(_dedupe_controls([rewire(i) for i in n.input]))
+    new.input.extend(dedupe_controls([rewire(i) for i in n.input]))
   return out, moved
 
 
-def _dedupe_controls(inputs):
-  data = [i for i in inputs if not i.startswith("^")]
-  seen, ctrl = set(), []
-  for i in inputs:
-    if i.startswith("^") and i not in seen:
-      seen.add(i)
-      ctrl.append(i)
-  return data + ctrl
-
-
-def _build_segment(k, group, by_name, full, graph_def):
+def _build_segment(k, group, view, full):
   """FunctionDef for segment k, the call NodeDef (inputs still in old names), and its output refs."""
+  graph_def = view.graph_def
   names = {n.name for n in group}
   ext_inputs, ext_controls, consts = [], [], []
   for n in group:
     for i in n.input:
-      src = i.lstrip("^").split(":")[0]
+      src = node_of(i)
       if src in names:
         continue
-      if by_name[src].op == "Const":
+      if view.node(src).op == "Const":
         if src not in consts:
           consts.append(src)
         continue
-      if i.startswith("^"):
+      if is_control(i):
         if i not in ext_controls:
           ext_controls.append(i)
-      elif _ref(i) not in ext_inputs:
-        ext_inputs.append(_ref(i))
-  used_outside = set()
-  for n in by_name.values():
-    if n.name in names:
-      continue
-    for i in n.input:
-      if not i.startswith("^") and i.split(":")[0] in names:
-        used_outside.add(_ref(i))
-  outputs = [t.name for n in group for t in full.get_operation_by_name(n.name).outputs if t.name in used_outside]
+      elif normalize(i) not in ext_inputs:
+        ext_inputs.append(normalize(i))
+  outputs = [t.name for n in group for t in full.get_operation_by_name(n.name).outputs
+             if any(c.name not in names for c, _ in view.consumers(t.name))]
   # The segment as a graph: external inputs become placeholders.
   g = tf.Graph()
   sub = tf.compat.v1.GraphDef()
   sub.versions.CopyFrom(graph_def.versions)
   arg_names = {}
   for j, r in enumerate(ext_inputs):
-    ph = sub.node.add()
-    ph.name = f"gspmd_arg_{j}"
-    ph.op = "Placeholder"
-    ph.attr["dtype"].type = full.get_tensor_by_name(r).dtype.as_datatype_enum
-    arg_names[r] = ph.name + ":0"
+    dtype = tf.compat.v1.AttrValue(type=full.get_tensor_by_name(r).dtype.as_datatype_enum)
+    sub.node.add().CopyFrom(node_def(f"gspmd_arg_{j}", "Placeholder", attrs={"dtype": dtype}))
+    arg_names[r] = f"gspmd_arg_{j}:0"
   for c in consts:   # a copy, without the control inputs the original may carry
     node = sub.node.add()
-    node.CopyFrom(by_name[c])
+    node.CopyFrom(view.node(c))
     node.ClearField("input")
   for n in group:
     node = sub.node.add()
     node.CopyFrom(n)
     node.ClearField("input")
     for i in n.input:
-      src = i.lstrip("^").split(":")[0]
-      if i.startswith("^"):
+      src = node_of(i)
+      if is_control(i):
         if src in names:
           node.input.append(i)
       elif src in names or src in consts:
         node.input.append(i)
       else:
-        node.input.append(arg_names[_ref(i)])
+        node.input.append(arg_names[normalize(i)])
     for key in list(node.attr):
       if key.startswith("_") and key not in ("_output_shapes",):
         del node.attr[key]
@@ -231,41 +208,18 @@ def _build_segment(k, group, by_name, full, graph_def):
   fdef.signature.name = fname
   fdef.attr["_XlaMustCompile"].b = True
   fdef.attr["_noinline"].b = True
-  fdef.signature.is_stateful = any(op._is_stateful for op in ops)  # pylint: disable=protected-access
+  fdef.signature.is_stateful = any(is_stateful(op.type) for op in ops)
   for op in ops:
-    if not op.outputs and op._is_stateful:  # pylint: disable=protected-access
+    if not op.outputs and is_stateful(op.type):
       fdef.signature.control_output.append(op.name)
       fdef.control_ret[op.name] = op.name
-  call = tf.compat.v1.NodeDef(name=f"gspmd/xla_segment_{k}", op="StatefulPartitionedCall")
-  call.input.extend(ext_inputs + ext_controls)
-  call.attr["Tin"].list.type.extend([t.dtype.as_datatype_enum for t in inputs])
-  call.attr["Tout"].list.type.extend([t.dtype.as_datatype_enum for t in outs])
-  call.attr["f"].func.name = fname
-  call.attr["_XlaMustCompile"].b = True
-  call.attr["config_proto"].s = b""
-  call.attr["executor_type"].s = b""
-  call.attr["config"].s = b""
+  attr = tf.compat.v1.AttrValue
+  types = lambda ts: attr(list=attr.ListValue(type=[t.dtype.as_datatype_enum for t in ts]))  # noqa: E731
+  call = node_def(f"gspmd/xla_segment_{k}", "StatefulPartitionedCall", ext_inputs + ext_controls, {
+      "Tin": types(inputs), "Tout": types(outs), "f": attr(func=tf.compat.v1.NameAttrList(name=fname)),
+      "_XlaMustCompile": attr(b=True), "config_proto": attr(s=b""), "executor_type": attr(s=b""),
+      "config": attr(s=b"")})
   return fdef, call, outputs
-
-
-def _topological(nodes, by_name):
-  indeg = {n.name: 0 for n in nodes}
-  users = collections.defaultdict(list)
-  for n in nodes:
-    for i in n.input:
-      src = i.lstrip("^").split(":")[0]
-      indeg[n.name] += 1
-      users[src].append(n.name)
-  ready = collections.deque(n.name for n in nodes if indeg[n.name] == 0)
-  order = []
-  while ready:
-    name = ready.popleft()
-    order.append(by_name[name])
-    for u in users[name]:
-      indeg[u] -= 1
-      if indeg[u] == 0:
-        ready.append(u)
-  return order
 
 
 def run(program):

@@ -329,4 +329,5 @@ def run(program):
   report.state.extend(_state_records(program))
   return program.replace(local_graph_def=graph_def, local_inputs=tuple(ctx.local_inputs),
                          local_variables=tuple(ctx.local_variables),
-                         local_outputs=tuple(outputs), side_effects=tuple(side_effects), report=report)
+                         local_outputs=tuple(outputs), side_effects=tuple(side_effects),
+                         collective_ops=dict(ctx.backend.emitted), report=report)

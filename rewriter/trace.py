@@ -6,10 +6,9 @@ other captured tensors become constants.
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.framework import tensor_util
 
 from tf_gspmd._annotations import mesh_scope
-from tf_gspmd.rewriter.graph_ir import ref, split_ref
+from tf_gspmd.rewriter.graph_view import ref, split_ref
 
 
 def run(program):
@@ -46,5 +45,5 @@ def _inline_captures(gd, captured):
       for k in list(node.attr):
         del node.attr[k]
       node.attr["dtype"].CopyFrom(dtype)
-      node.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(values[node.name]))
+      node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(values[node.name]))
   return out

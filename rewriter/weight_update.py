@@ -17,7 +17,7 @@ The role of every variable is recorded whether or not the option is on (the repo
 
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.rewriter import completion
-from tf_gspmd.rewriter.graph_ir import ref, split_ref
+from tf_gspmd.rewriter.graph_view import ref, split_ref
 
 READS = ("ReadVariableOp", "VariableShape")
 # Writes whose value input is the variable's new value (or its delta), and that input's index.

@@ -1,0 +1,219 @@
+"""A view over a GraphDef: tensor references, topological order, fan-outs, rewiring and pruning.
+
+The one place where the rewriter reads and edits graphs as data, in the spirit of Grappler's
+(Mutable)GraphView: every pass that orders, rewires or prunes NodeDefs does it through this module.
+A tensor reference is "node:index"; a control input is "^node". Public sharding keys drop ":0" (the tensor
+`h` is "h", its second output "h:1"), matching how users name tensors with tf.identity(..., name="h").
+"""
+
+import heapq
+
+import tensorflow as tf
+from tensorflow.python.framework import op_def_registry  # no public route to an op's OpDef (TF 2.21)
+
+
+def ref(name, index=0):
+  return f"{name}:{index}"
+
+
+def split_ref(r):
+  """("node", index) of a data reference "node:index" or "node" (index 0)."""
+  name, _, idx = r.rpartition(":")
+  if not name or not idx.isdigit():
+    return r, 0
+  return name, int(idx)
+
+
+def is_control(inp):
+  return inp.startswith("^")
+
+
+def node_of(inp):
+  """The name of the node an input string (data or control) refers to."""
+  return split_ref(inp[1:] if is_control(inp) else inp)[0]
+
+
+def normalize(inp):
+  """A data input as "node:index" (a bare "node" means output 0); control inputs unchanged."""
+  return inp if is_control(inp) else ref(*split_ref(inp))
+
+
+def public_key(r):
+  name, idx = split_ref(r)
+  return name if idx == 0 else f"{name}:{idx}"
+
+
+def node_def(name, op, inputs=(), attrs=None):
+  """A NodeDef: `inputs` as reference strings, `attrs` as {key: tf.compat.v1.AttrValue}."""
+  nd = tf.compat.v1.NodeDef(name=name, op=op)
+  nd.input.extend(inputs)
+  for k, v in (attrs or {}).items():
+    nd.attr[k].CopyFrom(v)
+  return nd
+
+
+class GraphView:
+  """Nodes of a GraphDef by name, with their fan-outs; edits change the GraphDef in place.
+
+  `consumers(r)` and `order()` are computed on demand and forgotten after an edit.
+  """
+
+  def __init__(self, graph_def):
+    self.graph_def = graph_def
+    self._by_name = None
+    self._fanout = None
+
+  # ---- reading --------------------------------------------------------------------------------------------
+  @property
+  def by_name(self):
+    if self._by_name is None:
+      self._by_name = {n.name: n for n in self.graph_def.node}
+    return self._by_name
+
+  def node(self, name):
+    return self.by_name[name]
+
+  def __contains__(self, name):
+    return name in self.by_name
+
+  @staticmethod
+  def data_inputs(nd):
+    return [normalize(i) for i in nd.input if not is_control(i)]
+
+  @staticmethod
+  def control_inputs(nd):
+    return [i[1:] for i in nd.input if is_control(i)]
+
+  def consumers(self, r):
+    """[(NodeDef, input position)] reading tensor `r` ("node:index"), or "^node" as a control input."""
+    if self._fanout is None:
+      self._fanout = {}
+      for n in self.graph_def.node:
+        for k, i in enumerate(n.input):
+          self._fanout.setdefault(normalize(i), []).append((n, k))
+    return self._fanout.get(normalize(r), [])
+
+  def order(self):
+    """The NodeDefs in topological order (Kahn's algorithm, stable in GraphDef order: deterministic).
+
+    Raises ValueError naming a node on a cycle.
+    """
+    nodes = list(self.graph_def.node)
+    index = {n.name: k for k, n in enumerate(nodes)}
+    deps = [set() for _ in nodes]
+    users = [[] for _ in nodes]
+    for k, n in enumerate(nodes):
+      for i in n.input:
+        src = index.get(node_of(i))
+        if src is not None and src not in deps[k]:
+          deps[k].add(src)
+          users[src].append(k)
+    remaining = [len(d) for d in deps]
+    ready = [k for k in range(len(nodes)) if not remaining[k]]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+      k = heapq.heappop(ready)
+      out.append(nodes[k])
+      for u in users[k]:
+        remaining[u] -= 1
+        if remaining[u] == 0:
+          heapq.heappush(ready, u)
+    if len(out) != len(nodes):
+      stuck = next(n.name for k, n in enumerate(nodes) if remaining[k])
+      raise ValueError(f"the graph has a cycle through node {stuck}")
+    return out
+
+  # ---- editing --------------------------------------------------------------------------------------------
+  def add(self, nd):
+    """Append a NodeDef (a copy); returns the stored one."""
+    if nd.name in self.by_name:
+      raise ValueError(f"the graph already has a node named {nd.name}")
+    new = self.graph_def.node.add()
+    new.CopyFrom(nd)
+    self._changed()
+    return new
+
+  def rewire(self, old, new):
+    """Every consumer of `old` reads `new` instead: data references ("n:i") or control inputs ("^n").
+
+    A control input that becomes a duplicate is dropped.
+    """
+    old, new = normalize(old), normalize(new)
+    for nd, _ in list(self.consumers(old)):
+      inputs = [new if normalize(i) == old else i for i in nd.input]
+      nd.ClearField("input")
+      nd.input.extend(dedupe_controls(inputs))
+    self._changed()
+
+  def _changed(self):
+    self._by_name = None
+    self._fanout = None
+
+  def pruned(self, roots):
+    """A new GraphDef with only the nodes that the nodes named `roots` depend on, and the functions they use."""
+    by_name = self.by_name
+    live, stack = set(), list(roots)
+    while stack:
+      name = stack.pop()
+      if name in live or name not in by_name:
+        continue
+      live.add(name)
+      stack.extend(node_of(i) for i in by_name[name].input)
+    gd = self.graph_def
+    out = tf.compat.v1.GraphDef()
+    out.versions.CopyFrom(gd.versions)
+    out.node.extend(n for n in gd.node if n.name in live)
+    funcs = {f.signature.name: f for f in gd.library.function}
+    used, stack = set(), [name for n in out.node for name in function_names(n)]
+    while stack:
+      name = stack.pop()
+      if name in used or name not in funcs:
+        continue
+      used.add(name)
+      stack.extend(x for nd in funcs[name].node_def for x in function_names(nd))
+    out.library.function.extend(f for f in gd.library.function if f.signature.name in used)
+    out.library.gradient.extend(g for g in gd.library.gradient if g.function_name in used)
+    return out
+
+
+def dedupe_controls(inputs):
+  """Data inputs in order, then each control input once (TF wants controls after data inputs)."""
+  data = [i for i in inputs if not is_control(i)]
+  seen, ctrl = set(), []
+  for i in inputs:
+    if is_control(i) and i not in seen:
+      seen.add(i)
+      ctrl.append(i)
+  return data + ctrl
+
+
+def prune(graph_def, roots):
+  """A copy of `graph_def` with only the nodes that `roots` (node names) depend on."""
+  return GraphView(graph_def).pruned(roots)
+
+
+def function_names(nd):
+  """Names of the functions a NodeDef refers to (func attrs, lists of funcs, and function-call op types)."""
+  names = [nd.op]
+  for v in nd.attr.values():
+    if v.HasField("func"):
+      names.append(v.func.name)
+    elif v.HasField("list"):
+      names.extend(f.name for f in v.list.func)
+  return names
+
+
+def is_stateful(op_type):
+  op_def = op_def_registry.get(op_type)
+  return op_def is not None and op_def.is_stateful
+
+
+def side_effect_nodes(graph_def):
+  """Nodes run for their effect: stateful ops whose outputs nobody needs to see (e.g. variable writes)."""
+  out = []
+  for n in graph_def.node:
+    op_def = op_def_registry.get(n.op)
+    if op_def is not None and op_def.is_stateful and not op_def.output_arg and n.op != "NoOp":
+      out.append(n.name)
+  return out
