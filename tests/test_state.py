@@ -156,7 +156,12 @@ def test_keras_transformer_trains_20_adam_steps_sharded_like_unpartitioned():
   assert tuple(storage_of(up).components[0].shape.as_list()) == (cfg.d_model, cfg.d_ff // 4)
   slot = opt._momentums[[v.path for v in model.trainable_variables].index(up.path)]  # pylint: disable=protected-access
   assert gs.sharding_of(slot).spec == P(None, "model")
-  for got, want in zip(model.get_weights(), ref.get_weights()):
+  for v, got, want in zip(model.weights, model.get_weights(), ref.get_weights()):
+    if v.path.endswith("attn/key/bias"):
+      # Softmax over keys ignores a bias added to every key's logit: this gradient is exactly zero in exact
+      # arithmetic, so both runs update it from rounding noise that Adam scales up to a fraction of the lr.
+      assert np.abs(want).max() < 1e-2 and np.abs(got).max() < 1e-2
+      continue
     assert_close(got, want, rtol=1e-3, atol=1e-4)
   assert int(opt.iterations.numpy()) == 20
 
