@@ -401,7 +401,7 @@ class ArgReduce(FactorRule):
     arg_max = node.op == "ArgMax"
     dtype = x.dtype
     worst = (dtype.min if arg_max else dtype.max) if not dtype.is_floating else (-np.inf if arg_max else np.inf)
-    with tf.name_scope(node.name + "/gspmd/"):
+    with ctx.helper_scope():
       if shape[axis] % cur.tiles(axis):
         x = ctx.mask(x, shape, cur, axis, worst)
       c = cur.shard_shape(shape)[axis]
@@ -416,7 +416,7 @@ class ArgReduce(FactorRule):
       pick = tf.one_hot(shard, cur.tiles(axis), axis=0, on_value=True, off_value=False)
       out = tf.reduce_max(tf.where(pick, indices, tf.constant(-1, tf.int64)), 0)
       out = tf.cast(out, node.attr("output_type") or tf.int64)
-    ctx.ops[node.name] = out.op
+    ctx.record(out)
     ctx.set_output(0, out, Sharding(ctx.mesh, out_dims))
 
 
@@ -507,16 +507,16 @@ class Gather(FactorRule):
     ids_s = Sharding(mesh, tuple(axes_of.get(l, ()) for l in i_labels))
     params = ctx.operand(0, params_s)
     ids = ctx.operand(1, ids_s)
-    rows = self.masked_lookup(ctx, node, params, ids, params_s, axis, node.input_shape(0)[axis])
+    rows = self.masked_lookup(ctx, params, ids, params_s, axis, node.input_shape(0)[axis])
     natural = Sharding(mesh, tuple(axes_of.get(l, ()) for l in out_labels))
     ctx.set_output(0, rows, natural, partial=(v_axes, "Add"))
 
-  def masked_lookup(self, ctx, node, params, ids, params_s, axis, size):
+  def masked_lookup(self, ctx, params, ids, params_s, axis, size):
     """Rows of the ids this device owns along `axis` (zeros elsewhere): the partial result of a split table."""
     mesh = ctx.mesh
     c = -(-size // params_s.tiles(axis))
     lo = np.array([params_s.tile_index(p, axis) * c for p in range(mesh.size)], ids.dtype.as_numpy_dtype)
-    with tf.name_scope(node.name + "/gspmd/"):
+    with ctx.helper_scope():
       ids = tf.clip_by_value(ids, 0, size - 1) - ctx.lookup(lo, f"vocab_offset_{axis}_{c}")
       owned = (ids >= 0) & (ids < c)
       rows = tf.gather(params, tf.clip_by_value(ids, 0, c - 1), axis=axis)

@@ -100,8 +100,9 @@ class ResourceGather(Gather):
       (rows,) = ctx.clone(node, {0: handle, 1: ids})
       return ctx.set_output(0, rows, natural)
     size = self._params_shape(node)[0]
-    params = tf.raw_ops.ReadVariableOp(resource=handle, dtype=node.attr("dtype"), name=node.name + "/gspmd/read")
-    rows = self.masked_lookup(ctx, node, params, ids, table, 0, size)
+    with ctx.helper_scope():
+      params = tf.raw_ops.ReadVariableOp(resource=handle, dtype=node.attr("dtype"), name="read")
+    rows = self.masked_lookup(ctx, params, ids, table, 0, size)
     ctx.set_output(0, rows, natural, partial=(v_axes, "Add"))
 
 
@@ -181,8 +182,7 @@ class ResourceScatter(FactorRule):
     lo = np.array([layout.tile_index(p, 0) * c for p in range(ctx.mesh.size)], ids.dtype.as_numpy_dtype)
     segment, combine = _SCATTER_COMBINE[node.op]
     dtype = node.attr("dtype")
-    ctrl = [ctx.ops[c] for c in node.control if c in ctx.ops]
-    with tf.name_scope(node.name + "/gspmd/"), tf.control_dependencies(ctrl):
+    with ctx.helper_scope(), ctx.after_control_inputs():
       local = tf.reshape(ids, [-1]) - ctx.lookup(lo, f"row_offset_{c}")
       local = tf.where((local >= 0) & (local < c), local, -tf.ones_like(local))
       flat = tf.reshape(updates, [-1] + updates.shape.as_list()[k:])
@@ -191,4 +191,4 @@ class ResourceScatter(FactorRule):
       hit = tf.reshape(hit, [c] + [1] * (flat.shape.rank - 1))
       old = tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype)
       new = tf.where(hit, combine(old, delta, hit), old)
-    ctx.ops[node.name] = tf.raw_ops.AssignVariableOp(resource=handle, value=new, name=node.name)
+    ctx.record(tf.raw_ops.AssignVariableOp(resource=handle, value=new, name=node.name))
