@@ -1,7 +1,6 @@
-"""Ops that select, combine or repeat slices: concat/stack/split, slice, pad, tile, broadcast, cumulative and
-arg/top-k ops along one dim, one-hot, gather and segment sums.
+"""Ops that select or combine slices: concat/stack/split, slice, pad, one-hot, gather and segment sums.
 
-The dim an op reads across (concat axis, sliced or padded dims, the scanned axis, ...) carries no factor:
+The dim an op reads across (concat axis, sliced or padded dims, ...) carries no factor:
 it is whole on every device, so the op runs unchanged on the local shards; every other dim passes its
 split through. Gather from a table split along the gathered dim never gathers the table: each device looks
 up the ids it owns and one all-reduce combines the rows.
@@ -73,15 +72,6 @@ class Concat(AlongAxis):
       return self.partition_with(ctx, node, self.factors(node, windowed=False))
     windows = [ctx.window(i, target, axis, total, -int(o), 0) for i, o in zip(self.data_inputs(node), offsets)]
     ctx.set_output(0, ctx.identity(tf.add_n(windows) if len(windows) > 1 else windows[0]), target)
-
-
-@register("Cumsum", "Cumprod", "CumulativeLogsumexp")
-class Scan(AlongAxis):
-  def data_inputs(self, node):
-    return [0]
-
-  def fixed_dims(self, node):
-    return {_axis(node, 1, len(node.outputs[0].shape))}
 
 
 @register("Pack")
@@ -318,123 +308,6 @@ class Pad(FactorRule):
     if rest.any():   # the other padded dims are whole: pad them locally
       x = tf.pad(x, rest, constant_values=fill)
     ctx.set_output(0, ctx.identity(x), target)
-
-
-@register("Tile")
-class Tile(FactorRule):
-  """Repeated dims are whole locally; dims with multiple 1 pass their split."""
-
-  priority = 2
-
-  def data_inputs(self, node):
-    return [0]
-
-  def factors(self, node):
-    mult = node.const_input(1)
-    rank = len(node.input_shape(0))
-    tiled = set(range(rank)) if mult is None else {d for d in range(rank) if int(np.asarray(mult)[d]) != 1}
-    labels = _without(_labels(rank), tiled)
-    return Factors((labels,), (labels,))
-
-
-@register("BroadcastTo")
-class BroadcastTo(FactorRule):
-  """Broadcast dims (new or size 1) are produced locally at their shard size; others pass their split."""
-
-  priority = 2
-
-  def data_inputs(self, node):
-    return [0]
-
-  def factors(self, node):
-    out = node.outputs[0].shape
-    shape = node.input_shape(0)
-    labels = _labels(len(out))
-    off = len(out) - len(shape)
-    ins = tuple(None if (shape[i] == 1 and out[off + i] != 1) else labels[off + i] for i in range(len(shape)))
-    return Factors((ins,), (labels,))
-
-  def emit(self, ctx, node, local_inputs, axes_of):
-    # Only input-carried dims may be split here (new dims are unsplit in the natural layout).
-    return ctx.clone(node, {0: local_inputs[0], 1: self.local_shape_input(ctx, node, axes_of, 1)})
-
-
-@register("TopKV2")
-class TopK(FactorRule):
-  """Top-k over the last dim: the last dim is whole locally."""
-
-  def data_inputs(self, node):
-    return [0]
-
-  def factors(self, node):
-    rank = len(node.input_shape(0))
-    labels = _without(_labels(rank), {rank - 1})
-    return Factors((labels,), (labels, labels))
-
-
-@register("ArgMax", "ArgMin")
-class ArgReduce(FactorRule):
-  """The other dims pass their split. An operand already split along the reduced dim is not gathered: each
-  device finds its shard's winner, and only the winners (value and global index) are all-gathered."""
-
-  def data_inputs(self, node):
-    return [0]
-
-  def factors(self, node):
-    rank = len(node.input_shape(0))
-    axis = _axis(node, 1, rank)
-    labels = _labels(rank)
-    return Factors((_without(labels, {axis}),), (labels[:axis] + labels[axis + 1:],))
-
-  def partition(self, ctx, node):
-    shape = node.input_shape(0)
-    axis = _axis(node, 1, len(shape))
-    cur = ctx.current(0)
-    if axis is None or cur is None or cur.is_maximal or not cur.with_rank(len(shape)).dims[axis]:
-      return super().partition(ctx, node)
-    cur = cur.with_rank(len(shape))
-    target = ctx.target(0)
-    out_dims = cur.dims[:axis] + cur.dims[axis + 1:]
-    if not target.is_maximal and set(cur.dims[axis]) & set(target.used_axes):
-      return super().partition(ctx, node)
-    x = ctx.operand(0, cur)
-    arg_max = node.op == "ArgMax"
-    dtype = x.dtype
-    worst = (dtype.min if arg_max else dtype.max) if not dtype.is_floating else (-np.inf if arg_max else np.inf)
-    with ctx.helper_scope():
-      if shape[axis] % cur.tiles(axis):
-        x = ctx.mask(x, shape, cur, axis, worst)
-      c = cur.shard_shape(shape)[axis]
-      local = (tf.argmax if arg_max else tf.argmin)(x, axis, output_type=tf.int64)
-      best = (tf.reduce_max if arg_max else tf.reduce_min)(x, axis)
-      offsets = np.array([cur.tile_index(p, axis) * c for p in range(ctx.mesh.size)], np.int64)
-      index = local + ctx.lookup(offsets, f"arg_offset_{axis}_{c}")
-      why = "each shard's winner along the split reduced dim"
-      values = ctx.backend.all_gather(best[None], 0, cur.dims[axis], node.name, why)
-      indices = ctx.backend.all_gather(index[None], 0, cur.dims[axis], node.name, why)
-      shard = (tf.argmax if arg_max else tf.argmin)(values, 0, output_type=tf.int32)   # first best: lowest index
-      pick = tf.one_hot(shard, cur.tiles(axis), axis=0, on_value=True, off_value=False)
-      out = tf.reduce_max(tf.where(pick, indices, tf.constant(-1, tf.int64)), 0)
-      out = tf.cast(out, node.attr("output_type") or tf.int64)
-    ctx.record(out)
-    ctx.set_output(0, out, Sharding(ctx.mesh, out_dims))
-
-
-@register("All", "Any")
-class LogicalReduce(FactorRule):
-  """Logical reductions: reduced dims are whole locally (no boolean all-reduce in TF's collectives)."""
-
-  def data_inputs(self, node):
-    return [0]
-
-  def factors(self, node):
-    rank = len(node.input_shape(0))
-    axes = node.const_input(1)
-    red = set(range(rank)) if axes is None else {int(a) % rank for a in np.atleast_1d(axes)}
-    labels = _labels(rank)
-    keep = node.attr("keep_dims")
-    out = tuple((None if i in red else l) for i, l in enumerate(labels) if keep or i not in red)
-    return Factors((_without(labels, red),), (out,))
 
 
 @register("OneHot")
