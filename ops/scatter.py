@@ -1,15 +1,11 @@
-"""Scatters and the gradient of a strided slice.
+"""Scatters and GatherNd.
 
 ScatterNd sums updates into a zero tensor: the update rows are summed factors (partial sums + one
 all-reduce when split), the indexed output dims are whole, trailing dims pass. TensorScatter* start from
-an existing tensor, so their update rows are whole on every device. StridedSliceGrad is the transpose of a
-plain strided slice: dims read whole pass their split.
+an existing tensor, so their update rows are whole on every device.
 """
 
-import numpy as np
-
 from tf_gspmd.ops.factors import Factors, FactorRule
-from tf_gspmd.ops.indexing import StridedSlice
 from tf_gspmd.ops.registry import register
 
 
@@ -43,29 +39,6 @@ class TensorScatter(FactorRule):
     rest = tuple(f"d{i}" for i in range(k, rank))
     t = (None,) * k + rest
     return Factors((t, (None,) * len(idx), (None,) * (len(idx) - 1) + rest), (t,))
-
-
-@register("StridedSliceGrad")
-class StridedSliceGrad(FactorRule):
-  """d_input of a plain strided slice: dims read whole pass their split; others are whole."""
-
-  def data_inputs(self, node):
-    return [4]
-
-  def factors(self, node):
-    shape = [int(s) for s in np.asarray(node.const_input(0)).reshape(-1)] if node.const_input(0) is not None else None
-    rank = len(node.outputs[0].shape)
-    if shape is None or any(node.const_input(i) is None for i in (1, 2, 3)) or node.attr("new_axis_mask") or \
-        node.attr("ellipsis_mask"):
-      return Factors(((None,) * len(node.input_shape(4)),), ((None,) * rank,))
-    full = StridedSlice.full_dims(shape, *(np.asarray(node.const_input(i)).reshape(-1) for i in (1, 2, 3)),
-                                  node.attr("begin_mask"), node.attr("end_mask"), node.attr("shrink_axis_mask"))
-    out = tuple(f"d{d}" if d in full else None for d in range(rank))
-    sm = node.attr("shrink_axis_mask")
-    return Factors((tuple(l for d, l in enumerate(out) if not sm >> d & 1),), (out,))
-
-  def emit(self, ctx, node, local_inputs, axes_of):
-    return ctx.clone(node, {0: self.local_shape_input(ctx, node, axes_of, 0), 4: local_inputs[0]})
 
 
 @register("GatherNd")
