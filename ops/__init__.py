@@ -5,8 +5,8 @@ from tf_gspmd.ops import concat  # noqa: F401
 from tf_gspmd.ops import control_flow  # noqa: F401
 from tf_gspmd.ops import einsum  # noqa: F401
 from tf_gspmd.ops import elementwise  # noqa: F401
+from tf_gspmd.ops import gather  # noqa: F401
 from tf_gspmd.ops import generators  # noqa: F401
-from tf_gspmd.ops import indexing  # noqa: F401
 from tf_gspmd.ops import matmul  # noqa: F401
 from tf_gspmd.ops import nn  # noqa: F401
 from tf_gspmd.ops import reduction  # noqa: F401

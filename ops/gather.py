@@ -1,54 +1,17 @@
-"""Ops that index: one-hot, gather and segment sums.
+"""Lookups of rows by index: GatherV2, ResourceGather (a variable's table), GatherNd, OneHot.
 
-Gather from a table split along the gathered dim never gathers the table: each device looks up the ids it
-owns and one all-reduce combines the rows.
+Index dims and the table's other dims pass their split. A table split along the gathered dim (a
+vocabulary-split embedding) is never gathered: each device looks up the ids it owns, zeroes the rows it
+does not, and one all-reduce sums the rows. GatherNd's indexed dims and OneHot's depth dim are whole.
 """
 
 import numpy as np
 import tensorflow as tf
 
 from tf_gspmd._sharding import Sharding
-from tf_gspmd.ops.factors import Factors, FactorRule
+from tf_gspmd.ops.factors import const_axis, dim_labels, Factors, FactorRule
 from tf_gspmd.ops.registry import register
-
-
-def _labels(rank):
-  return tuple(f"d{i}" for i in range(rank))
-
-
-def _axis(node, i, rank):
-  v = node.const_input(i)
-  return None if v is None else int(np.asarray(v).reshape(-1)[0]) % max(rank, 1)
-
-
-@register("OneHot")
-class OneHot(FactorRule):
-  """The depth dim is produced whole (sliced afterwards if it should be split); index dims pass."""
-
-  def data_inputs(self, node):
-    return [0]
-
-  def factors(self, node):
-    rank = len(node.input_shape(0))
-    axis = node.attr("axis")
-    axis = rank if axis == -1 else axis
-    labels = _labels(rank)
-    return Factors((labels,), (labels[:axis] + (None,) + labels[axis:],))
-
-
-@register("UnsortedSegmentSum")
-class UnsortedSegmentSum(FactorRule):
-  """data[ids..., rest] -> out[segments, rest]: id dims are summed (partial sums + all-reduce), rest pass."""
-
-  def data_inputs(self, node):
-    return [0, 1]
-
-  def factors(self, node):
-    rank = len(node.input_shape(0))
-    k = len(node.input_shape(1))
-    ids = tuple(f"r{i}" for i in range(k))
-    rest = tuple(f"d{i}" for i in range(k, rank))
-    return Factors((ids + rest, ids), ((None,) + rest,))
+from tf_gspmd.ops.variables import handle_sharding
 
 
 @register("GatherV2")
@@ -63,7 +26,7 @@ class Gather(FactorRule):
     return [0, 1]
 
   def _axis(self, node):
-    return _axis(node, 2, len(node.input_shape(0)))
+    return const_axis(node, 2, len(node.input_shape(0)))
 
   def factors(self, node):
     p_rank, i_rank = len(node.input_shape(0)), len(node.input_shape(1))
@@ -109,3 +72,68 @@ class Gather(FactorRule):
 
   def split_reduced(self, node):
     return False   # "v" is not summed: the generic path keeps the gathered dim whole (see partition)
+
+
+@register("ResourceGather")
+class ResourceGather(Gather):
+  """table[ids] with the table a variable: like GatherV2 along dim 0, the table never resharded."""
+
+  def _axis(self, node):
+    return 0
+
+  def _params_shape(self, node):
+    return node.input_info(0).value_shape
+
+  def factors(self, node):
+    p_rank, i_rank = len(self._params_shape(node)), len(node.input_shape(1))
+    p = tuple(f"p{d}" for d in range(p_rank))
+    idx = tuple(f"i{d}" for d in range(i_rank))
+    return Factors((("v",) + p[1:], idx), (idx + p[1:],))
+
+  def partition(self, ctx, node):
+    table = handle_sharding(ctx, node)
+    target = ctx.target(0)
+    i_rank = len(node.input_shape(1))
+    # Index dims follow the output's layout where the table does not already use those mesh axes.
+    ids_dims = tuple(() if target.is_maximal or set(target.dims[d]) & set(table.used_axes) else target.dims[d]
+                     for d in range(i_rank))
+    ids = ctx.operand(1, Sharding(ctx.mesh, ids_dims))
+    natural = Sharding(ctx.mesh, ids_dims + table.dims[1:])
+    handle = ctx.operand(0, None)
+    v_axes = table.dims[0] if table.dims else ()
+    if not v_axes:
+      (rows,) = ctx.clone(node, {0: handle, 1: ids})
+      return ctx.set_output(0, rows, natural)
+    size = self._params_shape(node)[0]
+    with ctx.helper_scope():
+      params = tf.raw_ops.ReadVariableOp(resource=handle, dtype=node.attr("dtype"), name="read")
+    rows = self.masked_lookup(ctx, params, ids, table, 0, size)
+    ctx.set_output(0, rows, natural, partial=(v_axes, "Add"))
+
+
+@register("GatherNd")
+class GatherNd(FactorRule):
+  """params[indices[..., :K]]: indexed params dims whole, trailing params dims and index batch dims pass."""
+
+  def factors(self, node):
+    p_rank = len(node.input_shape(0))
+    idx = node.input_shape(1)
+    k = idx[-1]
+    batch = tuple(f"i{d}" for d in range(len(idx) - 1))
+    rest = tuple(f"p{d}" for d in range(k, p_rank))
+    return Factors(((None,) * k + rest, batch + (None,)), (batch + rest,))
+
+
+@register("OneHot")
+class OneHot(FactorRule):
+  """The depth dim is produced whole (sliced afterwards if it should be split); index dims pass."""
+
+  def data_inputs(self, node):
+    return [0]
+
+  def factors(self, node):
+    rank = len(node.input_shape(0))
+    axis = node.attr("axis")
+    axis = rank if axis == -1 else axis
+    labels = dim_labels(rank)
+    return Factors((labels,), (labels[:axis] + (None,) + labels[axis:],))
