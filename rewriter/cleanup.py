@@ -4,7 +4,7 @@ import tensorflow as tf
 
 from tf_gspmd.errors import PartitionError
 from tf_gspmd.rewriter.graph_ir import prune
-from tf_gspmd.rewriter.partition import HELPER_SCOPE, PARTITION_ID
+from tf_gspmd.rewriter.partition import PARTITION_ID
 
 COLLECTIVE_OPS = ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2", "CollectiveReduceScatterV2")
 
@@ -26,7 +26,7 @@ def verify(program):
   for node in program.local_graph_def.node:
     if node.op == "XlaSharding":
       raise PartitionError("an XlaSharding op survived partitioning (it has no kernel outside XLA)", node=node.name)
-    if node.op in COLLECTIVE_OPS and HELPER_SCOPE not in node.name:
+    if node.op in COLLECTIVE_OPS and "/gspmd/" not in node.name:
       raise PartitionError("a collective not built by the partitioner (its keys could clash)", node=node.name,
                            op_type=node.op)
   return program

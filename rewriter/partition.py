@@ -23,7 +23,7 @@ from tf_gspmd.rewriter.graph_ir import public_key, ref, split_ref
 from tf_gspmd.rewriter.report import Report, StateRecord
 
 PARTITION_ID = "gspmd/partition_id"
-HELPER_SCOPE = "/gspmd/"   # ops a rule adds for node n are named `n/gspmd/...` (`verify` checks collectives)
+HELPER_SCOPE = "/gspmd/"   # the ops partitioning adds for node n are named `n/gspmd/...`
 _warned_fallback = set()
 
 
@@ -120,7 +120,7 @@ class PartitionContext:
 
   # ---- ops a rule builds itself -----------------------------------------------------------------------------------
   def helper_scope(self):
-    """Name scope for ops a rule builds itself: `<node>/gspmd/` (`verify` rejects collectives outside it)."""
+    """Name scope for ops a rule builds itself: `<node>/gspmd/`, with the node's reshards and lookups."""
     return tf.name_scope(self._scope())
 
   def after_control_inputs(self):
