@@ -237,3 +237,19 @@ def broadcast_labels(out_shape, in_shapes):
     ins.append(tuple(None if (shape[i] == 1 and out_shape[rank - r + i] != 1) else f"d{rank - r + i}"
                      for i in range(r)))
   return tuple(ins), out
+
+
+def dim_labels(rank, prefix="d"):
+  """One factor label per dim: ("d0", "d1", ...)."""
+  return tuple(f"{prefix}{i}" for i in range(rank))
+
+
+def unsplit(labels, dims):
+  """`labels` with the dims in `dims` carrying no factor (whole on every device)."""
+  return tuple(None if k in dims else l for k, l in enumerate(labels))
+
+
+def const_axis(node, i, rank):
+  """The axis held by constant input i, in [0, rank); None when the input is not a constant."""
+  v = node.const_input(i)
+  return None if v is None else int(np.asarray(v).reshape(-1)[0]) % max(rank, 1)

@@ -48,5 +48,5 @@ class ShapeOf(Rule):
     for o, out in enumerate(node.outputs):
       shape = node.input_shape(o)
       value = {"Size": int(np.prod(shape)), "Rank": len(shape)}.get(node.op, list(shape))
-      with tf.name_scope(node.name + "/gspmd/"):
+      with ctx.helper_scope():
         ctx.set_output(o, tf.constant(value, out.dtype), Sharding(ctx.mesh))

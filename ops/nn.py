@@ -94,7 +94,7 @@ class Conv(FactorRule):
     co_axes = tuple(a for a in target.dims[-1] if a not in axes and a not in b_axes)
     x = ctx.operand(0, Sharding(mesh, tuple(axes if i == d else (b_axes if i == 0 else ()) for i in range(rank))))
     w = ctx.operand(1, Sharding(mesh, ((),) * (rank - 1) + (co_axes,)))
-    with tf.name_scope(node.name + "/gspmd/"):
+    with ctx.helper_scope():
       x = ctx.backend.halo_exchange(x, d, axes, left, right, node.name,
                                     f"{node.name} convolves rows split over {'x'.join(axes)}")
     (y,) = ctx.clone(node, {0: x, 1: w}, attrs=_explicit(_same_pads(kernel, rank, d)))
@@ -144,7 +144,7 @@ class ConvBackpropInput(FactorRule):
     top = (k - 1) // 2
     dy = ctx.operand(2, Sharding(mesh, tuple(axes if i == d else (b_axes if i == 0 else ()) for i in range(rank))))
     w = ctx.operand(1, Sharding(mesh, ((),) * (rank - 2) + (ci_axes, ())))
-    with tf.name_scope(node.name + "/gspmd/"):
+    with ctx.helper_scope():
       dy = ctx.backend.halo_exchange(dy, d, axes, k - 1 - top, top, node.name,
                                      f"{node.name} back-propagates through rows split over {'x'.join(axes)}")
       w = tf.transpose(tf.reverse(w, list(range(rank - 2))), list(range(rank - 2)) + [rank - 1, rank - 2])
@@ -154,7 +154,7 @@ class ConvBackpropInput(FactorRule):
         pads += [total - total // 2, total // 2]   # the forward padding, mirrored
       pads += [0, 0]
       dx = tf.nn.conv2d(dy, w, strides=1, padding=[pads[2 * i:2 * i + 2] for i in range(rank)])
-    ctx.ops[node.name] = dx.op
+    ctx.record(dx)
     ctx.set_output(0, dx, Sharding(mesh, tuple(axes if i == d else (b_axes if i == 0 else
                                                                     (ci_axes if i == rank - 1 else ()))
                                                for i in range(rank))))
@@ -202,7 +202,7 @@ class ConvBackpropFilter(FactorRule):
     top = (k - 1) // 2
     x = ctx.operand(0, layout)
     dy = ctx.operand(2, layout)
-    with tf.name_scope(node.name + "/gspmd/"):
+    with ctx.helper_scope():
       x = ctx.backend.halo_exchange(x, d, axes, top, k - 1 - top, node.name,
                                     f"{node.name} correlates rows split over {'x'.join(axes)}")
     (dw,) = ctx.clone(node, {0: x, 1: tf.constant(list(kernel), node.input_info(1).dtype), 2: dy},

@@ -1,7 +1,10 @@
-"""Reductions over constant axes: reduced dims are reduced factors; split ones need one all-reduce.
+"""Reductions, and the ops that select or accumulate along a dim: Sum, Mean, Max, Min, Prod, All, Any,
+ArgMax, ArgMin, TopKV2, Cumsum, Cumprod, CumulativeLogsumexp.
 
+Arithmetic reductions over constant axes: reduced dims are reduced factors; split ones need one all-reduce.
 Padding of an unevenly split reduced dim is masked with the reduction's identity (0 for Sum, -inf for
-Max, ...) before the local reduction, so it never leaks into the result.
+Max, ...) before the local reduction, so it never leaks into the result. Logical reductions, top-k and
+scans keep the dims they run along whole; ArgMax/ArgMin over a split dim all-gather only each shard's winner.
 """
 
 import math
@@ -9,7 +12,8 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd.ops.factors import Factors, FactorRule
+from tf_gspmd._sharding import Sharding
+from tf_gspmd.ops.factors import const_axis, dim_labels, Factors, FactorRule, unsplit
 from tf_gspmd.ops.registry import register
 
 _REDUCE_OP = {"Sum": "Add", "Mean": "Add", "Max": "Max", "Min": "Min", "Prod": "Mul"}
@@ -52,3 +56,94 @@ class Reduce(FactorRule):
     count = math.prod(node.input_shape(0)[i] for i in reduced_axes(node))
     (total,) = ctx.clone(node, {0: local_inputs[0]}, op_type="Sum")
     return [total * tf.constant(1.0 / count, node.outputs[0].dtype)]
+
+
+@register("All", "Any")
+class LogicalReduce(FactorRule):
+  """Logical reductions: reduced dims are whole locally (no boolean all-reduce in TF's collectives)."""
+
+  def data_inputs(self, node):
+    return [0]
+
+  def factors(self, node):
+    rank = len(node.input_shape(0))
+    axes = node.const_input(1)
+    red = set(range(rank)) if axes is None else {int(a) % rank for a in np.atleast_1d(axes)}
+    labels = dim_labels(rank)
+    keep = node.attr("keep_dims")
+    out = tuple((None if i in red else l) for i, l in enumerate(labels) if keep or i not in red)
+    return Factors((unsplit(labels, red),), (out,))
+
+
+@register("ArgMax", "ArgMin")
+class ArgReduce(FactorRule):
+  """The other dims pass their split. An operand already split along the reduced dim is not gathered: each
+  device finds its shard's winner, and only the winners (value and global index) are all-gathered."""
+
+  def data_inputs(self, node):
+    return [0]
+
+  def factors(self, node):
+    rank = len(node.input_shape(0))
+    axis = const_axis(node, 1, rank)
+    labels = dim_labels(rank)
+    return Factors((unsplit(labels, {axis}),), (labels[:axis] + labels[axis + 1:],))
+
+  def partition(self, ctx, node):
+    shape = node.input_shape(0)
+    axis = const_axis(node, 1, len(shape))
+    cur = ctx.current(0)
+    if axis is None or cur is None or cur.is_maximal or not cur.with_rank(len(shape)).dims[axis]:
+      return super().partition(ctx, node)
+    cur = cur.with_rank(len(shape))
+    target = ctx.target(0)
+    out_dims = cur.dims[:axis] + cur.dims[axis + 1:]
+    if not target.is_maximal and set(cur.dims[axis]) & set(target.used_axes):
+      return super().partition(ctx, node)
+    x = ctx.operand(0, cur)
+    arg_max = node.op == "ArgMax"
+    dtype = x.dtype
+    worst = (dtype.min if arg_max else dtype.max) if not dtype.is_floating else (-np.inf if arg_max else np.inf)
+    with ctx.helper_scope():
+      if shape[axis] % cur.tiles(axis):
+        x = ctx.mask(x, shape, cur, axis, worst)
+      c = cur.shard_shape(shape)[axis]
+      local = (tf.argmax if arg_max else tf.argmin)(x, axis, output_type=tf.int64)
+      best = (tf.reduce_max if arg_max else tf.reduce_min)(x, axis)
+      offsets = np.array([cur.tile_index(p, axis) * c for p in range(ctx.mesh.size)], np.int64)
+      index = local + ctx.lookup(offsets, f"arg_offset_{axis}_{c}")
+      why = "each shard's winner along the split reduced dim"
+      values = ctx.backend.all_gather(best[None], 0, cur.dims[axis], node.name, why)
+      indices = ctx.backend.all_gather(index[None], 0, cur.dims[axis], node.name, why)
+      shard = (tf.argmax if arg_max else tf.argmin)(values, 0, output_type=tf.int32)   # first best: lowest index
+      pick = tf.one_hot(shard, cur.tiles(axis), axis=0, on_value=True, off_value=False)
+      out = tf.reduce_max(tf.where(pick, indices, tf.constant(-1, tf.int64)), 0)
+      out = tf.cast(out, node.attr("output_type") or tf.int64)
+    ctx.record(out)
+    ctx.set_output(0, out, Sharding(ctx.mesh, out_dims))
+
+
+@register("TopKV2")
+class TopK(FactorRule):
+  """Top-k over the last dim: the last dim is whole locally."""
+
+  def data_inputs(self, node):
+    return [0]
+
+  def factors(self, node):
+    rank = len(node.input_shape(0))
+    labels = unsplit(dim_labels(rank), {rank - 1})
+    return Factors((labels,), (labels, labels))
+
+
+@register("Cumsum", "Cumprod", "CumulativeLogsumexp")
+class Scan(FactorRule):
+  """Cumulative ops along a constant axis: the scanned dim is whole on every device, the others pass."""
+
+  def data_inputs(self, node):
+    return [0]
+
+  def factors(self, node):
+    rank = len(node.outputs[0].shape)
+    labels = unsplit(dim_labels(rank), {const_axis(node, 1, rank)})
+    return Factors((labels,), (labels,))

@@ -6,8 +6,13 @@ A rule answers three questions about an op, so completion and partitioning canno
 - `partition(ctx, node)`: emit the op's per-device computation through the partition context `ctx`.
 
 `ctx` is the completion context (the program being completed; `ctx.complete_function` completes a function
-body, for control flow), `partition`'s `ctx` the partition context. Candidates are lists (one per source) that completion merges with its single merge function; rules never
-resolve conflicts themselves. `lookup` is the only way to find a rule; an unregistered op gets `FALLBACK`.
+body, for control flow), `partition`'s `ctx` the partition context. Candidates are lists (one per source)
+that completion merges with its single merge function; rules never resolve conflicts themselves. `lookup`
+is the only way to find a rule; an unregistered op gets `FALLBACK`.
+
+A rule's `partition` builds the node's op with `ctx.clone` (or `ctx.identity`); ops it builds itself go
+inside `ctx.helper_scope()` (and `ctx.after_control_inputs()` for a side effect), and `ctx.record(op)`
+names the op that stands for the node when it is built by hand.
 """
 
 _RULES = {}

@@ -1,16 +1,19 @@
-"""Scatters and the gradient of a strided slice.
+"""Writes and sums of rows at indexed positions: ScatterNd, TensorScatter*, ResourceScatter* (into a
+variable), UnsortedSegmentSum.
 
-ScatterNd sums updates into a zero tensor: the update rows are summed factors (partial sums + one
-all-reduce when split), the indexed output dims are whole, trailing dims pass. TensorScatter* start from
-an existing tensor, so their update rows are whole on every device. StridedSliceGrad is the transpose of a
-plain strided slice: dims read whole pass their split.
+ScatterNd and UnsortedSegmentSum sum rows into a zero tensor: the update rows are summed factors (partial
+sums + one all-reduce when split), the indexed output dims are whole, trailing dims pass. TensorScatter*
+start from an existing tensor, so their update rows are whole on every device. A variable split along its
+first dim takes on each device only the updates of the rows it owns; nothing is communicated.
 """
 
 import numpy as np
+import tensorflow as tf
 
+from tf_gspmd._sharding import Sharding
 from tf_gspmd.ops.factors import Factors, FactorRule
-from tf_gspmd.ops.indexing import StridedSlice
 from tf_gspmd.ops.registry import register
+from tf_gspmd.ops.variables import handle_sharding, value_labels
 
 
 @register("ScatterNd")
@@ -45,37 +48,70 @@ class TensorScatter(FactorRule):
     return Factors((t, (None,) * len(idx), (None,) * (len(idx) - 1) + rest), (t,))
 
 
-@register("StridedSliceGrad")
-class StridedSliceGrad(FactorRule):
-  """d_input of a plain strided slice: dims read whole pass their split; others are whole."""
+@register("UnsortedSegmentSum")
+class UnsortedSegmentSum(FactorRule):
+  """data[ids..., rest] -> out[segments, rest]: id dims are summed (partial sums + all-reduce), rest pass."""
 
   def data_inputs(self, node):
-    return [4]
+    return [0, 1]
 
   def factors(self, node):
-    shape = [int(s) for s in np.asarray(node.const_input(0)).reshape(-1)] if node.const_input(0) is not None else None
-    rank = len(node.outputs[0].shape)
-    if shape is None or any(node.const_input(i) is None for i in (1, 2, 3)) or node.attr("new_axis_mask") or \
-        node.attr("ellipsis_mask"):
-      return Factors(((None,) * len(node.input_shape(4)),), ((None,) * rank,))
-    full = StridedSlice.full_dims(shape, *(np.asarray(node.const_input(i)).reshape(-1) for i in (1, 2, 3)),
-                                  node.attr("begin_mask"), node.attr("end_mask"), node.attr("shrink_axis_mask"))
-    out = tuple(f"d{d}" if d in full else None for d in range(rank))
-    sm = node.attr("shrink_axis_mask")
-    return Factors((tuple(l for d, l in enumerate(out) if not sm >> d & 1),), (out,))
-
-  def emit(self, ctx, node, local_inputs, axes_of):
-    return ctx.clone(node, {0: self.local_shape_input(ctx, node, axes_of, 0), 4: local_inputs[0]})
+    rank = len(node.input_shape(0))
+    k = len(node.input_shape(1))
+    ids = tuple(f"r{i}" for i in range(k))
+    rest = tuple(f"d{i}" for i in range(k, rank))
+    return Factors((ids + rest, ids), ((None,) + rest,))
 
 
-@register("GatherNd")
-class GatherNd(FactorRule):
-  """params[indices[..., :K]]: indexed params dims whole, trailing params dims and index batch dims pass."""
+# var[ids] (op)= updates, for a variable split along its first dim: each device folds the updates of the rows it
+# owns into one dense delta (the ids of other rows map to the dropped segment -1) and combines it locally.
+_SCATTER_COMBINE = {
+    "ResourceScatterAdd": (tf.math.unsorted_segment_sum, lambda old, d, hit: old + d),
+    "ResourceScatterSub": (tf.math.unsorted_segment_sum, lambda old, d, hit: old - d),
+    "ResourceScatterMul": (tf.math.unsorted_segment_prod, lambda old, d, hit: old * d),
+    "ResourceScatterDiv": (tf.math.unsorted_segment_prod, lambda old, d, hit: old / d),
+    "ResourceScatterMin": (tf.math.unsorted_segment_min, lambda old, d, hit: tf.minimum(old, d)),
+    "ResourceScatterMax": (tf.math.unsorted_segment_max, lambda old, d, hit: tf.maximum(old, d)),
+    "ResourceScatterUpdate": (tf.math.unsorted_segment_max, lambda old, d, hit: tf.where(hit, d, old)),
+}
+
+
+@register(*_SCATTER_COMBINE)
+class ResourceScatter(FactorRule):
+  """var[ids] op= updates: the variable's other dims pass their split to the updates; ids are replicated.
+
+  A variable split along its first dim takes on each device only the updates of its own rows (masked, summed
+  per row into a dense local delta); nothing is communicated.
+  """
+
+  priority = 0
 
   def factors(self, node):
-    p_rank = len(node.input_shape(0))
-    idx = node.input_shape(1)
-    k = idx[-1]
-    batch = tuple(f"i{d}" for d in range(len(idx) - 1))
-    rest = tuple(f"p{d}" for d in range(k, p_rank))
-    return Factors(((None,) * k + rest, batch + (None,)), (batch + rest,))
+    labels = value_labels(node)
+    ids = tuple(f"i{k}" for k in range(len(node.input_shape(1))))
+    return Factors((labels, ids, ids + labels[1:]), ())
+
+  def partition(self, ctx, node):
+    layout = handle_sharding(ctx, node)
+    k = len(node.input_shape(1))
+    handle = ctx.operand(0, None)
+    ids = ctx.operand(1, Sharding(ctx.mesh))
+    updates = ctx.operand(2, Sharding(ctx.mesh, ((),) * k + layout.dims[1:]))
+    if not layout.dims or not layout.dims[0]:
+      ctx.clone(node, {0: handle, 1: ids, 2: updates})
+      return
+    size = node.input_info(0).value_shape[0]
+    c = -(-size // layout.tiles(0))
+    lo = np.array([layout.tile_index(p, 0) * c for p in range(ctx.mesh.size)], ids.dtype.as_numpy_dtype)
+    segment, combine = _SCATTER_COMBINE[node.op]
+    dtype = node.attr("dtype")
+    with ctx.helper_scope(), ctx.after_control_inputs():
+      local = tf.reshape(ids, [-1]) - ctx.lookup(lo, f"row_offset_{c}")
+      local = tf.where((local >= 0) & (local < c), local, -tf.ones_like(local))
+      flat = tf.reshape(updates, [-1] + updates.shape.as_list()[k:])
+      delta = segment(flat, local, c)
+      hit = tf.math.unsorted_segment_max(tf.ones_like(local), local, c) > 0
+      hit = tf.reshape(hit, [c] + [1] * (flat.shape.rank - 1))
+      old = tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype)
+      new = tf.where(hit, combine(old, delta, hit), old)
+    ctx.record(tf.raw_ops.AssignVariableOp(resource=handle, value=new, name=node.name))

@@ -1,6 +1,8 @@
-"""View ops that move or regroup dimensions: Transpose, ExpandDims, Squeeze, Reshape.
+"""Ops that move, regroup or repeat dimensions: Transpose, ExpandDims, Squeeze, Bitcast, Reshape, Tile,
+BroadcastTo.
 
-Transpose/ExpandDims/Squeeze are pure dimension mappings. Reshape is GSPMD's group rule: input and output
+Transpose/ExpandDims/Squeeze are pure dimension mappings; Tile and BroadcastTo keep repeated dims whole
+and produce broadcast dims locally at their shard size. Reshape is GSPMD's group rule: input and output
 dims are cut into minimal groups of equal size; a 1:1 group passes its split; a split or merge group keeps
 the split on the major dim when its size divides by the number of shards (so the local reshape of the
 shards is exact); any other group is replicated before the reshape and re-split after (local slices).
@@ -12,12 +14,8 @@ import numpy as np
 from tensorflow.core.framework import attr_value_pb2
 
 from tf_gspmd._sharding import Sharding
-from tf_gspmd.ops.factors import Factors, FactorRule
+from tf_gspmd.ops.factors import dim_labels, Factors, FactorRule, unsplit
 from tf_gspmd.ops.registry import Rule, register
-
-
-def _labels(n, prefix="d"):
-  return tuple(f"{prefix}{i}" for i in range(n))
 
 
 @register("Transpose")
@@ -32,7 +30,7 @@ class Transpose(FactorRule):
   def factors(self, node):
     rank = len(node.input_shape(0))
     perm = node.const_input(1)
-    labels = _labels(rank)
+    labels = dim_labels(rank)
     if perm is None:
       return Factors(((None,) * rank,), ((None,) * rank,))
     return Factors((labels,), (tuple(labels[int(p)] for p in np.atleast_1d(perm)),))
@@ -48,7 +46,7 @@ class ExpandDims(FactorRule):
     return [0]
 
   def factors(self, node):
-    labels = _labels(len(node.input_shape(0)))
+    labels = dim_labels(len(node.input_shape(0)))
     out_rank = len(node.outputs[0].shape)
     axis = int(np.asarray(node.const_input(1)).reshape(-1)[0]) % out_rank
     return Factors((labels,), (labels[:axis] + (None,) + labels[axis:],))
@@ -183,3 +181,42 @@ class Reshape(Rule):
     shape_dtype = node.input_info(1).dtype
     (y,) = ctx.clone(node, {0: x, 1: tf.constant(local, shape_dtype)})
     ctx.set_output(0, y, natural)
+
+
+@register("Tile")
+class Tile(FactorRule):
+  """Repeated dims are whole locally; dims with multiple 1 pass their split."""
+
+  priority = 2
+
+  def data_inputs(self, node):
+    return [0]
+
+  def factors(self, node):
+    mult = node.const_input(1)
+    rank = len(node.input_shape(0))
+    tiled = set(range(rank)) if mult is None else {d for d in range(rank) if int(np.asarray(mult)[d]) != 1}
+    labels = unsplit(dim_labels(rank), tiled)
+    return Factors((labels,), (labels,))
+
+
+@register("BroadcastTo")
+class BroadcastTo(FactorRule):
+  """Broadcast dims (new or size 1) are produced locally at their shard size; others pass their split."""
+
+  priority = 2
+
+  def data_inputs(self, node):
+    return [0]
+
+  def factors(self, node):
+    out = node.outputs[0].shape
+    shape = node.input_shape(0)
+    labels = dim_labels(len(out))
+    off = len(out) - len(shape)
+    ins = tuple(None if (shape[i] == 1 and out[off + i] != 1) else labels[off + i] for i in range(len(shape)))
+    return Factors((ins,), (labels,))
+
+  def emit(self, ctx, node, local_inputs, axes_of):
+    # Only input-carried dims may be split here (new dims are unsplit in the natural layout).
+    return ctx.clone(node, {0: local_inputs[0], 1: self.local_shape_input(ctx, node, axes_of, 1)})

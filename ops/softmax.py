@@ -46,7 +46,7 @@ class Softmax(FactorRule):
       return super().partition(ctx, node)
     shape = node.input_shape(0)
     x = ctx.operand(0, target)
-    with tf.name_scope(node.name + "/gspmd/"):
+    with ctx.helper_scope():
       m, s, e = _class_stats(ctx, x, shape, target, node.name)
       y = e / s if node.op == "Softmax" else x - m - tf.math.log(s)
     ctx.set_output(0, y, target)
@@ -78,7 +78,7 @@ class SoftmaxCrossEntropy(FactorRule):
     shape = node.input_shape(0)
     x = ctx.operand(0, xs)
     labels = ctx.operand(1, Sharding(mesh, (b_axes,)) if sparse else xs)
-    with tf.name_scope(node.name + "/gspmd/"):
+    with ctx.helper_scope():
       m, s, e = _class_stats(ctx, x, shape, xs, node.name)
       lse = tf.math.log(s) + m
       if sparse:

@@ -23,6 +23,7 @@ from tf_gspmd.rewriter.graph_ir import public_key, ref, split_ref
 from tf_gspmd.rewriter.report import Report, StateRecord
 
 PARTITION_ID = "gspmd/partition_id"
+HELPER_SCOPE = "/gspmd/"   # the ops partitioning adds for node n are named `n/gspmd/...`
 _warned_fallback = set()
 
 
@@ -101,9 +102,8 @@ class PartitionContext:
     args += list(extra_inputs)
     node_attrs = {k: v for k, v in node.attrs.items() if not k.startswith("_")}
     node_attrs.update(attrs or {})
-    ctrl = [self.ops[c] for c in node.control if c in self.ops]
     try:
-      with self.graph.control_dependencies(ctrl):
+      with self.graph.control_dependencies(self._control_ops(node)):
         op = self.graph._create_op_internal(  # pylint: disable=protected-access
             op_type or node.op, args, dtypes=[o.dtype for o in node.outputs] + list(extra_dtypes), attrs=node_attrs,
             name=node.name)
@@ -115,8 +115,28 @@ class PartitionContext:
 
   def identity(self, x):
     op = tf.identity(x, name=self.node.name)
-    self.ops[self.node.name] = op.op
+    self.record(op)
     return op
+
+  # ---- ops a rule builds itself -----------------------------------------------------------------------------------
+  def helper_scope(self):
+    """Name scope for ops a rule builds itself: `<node>/gspmd/`, with the node's reshards and lookups."""
+    return tf.name_scope(self._scope())
+
+  def after_control_inputs(self):
+    """Control-dependency scope: ops built in it run after the node's control inputs (for a side effect a rule
+    builds itself; `clone` gives its op these dependencies)."""
+    return self.graph.control_dependencies(self._control_ops(self.node))
+
+  def record(self, op):
+    """Make `op` (an operation or a tensor's producer) the node's local op: the one later nodes' control
+    dependencies on the node point to (`clone` and `identity` record theirs). Returns `op`."""
+    self.ops[self.node.name] = getattr(op, "op", op)
+    return op
+
+  def _control_ops(self, node):
+    """The local ops of `node`'s control inputs (those that produced one)."""
+    return [self.ops[c] for c in node.control if c in self.ops]
 
   def partition_function(self, fname, arg_shapes, param_shardings, out_shardings, return_pid=False):
     """Partition function `fname` (a While/If body) for these layouts; returns the per-device function's name.
@@ -255,7 +275,7 @@ class PartitionContext:
 
   # ---- internals --------------------------------------------------------------------------------------------------
   def _scope(self):
-    return (self.node.name if self.node else "gspmd") + "/gspmd/"
+    return (self.node.name if self.node else "gspmd") + HELPER_SCOPE
 
   def _store(self, r, value, sharding):
     info = self.ir.info(r)

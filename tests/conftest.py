@@ -35,3 +35,17 @@ def ir_of(fn, *shapes):
 
 def first_node(ir, op_type):
   return next(n for n in ir.nodes if n.op == op_type)
+
+
+def check_partitioned(fn, args, specs, mesh, out=None, tol=1e-5):
+  """`fn` run partitioned on `mesh` (numpy `args` laid out as `specs`) agrees with `fn` unpartitioned.
+
+  Returns the partitioned function's lowering for the same argument shapes (to inspect its report).
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  f = gs.function(fn, mesh=mesh, in_shardings=specs, out_shardings=out)
+  got = f(*args)
+  want = fn(*[tf.constant(a) for a in args])
+  for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
+    assert_close(g.numpy(), w.numpy(), rtol=tol, atol=tol)
+  return f.lower(*[tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in args])

@@ -1,10 +1,10 @@
-"""View ops: Reshape groups, Transpose, ExpandDims, Squeeze; completion and partitioned results."""
+"""Reshape groups, Transpose, ExpandDims, Squeeze, Bitcast, Tile, BroadcastTo; completion and results."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import assert_close
+from conftest import assert_close, check_partitioned
 import tf_gspmd as gs
 from tf_gspmd import P
 from tf_gspmd.ops.shape_ops import reshape_groups
@@ -90,3 +90,12 @@ def test_bitcast_keeps_the_dims_it_does_not_resize(rng, dtype):
   if dtype == tf.int32:
     assert low.out_shardings[0].spec == P("data", "model")
   np.testing.assert_array_equal(f(x).numpy(), fn(x).numpy())
+
+
+@pytest.mark.parametrize("spec", [P(), P("data", "model"), P("model", None), P(None, ("data", "model"))], ids=str)
+def test_tile_and_broadcast_to(rng, spec):
+  def fn(a, v):
+    return tf.tile(a, [1, 2]), tf.tile(a, [3, 1]), tf.broadcast_to(v, [8, 12]) + a
+
+  args = [rng.standard_normal((8, 12)).astype(np.float32), rng.standard_normal((12,)).astype(np.float32)]
+  check_partitioned(fn, args, (spec, None), MESH)

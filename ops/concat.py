@@ -1,0 +1,108 @@
+"""Joining and splitting along one dim: ConcatV2, Pack (stack), Unpack (unstack), Split, SplitV.
+
+The dim an op joins or splits along carries no factor: it is whole on every device, so the op runs
+unchanged on the local shards while every other dim passes its split through. A concatenation whose result
+is split along the concat dim instead assembles each device's window from its neighbours (halo exchange).
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gspmd.ops.factors import const_axis, dim_labels, Factors, FactorRule, unsplit
+from tf_gspmd.ops.registry import register
+
+
+class AlongAxis(FactorRule):
+  """Base: data inputs share labels except `fixed_dims` (whole on every device)."""
+
+  priority = 1
+
+  def fixed_dims(self, node):
+    raise NotImplementedError
+
+  def factors(self, node):
+    rank = len(node.outputs[0].shape)
+    labels = unsplit(dim_labels(rank), self.fixed_dims(node))
+    return Factors(tuple(labels for _ in self.data_inputs(node)), tuple(labels for _ in node.outputs))
+
+
+@register("ConcatV2")
+class Concat(AlongAxis):
+  """Concatenation. Split along the concat dim, each device assembles its window of the result from the
+  operands' rows it owns and its neighbours' (masked windows summed); otherwise the concat dim is whole."""
+
+  priority = 0
+
+  def data_inputs(self, node):
+    return list(range(len(node.inputs) - 1))
+
+  def fixed_dims(self, node):
+    return {const_axis(node, len(node.inputs) - 1, len(node.outputs[0].shape))}
+
+  def factors(self, node, windowed=True):
+    rank = len(node.outputs[0].shape)
+    labels = dim_labels(rank) if windowed and None not in self.fixed_dims(node) else \
+        unsplit(dim_labels(rank), self.fixed_dims(node))
+    return Factors(tuple(labels for _ in self.data_inputs(node)), (labels,))
+
+  def partition(self, ctx, node):
+    target = ctx.target(0)
+    (axis,) = self.fixed_dims(node)
+    dtype = node.outputs[0].dtype
+    if axis is None or target.is_maximal or not target.dims[axis] or not (dtype.is_floating or dtype.is_integer):
+      return self.partition_with(ctx, node, self.factors(node, windowed=False))
+    total = node.outputs[0].shape[axis]
+    offsets = np.cumsum([0] + [node.input_shape(i)[axis] for i in self.data_inputs(node)])
+    if not all(ctx.window_fits(i, target, axis, total, -int(o)) for i, o in zip(self.data_inputs(node), offsets)):
+      return self.partition_with(ctx, node, self.factors(node, windowed=False))
+    windows = [ctx.window(i, target, axis, total, -int(o), 0) for i, o in zip(self.data_inputs(node), offsets)]
+    ctx.set_output(0, ctx.identity(tf.add_n(windows) if len(windows) > 1 else windows[0]), target)
+
+
+@register("Pack")
+class Pack(FactorRule):
+  """stack: a new, unsplit dim at `axis`."""
+
+  priority = 0
+
+  def factors(self, node):
+    rank = len(node.input_shape(0))
+    axis = node.attr("axis") % (rank + 1)
+    labels = dim_labels(rank)
+    return Factors(tuple(labels for _ in node.inputs), (labels[:axis] + (None,) + labels[axis:],))
+
+
+@register("Unpack")
+class Unpack(FactorRule):
+  """unstack: the unpacked dim is whole on every device."""
+
+  priority = 0
+
+  def factors(self, node):
+    rank = len(node.input_shape(0))
+    axis = node.attr("axis") % rank
+    labels = dim_labels(rank)
+    out = labels[:axis] + labels[axis + 1:]
+    return Factors((unsplit(labels, {axis}),), tuple(out for _ in node.outputs))
+
+
+@register("Split")
+class Split(AlongAxis):
+  priority = 0
+
+  def data_inputs(self, node):
+    return [1]
+
+  def fixed_dims(self, node):
+    return {const_axis(node, 0, len(node.outputs[0].shape))}
+
+
+@register("SplitV")
+class SplitV(AlongAxis):
+  priority = 0
+
+  def data_inputs(self, node):
+    return [0]
+
+  def fixed_dims(self, node):
+    return {const_axis(node, 2, len(node.outputs[0].shape))}

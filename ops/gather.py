@@ -1,0 +1,139 @@
+"""Lookups of rows by index: GatherV2, ResourceGather (a variable's table), GatherNd, OneHot.
+
+Index dims and the table's other dims pass their split. A table split along the gathered dim (a
+vocabulary-split embedding) is never gathered: each device looks up the ids it owns, zeroes the rows it
+does not, and one all-reduce sums the rows. GatherNd's indexed dims and OneHot's depth dim are whole.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gspmd._sharding import Sharding
+from tf_gspmd.ops.factors import const_axis, dim_labels, Factors, FactorRule
+from tf_gspmd.ops.registry import register
+from tf_gspmd.ops.variables import handle_sharding
+
+
+@register("GatherV2")
+class Gather(FactorRule):
+  """params[..., axis, ...][indices]: index dims and params' other dims pass their split.
+
+  When the table is split along the gathered dim (a vocabulary-split embedding), each device looks up the
+  ids in its own range (clamped), zeroes the rows it does not own, and one all-reduce sums the rows.
+  """
+
+  def data_inputs(self, node):
+    return [0, 1]
+
+  def _axis(self, node):
+    return const_axis(node, 2, len(node.input_shape(0)))
+
+  def factors(self, node):
+    p_rank, i_rank = len(node.input_shape(0)), len(node.input_shape(1))
+    axis = self._axis(node)
+    if node.attr("batch_dims") or axis is None:
+      return Factors(((None,) * p_rank, (None,) * i_rank), ((None,) * len(node.outputs[0].shape),))
+    p = tuple(f"p{d}" for d in range(p_rank))
+    idx = tuple(f"i{d}" for d in range(i_rank))
+    out = p[:axis] + idx + p[axis + 1:]
+    return Factors((p[:axis] + ("v",) + p[axis + 1:], idx), (out,))
+
+  def partition(self, ctx, node):
+    axis = self._axis(node)
+    cur = ctx.current(0)
+    v_axes = () if cur is None or cur.is_maximal or axis is None else cur.with_rank(len(node.input_shape(0))).dims[axis]
+    target = ctx.target(0)
+    if not v_axes or node.attr("batch_dims") or target.is_maximal or set(v_axes) & set(target.used_axes):
+      return FactorRule.partition(self, ctx, node)   # the table is whole along the gathered dim
+    mesh = ctx.mesh
+    f = self.factors(node)
+    p_labels, i_labels = f.operands
+    out_labels = f.outputs[0]
+    axes_of = {l: target.dims[d] for d, l in enumerate(out_labels)}
+    params_s = Sharding(mesh, tuple(v_axes if l == "v" else axes_of.get(l, ()) for l in p_labels))
+    ids_s = Sharding(mesh, tuple(axes_of.get(l, ()) for l in i_labels))
+    params = ctx.operand(0, params_s)
+    ids = ctx.operand(1, ids_s)
+    rows = self.masked_lookup(ctx, params, ids, params_s, axis, node.input_shape(0)[axis])
+    natural = Sharding(mesh, tuple(axes_of.get(l, ()) for l in out_labels))
+    ctx.set_output(0, rows, natural, partial=(v_axes, "Add"))
+
+  def masked_lookup(self, ctx, params, ids, params_s, axis, size):
+    """Rows of the ids this device owns along `axis` (zeros elsewhere): the partial result of a split table."""
+    mesh = ctx.mesh
+    c = -(-size // params_s.tiles(axis))
+    lo = np.array([params_s.tile_index(p, axis) * c for p in range(mesh.size)], ids.dtype.as_numpy_dtype)
+    with ctx.helper_scope():
+      ids = tf.clip_by_value(ids, 0, size - 1) - ctx.lookup(lo, f"vocab_offset_{axis}_{c}")
+      owned = (ids >= 0) & (ids < c)
+      rows = tf.gather(params, tf.clip_by_value(ids, 0, c - 1), axis=axis)
+      mask_shape = [1] * axis + ids.shape.as_list() + [1] * (params.shape.rank - axis - 1)
+      return tf.where(tf.reshape(owned, mask_shape), rows, tf.zeros([], rows.dtype))
+
+  def split_reduced(self, node):
+    return False   # "v" is not summed: the generic path keeps the gathered dim whole (see partition)
+
+
+@register("ResourceGather")
+class ResourceGather(Gather):
+  """table[ids] with the table a variable: like GatherV2 along dim 0, the table never resharded."""
+
+  def _axis(self, node):
+    return 0
+
+  def _params_shape(self, node):
+    return node.input_info(0).value_shape
+
+  def factors(self, node):
+    p_rank, i_rank = len(self._params_shape(node)), len(node.input_shape(1))
+    p = tuple(f"p{d}" for d in range(p_rank))
+    idx = tuple(f"i{d}" for d in range(i_rank))
+    return Factors((("v",) + p[1:], idx), (idx + p[1:],))
+
+  def partition(self, ctx, node):
+    table = handle_sharding(ctx, node)
+    target = ctx.target(0)
+    i_rank = len(node.input_shape(1))
+    # Index dims follow the output's layout where the table does not already use those mesh axes.
+    ids_dims = tuple(() if target.is_maximal or set(target.dims[d]) & set(table.used_axes) else target.dims[d]
+                     for d in range(i_rank))
+    ids = ctx.operand(1, Sharding(ctx.mesh, ids_dims))
+    natural = Sharding(ctx.mesh, ids_dims + table.dims[1:])
+    handle = ctx.operand(0, None)
+    v_axes = table.dims[0] if table.dims else ()
+    if not v_axes:
+      (rows,) = ctx.clone(node, {0: handle, 1: ids})
+      return ctx.set_output(0, rows, natural)
+    size = self._params_shape(node)[0]
+    with ctx.helper_scope():
+      params = tf.raw_ops.ReadVariableOp(resource=handle, dtype=node.attr("dtype"), name="read")
+    rows = self.masked_lookup(ctx, params, ids, table, 0, size)
+    ctx.set_output(0, rows, natural, partial=(v_axes, "Add"))
+
+
+@register("GatherNd")
+class GatherNd(FactorRule):
+  """params[indices[..., :K]]: indexed params dims whole, trailing params dims and index batch dims pass."""
+
+  def factors(self, node):
+    p_rank = len(node.input_shape(0))
+    idx = node.input_shape(1)
+    k = idx[-1]
+    batch = tuple(f"i{d}" for d in range(len(idx) - 1))
+    rest = tuple(f"p{d}" for d in range(k, p_rank))
+    return Factors(((None,) * k + rest, batch + (None,)), (batch + rest,))
+
+
+@register("OneHot")
+class OneHot(FactorRule):
+  """The depth dim is produced whole (sliced afterwards if it should be split); index dims pass."""
+
+  def data_inputs(self, node):
+    return [0]
+
+  def factors(self, node):
+    rank = len(node.input_shape(0))
+    axis = node.attr("axis")
+    axis = rank if axis == -1 else axis
+    labels = dim_labels(rank)
+    return Factors((labels,), (labels[:axis] + (None,) + labels[axis:],))

@@ -1,0 +1,34 @@
+"""Logical reductions, arg-max/min (over a split dim: only the winners move), top-k and cumulative scans."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import check_partitioned
+import tf_gspmd as gs
+from tf_gspmd import P
+
+MESH = gs.Mesh((2, 4), ("data", "model"))
+SPECS = [P(), P("data", "model"), P("model", None), P(None, ("data", "model"))]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_scan_arg_top_k_and_logical_reductions(rng, spec):
+  def fn(a):
+    return (tf.math.cumsum(a, axis=1), tf.math.cumsum(a, axis=0, reverse=True), tf.argmax(a, axis=1),
+            tf.argmin(a, axis=0), tf.math.top_k(a, k=3).values, tf.reduce_all(a > -1.0, axis=1),
+            tf.reduce_any(a > 1.0))
+
+  check_partitioned(fn, [rng.standard_normal((8, 12)).astype(np.float32)], (spec,), MESH)
+
+
+@pytest.mark.parametrize("op", [tf.argmax, tf.argmin])
+@pytest.mark.parametrize("cols", [64, 61])
+def test_arg_reduce_over_a_split_dim_gathers_only_the_winners(rng, op, cols):
+  x = rng.standard_normal((8, 6, cols)).astype(np.float32)
+  x[0, 0, :] = 1.0   # ties: the lowest index wins, as in TF
+  f = gs.function(lambda a: op(a, axis=2, output_type=tf.int32), mesh=MESH, in_shardings=P("data", None, "model"))
+  low = f.lower(tf.TensorSpec(x.shape))
+  gathers = [c for c in low.report.collectives if c.kind == "all-gather"]
+  assert gathers and all(c.shape[0] == 4 and c.shape[1:] == (4, 6) for c in gathers)   # winners only
+  np.testing.assert_array_equal(f(x).numpy(), op(x, axis=2, output_type=tf.int32).numpy())
