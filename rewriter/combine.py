@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from tf_gspmd.rewriter.collectives import Backend
 from tf_gspmd.rewriter.graph_view import GraphView, node_of, ref
-from tf_gspmd.rewriter.partition import PARTITION_ID
+from tf_gspmd.rewriter.partition import HELPER_SCOPE, PARTITION_ID
 
 MAX_BYTES = 32 << 20
 
@@ -71,7 +71,7 @@ def combine(program):
 
 def _build(graph, backend, members, axes, reduction, k):
   """The combined all-reduce of `members` in `graph`; returns [(old reference, new reference)] to rewire."""
-  with graph.as_default(), tf.name_scope(f"combined_all_reduce_{k}/gspmd/"):
+  with graph.as_default(), tf.name_scope(f"combined_all_reduce_{k}{HELPER_SCOPE}"):
     controls = {c for m in members for c in m.control_inputs}
     with tf.control_dependencies(sorted(controls, key=lambda o: o.name)):
       flat = tf.concat([tf.reshape(m.inputs[0], [-1]) for m in members], 0)
