@@ -1,7 +1,5 @@
 """Cleanup and verify passes on the per-device program."""
 
-import tensorflow as tf
-
 from tf_gspmd.errors import PartitionError
 from tf_gspmd.rewriter.collectives import TF_COLLECTIVE_OPS
 from tf_gspmd.rewriter.graph_view import prune
