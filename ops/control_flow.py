@@ -18,19 +18,16 @@ def _shapes(node, first=0):
 
 
 def _func_attr(name):
-  from tensorflow.core.framework import attr_value_pb2  # pylint: disable=g-import-not-at-top
-  return attr_value_pb2.AttrValue(func=attr_value_pb2.NameAttrList(name=name))
+  return tf.compat.v1.AttrValue(func=tf.compat.v1.NameAttrList(name=name))
 
 
 def _shape_list_attr(shapes):
-  from tensorflow.core.framework import attr_value_pb2  # pylint: disable=g-import-not-at-top
-  return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
+  return tf.compat.v1.AttrValue(list=tf.compat.v1.AttrValue.ListValue(
       shape=[tf.TensorShape(s).as_proto() for s in shapes]))
 
 
 def _type_list_attr(dtypes):
-  from tensorflow.core.framework import attr_value_pb2  # pylint: disable=g-import-not-at-top
-  return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(type=[d.as_datatype_enum for d in dtypes]))
+  return tf.compat.v1.AttrValue(list=tf.compat.v1.AttrValue.ListValue(type=[d.as_datatype_enum for d in dtypes]))
 
 
 def _body_results(ctx, fname, shapes, params):

@@ -7,7 +7,6 @@ split (inference-mode batch norm is element-wise per channel and passes every sp
 """
 
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2
 
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.ops.factors import Factors, FactorRule
@@ -52,8 +51,8 @@ def _same_pads(kernel, rank, skip):
 
 
 def _explicit(pads):
-  return {"padding": attr_value_pb2.AttrValue(s=b"EXPLICIT"),
-          "explicit_paddings": attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(i=pads))}
+  return {"padding": tf.compat.v1.AttrValue(s=b"EXPLICIT"),
+          "explicit_paddings": tf.compat.v1.AttrValue(list=tf.compat.v1.AttrValue.ListValue(i=pads))}
 
 
 @register("Conv2D", "Conv3D")

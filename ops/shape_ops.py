@@ -11,7 +11,7 @@ shards is exact); any other group is replicated before the reshape and re-split 
 import math
 
 import numpy as np
-from tensorflow.core.framework import attr_value_pb2
+import tensorflow as tf
 
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.ops.factors import dim_labels, Factors, FactorRule, unsplit
@@ -70,7 +70,7 @@ class Squeeze(FactorRule):
 
   def emit(self, ctx, node, local_inputs, axes_of):
     # Name the squeezed dims: without them the local op would also drop dims whose *shard* has size 1.
-    dims = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(i=self._dims(node)))
+    dims = tf.compat.v1.AttrValue(list=tf.compat.v1.AttrValue.ListValue(i=self._dims(node)))
     return ctx.clone(node, {0: local_inputs[0]}, attrs={"squeeze_dims": dims})
 
 

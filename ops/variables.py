@@ -6,8 +6,8 @@ ResourceScatter*) are in `gather` and `scatter`, with the other lookups and scat
 """
 
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2
 
+from tf_gspmd import _compat
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.ops.factors import Factors, FactorRule
 from tf_gspmd.ops.registry import Rule, register
@@ -34,7 +34,7 @@ class VarHandle(Rule):
   def partition(self, ctx, node):
     layout = ctx.target(0)
     local = layout.shard_shape(node.outputs[0].value_shape or ())
-    shape = attr_value_pb2.AttrValue(shape=tf.TensorShape(local).as_proto())
+    shape = tf.compat.v1.AttrValue(shape=tf.TensorShape(local).as_proto())
     (handle,) = ctx.clone(node, {}, attrs={"shape": shape})
     ctx.set_output(0, handle, layout)
 
@@ -83,8 +83,7 @@ class ResourceApply(FactorRule):
   priority = 0
 
   def _grad_index(self, node):
-    from tensorflow.python.framework import op_def_registry  # pylint: disable=g-import-not-at-top
-    names = [a.name for a in op_def_registry.get(node.op).input_arg]
+    names = [a.name for a in _compat.op_def(node.op).input_arg]
     return names.index("grad") if "grad" in names else names.index("delta")
 
   def factors(self, node):

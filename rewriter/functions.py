@@ -6,9 +6,8 @@ FunctionDef whose last parameter is the partition id (so per-device tables work 
 """
 
 import tensorflow as tf
-from tensorflow.python.framework import function_def_to_graph
-from tensorflow.python.framework import graph_to_function_def
 
+from tf_gspmd import _compat
 from tf_gspmd.rewriter.graph_view import ref, split_ref
 
 
@@ -26,7 +25,7 @@ def body_graph_def(library, fname, arg_shapes):
   """
   fdef = _fdef(library, fname)
   shapes = [tf.TensorShape(s) if s is not None else None for s in arg_shapes]
-  gd, names = function_def_to_graph.function_def_to_graph_def(fdef, input_shapes=shapes)
+  gd, names = _compat.function_def_to_graph_def(fdef, shapes)
   gd.library.CopyFrom(library)
   inputs = tuple(a.name for a in fdef.signature.input_arg)
   for node in gd.node:
@@ -41,6 +40,6 @@ def body_graph_def(library, fname, arg_shapes):
 
 def to_function_def(graph, name, inputs, outputs):
   """A FunctionDef named `name` from the ops of `graph` (inputs: placeholders, outputs: tensors)."""
-  fdef = graph_to_function_def.graph_to_function_def(graph, graph.get_operations(), inputs, outputs)
+  fdef = _compat.graph_to_function_def(graph, graph.get_operations(), inputs, outputs)
   fdef.signature.name = name
   return fdef

@@ -9,7 +9,8 @@ A tensor reference is "node:index"; a control input is "^node". Public sharding 
 import heapq
 
 import tensorflow as tf
-from tensorflow.python.framework import op_def_registry  # no public route to an op's OpDef (TF 2.21)
+
+from tf_gspmd import _compat
 
 
 def ref(name, index=0):
@@ -205,7 +206,7 @@ def function_names(nd):
 
 
 def is_stateful(op_type):
-  op_def = op_def_registry.get(op_type)
+  op_def = _compat.op_def(op_type)
   return op_def is not None and op_def.is_stateful
 
 
@@ -213,7 +214,7 @@ def side_effect_nodes(graph_def):
   """Nodes run for their effect: stateful ops whose outputs nobody needs to see (e.g. variable writes)."""
   out = []
   for n in graph_def.node:
-    op_def = op_def_registry.get(n.op)
+    op_def = _compat.op_def(n.op)
     if op_def is not None and op_def.is_stateful and not op_def.output_arg and n.op != "NoOp":
       out.append(n.name)
   return out

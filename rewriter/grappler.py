@@ -5,30 +5,13 @@ inputs, outputs and every annotated node are preserved, so names users query sur
 needs afterwards are pruned, so no dead computation reaches completion or the report.
 """
 
-import threading
-
 import tensorflow as tf
-from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
-from tensorflow.python.framework import convert_to_constants
-from tensorflow.python.grappler import cluster as gcluster
-from tensorflow.python.grappler import tf_optimizer
 
+from tf_gspmd import _compat
 from tf_gspmd._annotations import SHARDING_ATTR, SPEC_ATTR
 from tf_gspmd.rewriter.graph_view import prune, side_effect_nodes, split_ref
 
 OPTIMIZERS = ("function", "constfold", "shape", "arithmetic")
-
-_CLUSTER = []
-_LOCK = threading.Lock()
-
-
-def _cluster():
-  """One Grappler cluster for the process: a new one per call starts a thread pool each time (thousands of
-  lowerings would exhaust the process's threads)."""
-  with _LOCK:
-    if not _CLUSTER:
-      _CLUSTER.append(gcluster.Cluster())
-    return _CLUSTER[0]
 
 
 def run(program):
@@ -37,16 +20,15 @@ def run(program):
   # Annotations, and Identity nodes: the names users give tensors (tf.identity(x, name="h")) must survive.
   keep |= {n.name for n in gd.node if SHARDING_ATTR in n.attr or SPEC_ATTR in n.attr or
            n.op in ("XlaSharding", "Identity")}
-  meta = meta_graph_pb2.MetaGraphDef()
-  # Keep While/If functional (completion and partitioning treat their bodies as functions); calls inline.
-  meta.graph_def.CopyFrom(convert_to_constants.disable_lower_using_switch_merge(gd))
+  meta = tf.compat.v1.MetaGraphDef()
+  meta.graph_def.CopyFrom(_functional_control_flow(gd))
   meta.collection_def["train_op"].node_list.value.extend(sorted(keep))
-  config = config_pb2.ConfigProto()
+  config = tf.compat.v1.ConfigProto()
   rewrite = config.graph_options.rewrite_options
   rewrite.min_graph_nodes = -1
-  rewrite.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
+  rewrite.meta_optimizer_iterations = rewrite.ONE
   rewrite.optimizers.extend(OPTIMIZERS)
-  optimized = tf_optimizer.OptimizeGraph(config, meta, verbose=False, cluster=_cluster())
+  optimized = _compat.optimize_graph(config, meta, _compat.grappler_cluster())
   missing = keep - {n.name for n in optimized.node}
   if missing:  # Grappler dropped a node we must keep: fall back to the unoptimized graph.
     optimized = tf.compat.v1.GraphDef()
@@ -55,6 +37,17 @@ def run(program):
   # Drop what no output, annotation or side effect needs (Grappler leaves rewritten nodes behind).
   optimized = prune(optimized, sorted(keep) + side_effect_nodes(optimized))
   return program.replace(graph_def=optimized)
+
+
+def _functional_control_flow(gd):
+  """A copy of `gd` whose While/If/Case ops stay functional (completion and partitioning treat their bodies as
+  functions) instead of being lowered to Switch/Merge; calls still inline."""
+  out = tf.compat.v1.GraphDef()
+  out.CopyFrom(gd)
+  for nd in list(out.node) + [nd for f in out.library.function for nd in f.node_def]:
+    if nd.op in ("While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase"):
+      nd.attr["_lower_using_switch_merge"].b = False
+  return out
 
 
 def _restore_shape_hints(traced_gd, optimized):

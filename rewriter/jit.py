@@ -19,8 +19,8 @@ import collections
 import itertools
 
 import tensorflow as tf
-from tensorflow.python.framework import graph_to_function_def
 
+from tf_gspmd import _compat
 from tf_gspmd.errors import UnsupportedOpError
 from tf_gspmd.rewriter import collectives
 from tf_gspmd.rewriter.graph_view import (GraphView, dedupe_controls, is_control, is_stateful, node_def, node_of,
@@ -203,7 +203,7 @@ def _build_segment(k, group, view, full):
   inputs = [g.get_tensor_by_name(arg_names[r]) for r in ext_inputs]
   outs = [g.get_tensor_by_name(r) for r in outputs]
   fname = f"gspmd_xla_segment_{k}_{next(_function_ids)}"   # unique in the process (the eager context's library)
-  fdef = graph_to_function_def.graph_to_function_def(
+  fdef = _compat.graph_to_function_def(
       g, ops + [t.op for t in inputs], inputs, outs, out_names=[f"out_{j}" for j in range(len(outs))])
   fdef.signature.name = fname
   fdef.attr["_XlaMustCompile"].b = True

@@ -11,9 +11,8 @@ import warnings
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import cpp_shape_inference_pb2
-from tensorflow.python.ops import handle_data_util
 
+from tf_gspmd import _compat
 from tf_gspmd import ops as op_rules
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.errors import PartitionError, UnsupportedOpError
@@ -104,7 +103,7 @@ class PartitionContext:
     node_attrs.update(attrs or {})
     try:
       with self.graph.control_dependencies(self._control_ops(node)):
-        op = self.graph._create_op_internal(  # pylint: disable=protected-access
+        op = self.graph.create_op(
             op_type or node.op, args, dtypes=[o.dtype for o in node.outputs] + list(extra_dtypes), attrs=node_attrs,
             name=node.name)
     except (ValueError, tf.errors.OpError) as e:
@@ -243,10 +242,7 @@ class PartitionContext:
       ph = tf.compat.v1.placeholder(tf.resource, [], name=node.name)
       if info.value_shape is not None:   # local reads get the shard's static shape
         local = self.program.shardings[node.ref(0)].shard_shape(info.value_shape)
-        handle_data = cpp_shape_inference_pb2.CppShapeInferenceResult.HandleData(
-            is_set=True, shape_and_type=[cpp_shape_inference_pb2.CppShapeInferenceResult.HandleShapeAndType(
-                shape=tf.TensorShape(local).as_proto(), dtype=info.value_dtype.as_datatype_enum)])
-        handle_data_util.set_handle_data(ph, handle_data)
+        _compat.set_resource_shape(ph, tf.TensorShape(local), info.value_dtype)
       self.ops[node.name] = ph.op
       self.local_variables.append(ph.op.name)
       self._store(node.ref(0), ph, self.program.shardings[node.ref(0)])
