@@ -9,7 +9,7 @@ from typing import Dict, Optional, Tuple
 import tensorflow as tf
 
 from tf_gspmd.errors import ShapeError
-from tf_gspmd.rewriter.graph_view import GraphView, normalize, public_key, ref, split_ref  # noqa: F401 (re-exported)
+from tf_gspmd.rewriter.graph_view import GraphView, public_key, ref, split_ref  # noqa: F401 (re-exported)
 
 _SHAPELESS = (tf.resource, tf.variant, tf.string)
 
@@ -133,9 +133,7 @@ class Graph:
                          "shapes: trace with fully defined TensorSpecs and avoid ops with data-dependent shapes",
                          node=op.name, op_type=op.type)
     for nd in order:
-      data = [i for i in nd.input if not i.startswith("^")]
-      ctrl = [i[1:] for i in nd.input if i.startswith("^")]
-      node = Node(nd, [normalize(i) for i in data], ctrl, infos[nd.name], self)
+      node = Node(nd, GraphView.data_inputs(nd), GraphView.control_inputs(nd), infos[nd.name], self)
       self.nodes.append(node)
       self.by_name[nd.name] = node
     self.consumers = {}
