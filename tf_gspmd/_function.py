@@ -12,7 +12,7 @@ from tf_gspmd._sharded_tensor import ShardedTensor
 from tf_gspmd._sharding import Sharding, to_sharding
 from tf_gspmd.errors import InputError, MeshError
 from tf_gspmd.rewriter import pipeline
-from tf_gspmd.rewriter.graph_ir import public_key, ref
+from tf_gspmd.rewriter.graph_ir import public_key
 
 
 class Lowered:
@@ -145,8 +145,7 @@ class ShardedFunction:
     if cached is not None:
       program = cached.program
       now = tuple(_state.layout_of(v, self.mesh) if v is not None else None for v in program.variables)
-      if now == program.variable_pins or all(
-          n is None or n == program.shardings[ref(name)] for n, name in zip(now, program.variable_names)):
+      if now == program.variable_pins or all(n is None or n == s for n, s in zip(now, program.variable_shardings)):
         return cached
       logging.info("tf_gspmd: retracing %s: a captured variable is now stored in another layout",
                    getattr(self.fn, "__name__", self.fn))

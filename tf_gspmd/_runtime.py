@@ -18,15 +18,6 @@ from tensorflow.python.framework import errors
 from tf_gspmd import _state
 from tf_gspmd._sharded_tensor import ShardedTensor, shard_host_value
 from tf_gspmd.errors import InputError
-from tf_gspmd.rewriter.graph_ir import ref
-from tf_gspmd.rewriter.partition import PARTITION_ID
-
-_READ_ONLY = ("ReadVariableOp", "VariableShape", "ResourceGather", "ResourceGatherNd")
-
-
-def _is_written(ir, name):
-  """Whether the program may write the variable whose handle is `name` (any use but a read)."""
-  return any(c.op not in _READ_ONLY for c, _ in ir.consumers.get(ref(name), ()))
 
 _lock = threading.Lock()
 _parallel_devices = {}
@@ -65,8 +56,8 @@ class Executable:
       if v is None:
         raise InputError("the function captures a resource that is not a tf.Variable (or Keras variable); "
                          "tf_gspmd stores only variables sharded", node=name)
-    self.written = tuple(_is_written(program.ir, name) for name in program.variable_names)
-    inputs = [PARTITION_ID + ":0"] + [n + ":0" for n in program.local_inputs + program.local_variables]
+    self.written = program.variables_written
+    inputs = [program.partition_id + ":0"] + [n + ":0" for n in program.local_inputs + program.local_variables]
     outputs = [n + ":0" for n in program.local_outputs]
     # A concrete function straight from the GraphDef (no Python tracing); side-effect ops are control outputs.
     self.fn = wrap_function.function_from_graph_def(program.local_graph_def, inputs,
@@ -124,8 +115,8 @@ class Executable:
   def storages(self):
     """The sharded storage of every captured variable (created on first use, in the completed layout)."""
     program = self.program
-    return [_state.manage(v, program.shardings[ref(name)], self.devices, what=name)
-            for v, name in zip(program.variables, program.variable_names)]
+    return [_state.manage(v, sharding, self.devices, what=name)
+            for v, sharding, name in zip(program.variables, program.variable_shardings, program.variable_names)]
 
   def __call__(self, args):
     program = self.program
@@ -140,7 +131,6 @@ class Executable:
     for st, written in zip(storages, self.written):
       st.after_step(written)
     results = []
-    for r, out in zip(program.ir.outputs, outs):
-      info = program.ir.info(r)
-      results.append(ShardedTensor(None, program.shardings[r], info.shape, info.dtype, packed=(self.pd, out)))
+    for (sharding, shape, dtype), out in zip(program.output_specs, outs):
+      results.append(ShardedTensor(None, sharding, shape, dtype, packed=(self.pd, out)))
     return results
