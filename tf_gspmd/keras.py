@@ -34,13 +34,13 @@ import zlib
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _state
 from tf_gspmd._annotations import current_mesh, shard
 from tf_gspmd._function import function as gs_function
 from tf_gspmd._mesh import Mesh, P
-from tf_gspmd._sharded_tensor import ShardedTensor
 from tf_gspmd._sharding import to_sharding
 from tf_gspmd.errors import InputError
+from tf_gspmd.runtime import state as _state
+from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
 _local = threading.local()
 

@@ -23,7 +23,11 @@ from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.trackable import base as trackable
 from tensorflow.python.training.saving import saveable_object
 
+from tf_gspmd import initializers
+from tf_gspmd._annotations import current_mesh
+from tf_gspmd._sharding import to_sharding
 from tf_gspmd.errors import InputError
+from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
 _lock = threading.RLock()
 
@@ -48,6 +52,13 @@ def layout_of(v, mesh=None):
   if s is None or (mesh is not None and s.sharding.mesh != mesh):
     return None
   return s.sharding
+
+
+def sharding_of(x):
+  """The `Sharding` of a ShardedTensor or of a variable tf_gspmd stores sharded; None when it does not manage `x`."""
+  if isinstance(x, ShardedTensor):
+    return x.sharding
+  return layout_of(x)
 
 
 class ShardedStorage:
@@ -219,7 +230,6 @@ _warned_graph = set()
 
 
 def _tracing_for_gspmd():
-  from tf_gspmd._annotations import current_mesh  # pylint: disable=g-import-not-at-top
   return current_mesh() is not None
 
 
@@ -351,8 +361,6 @@ def variable(initializer, shape, dtype=tf.float32, *, mesh, spec, name=None, tra
   Values depend only on (seed, element index): the same on every mesh and layout (see `tf_gspmd.initializers`).
   A gs.function that captures the variable uses it in place when it wants this layout.
   """
-  from tf_gspmd import initializers  # pylint: disable=g-import-not-at-top
-  from tf_gspmd._sharding import to_sharding  # pylint: disable=g-import-not-at-top
   shape = tuple(int(s) for s in shape)
   dtype = tf.as_dtype(dtype)
   init = initializers.get(initializer, seed)

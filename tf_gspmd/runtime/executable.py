@@ -15,9 +15,9 @@ from tensorflow.python.eager import context
 from tensorflow.python.eager import wrap_function
 from tensorflow.python.framework import errors
 
-from tf_gspmd import _state
-from tf_gspmd._sharded_tensor import ShardedTensor, shard_host_value
 from tf_gspmd.errors import InputError
+from tf_gspmd.runtime import state as _state
+from tf_gspmd.runtime.sharded_tensor import ShardedTensor, shard_host_value
 
 _lock = threading.Lock()
 _parallel_devices = {}
