@@ -38,7 +38,7 @@ from tf_gspmd._annotations import current_mesh, shard
 from tf_gspmd._function import function as gs_function
 from tf_gspmd._mesh import Mesh, P
 from tf_gspmd._sharding import to_sharding
-from tf_gspmd.errors import InputError
+from tf_gspmd.errors import InputError, MeshError
 from tf_gspmd.runtime import state as _state
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
@@ -216,6 +216,27 @@ def _sharded_initializer(initializer, path):
     return None
 
 
+def _initialize_processes(job_addresses=None, num_processes=None, process_id=None):
+  """The TF backend's `keras.distribution.initialize`: accepts a single process, else raises MeshError.
+
+  Keras passes its arguments (or the KERAS_DISTRIBUTION_JOB_ADDRESSES / _NUM_PROCESSES / _PROCESS_ID
+  environment variables) through unchanged. tf_gspmd runs a mesh on the devices of one process and has no
+  multi-process runtime yet, so only a description of one process is accepted (nothing to set up); anything
+  else, including no description at all (Keras's "let the backend find the cluster"), is a MeshError.
+  """
+  addresses = [a for a in str(job_addresses).split(",") if a.strip()] if job_addresses is not None else []
+  got = f"job_addresses={job_addresses!r}, num_processes={num_processes!r}, process_id={process_id!r}"
+  if num_processes is None:
+    raise MeshError(f"keras.distribution.initialize({got}): num_processes is missing, and tf_gspmd cannot find a "
+                    "cluster by itself: multi-process execution is not set up (tf_gspmd.keras supports one process "
+                    "so far). For one process, call keras.distribution.initialize(num_processes=1, process_id=0) "
+                    "or do not call it; every mesh device must be a device of this process.")
+  if int(num_processes) != 1 or process_id not in (None, 0) or len(addresses) > 1:
+    raise MeshError(f"keras.distribution.initialize({got}) describes several processes, but multi-process execution "
+                    "is not set up: tf_gspmd.keras runs a mesh on the devices of one process only so far. Run one "
+                    "process (num_processes=1, process_id=0) whose mesh holds every device.")
+
+
 def _install():
   from keras.src.backend.tensorflow import distribution_lib as backend_dl  # pylint: disable=g-import-not-at-top
   from keras.src.backend.tensorflow import trainer  # pylint: disable=g-import-not-at-top
@@ -255,10 +276,6 @@ def _install():
   def get_device_count(device_type=None):
     return len(backend_dl.list_devices(device_type))
 
-  def initialize(job_addresses=None, num_processes=None, process_id=None):  # pylint: disable=unused-argument
-    if num_processes not in (None, 1):
-      raise InputError("multi-process Keras distribution is not supported by tf_gspmd.keras yet")
-
   from keras.src.backend.tensorflow import core  # pylint: disable=g-import-not-at-top
   initialize = core.Variable._initialize_with_initializer  # pylint: disable=protected-access
 
@@ -283,7 +300,7 @@ def _install():
   backend_dl.distribute_tensor = distribute_tensor
   backend_dl.distribute_variable = distribute_variable
   backend_dl.get_device_count = get_device_count
-  backend_dl.initialize = initialize
+  backend_dl.initialize = _initialize_processes
   backend_dl.num_processes = lambda: 1
   backend_dl.process_id = lambda: 0
   cls._gspmd_installed = True
