@@ -24,9 +24,9 @@ from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 from tf_gspmd.runtime.state import sharding_of, variable
 
 __all__ = [
-    "Mesh", "P", "Sharding", "split_cpu_devices", "mesh_split", "shard", "replicate", "function", "ShardedFunction", "Lowered",
-    "ShardedTensor", "sharding_of", "variable", "initializers", "visualize_sharding", "ShardingError", "MeshError", "SpecError", "ShapeError", "PartitionError",
-    "UnsupportedOpError", "InputError",
+    "Mesh", "P", "Sharding", "split_cpu_devices", "mesh_split", "shard", "replicate", "function", "ShardedFunction",
+    "Lowered", "ShardedTensor", "sharding_of", "variable", "initializers", "visualize_sharding", "ShardingError",
+    "MeshError", "SpecError", "ShapeError", "PartitionError", "UnsupportedOpError", "InputError",
 ]
 __version__ = "0.1.0"
 
