@@ -9,7 +9,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=["tf_gspmd", "tf_gspmd.ops", "tf_gspmd.rewriter"],
+    packages=["tf_gspmd", "tf_gspmd.ops", "tf_gspmd.rewriter", "tf_gspmd.runtime"],
     package_dir={"tf_gspmd": "tf_gspmd", "tf_gspmd.ops": "ops", "tf_gspmd.rewriter": "rewriter"},
     install_requires=["tensorflow>=2.16", "numpy", "absl-py", "rich", "tensorboard"],
     extras_require={"test": ["pytest", "hypothesis"]},

@@ -3,13 +3,12 @@
 from tf_gspmd.errors import PartitionError
 from tf_gspmd.rewriter.collectives import TF_COLLECTIVE_OPS
 from tf_gspmd.rewriter.graph_view import prune
-from tf_gspmd.rewriter.partition import PARTITION_ID
 
 
 def run(program):
   """Pass: drop nodes that neither feed an output nor have side effects."""
   roots = (list(program.local_outputs) + list(program.side_effects) + list(program.local_inputs) +
-           list(program.local_variables) + [PARTITION_ID])
+           list(program.local_variables) + [program.partition_id])
   gd = prune(program.local_graph_def, roots)
   kept = {n.name for n in gd.node}
   return program.replace(local_graph_def=gd,
@@ -19,7 +18,7 @@ def run(program):
 def verify(program):
   """Pass: invariants every per-device program must hold."""
   names = {n.name: n for n in program.local_graph_def.node}
-  for n in list(program.local_inputs) + list(program.local_outputs) + [PARTITION_ID]:
+  for n in list(program.local_inputs) + list(program.local_outputs) + [program.partition_id]:
     if n not in names:
       raise PartitionError(f"per-device program lost its boundary node {n}")
   for node in program.local_graph_def.node:

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from tf_gspmd.rewriter.collectives import Backend
 from tf_gspmd.rewriter.graph_view import GraphView, node_of, ref
-from tf_gspmd.rewriter.partition import HELPER_SCOPE, PARTITION_ID
+from tf_gspmd.rewriter.partition import HELPER_SCOPE
 
 MAX_BYTES = 32 << 20
 
@@ -46,7 +46,7 @@ def combine(program):
     if op.outputs[0].shape.is_fully_defined():
       e = reduces[name]
       bins[(depth[name], e.axes, e.reduction, op.inputs[0].dtype)].append(op)
-  pid = graph.get_tensor_by_name(ref(PARTITION_ID))
+  pid = graph.get_tensor_by_name(ref(program.partition_id))
   backend = Backend(program.mesh, program.devices, pid,
                     lambda table, name: tf.gather(tf.constant(table, name=name), pid), program.report)
   combined, rewires = [], []

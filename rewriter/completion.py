@@ -1,8 +1,9 @@
 """The completion pass: a sharding for every tensor, GSPMD's way.
 
 A worklist fixed point in both directions (forward: operands -> results, backward: results -> operands;
-a node is looked at again only when a neighbouring tensor changed) run in priority rounds: round 0 lets only pass-through ops (element-wise, identity, parameters) propagate,
-round 1 adds contractions and reductions, round 3 everything, so shardings flow along cheap paths first.
+a node is looked at again only when a neighbouring tensor changed) run in priority rounds: round 0 lets only
+pass-through ops (element-wise, identity, parameters) propagate, round 1 adds contractions and reductions,
+round 3 everything, so shardings flow along cheap paths first.
 Annotations are pinned and never overwritten; conflicts are left for the partitioner, which reshards at
 the annotated boundary. All conflict resolution is in `merge`. Tensors nothing decides are replicated.
 """

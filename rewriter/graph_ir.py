@@ -9,7 +9,7 @@ from typing import Dict, Optional, Tuple
 import tensorflow as tf
 
 from tf_gspmd.errors import ShapeError
-from tf_gspmd.rewriter.graph_view import GraphView, public_key, ref, split_ref  # noqa: F401 (re-exported)
+from tf_gspmd.rewriter.graph_view import GraphView, ref, split_ref
 
 _SHAPELESS = (tf.resource, tf.variant, tf.string)
 

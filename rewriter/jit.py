@@ -25,7 +25,6 @@ from tf_gspmd.errors import UnsupportedOpError
 from tf_gspmd.rewriter import collectives
 from tf_gspmd.rewriter.graph_view import (GraphView, dedupe_controls, is_control, is_stateful, node_def, node_of,
                                           normalize)
-from tf_gspmd.rewriter.partition import PARTITION_ID
 
 # Ops XLA has no kernel for (TF's tf2xla registry), or that must stay outside a compiled segment on CPU
 # (every collective: XLA on CPU refuses them).
@@ -230,7 +229,7 @@ def run(program):
   if backend in ("GPU", "TPU"):
     check_whole_program(program.local_graph_def, backend)
     return program.replace(jit="whole")
-  keep = set(program.local_inputs) | set(program.local_variables) | set(program.local_outputs) | {PARTITION_ID}
+  keep = set(program.local_inputs) | set(program.local_variables) | set(program.local_outputs) | {program.partition_id}
   gd, moved = segment(program.local_graph_def, keep)
   side = []
   for name in program.side_effects:

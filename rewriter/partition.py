@@ -18,11 +18,13 @@ from tf_gspmd._sharding import Sharding
 from tf_gspmd.errors import PartitionError, UnsupportedOpError
 from tf_gspmd.rewriter import completion, functions, reshard
 from tf_gspmd.rewriter.collectives import Backend
-from tf_gspmd.rewriter.graph_ir import public_key, ref, split_ref
+from tf_gspmd.rewriter.graph_view import public_key, ref, split_ref
 from tf_gspmd.rewriter.report import Report, StateRecord
 
 PARTITION_ID = "gspmd/partition_id"
 HELPER_SCOPE = "/gspmd/"   # the ops partitioning adds for node n are named `n/gspmd/...`
+# Ops that only read a variable through its handle; any other consumer of the handle may write it.
+READ_ONLY_VARIABLE_OPS = frozenset({"ReadVariableOp", "VariableShape", "ResourceGather", "ResourceGatherNd"})
 _warned_fallback = set()
 
 
@@ -327,7 +329,12 @@ def _state_records(program):
 
 
 def run(program):
-  """Pass: build the per-device program (GraphDef), its input/output names and the collective report."""
+  """Pass: build the per-device program (GraphDef), its input/output names and the collective report.
+
+  Also records what the runtime needs without the IR: the partition-id input, per captured variable its
+  stored layout and whether the program may write it (any use of its handle but a read), per output its
+  sharding, global shape and dtype. Later passes keep these boundary nodes in place.
+  """
   report = Report(completion_iterations=program.completion_iterations)
   graph = tf.Graph()
   with graph.as_default():
@@ -343,7 +350,13 @@ def run(program):
   graph_def = graph.as_graph_def()
   graph_def.library.function.extend(ctx.functions)
   report.state.extend(_state_records(program))
+  ir = program.ir
+  variable_shardings = tuple(program.shardings[ref(name)] for name in program.variable_names)
+  written = tuple(any(c.op not in READ_ONLY_VARIABLE_OPS for c, _ in ir.consumers.get(ref(name), ()))
+                  for name in program.variable_names)
+  output_specs = tuple((program.shardings[r], tuple(ir.info(r).shape), ir.info(r).dtype) for r in ir.outputs)
   return program.replace(local_graph_def=graph_def, local_inputs=tuple(ctx.local_inputs),
                          local_variables=tuple(ctx.local_variables),
-                         local_outputs=tuple(outputs), side_effects=tuple(side_effects),
-                         collective_ops=dict(ctx.backend.emitted), report=report)
+                         local_outputs=tuple(outputs), side_effects=tuple(side_effects), report=report,
+                         collective_ops=dict(ctx.backend.emitted), partition_id=PARTITION_ID,
+                         variable_shardings=variable_shardings, variables_written=written, output_specs=output_specs)

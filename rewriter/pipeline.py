@@ -3,7 +3,9 @@
 Every pass is a function Program -> Program that never mutates its input. The manager times each pass
 (into the report), dumps each pass's graph when TF_GSPMD_DUMP_DIR is set, and names the failing pass in
 errors. The last stage, importing the per-device program as a tf.function on every device, is done by the
-runtime (`tf_gspmd._runtime`), because it needs the devices; everything here runs without them.
+runtime (`tf_gspmd.runtime`), because it needs the devices; everything here runs without them. The runtime
+reads only plain fields of the finished Program (the `local_*` names, `partition_id`, `variable_shardings`,
+`variables_written`, `output_specs`, ...), never the IR: what it needs is recorded by the partition pass.
 """
 
 import dataclasses
@@ -12,7 +14,8 @@ import time
 from typing import Any, Optional, Tuple
 
 from tf_gspmd.errors import PartitionError, ShardingError
-from tf_gspmd.rewriter import cleanup, combine, completion, grappler, import_annotations, jit, partition, trace, weight_update
+from tf_gspmd.rewriter import (cleanup, combine, completion, grappler, import_annotations, jit, partition, trace,
+                               weight_update)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +62,10 @@ class Program:
   local_outputs: Tuple[str, ...] = ()
   side_effects: Tuple[str, ...] = ()
   collective_ops: Any = None             # op name -> collectives.Emitted, every collective of the per-device program
+  partition_id: Optional[str] = None     # the per-device program's partition-id input (scalar int32 Placeholder)
+  variable_shardings: Tuple[Any, ...] = ()  # per captured variable: the Sharding its shards are stored in
+  variables_written: Tuple[bool, ...] = ()  # per captured variable: whether the program may write it
+  output_specs: Tuple[Any, ...] = ()     # per flattened output: (Sharding, global shape tuple, tf.DType)
   report: Any = None
   jit: Optional[str] = None              # None (not compiled), "segments" (CPU) or "whole" (GPU, TPU)
   function_cache: Any = dataclasses.field(default_factory=dict, compare=False, repr=False)

@@ -27,7 +27,8 @@ def assert_close(actual, expected, rtol=1e-5, atol=1e-5):
 def ir_of(fn, *shapes):
   """The IR graph of `fn` traced for float32 arguments of `shapes` (no partitioning, no devices)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.rewriter.graph_ir import Graph, ref, split_ref  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.rewriter.graph_ir import Graph  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.rewriter.graph_view import ref, split_ref  # pylint: disable=g-import-not-at-top
   cf = tf.function(fn).get_concrete_function(*[tf.TensorSpec(s) for s in shapes])
   return Graph(cf.graph.as_graph_def(), [t.op.name for t in cf.inputs],
                [ref(*split_ref(t.name)) for t in cf.outputs])

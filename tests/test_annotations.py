@@ -85,3 +85,31 @@ def test_unknown_rank_rejected():
 
   with pytest.raises(gs.ShapeError, match="unknown rank"):
     f.get_concrete_function(tf.TensorSpec(None))
+
+
+@pytest.mark.parametrize("mesh", [MESH, None])
+def test_gradient_of_an_annotation_is_annotated_alike(mesh):
+  """On a GradientTape, the gradient of an annotated tensor carries the same annotation (and nothing else is added)."""
+  attr = "_XlaSharding" if mesh is not None else "_gspmd_spec"
+
+  @tf.function
+  def f(x):
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      h = gs.shard(tf.tanh(x), P("data", "model"), mesh=mesh, name="h")
+      loss = tf.reduce_sum(h * h)
+    return tape.gradient(loss, x)
+
+  graph = f.get_concrete_function(tf.TensorSpec([8, 16])).graph
+  annotated = [op for op in graph.get_operations() if attr in op.node_def.attr]
+  assert [op.type for op in annotated] == ["Identity", "Identity"]
+  forward, backward = annotated
+  assert forward.name == "h" and forward.get_attr(attr) == backward.get_attr(attr)
+  assert [c.type for c in backward.outputs[0].consumers()] == ["TanhGrad"]   # the gradient that reaches h
+  assert "IdentityN" not in {op.type for op in graph.get_operations()}
+  x = np.linspace(-1, 1, 128, dtype=np.float32).reshape(8, 16)
+  np.testing.assert_allclose(f(x).numpy(), 2 * np.tanh(x) * (1 - np.tanh(x) ** 2), rtol=1e-5, atol=1e-6)
+  if mesh is None:   # a gs.function resolves both with its mesh
+    low = gs.function(f, mesh=MESH).lower(tf.TensorSpec([8, 16]))
+    assert low.shardings["h"].spec == P("data", "model")
+    assert low.shardings[backward.name].spec == P("data", "model")

@@ -1,10 +1,250 @@
-"""Every adapter of tf_gspmd/_compat.py against the installed TF and Keras: a change there fails here, loudly."""
+"""The private TF/Keras APIs behind tf_gspmd._compat: each adapter against the installed TensorFlow and Keras.
+
+One test per adapter; a failure here names the private API that changed (see the section of _compat.py for
+what it is used for and the versions it was checked against).
+"""
+
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
+from conftest import assert_close
 from tf_gspmd import _compat
 
+
+def _params(fn):
+  return list(inspect.signature(fn).parameters)
+
+
+def _cpus(n):
+  return [d.name for d in tf.config.list_logical_devices("CPU")[:n]]
+
+
+# ---- ParallelDevice ----------------------------------------------------------------------------------------------
+
+def test_parallel_device_runs_one_component_per_device():
+  devices = _cpus(2)
+  pd = _compat.parallel_device(devices)
+  name = _compat.parallel_device_name(pd)
+  assert isinstance(name, str) and name
+  comps = []
+  for k, d in enumerate(devices):
+    with tf.device(d):
+      comps.append(tf.identity(tf.constant([float(k)])))
+  packed = pd.pack(comps)
+  with tf.device(name):
+    doubled = packed * 2.0
+  out = pd.unpack(doubled)
+  assert [float(t.numpy()[0]) for t in out] == [0.0, 2.0]
+  where = [(s.device_type, s.device_index) for s in map(tf.DeviceSpec.from_string, [t.device for t in out])]
+  assert where == [(s.device_type, s.device_index) for s in map(tf.DeviceSpec.from_string, devices)]
+
+
+# ---- Aborting collectives ----------------------------------------------------------------------------------------
+
+def test_abort_collectives_unblocks_a_waiting_collective():
+  """In a subprocess: an abort poisons the process's collective executor."""
+  script = textwrap.dedent("""
+      import threading, time
+      import tensorflow as tf
+      cpu = tf.config.list_physical_devices("CPU")[0]
+      tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+      from tf_gspmd import _compat
+      threading.Timer(1.0, _compat.abort_collectives, (tf.errors.DEADLINE_EXCEEDED, "aborted by test")).start()
+      try:
+        with tf.device("/device:CPU:0"):   # a group of 2 whose second member never comes
+          tf.raw_ops.CollectiveReduceV2(input=tf.ones([2]), group_size=2, group_key=1, instance_key=1,
+                                        ordering_token=[], merge_op="Add", final_op="Id")
+      except tf.errors.DeadlineExceededError as e:
+        print("ABORTED", "aborted by test" in str(e))
+      """)
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+  assert "ABORTED True" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+# ---- Flat calls of a concrete function ---------------------------------------------------------------------------
+
+def test_call_flat_passes_flat_tensors_and_captures():
+  v = tf.Variable(10.0)
+  fn = tf.function(lambda a, b: (a + b + v, a * b)).get_concrete_function(tf.TensorSpec([]), tf.TensorSpec([]))
+  assert fn.captured_inputs   # the variable's handle
+  out = _compat.call_flat(fn, [tf.constant(2.0), tf.constant(3.0)])
+  assert [float(t) for t in out] == [15.0, 6.0]
+
+
+# ---- Setting an attribute of a graph op --------------------------------------------------------------------------
+
+def test_set_op_attr_is_written_into_the_graph_def():
+  g = tf.Graph()
+  with g.as_default():
+    y = tf.identity(tf.constant(1.0), name="y")
+    _compat.set_op_attr(y.op, "_XlaSharding", tf.compat.v1.AttrValue(s=b"abc"))
+  assert y.op.get_attr("_XlaSharding") == b"abc"
+  node = next(n for n in g.as_graph_def().node if n.name == "y")
+  assert node.attr["_XlaSharding"].s == b"abc"
+
+
+# ---- Identity with its own gradient on the tape ------------------------------------------------------------------
+
+def test_identity_with_gradient_uses_backward_on_the_tape_and_adds_one_identity():
+  @tf.function
+  def f(x):
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      y = _compat.identity_with_gradient(x * 2.0, "marked", lambda dy: dy * 3.0)
+      z = tf.reduce_sum(y)
+    return y, tape.gradient(z, x)
+
+  x = tf.constant([1.0, 2.0])
+  y, dx = f(x)
+  assert_close(y, [2.0, 4.0])
+  assert_close(dx, [6.0, 6.0])   # 2 (x * 2) times 3 (backward)
+  graph = f.get_concrete_function(x).graph
+  assert graph.get_operation_by_name("marked").type == "Identity"
+  assert "IdentityN" not in {op.type for op in graph.get_operations()}
+
+
+# ---- XLA sharding protos -----------------------------------------------------------------------------------------
+
+def test_xla_data_pb2_has_op_sharding():
+  pb = _compat.xla_data_pb2()
+  s = pb.OpSharding(type=pb.OpSharding.OTHER, tile_assignment_dimensions=[2, 1], tile_assignment_devices=[1, 0])
+  s.replicate_on_last_tile_dim = False
+  s.last_tile_dims.append(pb.OpSharding.REPLICATED)
+  assert pb.OpSharding.FromString(s.SerializeToString()) == s
+
+
+def test_xla_mesh_split_sharding_writes_tile_assignment():
+  proto = _compat.xla_mesh_split_sharding(np.array([[1, 0], [3, 2]]), [0, -1])
+  pb = _compat.xla_data_pb2()
+  assert isinstance(proto, pb.OpSharding) and proto.type == pb.OpSharding.OTHER
+  assert list(proto.tile_assignment_dimensions) == [2, 1, 2] and proto.replicate_on_last_tile_dim
+  assert list(proto.tile_assignment_devices) == [1, 0, 3, 2]
+
+
+# ---- Resource variables ------------------------------------------------------------------------------------------
+
+def test_resource_variable_reads_writes_and_uninitialized_creation():
+  v = tf.Variable([1.0, 2.0])
+  assert _compat.is_resource_variable(v) and not _compat.is_resource_variable(tf.constant(1.0))
+  assert isinstance(v, _compat.BaseResourceVariable)
+  _compat.assign_unhooked(v, [3.0, 4.0])
+  assert_close(_compat.read_unhooked(v), [3.0, 4.0])
+  u = _compat.uninitialized_variable((2, 3), tf.float16, name="u", trainable=False)
+  assert _compat.is_resource_variable(u) and u.shape == (2, 3) and u.dtype == tf.float16 and not u.trainable
+  assert not u.is_initialized()
+  u.assign(tf.ones((2, 3), tf.float16))
+  assert u.is_initialized()
+
+
+def test_read_hook_runs_before_every_read():
+  class Hooked(_compat.ReadHook, type(tf.Variable(0.0))):
+    pass
+
+  v = tf.Variable([1.0, 2.0])
+  v.__class__ = Hooked   # as runtime.state does with a managed variable
+  calls = []
+  v._gspmd_before_read = lambda: calls.append(1)   # pylint: disable=protected-access
+  reads = [v.numpy, v.value, v.read_value, lambda: tf.convert_to_tensor(v), tf.function(lambda: v + 1.0)]
+  for k, read in enumerate(reads):
+    read()
+    assert calls, f"read {k} did not call the hook"
+    calls.clear()
+  assert_close(_compat.read_unhooked(v), [1.0, 2.0])
+  assert not calls   # past the hook
+
+
+# ---- Checkpoint saveables ----------------------------------------------------------------------------------------
+
+def test_checkpoint_hook_saves_slices_and_restores_them(tmp_path):
+  restored = {}
+
+  class Sliced(_compat.CheckpointHook, type(tf.Variable(0.0))):
+    pass
+
+  class Saveable(_compat.SaveableObject):
+    def __init__(self, var, name):
+      specs = [_compat.SaveSpec(var[:2], "4 0,2", name, dtype=tf.float32),
+               _compat.SaveSpec(var[2:], "4 2,2", name, dtype=tf.float32)]
+      super().__init__(var, specs, name)
+
+    def restore(self, restored_tensors, restored_shapes):
+      del restored_shapes
+      restored["slices"] = [t.numpy().tolist() for t in restored_tensors]
+
+  v = tf.Variable([1.0, 2.0, 3.0, 4.0])
+  v.__class__ = Sliced
+  v._gspmd_saveable = lambda name: Saveable(v, name)   # pylint: disable=protected-access
+  v._gspmd_restore = lambda tensor: restored.setdefault("whole", tensor)   # pylint: disable=protected-access
+  path = tf.train.Checkpoint(v=v).write(str(tmp_path / "ckpt"))
+  key = next(k for k, _ in tf.train.list_variables(path) if k.startswith("v/"))
+  assert_close(tf.train.load_variable(path, key), [1.0, 2.0, 3.0, 4.0])   # one global tensor
+  tf.train.Checkpoint(v=v).read(path).assert_consumed()
+  assert restored["slices"] == [[1.0, 2.0], [3.0, 4.0]]
+  restore_whole = v._restore_from_tensors  # pylint: disable=protected-access  (how a Keras variable restores it)
+  assert restore_whole({_compat.VARIABLE_VALUE_KEY: tf.constant(5.0)}) is None
+  assert float(restored["whole"]) == 5.0
+
+
+# ---- Keras -------------------------------------------------------------------------------------------------------
+
+def test_keras_variable_storage():
+  keras = pytest.importorskip("keras")
+  v = keras.Variable(np.ones((2, 3), np.float32), dtype="float32")
+  inner = _compat.keras_inner_variable(v)
+  assert _compat.is_resource_variable(inner)
+  assert _compat.keras_variable_shape_dtype(v) == ((2, 3), "float32")
+  other = tf.Variable(tf.zeros((2, 3)))
+  _compat.keras_set_inner_variable(v, other)
+  assert _compat.keras_inner_variable(v) is other and float(tf.reduce_sum(v.value)) == 0.0
+  assert _compat.keras_inner_variable(tf.constant(1.0)) is None
+
+
+def test_keras_variable_initializer_is_the_creation_hook():
+  keras = pytest.importorskip("keras")
+  installed = _compat.keras_variable_initializer()
+  assert _params(installed) == ["self", "initializer"]
+  calls = []
+
+  def spy(self, initializer):
+    calls.append((self.path, initializer))
+    return installed(self, initializer)
+
+  _compat.set_keras_variable_initializer(spy)
+  try:
+    v = keras.Variable(keras.initializers.Zeros(), shape=(3,), name="spied")
+  finally:
+    _compat.set_keras_variable_initializer(installed)
+  assert calls and calls[0][0].endswith("spied") and float(tf.reduce_sum(v.value)) == 0.0
+  assert _compat.keras_variable_initializer() is installed
+
+
+def test_keras_distribution_class_and_backend_module(monkeypatch):
+  keras = pytest.importorskip("keras")
+  base = _compat.keras_distribution_class()
+  assert issubclass(keras.distribution.DataParallel, base) and issubclass(keras.distribution.ModelParallel, base)
+  for attr in ("device_mesh", "batch_dim_name", "get_tensor_layout"):
+    assert hasattr(base, attr)
+  backend = _compat.keras_backend_distribution_lib()
+  assert backend.list_devices("cpu")   # the stub tf_gspmd.keras fills in (distribute_tensor, initialize, ...)
+  calls = []
+  monkeypatch.setattr(backend, "initialize", lambda *args: calls.append(args), raising=False)
+  for var in ("KERAS_DISTRIBUTION_JOB_ADDRESSES", "KERAS_DISTRIBUTION_NUM_PROCESSES", "KERAS_DISTRIBUTION_PROCESS_ID"):
+    monkeypatch.delenv(var, raising=False)
+  keras.distribution.initialize("h:1", 1, 0)   # Keras's public function calls this module's, positionally
+  assert calls == [("h:1", 1, 0)]
+  monkeypatch.setattr(backend, "distribute_tensor", lambda tensor, layout: ("distributed", layout), raising=False)
+  assert keras.distribution.distribute_tensor(tf.ones([2]), "L") == ("distributed", "L")
+
+
+# ---- Graphs and functions as data, Grappler -----------------------------------------------------------------------
 
 def _square_fdef():
   graph = tf.Graph()

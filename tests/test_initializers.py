@@ -8,7 +8,7 @@ from conftest import assert_close
 import tf_gspmd as gs
 from tf_gspmd import P
 from tf_gspmd import initializers as gi
-from tf_gspmd._state import storage_of
+from tf_gspmd.runtime.state import storage_of
 
 MESH = gs.Mesh((2, 4), ("data", "model"))
 MESH8 = gs.Mesh((8,), ("x",))

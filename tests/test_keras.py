@@ -129,3 +129,21 @@ def test_variables_are_created_sharded_under_a_layout_map(rng):
     got = model.fit(x, y, batch_size=CFG.batch, epochs=1, shuffle=False, verbose=0).history["loss"]
   want = plain.fit(x, y, batch_size=CFG.batch, epochs=1, shuffle=False, verbose=0).history["loss"]
   np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+def test_distribution_initialize_accepts_one_process_and_names_what_is_missing_otherwise(monkeypatch):
+  for var in ("KERAS_DISTRIBUTION_JOB_ADDRESSES", "KERAS_DISTRIBUTION_NUM_PROCESSES", "KERAS_DISTRIBUTION_PROCESS_ID"):
+    monkeypatch.delenv(var, raising=False)
+  with pytest.raises(gs.MeshError, match="num_processes is missing.*num_processes=1, process_id=0"):
+    keras.distribution.initialize()
+  assert keras.distribution.initialize(num_processes=1, process_id=0) is None
+  assert keras.distribution.initialize("10.0.0.1:1234", 1) is None
+  with pytest.raises(gs.MeshError, match="several processes.*multi-process execution is not set up"):
+    keras.distribution.initialize("10.0.0.1:1234,10.0.0.2:2345", num_processes=2, process_id=1)
+  with pytest.raises(gs.MeshError, match="several processes"):
+    keras.distribution.initialize(num_processes=1, process_id=3)
+  monkeypatch.setenv("KERAS_DISTRIBUTION_NUM_PROCESSES", "1")   # Keras reads the environment, the backend checks
+  assert keras.distribution.initialize() is None
+  monkeypatch.setenv("KERAS_DISTRIBUTION_NUM_PROCESSES", "2")
+  with pytest.raises(gs.MeshError, match="several processes"):
+    keras.distribution.initialize()

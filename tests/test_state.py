@@ -10,7 +10,7 @@ import tensorflow as tf
 from conftest import assert_close
 import tf_gspmd as gs
 from tf_gspmd import P
-from tf_gspmd._state import storage_of
+from tf_gspmd.runtime.state import storage_of
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import transformer_model as tm  # noqa: E402  pylint: disable=g-import-not-at-top

@@ -11,9 +11,8 @@ import threading
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2
-from tensorflow.python.eager import record
 
+from tf_gspmd import _compat
 from tf_gspmd._mesh import Mesh, P
 from tf_gspmd._sharding import Sharding, to_sharding
 from tf_gspmd.errors import MeshError, ShapeError, SpecError
@@ -60,15 +59,13 @@ def _annotate(t, sharding, name=None):
 
 def _annotated_identity(t, attr, value, name):
   """Identity(t) carrying the annotation `attr`; its gradient carries it too (as JAX transposes a sharding
-  constraint into one on the cotangent), so a layout chosen for a tensor also holds for its gradient."""
-  with record.stop_recording():
-    out = tf.identity(t, name=name)
-  out.op._set_attr(attr, attr_value_pb2.AttrValue(s=value))  # pylint: disable=protected-access
+  constraint into one on the cotangent), so a layout chosen for a tensor also holds for its gradient.
 
-  def backward(dy):
-    return [_annotated_identity(dy, attr, value, None)]
-
-  record.record_operation("Identity", [out], [t], backward)
+  The gradient is recorded on the tape directly (see `_compat.identity_with_gradient` for why not with
+  tf.custom_gradient): the graph holds one Identity per annotation and one per annotated gradient.
+  """
+  out = _compat.identity_with_gradient(t, name, lambda dy: _annotated_identity(dy, attr, value, None))
+  _compat.set_op_attr(out.op, attr, tf.compat.v1.AttrValue(s=value))
   return out
 
 
@@ -119,8 +116,7 @@ def mesh_split(tensor, device_mesh, dims_mapping, name=None):
   sharding = Sharding.from_dims_mapping(mesh, dims_mapping, what=what)
   if not np.array_equal(ids, mesh.device_ids):
     # A permuted device_mesh: write exactly what TF would, then read it back over the mesh.
-    from tensorflow.python.compiler.xla.experimental import xla_sharding  # pylint: disable=g-import-not-at-top
-    proto = xla_sharding.mesh_split_sharding(ids, dims_mapping).proto
+    proto = _compat.xla_mesh_split_sharding(ids, dims_mapping)
     sharding = Sharding.from_proto(proto, mesh, what=what)
   return _annotate(t, sharding, name)
 

@@ -1,33 +1,240 @@
-"""The private TensorFlow and Keras APIs tf_gspmd uses, each behind one small adapter.
+"""The private TensorFlow and Keras APIs tf_gspmd uses where no public API does the job, one adapter each.
 
-Only this module imports `tensorflow.python` or `keras.src` (tests/test_layering.py asserts it). Each adapter
-says why there is no public route and which versions it was checked against; tests/test_compat.py exercises
-every one, so an upgrade that changes them fails there, loudly, rather than somewhere inside a pass.
+Everything else under tf_gspmd/ uses public APIs only (`tf.*`, `tf.compat.v1.*`, `keras.*`); what has no public
+route goes through one small adapter here, with the versions it was checked against. tests/test_compat.py
+checks every adapter against the installed TensorFlow and Keras (that the private API exists, with the
+signature and behaviour used), so an upgrade that changes one fails there, by name, instead of inside a step.
+
+Core layer: imports only tensorflow, keras (lazily: the core does not need Keras) and numpy.
 """
 
 import threading
 
-# ---- graphs and functions as data (checked against TF 2.21) ------------------------------------------------
+import tensorflow as tf
+from tensorflow.compiler.xla import xla_data_pb2 as _xla_data_pb2
+from tensorflow.core.framework import cpp_shape_inference_pb2 as _cpp_shape_inference_pb2
+from tensorflow.python.compiler.xla.experimental import xla_sharding as _xla_sharding
+from tensorflow.python.distribute.parallel_device import parallel_device as _parallel_device
+from tensorflow.python.eager import context as _context
+from tensorflow.python.eager import record as _record
+from tensorflow.python.framework import function_def_to_graph as _function_def_to_graph
+from tensorflow.python.framework import graph_to_function_def as _graph_to_function_def
+from tensorflow.python.framework import op_def_registry as _op_def_registry
+from tensorflow.python.grappler import cluster as _grappler_cluster
+from tensorflow.python.grappler import tf_optimizer as _tf_optimizer
+from tensorflow.python.ops import handle_data_util as _handle_data_util
+from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
+from tensorflow.python.trackable import base as _trackable
+from tensorflow.python.training.saving import saveable_object as _saveable_object
+
+CHECKED_TF = "2.21"
+CHECKED_KERAS = "3.15"
+
+
+# ---- ParallelDevice (TF 2.21) ------------------------------------------------------------------------------------
+# DTensor's runtime: one function per component device, each on its own thread, which TF's collectives need
+# (several logical devices running collectives inside one tf.function deadlock). No public equivalent.
+
+def parallel_device(devices):
+  """A ParallelDevice over `devices` (raises tf.errors.AlreadyExistsError if its custom-device name is taken)."""
+  return _parallel_device.ParallelDevice(list(devices))
+
+
+def parallel_device_name(pd):
+  """The custom-device name to place ops on `pd` with (`with tf.device(name)`)."""
+  return pd._name  # pylint: disable=protected-access
+
+
+# ---- Aborting collectives (TF 2.21) ------------------------------------------------------------------------------
+# The only way to unblock collectives that wait for a peer that never comes (a deadline over a whole program).
+
+def abort_collectives(code, message):
+  """Aborts every pending collective of the process with error `code` (e.g. tf.errors.DEADLINE_EXCEEDED)."""
+  _context.context().abort_collective_ops(code, message)
+
+
+# ---- Flat calls of a concrete function (TF 2.21) -----------------------------------------------------------------
+# `fn(*args)` binds the arguments to a structured signature, which for hundreds of arguments costs more than a
+# training step; `_call_flat` takes the flat tensors as they are.
+
+def call_flat(fn, args):
+  """Calls ConcreteFunction `fn` with flat tensor arguments `args` (its captured inputs appended)."""
+  return fn._call_flat(list(args), fn.captured_inputs)  # pylint: disable=protected-access
+
+
+# ---- Setting an attribute of a graph op (TF 2.21) ----------------------------------------------------------------
+# Annotations are attributes of an existing Identity op (as TF's own xla_sharding writes them).
+
+def set_op_attr(op, name, attr_value):
+  """Sets attribute `name` of graph op `op` to `attr_value` (a tf.compat.v1.AttrValue)."""
+  op._set_attr(name, attr_value)  # pylint: disable=protected-access
+
+
+# ---- Identity with its own gradient on the tape (TF 2.21) --------------------------------------------------------
+# The public route, tf.custom_gradient, in a graph routes the value through an IdentityN (the value and the
+# function's inputs) and leaves a dead Identity behind (`_get_dependent_variables`), per annotation and per
+# annotated gradient: extra nodes in every traced step, and today's IdentityN rule (ops/basic.py through
+# FactorRule) does not let its two copies share mesh axes, so the second copy is all-gathered. Recording the
+# Identity's gradient on the tape keeps one Identity per annotation.
+
+def identity_with_gradient(t, name, backward):
+  """tf.identity(t, name=name) whose gradient, on a GradientTape, is `backward(dy)` instead of `dy`."""
+  with _record.stop_recording():
+    out = tf.identity(t, name=name)
+  _record.record_operation("Identity", [out], [t], lambda dy: [backward(dy)])
+  return out
+
+
+# ---- XLA sharding protos (TF 2.21) -------------------------------------------------------------------------------
+# OpSharding is the format of the `_XlaSharding` attribute; TF exports neither the proto nor xla_sharding publicly.
+
+def xla_data_pb2():
+  """TF's copy of XLA's xla_data_pb2 module (OpSharding)."""
+  return _xla_data_pb2
+
+
+def xla_mesh_split_sharding(device_mesh, dims_mapping):
+  """The OpSharding proto TF's `xla_sharding.mesh_split` writes for `device_mesh` (device ids) and `dims_mapping`."""
+  return _xla_sharding.mesh_split_sharding(device_mesh, dims_mapping).proto
+
+
+# ---- Resource variables (TF 2.21) --------------------------------------------------------------------------------
+# Sharded storage keeps the user's tf.Variable object and hooks its reads; a variable is created without a value
+# when its shards are initialised one by one.
+
+BaseResourceVariable = _resource_variable_ops.BaseResourceVariable
+
+
+def is_resource_variable(v):
+  return isinstance(v, _resource_variable_ops.BaseResourceVariable)
+
+
+def read_unhooked(v):
+  """The value of resource variable `v`, read past any subclass's read hook."""
+  return _resource_variable_ops.BaseResourceVariable._read_variable_op(v)  # pylint: disable=protected-access
+
+
+def assign_unhooked(v, value):
+  """Assigns `value` to resource variable `v` past any subclass's assign override."""
+  _resource_variable_ops.BaseResourceVariable.assign(v, value, read_value=False)
+
+
+def uninitialized_variable(shape, dtype, name=None, trainable=True):
+  """A resource variable of `shape` and `dtype` with no value (nothing allocated until it is assigned)."""
+  return _resource_variable_ops.UninitializedVariable(shape=shape, dtype=dtype, name=name, trainable=trainable)
+
+
+class ReadHook:
+  """Mixin for a BaseResourceVariable subclass: `self._gspmd_before_read()` runs before every read of its value
+  (`numpy()`, `value()`, `read_value()`, `tf.convert_to_tensor`, reads traced into a function)."""
+
+  def _gspmd_before_read(self):
+    raise NotImplementedError
+
+  def _read_variable_op(self, no_copy=False):
+    self._gspmd_before_read()
+    return super()._read_variable_op(no_copy=no_copy)
+
+  def read_value_no_copy(self):
+    self._gspmd_before_read()
+    return super().read_value_no_copy()
+
+
+# ---- Checkpoint saveables (TF 2.21) ------------------------------------------------------------------------------
+# A variable saved as several slices of one global tensor, each from its device (SaveV2 slice specs). TF's public
+# `_serialize_to_tensors` route hands a trackable only the first slice of a multi-slice key on restore.
+
+SaveableObject = _saveable_object.SaveableObject
+SaveSpec = _saveable_object.SaveSpec
+VARIABLE_VALUE_KEY = _trackable.VARIABLE_VALUE_KEY
+
+
+class CheckpointHook:
+  """Mixin for a trackable variable: saved as the SaveableObject `self._gspmd_saveable(name)` returns; a whole
+  restored value that reaches it through a wrapper (a Keras variable) goes to `self._gspmd_restore(tensor)`."""
+
+  def _gspmd_saveable(self, name):
+    raise NotImplementedError
+
+  def _gspmd_restore(self, tensor):
+    raise NotImplementedError
+
+  def _gather_saveables_for_checkpoint(self):
+    return {VARIABLE_VALUE_KEY: self._gspmd_saveable}
+
+  def _restore_from_tensors(self, restored_tensors):
+    self._gspmd_restore(restored_tensors[VARIABLE_VALUE_KEY])
+    return None
+
+
+# ---- Keras variables (Keras 3.15, TensorFlow backend) ------------------------------------------------------------
+# A Keras variable keeps its tf.Variable in `_value`; it is created by `_initialize_with_initializer`, which
+# tf_gspmd replaces to create variables with a layout shard by shard.
+
+def keras_inner_variable(v):
+  """The tf.Variable behind Keras variable `v` (None for anything else)."""
+  return getattr(v, "_value", None)
+
+
+def keras_set_inner_variable(v, variable):
+  """Makes tf.Variable `variable` the storage of Keras variable `v`."""
+  v._value = variable  # pylint: disable=protected-access
+
+
+def keras_variable_shape_dtype(v):
+  """(shape, dtype) Keras variable `v` is stored in (its public `dtype` is the autocast dtype in an autocast scope)."""
+  return v._shape, v._dtype  # pylint: disable=protected-access
+
+
+def _keras_tf_variable_class():
+  from keras.src.backend.tensorflow import core  # pylint: disable=g-import-not-at-top
+  return core.Variable
+
+
+def keras_variable_initializer():
+  """The TF backend Variable's `_initialize_with_initializer(self, initializer)` (as installed now)."""
+  return _keras_tf_variable_class()._initialize_with_initializer  # pylint: disable=protected-access
+
+
+def set_keras_variable_initializer(fn):
+  """Installs `fn(self, initializer)` as the TF backend Variable's `_initialize_with_initializer`."""
+  _keras_tf_variable_class()._initialize_with_initializer = fn  # pylint: disable=protected-access
+
+
+# ---- Keras distribution (Keras 3.15, TensorFlow backend) ---------------------------------------------------------
+# `keras.distribution` exports DataParallel and ModelParallel but not their base class; the TF backend's
+# distribution_lib is the module whose functions Keras's distribution API calls (a stub that tf_gspmd fills in).
+
+def keras_distribution_class():
+  """The base class of Keras distributions (`keras.distribution.DataParallel`, `ModelParallel`, ...)."""
+  from keras.src.distribution import distribution_lib  # pylint: disable=g-import-not-at-top
+  return distribution_lib.Distribution
+
+
+def keras_backend_distribution_lib():
+  """The TF backend's distribution_lib module (`distribute_tensor`, `initialize`, `num_processes`, ...)."""
+  from keras.src.backend.tensorflow import distribution_lib  # pylint: disable=g-import-not-at-top
+  return distribution_lib
+
+
+# ---- Graphs and functions as data (TF 2.21) ---------------------------------------------------------------------
 # TF has no public way to turn a FunctionDef into a GraphDef or a graph into a FunctionDef (tf.function builds
 # them only from Python code), nor to read an op type's OpDef.
 
 
 def function_def_to_graph_def(fdef, input_shapes):
   """(GraphDef of `fdef` with parameters shaped `input_shapes`, {FunctionDef tensor name: graph tensor name})."""
-  from tensorflow.python.framework import function_def_to_graph  # pylint: disable=g-import-not-at-top
-  return function_def_to_graph.function_def_to_graph_def(fdef, input_shapes=input_shapes)
+  return _function_def_to_graph.function_def_to_graph_def(fdef, input_shapes=input_shapes)
 
 
 def graph_to_function_def(graph, operations, inputs, outputs, out_names=None):
   """A FunctionDef computing `outputs` from the placeholders `inputs` with `operations` of `graph`."""
-  from tensorflow.python.framework import graph_to_function_def as g2f  # pylint: disable=g-import-not-at-top
-  return g2f.graph_to_function_def(graph, operations, inputs, outputs, out_names=out_names)
+  return _graph_to_function_def.graph_to_function_def(graph, operations, inputs, outputs, out_names=out_names)
 
 
 def op_def(op_type):
   """The registered OpDef of `op_type`, or None for an op type this TF does not know."""
-  from tensorflow.python.framework import op_def_registry  # pylint: disable=g-import-not-at-top
-  return op_def_registry.get(op_type)
+  return _op_def_registry.get(op_type)
 
 
 def set_resource_shape(handle, shape, dtype):
@@ -35,15 +242,13 @@ def set_resource_shape(handle, shape, dtype):
 
   (What a captured variable's placeholder carries in a tf.function; no public setter.)
   """
-  from tensorflow.core.framework import cpp_shape_inference_pb2  # pylint: disable=g-import-not-at-top
-  from tensorflow.python.ops import handle_data_util  # pylint: disable=g-import-not-at-top
-  data = cpp_shape_inference_pb2.CppShapeInferenceResult.HandleData(
-      is_set=True, shape_and_type=[cpp_shape_inference_pb2.CppShapeInferenceResult.HandleShapeAndType(
+  data = _cpp_shape_inference_pb2.CppShapeInferenceResult.HandleData(
+      is_set=True, shape_and_type=[_cpp_shape_inference_pb2.CppShapeInferenceResult.HandleShapeAndType(
           shape=shape.as_proto(), dtype=dtype.as_datatype_enum)])
-  handle_data_util.set_handle_data(handle, data)
+  _handle_data_util.set_handle_data(handle, data)
 
 
-# ---- Grappler from Python (checked against TF 2.21) ------------------------------------------------------------
+# ---- Grappler from Python (TF 2.21) ------------------------------------------------------------------------------
 # tf.function runs Grappler only when it executes a graph; running it on a GraphDef we hold, and getting the
 # optimized GraphDef back, is only possible through these modules.
 
@@ -55,14 +260,12 @@ _LOCK = threading.Lock()
 def grappler_cluster():
   """The process's one Grappler cluster (TF provisions one at a time; a new one per call would also start a
   thread pool each time)."""
-  from tensorflow.python.grappler import cluster  # pylint: disable=g-import-not-at-top
   with _LOCK:
     if not _CLUSTER:
-      _CLUSTER.append(cluster.Cluster())
+      _CLUSTER.append(_grappler_cluster.Cluster())
     return _CLUSTER[0]
 
 
 def optimize_graph(config, metagraph, cluster):
   """Grappler's meta-optimizer on `metagraph` (a MetaGraphDef) with `config` (a ConfigProto): a GraphDef."""
-  from tensorflow.python.grappler import tf_optimizer  # pylint: disable=g-import-not-at-top
-  return tf_optimizer.OptimizeGraph(config, metagraph, verbose=False, cluster=cluster)
+  return _tf_optimizer.OptimizeGraph(config, metagraph, verbose=False, cluster=cluster)

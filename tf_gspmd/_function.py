@@ -6,13 +6,15 @@ import threading
 import tensorflow as tf
 from absl import logging
 
-from tf_gspmd import _state
 from tf_gspmd._mesh import Mesh, P
-from tf_gspmd._sharded_tensor import ShardedTensor
 from tf_gspmd._sharding import Sharding, to_sharding
-from tf_gspmd.errors import InputError, MeshError
+from tf_gspmd._visualize import visualize_sharding
+from tf_gspmd.errors import InputError, MeshError, ShapeError
 from tf_gspmd.rewriter import pipeline
-from tf_gspmd.rewriter.graph_ir import public_key, ref
+from tf_gspmd.rewriter.graph_view import public_key
+from tf_gspmd.runtime import state as _state
+from tf_gspmd.runtime.executable import Executable
+from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
 
 class Lowered:
@@ -67,7 +69,6 @@ class Lowered:
 
   def visualize(self, name, show=True):
     """Draw how tensor `name` (a key of `shardings`) is laid out over the mesh; returns the drawing."""
-    from tf_gspmd._visualize import visualize_sharding  # pylint: disable=g-import-not-at-top
     r = name if ":" in name else name + ":0"
     return visualize_sharding(self.program.shardings[r], self.program.ir.info(r).shape, show=show)
 
@@ -80,7 +81,6 @@ class Lowered:
 
   def executable(self):
     if self._executable is None:
-      from tf_gspmd._runtime import Executable  # pylint: disable=g-import-not-at-top
       self._executable = Executable(self.program)
     return self._executable
 
@@ -145,8 +145,7 @@ class ShardedFunction:
     if cached is not None:
       program = cached.program
       now = tuple(_state.layout_of(v, self.mesh) if v is not None else None for v in program.variables)
-      if now == program.variable_pins or all(
-          n is None or n == program.shardings[ref(name)] for n, name in zip(now, program.variable_names)):
+      if now == program.variable_pins or all(n is None or n == s for n, s in zip(now, program.variable_shardings)):
         return cached
       logging.info("tf_gspmd: retracing %s: a captured variable is now stored in another layout",
                    getattr(self.fn, "__name__", self.fn))
@@ -205,7 +204,6 @@ def _as_spec(s, k):
   else:
     raise InputError(f"argument {k} of lower() must be a tf.TensorSpec or an array; got {s!r}")
   if not spec.shape.is_fully_defined():
-    from tf_gspmd.errors import ShapeError  # pylint: disable=g-import-not-at-top
     raise ShapeError(f"argument {k} has dynamic shape {spec.shape}; give every dimension a size", node=f"argument {k}")
   return tf.TensorSpec(spec.shape, spec.dtype)
 

@@ -13,13 +13,13 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from tf_gspmd import _compat
 from tf_gspmd._mesh import Mesh, P
 from tf_gspmd.errors import SpecError
 
 
 def _xla_data_pb2():
-  from tensorflow.compiler.xla import xla_data_pb2  # pylint: disable=g-import-not-at-top
-  return xla_data_pb2
+  return _compat.xla_data_pb2()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,8 +3,8 @@
 
 import io
 
-from tf_gspmd._sharded_tensor import ShardedTensor
 from tf_gspmd._sharding import Sharding
+from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
 
 def visualize_sharding(x, shape=None, *, show=True, width=None):

@@ -31,16 +31,19 @@ import re
 import threading
 import zlib
 
+import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _state
+from tf_gspmd import _compat
+from tf_gspmd import initializers
 from tf_gspmd._annotations import current_mesh, shard
 from tf_gspmd._function import function as gs_function
 from tf_gspmd._mesh import Mesh, P
-from tf_gspmd._sharded_tensor import ShardedTensor
 from tf_gspmd._sharding import to_sharding
-from tf_gspmd.errors import InputError
+from tf_gspmd.errors import InputError, MeshError
+from tf_gspmd.runtime import state as _state
+from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
 _local = threading.local()
 
@@ -110,13 +113,14 @@ def _plan_of(source):
     return source
   if isinstance(source, LayoutMap):
     return _Plan(source.mesh, source.batch_axis, lambda path: source[path])
-  from keras.src.distribution.distribution_lib import Distribution  # pylint: disable=g-import-not-at-top
-  if isinstance(source, Distribution):
+  if isinstance(source, _compat.keras_distribution_class()):
     mesh = _mesh_of(source.device_mesh)
-    layout_map = getattr(source, "_layout_map", None)
 
     def spec_for(path):
-      layout = layout_map[path] if layout_map is not None else None
+      try:
+        layout = source.get_tensor_layout(path)   # ModelParallel: its layout map's entry; DataParallel: None
+      except NotImplementedError:
+        layout = None
       return P(*layout.axes) if layout is not None else None
     return _Plan(mesh, source.batch_dim_name, spec_for)
   raise InputError(f"gs.keras.scope takes a Keras distribution or a gs.keras.LayoutMap; got {source!r}")
@@ -126,7 +130,6 @@ def _active_plan():
   plan = getattr(_local, "plan", None)
   if plan is not None:
     return plan
-  import keras  # pylint: disable=g-import-not-at-top
   dist = keras.distribution.distribution()
   if dist is None:
     return None
@@ -205,8 +208,6 @@ class _Partitioned:
 
 def _sharded_initializer(initializer, path):
   """The mesh-independent equivalent of a Keras initializer, seeded per variable; None if it has none."""
-  import keras  # pylint: disable=g-import-not-at-top
-  from tf_gspmd import initializers  # pylint: disable=g-import-not-at-top
   if callable(initializer) and not isinstance(initializer, keras.initializers.Initializer):
     return None
   seed = int(keras.random.randint((), 0, 2 ** 31 - 1)) ^ zlib.crc32(path.encode())
@@ -216,10 +217,30 @@ def _sharded_initializer(initializer, path):
     return None
 
 
+def _initialize_processes(job_addresses=None, num_processes=None, process_id=None):
+  """The TF backend's `keras.distribution.initialize`: accepts a single process, else raises MeshError.
+
+  Keras passes its arguments (or the KERAS_DISTRIBUTION_JOB_ADDRESSES / _NUM_PROCESSES / _PROCESS_ID
+  environment variables) through unchanged. tf_gspmd runs a mesh on the devices of one process and has no
+  multi-process runtime yet, so only a description of one process is accepted (nothing to set up); anything
+  else, including no description at all (Keras's "let the backend find the cluster"), is a MeshError.
+  """
+  addresses = [a for a in str(job_addresses).split(",") if a.strip()] if job_addresses is not None else []
+  got = f"job_addresses={job_addresses!r}, num_processes={num_processes!r}, process_id={process_id!r}"
+  if num_processes is None:
+    raise MeshError(f"keras.distribution.initialize({got}): num_processes is missing, and tf_gspmd cannot find a "
+                    "cluster by itself: multi-process execution is not set up (tf_gspmd.keras supports one process "
+                    "so far). For one process, call keras.distribution.initialize(num_processes=1, process_id=0) "
+                    "or do not call it; every mesh device must be a device of this process.")
+  if int(num_processes) != 1 or process_id not in (None, 0) or len(addresses) > 1:
+    raise MeshError(f"keras.distribution.initialize({got}) describes several processes, but multi-process execution "
+                    "is not set up: tf_gspmd.keras runs a mesh on the devices of one process only so far. Run one "
+                    "process (num_processes=1, process_id=0) whose mesh holds every device.")
+
+
 def _install():
-  from keras.src.backend.tensorflow import distribution_lib as backend_dl  # pylint: disable=g-import-not-at-top
-  from keras.src.backend.tensorflow import trainer  # pylint: disable=g-import-not-at-top
-  cls = trainer.TensorFlowTrainer
+  backend_dl = _compat.keras_backend_distribution_lib()
+  cls = keras.Model   # on the TF backend, its make_*_function are the TF trainer's
   if getattr(cls, "_gspmd_installed", False):
     return
   originals = {k: getattr(cls, f"make_{k}_function") for k in ("train", "test", "predict")}
@@ -255,12 +276,7 @@ def _install():
   def get_device_count(device_type=None):
     return len(backend_dl.list_devices(device_type))
 
-  def initialize(job_addresses=None, num_processes=None, process_id=None):  # pylint: disable=unused-argument
-    if num_processes not in (None, 1):
-      raise InputError("multi-process Keras distribution is not supported by tf_gspmd.keras yet")
-
-  from keras.src.backend.tensorflow import core  # pylint: disable=g-import-not-at-top
-  initialize = core.Variable._initialize_with_initializer  # pylint: disable=protected-access
+  initialize = _compat.keras_variable_initializer()
 
   def initialize_sharded(self, initializer):
     """A variable with a layout is created sharded: shard by shard when its initializer has a mesh-independent
@@ -270,20 +286,21 @@ def _install():
     if spec is None:
       return initialize(self, initializer)
     init = _sharded_initializer(initializer, self.path)
+    shape, dtype = _compat.keras_variable_shape_dtype(self)
     if init is not None:
-      self._value = _state.variable(init, self._shape, self._dtype, mesh=plan.mesh, spec=spec, name=self.name,
-                                    trainable=self.trainable)
+      _compat.keras_set_inner_variable(self, _state.variable(init, shape, dtype, mesh=plan.mesh, spec=spec,
+                                                             name=self.name, trainable=self.trainable))
       return None
     initialize(self, initializer)
-    _state.manage(self._value, to_sharding(spec, plan.mesh, rank=len(self._shape), what=self.path),
+    _state.manage(_compat.keras_inner_variable(self), to_sharding(spec, plan.mesh, rank=len(shape), what=self.path),
                   plan.mesh.resolve_devices(), what=self.path)
     return None
 
-  core.Variable._initialize_with_initializer = initialize_sharded  # pylint: disable=protected-access
+  _compat.set_keras_variable_initializer(initialize_sharded)
   backend_dl.distribute_tensor = distribute_tensor
   backend_dl.distribute_variable = distribute_variable
   backend_dl.get_device_count = get_device_count
-  backend_dl.initialize = initialize
+  backend_dl.initialize = _initialize_processes
   backend_dl.num_processes = lambda: 1
   backend_dl.process_id = lambda: 0
   cls._gspmd_installed = True

@@ -86,3 +86,33 @@ def test_retrace_is_logged_with_its_reason(caplog):
     f(np.ones([16], np.float32))
   assert any("retracing" in r.getMessage() and "argument 0 is float32[16] (was float32[8])" in r.getMessage()
              for r in caplog.records)
+
+
+@pytest.mark.parametrize("mode", [True, False])
+def test_runtime_fields_recorded_by_partition_survive_compile(mode):
+  """The runtime reads only the Program's plain fields: every name they give is in the final program."""
+  v = tf.Variable(tf.zeros([32, 64]))
+  g = gs.function(_mlp_with_state(v), mesh=MESH, in_shardings=(P("data", None), P("model", None)),
+                  jit_compile=mode)
+  low = g.lower(tf.TensorSpec([16, 32]), tf.TensorSpec([64, 32]))
+  program = low.program
+  nodes = {n.name: n for n in low.graph_def.node}
+  assert nodes[program.partition_id].op == "Placeholder"
+  for name in program.local_inputs + program.local_variables + program.local_outputs:
+    assert name in nodes
+  assert len(program.variable_names) == 1
+  assert program.variables_written == (True,)   # assign_add
+  assert program.variable_shardings == (gs.Sharding.from_spec(MESH, P(None, "model")),)
+  (s0, shape0, dtype0), (s1, shape1, dtype1) = program.output_specs
+  assert (shape0, dtype0, shape1, dtype1) == ((16,), tf.float32, (16, 32), tf.float32)
+  assert (s0, s1) == program.output_shardings
+
+
+def test_read_only_variables_are_not_written():
+  v = tf.Variable(tf.ones([8, 4]))
+
+  def f(x):
+    return tf.gather(v, x) + tf.reduce_sum(v)
+
+  program = gs.function(f, mesh=MESH).lower(tf.TensorSpec([8], tf.int32)).program
+  assert program.variables_written == (False,)

@@ -18,22 +18,23 @@ import weakref
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.eager import context
-from tensorflow.python.ops import resource_variable_ops
-from tensorflow.python.trackable import base as trackable
-from tensorflow.python.training.saving import saveable_object
 
+from tf_gspmd import _compat
+from tf_gspmd import initializers
+from tf_gspmd._annotations import current_mesh
+from tf_gspmd._sharding import to_sharding
 from tf_gspmd.errors import InputError
+from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
 _lock = threading.RLock()
 
 
 def _inner(v):
-  """The tf.Variable behind `v` (a Keras variable keeps it in `_value`), or None."""
-  if isinstance(v, resource_variable_ops.BaseResourceVariable):
+  """The tf.Variable behind `v` (`v` itself, or the one a Keras variable keeps), or None."""
+  if _compat.is_resource_variable(v):
     return v
-  inner = getattr(v, "_value", None)
-  return inner if isinstance(inner, resource_variable_ops.BaseResourceVariable) else None
+  inner = _compat.keras_inner_variable(v)
+  return inner if _compat.is_resource_variable(inner) else None
 
 
 def storage_of(v):
@@ -48,6 +49,13 @@ def layout_of(v, mesh=None):
   if s is None or (mesh is not None and s.sharding.mesh != mesh):
     return None
   return s.sharding
+
+
+def sharding_of(x):
+  """The `Sharding` of a ShardedTensor or of a variable tf_gspmd stores sharded; None when it does not manage `x`."""
+  if isinstance(x, ShardedTensor):
+    return x.sharding
+  return layout_of(x)
 
 
 class ShardedStorage:
@@ -152,7 +160,7 @@ class ShardedStorage:
     """The tf.Variable's own buffer is brought up to date with the shards (for an eager read)."""
     if self.shards_newer:
       v = self._variable()
-      resource_variable_ops.BaseResourceVariable.assign(v, self.gather(), read_value=False)
+      _compat.assign_unhooked(v, self.gather())
       self.shards_newer = False
 
   # ---- checkpoints -------------------------------------------------------------------------------------------------
@@ -212,22 +220,26 @@ class ShardedStorage:
 
 
 def _plain_read(v):
-  return resource_variable_ops.BaseResourceVariable._read_variable_op(v)  # pylint: disable=protected-access
+  return _compat.read_unhooked(v)
 
 
 _warned_graph = set()
 
 
 def _tracing_for_gspmd():
-  from tf_gspmd._annotations import current_mesh  # pylint: disable=g-import-not-at-top
   return current_mesh() is not None
 
 
-class _ManagedVariable:
-  """Mixin for a managed tf.Variable: eager reads see the shards, eager writes reach them."""
+class _ManagedVariable(_compat.ReadHook, _compat.CheckpointHook):
+  """Mixin for a managed tf.Variable: eager reads see the shards, eager writes reach them, checkpoints save and
+  restore the shards.
 
-  def _gspmd_sync_read(self):
-    if context.executing_eagerly():
+  Checkpoints go through the SaveableObject API: one SaveSpec per slice. (TF's `_serialize_to_tensors` restore
+  path hands a trackable only the first slice of a multi-slice key.)
+  """
+
+  def _gspmd_before_read(self):
+    if tf.executing_eagerly():
       self._gspmd_storage.flush()
     elif self.name not in _warned_graph and not _tracing_for_gspmd():
       _warned_graph.add(self.name)
@@ -235,18 +247,10 @@ class _ManagedVariable:
           "tf_gspmd: variable %s is stored sharded by a gs.function and is read inside a plain tf.function; that "
           "function sees the value of the last eager read. Read it in a gs.function or eagerly.", self.name)
 
-  def _read_variable_op(self, no_copy=False):
-    self._gspmd_sync_read()
-    return super()._read_variable_op(no_copy=no_copy)
-
-  def read_value_no_copy(self):
-    self._gspmd_sync_read()
-    return super().read_value_no_copy()
-
   def _gspmd_write(self, method, *args, **kwargs):
-    self._gspmd_sync_read()
+    self._gspmd_before_read()
     out = getattr(super(), method)(*args, **kwargs)
-    if context.executing_eagerly():
+    if tf.executing_eagerly():
       self._gspmd_storage.host_newer = True
     return out
 
@@ -271,26 +275,23 @@ class _ManagedVariable:
   def scatter_nd_update(self, *args, **kwargs):
     return self._gspmd_write("scatter_nd_update", *args, **kwargs)
 
-  # Checkpoints go through the SaveableObject API: one SaveSpec per slice. (TF's `_serialize_to_tensors` restore
-  # path hands a trackable only the first slice of a multi-slice key.)
-  def _gather_saveables_for_checkpoint(self):
-    return {trackable.VARIABLE_VALUE_KEY: lambda name: _SliceSaveable(self, name)}
+  def _gspmd_saveable(self, name):
+    return _SliceSaveable(self, name)
 
-  def _restore_from_tensors(self, restored_tensors):
+  def _gspmd_restore(self, tensor):
     # Reached when a wrapper (a Keras variable) restores through its tf.Variable: one whole tensor.
-    self._gspmd_storage.restore(restored_tensors[trackable.VARIABLE_VALUE_KEY])
-    return None
+    self._gspmd_storage.restore(tensor)
 
 
-class _SliceSaveable(saveable_object.SaveableObject):
+class _SliceSaveable(_compat.SaveableObject):
   """A managed variable in a checkpoint: every distinct tile saved from its device as a slice of the global value."""
 
   def __init__(self, variable, name):
     storage = variable._gspmd_storage  # pylint: disable=protected-access
     self._storage = storage
     self._order = storage.slice_specs()
-    specs = [saveable_object.SaveSpec(functools.partial(storage.read_slice, spec), spec, name, dtype=variable.dtype,
-                                      device=storage.devices[p]) for spec, p in self._order.items()]
+    specs = [_compat.SaveSpec(functools.partial(storage.read_slice, spec), spec, name, dtype=variable.dtype,
+                              device=storage.devices[p]) for spec, p in self._order.items()]
     super().__init__(variable, specs, name)
 
   def restore(self, restored_tensors, restored_shapes):
@@ -351,13 +352,12 @@ def variable(initializer, shape, dtype=tf.float32, *, mesh, spec, name=None, tra
   Values depend only on (seed, element index): the same on every mesh and layout (see `tf_gspmd.initializers`).
   A gs.function that captures the variable uses it in place when it wants this layout.
   """
-  from tf_gspmd import initializers  # pylint: disable=g-import-not-at-top
-  from tf_gspmd._sharding import to_sharding  # pylint: disable=g-import-not-at-top
   shape = tuple(int(s) for s in shape)
   dtype = tf.as_dtype(dtype)
   init = initializers.get(initializer, seed)
   sharding = to_sharding(spec, mesh, rank=len(shape), what=name or "variable")
-  v = resource_variable_ops.UninitializedVariable(shape=shape, dtype=dtype, name=name, trainable=trainable)
-  v._gspmd_init = lambda p, starts, lengths: init.block(shape, starts, lengths, dtype)  # pylint: disable=protected-access
+  v = _compat.uninitialized_variable(shape, dtype, name=name, trainable=trainable)
+  # pylint: disable-next=protected-access
+  v._gspmd_init = lambda p, starts, lengths: init.block(shape, starts, lengths, dtype)
   manage(v, sharding, mesh.resolve_devices(), what=name)
   return v

@@ -82,11 +82,3 @@ def shard_host_value(value, sharding, shape):
     pad = [(0, c - n) for c, n in zip(local, piece.shape)]
     shards.append(np.pad(piece, pad) if any(p[1] for p in pad) else piece)
   return shards
-
-
-def sharding_of(x):
-  """The `Sharding` of a ShardedTensor or of a variable tf_gspmd stores sharded; None when it does not manage `x`."""
-  if isinstance(x, ShardedTensor):
-    return x.sharding
-  from tf_gspmd._state import layout_of  # pylint: disable=g-import-not-at-top
-  return layout_of(x)

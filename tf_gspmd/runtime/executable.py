@@ -10,23 +10,11 @@ import threading
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.distribute.parallel_device import parallel_device
-from tensorflow.python.eager import context
-from tensorflow.python.eager import wrap_function
-from tensorflow.python.framework import errors
 
-from tf_gspmd import _state
-from tf_gspmd._sharded_tensor import ShardedTensor, shard_host_value
+from tf_gspmd import _compat
 from tf_gspmd.errors import InputError
-from tf_gspmd.rewriter.graph_ir import ref
-from tf_gspmd.rewriter.partition import PARTITION_ID
-
-_READ_ONLY = ("ReadVariableOp", "VariableShape", "ResourceGather", "ResourceGatherNd")
-
-
-def _is_written(ir, name):
-  """Whether the program may write the variable whose handle is `name` (any use but a read)."""
-  return any(c.op not in _READ_ONLY for c, _ in ir.consumers.get(ref(name), ()))
+from tf_gspmd.runtime import state as _state
+from tf_gspmd.runtime.sharded_tensor import ShardedTensor, shard_host_value
 
 _lock = threading.Lock()
 _parallel_devices = {}
@@ -48,10 +36,22 @@ def _new_parallel_device(devices):
   """A ParallelDevice over `devices`, skipping custom-device names other libraries (DTensor) registered."""
   for _ in range(64):
     try:
-      return parallel_device.ParallelDevice(list(devices))
-    except errors.AlreadyExistsError:
+      return _compat.parallel_device(devices)
+    except tf.errors.AlreadyExistsError:
       continue   # the name counter has moved on; the next name is free
   raise InputError("could not register a parallel device: 64 custom device names are taken")
+
+
+def _function_from_graph_def(graph_def, inputs, outputs):
+  """A concrete function of `graph_def` from tensors `inputs` to `outputs` (tensor names; op names are run as
+  control outputs), imported once: no Python tracing of the program."""
+
+  def import_graph():
+    tf.graph_util.import_graph_def(graph_def, name="")
+
+  wrapped = tf.compat.v1.wrap_function(import_graph, [])
+  graph = wrapped.graph
+  return wrapped.prune([graph.as_graph_element(n) for n in inputs], [graph.as_graph_element(n) for n in outputs])
 
 
 class Executable:
@@ -65,17 +65,16 @@ class Executable:
       if v is None:
         raise InputError("the function captures a resource that is not a tf.Variable (or Keras variable); "
                          "tf_gspmd stores only variables sharded", node=name)
-    self.written = tuple(_is_written(program.ir, name) for name in program.variable_names)
-    inputs = [PARTITION_ID + ":0"] + [n + ":0" for n in program.local_inputs + program.local_variables]
+    self.written = program.variables_written
+    inputs = [program.partition_id + ":0"] + [n + ":0" for n in program.local_inputs + program.local_variables]
     outputs = [n + ":0" for n in program.local_outputs]
     # A concrete function straight from the GraphDef (no Python tracing); side-effect ops are control outputs.
-    self.fn = wrap_function.function_from_graph_def(program.local_graph_def, inputs,
-                                                    outputs + list(program.side_effects))
+    self.fn = _function_from_graph_def(program.local_graph_def, inputs, outputs + list(program.side_effects))
     if program.jit == "whole":   # GPU: the per-device program, collectives included, compiled by XLA
       self.fn = tf.function(self.fn, jit_compile=True, autograph=False)
       self._call = lambda pid, packed: self.fn(pid, *packed)
     else:   # flat call: binding hundreds of arguments to a structured signature costs more than the step
-      self._call = lambda pid, packed: self.fn._call_flat([pid] + list(packed), self.fn.captured_inputs)  # pylint: disable=protected-access
+      self._call = lambda pid, packed: _compat.call_flat(self.fn, [pid] + list(packed))
     self.n_outputs = len(outputs)
 
   def place(self, value, sharding, spec, what):
@@ -109,14 +108,14 @@ class Executable:
 
     def watchdog():
       if not done.wait(timeout):
-        context.context().abort_collective_ops(
-            errors.DEADLINE_EXCEEDED, f"tf_gspmd: the per-device program did not finish within {timeout} s "
+        _compat.abort_collectives(
+            tf.errors.DEADLINE_EXCEEDED, f"tf_gspmd: the per-device program did not finish within {timeout} s "
             "(collective_timeout): its collectives were aborted; restart the process to run collectives again")
 
     guard = threading.Thread(target=watchdog, name="tf_gspmd_collective_deadline", daemon=True)
     guard.start()
     try:
-      with tf.device(pd._name):  # pylint: disable=protected-access
+      with tf.device(_compat.parallel_device_name(pd)):
         return self._call(pid, packed)[:self.n_outputs]
     finally:
       done.set()
@@ -124,8 +123,8 @@ class Executable:
   def storages(self):
     """The sharded storage of every captured variable (created on first use, in the completed layout)."""
     program = self.program
-    return [_state.manage(v, program.shardings[ref(name)], self.devices, what=name)
-            for v, name in zip(program.variables, program.variable_names)]
+    return [_state.manage(v, sharding, self.devices, what=name)
+            for v, sharding, name in zip(program.variables, program.variable_shardings, program.variable_names)]
 
   def __call__(self, args):
     program = self.program
@@ -140,7 +139,6 @@ class Executable:
     for st, written in zip(storages, self.written):
       st.after_step(written)
     results = []
-    for r, out in zip(program.ir.outputs, outs):
-      info = program.ir.info(r)
-      results.append(ShardedTensor(None, program.shardings[r], info.shape, info.dtype, packed=(self.pd, out)))
+    for (sharding, shape, dtype), out in zip(program.output_specs, outs):
+      results.append(ShardedTensor(None, sharding, shape, dtype, packed=(self.pd, out)))
     return results

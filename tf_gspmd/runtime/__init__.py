@@ -1,0 +1,6 @@
+"""The runtime: runs a lowered per-device program on the mesh devices and keeps sharded state between calls.
+
+`executable` imports the program and runs it on every device concurrently, `state` stores captured variables
+as one shard per device, `sharded_tensor` holds values laid out over the mesh. It reads only plain fields of
+the lowered program and imports nothing from `tf_gspmd.rewriter`.
+"""
