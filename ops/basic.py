@@ -53,8 +53,13 @@ class IdentityN(FactorRule):
     labels = tuple(tuple(f"t{k}d{i}" for i in range(len(o.shape or ()))) for k, o in enumerate(node.outputs))
     return Factors(labels, labels)
 
-  def emit(self, ctx, node, local_inputs, axes_of):
-    return ctx.clone(node, dict(enumerate(local_inputs)))
+  def partition(self, ctx, node):
+    # Each value is independent of the others: it travels in its own completed layout (a mesh axis may split
+    # several of them), where one set of factors would let only the first value keep its split.
+    targets = [ctx.target(k) for k in range(len(node.outputs))]
+    outs = ctx.clone(node, {k: ctx.operand(k, t) for k, t in enumerate(targets)})
+    for k, t in enumerate(targets):
+      ctx.set_output(k, outs[k], t)
 
 
 @register("BiasAdd", "BiasAddV1")

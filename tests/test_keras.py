@@ -150,3 +150,33 @@ def test_distribution_initialize_accepts_one_process_and_names_what_is_missing_o
   monkeypatch.setenv("KERAS_DISTRIBUTION_NUM_PROCESSES", "2")
   with pytest.raises(gs.MeshError, match="several processes"):
     keras.distribution.initialize()
+
+
+def test_dense_model_gradients_stay_split_through_the_optimizer(rng):
+  """Keras's TF optimizer sums gradients through one IdentityN over all of them: each keeps its own split."""
+  x = rng.standard_normal((32, 24)).astype(np.float32)
+  y = rng.integers(0, 10, 32)
+
+  def build():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((24,))
+    h = keras.layers.Dense(48, activation="relu", name="up")(inputs)
+    h = keras.layers.Dense(24, activation="relu", name="down")(h)
+    m = keras.Model(inputs, keras.layers.Dense(10, name="head")(keras.layers.Dense(48, name="up2")(h)))
+    m.compile(optimizer=keras.optimizers.Adam(1e-2),
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return m
+
+  model, ref = build(), build()
+  mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], keras.distribution.list_devices("cpu")[:8])
+  layout_map = keras.distribution.LayoutMap(mesh)
+  layout_map["up.*/kernel"] = (None, "model")
+  layout_map["down/kernel"] = ("model", None)
+  layout_map["head/kernel"] = ("model", None)
+  with keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch").scope():
+    hist = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+  want = ref.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+  np.testing.assert_allclose(hist.history["loss"], want.history["loss"], rtol=1e-4)
+  low = next(iter(model.train_function.functions.values())).lower(tf.TensorSpec([8, 24]), tf.TensorSpec([8], tf.int64))
+  assert "all-gather" not in low.report.counts(), [str(c) for c in low.report.collectives if c.kind == "all-gather"]
+  assert gs.sharding_of(model.get_layer("head").kernel).spec == P("model", None)
