@@ -56,6 +56,30 @@ def test_variable_trains_in_place_on_its_shards(rng, spec):
   assert_close(tf.convert_to_tensor(w), w_ref.numpy())
 
 
+def test_plain_tf_function_reads_and_writes_see_the_current_value(rng):
+  """A tf.function traced once reads the shards' value on every call, and what it writes reaches the shards."""
+  w, w_ref, step, ref_step = _sgd_pair(rng, P(None, "model"))
+  x = rng.standard_normal((8, 12)).astype(np.float32)
+
+  @tf.function
+  def forward(t):
+    return t @ w
+
+  @tf.function
+  def nudge():
+    w.assign_add(tf.ones_like(w))
+
+  for _ in range(2):          # the same trace, called after each step
+    step(x)
+    ref_step(x)
+    assert_close(forward(x).numpy(), x @ w_ref.numpy())
+  nudge()
+  w_ref.assign_add(tf.ones_like(w_ref))
+  assert_close(step(x).numpy(), ref_step(x).numpy())   # the step starts from the written value
+  assert_close(forward(x).numpy(), x @ w_ref.numpy())
+  assert_close(w.numpy(), w_ref.numpy())
+
+
 def test_eager_writes_reach_the_shards_and_the_step_does_not_gather(rng):
   w, w_ref, step, ref_step = _sgd_pair(rng, P(None, "model"))
   x = rng.standard_normal((8, 12)).astype(np.float32)

@@ -126,18 +126,19 @@ def uninitialized_variable(shape, dtype, name=None, trainable=True):
 
 class ReadHook:
   """Mixin for a BaseResourceVariable subclass: `self._gspmd_before_read()` runs before every read of its value
-  (`numpy()`, `value()`, `read_value()`, `tf.convert_to_tensor`, reads traced into a function)."""
+  (`numpy()`, `value()`, `read_value()`, `tf.convert_to_tensor`, reads traced into a function); the ops it
+  returns (in a graph being traced) run before the read."""
 
   def _gspmd_before_read(self):
     raise NotImplementedError
 
   def _read_variable_op(self, no_copy=False):
-    self._gspmd_before_read()
-    return super()._read_variable_op(no_copy=no_copy)
+    with tf.control_dependencies(self._gspmd_before_read() or []):
+      return super()._read_variable_op(no_copy=no_copy)
 
   def read_value_no_copy(self):
-    self._gspmd_before_read()
-    return super().read_value_no_copy()
+    with tf.control_dependencies(self._gspmd_before_read() or []):
+      return super().read_value_no_copy()
 
 
 # ---- Checkpoint saveables (TF 2.21) ------------------------------------------------------------------------------

@@ -223,9 +223,6 @@ def _plain_read(v):
   return _compat.read_unhooked(v)
 
 
-_warned_graph = set()
-
-
 def _tracing_for_gspmd():
   return current_mesh() is not None
 
@@ -239,19 +236,27 @@ class _ManagedVariable(_compat.ReadHook, _compat.CheckpointHook):
   """
 
   def _gspmd_before_read(self):
+    """Eagerly: the shards' current value is copied into the variable before it is read. In a plain tf.function
+    being traced: a host callback that does the same each time the function runs, before the read (returned, for
+    the read to depend on it)."""
     if tf.executing_eagerly():
       self._gspmd_storage.flush()
-    elif self.name not in _warned_graph and not _tracing_for_gspmd():
-      _warned_graph.add(self.name)
-      tf.get_logger().warning(
-          "tf_gspmd: variable %s is stored sharded by a gs.function and is read inside a plain tf.function; that "
-          "function sees the value of the last eager read. Read it in a gs.function or eagerly.", self.name)
+      return []
+    if _tracing_for_gspmd():
+      return []
+    storage = self._gspmd_storage
+    return [tf.py_function(lambda: storage.flush() or True, [], tf.bool, name="gspmd_sync_from_shards")]
 
   def _gspmd_write(self, method, *args, **kwargs):
-    self._gspmd_before_read()
-    out = getattr(super(), method)(*args, **kwargs)
+    with tf.control_dependencies(self._gspmd_before_read()):
+      out = getattr(super(), method)(*args, **kwargs)
+    storage = self._gspmd_storage
     if tf.executing_eagerly():
-      self._gspmd_storage.host_newer = True
+      storage.host_newer = True
+    elif not _tracing_for_gspmd():   # the next step copies what a plain tf.function wrote into the shards
+      written = _plain_read(self)     # (ordered after the write: same variable)
+      tf.py_function(lambda _: setattr(storage, "host_newer", True) or True, [written], tf.bool,
+                     name="gspmd_mark_host_newer")
     return out
 
   def assign(self, *args, **kwargs):
