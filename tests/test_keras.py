@@ -109,7 +109,8 @@ def test_own_layout_map_scope_and_save_load_weights(tmp_path):
     layouts["l0_up/kernel"]   # pylint: disable=pointless-statement
 
 
-def test_variables_are_created_sharded_under_a_layout_map(rng):
+def test_variables_are_created_sharded_under_a_layout_map(rng, monkeypatch):
+  monkeypatch.setattr(gsk, "WHOLE_INIT_MAX_BYTES", 0)   # as for variables too large to build whole
   layouts = gsk.LayoutMap(gs.Mesh((2, 4), ("data", "model")), batch_axis="data")
   layouts[".*_up/kernel"] = P(None, "model")
   layouts[".*_down/kernel"] = P("model", None)
@@ -132,6 +133,31 @@ def test_variables_are_created_sharded_under_a_layout_map(rng):
     got = model.fit(x, y, batch_size=CFG.batch, epochs=1, shuffle=False, verbose=0).history["loss"]
   want = plain.fit(x, y, batch_size=CFG.batch, epochs=1, shuffle=False, verbose=0).history["loss"]
   np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+INITIALIZERS = ["glorot_uniform", "glorot_normal", "he_uniform", "he_normal", "lecun_uniform", "lecun_normal",
+                "random_normal", "random_uniform", "truncated_normal", "orthogonal", "variance_scaling", "zeros", "ones",
+                "identity"]
+
+
+@pytest.mark.parametrize("init", INITIALIZERS)
+def test_same_seed_gives_the_same_weights_under_a_distribution(init):
+  """A model built under ModelParallel starts from the weights it gets without a distribution."""
+  def build():
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, kernel_initializer=init, name="up"),
+                             keras.layers.Dense(32, kernel_initializer=init, name="down")])
+
+  mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], keras.distribution.list_devices("cpu")[:8])
+  layout_map = keras.distribution.LayoutMap(mesh)
+  layout_map[".*up/kernel"] = (None, "model")
+  layout_map[".*down/kernel"] = ("model", None)
+  with keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch").scope():
+    model = build()
+  want = build().get_weights()
+  assert gs.sharding_of(model.get_layer("up").kernel).spec == P(None, "model")
+  for got, w in zip(model.get_weights(), want):
+    np.testing.assert_array_equal(got, w)
 
 
 def test_distribution_initialize_accepts_one_process_and_names_what_is_missing_otherwise(monkeypatch):

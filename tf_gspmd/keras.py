@@ -27,6 +27,7 @@ Example:
 
 import collections
 import contextlib
+import math
 import re
 import threading
 import zlib
@@ -206,6 +207,13 @@ class _Partitioned:
     return logs
 
 
+# Variables with a layout up to this size (bytes) are initialised exactly as Keras does without a distribution
+# (the same seed gives the same weights) and then split; larger ones are created shard by shard from a
+# mesh-independent equivalent of their initializer (values depend on the seed and the variable's path, not on
+# the mesh), so that no device ever holds the whole value.
+WHOLE_INIT_MAX_BYTES = 256 << 20
+
+
 def _sharded_initializer(initializer, path):
   """The mesh-independent equivalent of a Keras initializer, seeded per variable; None if it has none."""
   if callable(initializer) and not isinstance(initializer, keras.initializers.Initializer):
@@ -279,14 +287,16 @@ def _install():
   initialize = _compat.keras_variable_initializer()
 
   def initialize_sharded(self, initializer):
-    """A variable with a layout is created sharded: shard by shard when its initializer has a mesh-independent
-    equivalent (no full value anywhere), else from its full value, then split."""
+    """A variable with a layout is created sharded. Up to WHOLE_INIT_MAX_BYTES it gets the value Keras gives it
+    without a distribution (same seed, same weights), then is split; a larger one is created shard by shard when
+    its initializer has a mesh-independent equivalent (no full value anywhere), else from its full value."""
     plan = _active_plan()
     spec = plan.spec_for(self.path) if plan is not None else None
     if spec is None:
       return initialize(self, initializer)
-    init = _sharded_initializer(initializer, self.path)
     shape, dtype = _compat.keras_variable_shape_dtype(self)
+    nbytes = math.prod(shape) * tf.as_dtype(dtype).size
+    init = _sharded_initializer(initializer, self.path) if nbytes > WHOLE_INIT_MAX_BYTES else None
     if init is not None:
       _compat.keras_set_inner_variable(self, _state.variable(init, shape, dtype, mesh=plan.mesh, spec=spec,
                                                              name=self.name, trainable=self.trainable))
