@@ -131,14 +131,16 @@ def _fuse_all_to_all(steps, shape, mesh, src):
         if isinstance(sl, LocalSlice) and sl.dim != g.dim and sl.axes[:len(g.axes)] == g.axes:
           rest = sl.axes[len(g.axes):]
           first_slice = next(i for i, x in enumerate(plan) if isinstance(x, LocalSlice))
-          trial = [x for i, x in enumerate(plan) if i not in (k, j)]
+          others = [x for i, x in enumerate(plan) if i not in (k, j)]
           pos = first_slice - (1 if k < first_slice else 0) - (1 if j < first_slice else 0)
-          trial[pos:pos] = [AllToAll(g.dim, sl.dim, g.axes)]
-          if rest:
-            trial.insert(pos + 1, LocalSlice(sl.dim, rest))
-          if _valid(trial, shape, mesh, src):
-            plan = trial
-            k = -1
+          # Where the slices began, else earlier (before a reduce-scatter that would cover the moving split).
+          for at in [pos] + [p for p in range(pos - 1, -1, -1)]:
+            trial = others[:at] + [AllToAll(g.dim, sl.dim, g.axes)] + (
+                [LocalSlice(sl.dim, rest)] if rest else []) + others[at:]
+            if _valid(trial, shape, mesh, src):
+              plan = trial
+              k = -1
+              break
           break
     k += 1
   return plan

@@ -95,3 +95,17 @@ def test_three_d_mesh_pairs(rng):
   for src, dst in itertools.product(specs, specs):
     f = gs.function(lambda t: tf.identity(t), mesh=mesh, in_shardings=src, out_shardings=dst)
     assert_close(f(x).numpy(), x, rtol=0, atol=0)
+
+
+def test_partial_sum_wanted_split_on_another_dim_moves_by_all_to_all_not_gather(rng):
+  """A gradient partial over `data` and split by rows over `model`, wanted as P('data', 'model'): the row split
+  moves to the columns by one all-to-all, then the partial sums are reduce-scattered (nothing gathered)."""
+  assert plan_reshard((8, 8), S("model", None), S("data", "model"), partial=(("data",), "Add")) == [
+      AllToAll(0, 1, ("model",)), ReduceScatter(0, ("data",), "Add")]
+  a = rng.standard_normal((8, 16)).astype(np.float32)
+  b = rng.standard_normal((16, 12)).astype(np.float32)
+  f = gs.function(lambda x, y: x @ y, mesh=MESH, in_shardings=(P("model", "data"), P("data", None)),
+                  out_shardings=P("data", "model"))
+  assert_close(f(a, b).numpy(), a @ b, rtol=1e-5, atol=1e-5)
+  counts = f.lower(tf.TensorSpec([8, 16]), tf.TensorSpec([16, 12])).report.counts()
+  assert "all-gather" not in counts and counts.get("reduce-scatter") == 1, counts
