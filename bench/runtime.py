@@ -11,7 +11,7 @@ with XLA off and on (tf_gspmd on CPU: XLA-compiled segments between collectives;
 it compiles). Times are medians of --steps calls after warm-up, all measured in one run; ratios are to the
 unpartitioned program with XLA off. Every partitioned result is checked against the unpartitioned one.
 
-  python bench/runtime.py [--steps=10] [--layers=12] [--only=mlp_train_step]
+  python bench/runtime.py [--steps=10] [--layers=12] [--only=mlp_train_step] [--profile=/tmp/prof]
 """
 
 import os
@@ -29,6 +29,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 flags.DEFINE_integer("steps", 10, "Timed calls per configuration (after two warm-up calls).")
 flags.DEFINE_integer("layers", 12, "Transformer layers.")
 flags.DEFINE_list("only", [], "Run only these programs (mlp_train_step, transformer_train_step).")
+flags.DEFINE_string("profile", "", "Directory for TensorFlow profiler traces of 3 tf_gspmd steps per program and "
+                    "XLA setting (<dir>/<program>_xla_<on|off>; TensorBoard's Profile tab); empty: none.")
 FLAGS = flags.FLAGS
 
 
@@ -88,6 +90,11 @@ def main(_):
       placed = [gs.function(lambda a: a, mesh=mesh, in_shardings=s, out_shardings=s)(a) for a, s in zip(args, specs)]
       _check([t.numpy() for t in tf.nest.flatten(f(*placed))], want, f"tf_gspmd {name} jit={jit}")
       times[("tf_gspmd", jit)] = _median_time(lambda: tf.nest.flatten(f(*placed))[-1].numpy(), FLAGS.steps)
+      if FLAGS.profile:
+        tf.profiler.experimental.start(os.path.join(FLAGS.profile, f"{name}_xla_{'on' if jit else 'off'}"))
+        for _ in range(3):
+          tf.nest.flatten(f(*placed))[-1].numpy()
+        tf.profiler.experimental.stop()
       times[("DTensor", jit)] = _dtensor_time(tf, dtensor, dmesh, fn, args, specs, jit, want, name)
     rows.append((name, times))
   base = "unpartitioned, XLA off"

@@ -35,6 +35,8 @@ flags.DEFINE_bool("plan", False, "Print the sharding and communication plan for 
 flags.DEFINE_list("plan_mesh", None, "Mesh shape for --plan (default: 2048 devices).")
 flags.DEFINE_integer("check_steps", 3, "Steps re-run unpartitioned at the end to check the losses (0: skip).")
 flags.DEFINE_bool("jit", False, "Compile the compute between collectives with XLA (jit_compile=True).")
+flags.DEFINE_list("profile", [], "Steps FIRST,LAST (e.g. 3,5) to trace with the TensorFlow profiler into "
+                  "<logdir>/<task>/profile (open in TensorBoard's Profile tab); empty: no trace.")
 FLAGS = flags.FLAGS
 
 
@@ -112,11 +114,17 @@ def run(task):
   first = int(step_var.numpy())
   bar = keras.utils.Progbar(FLAGS.steps, verbose=1 if sys.stdout.isatty() else 0)
   losses = []
+  trace = [int(s) for s in FLAGS.profile]
   for k in range(first, FLAGS.steps):
     batch = task.batch(k)
+    if trace and k == trace[0]:
+      tf.profiler.experimental.start(os.path.join(directory, "profile"))
     start = time.perf_counter()
     loss = float(np.asarray(train(*batch)))
     took = time.perf_counter() - start
+    if trace and k == trace[-1]:
+      tf.profiler.experimental.stop()
+      print(f"profile of steps {trace[0]}-{k} written to {os.path.join(directory, 'profile')}")
     losses.append((k, loss))
     print(f"step {k} loss {loss:.6f} time {took * 1e3:.0f} ms", flush=True)
     bar.update(k + 1, [("loss", loss)])

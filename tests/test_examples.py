@@ -34,13 +34,15 @@ def _losses(text):
 
 @pytest.mark.parametrize("binary", sorted(SMALL))
 def test_binary_trains_and_matches_the_unpartitioned_program(binary, tmp_path):
-  out = _run(binary, "--steps=12", "--check_steps=2", "--ckpt_every=0", f"--logdir={tmp_path}")
+  out = _run(binary, "--steps=12", "--check_steps=2", "--ckpt_every=0", f"--logdir={tmp_path}", "--profile=4,5")
   losses = _losses(out)
   assert sorted(losses) == list(range(12))
   assert sum(losses[k] for k in range(9, 12)) < 0.9 * sum(losses[k] for k in range(3)), losses
   assert "check: first 2 losses match the unpartitioned program" in out
   events = [f for _, _, files in os.walk(tmp_path) for f in files if f.startswith("events.out.tfevents")]
   assert events   # TensorBoard scalars
+  traces = [f for _, _, files in os.walk(tmp_path) for f in files if f.endswith(".xplane.pb")]
+  assert traces and "profile of steps 4-5 written" in out   # the profiler trace of --profile
 
 
 @pytest.mark.parametrize("binary", sorted(SMALL))
