@@ -143,6 +143,26 @@ def test_uneven_contracting_dim_is_masked(rng, rows):
   assert_close(f(a, b).numpy(), tf.exp(a) @ tf.exp(b), rtol=1e-5)
 
 
+@pytest.mark.parametrize("mesh_shape", [(8,), (2, 4)])
+def test_inf_and_nan_in_padding_never_leak(rng, mesh_shape):
+  """Padding of an uneven split holds whatever ops make of it (log(0) = -inf, 1/0 = inf, 0/0 = NaN): reductions
+  and contractions over the split dim select it away, so the finite real values give finite results."""
+  mesh = gs.Mesh(mesh_shape, ("a",) if len(mesh_shape) == 1 else ("a", "b"))
+  spec = P(None, "a") if len(mesh_shape) == 1 else P(None, ("a", "b"))
+  x = rng.uniform(0.5, 2.0, (6, 13)).astype(np.float32)          # 13 columns over 8 devices: 3 padded
+  w = rng.standard_normal((13, 5)).astype(np.float32)
+
+  def fn(a, b):
+    logs, inv, nan = tf.math.log(a), 1.0 / a, a / a              # padding (zeros): -inf, inf, NaN
+    return (tf.reduce_sum(logs, 1), tf.reduce_max(inv, 1), tf.reduce_min(logs, 1), tf.reduce_mean(nan, 1),
+            tf.reduce_prod(nan, 1), inv @ b, tf.argmax(inv, 1), tf.nn.softmax(logs)[:, :4])
+
+  f = gs.function(fn, mesh=mesh, in_shardings=(spec, P(spec[1], None)), out_shardings=P())
+  for got, want in zip(f(x, w), fn(tf.constant(x), tf.constant(w))):
+    assert np.all(np.isfinite(got.numpy()))
+    assert_close(got.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_sharded_tensor_passes_back_without_moving_data(rng):
   f = gs.function(lambda x: x * 2.0, mesh=MESH24, in_shardings=P("data", "model"))
   x = rng.standard_normal((8, 8), np.float32)
