@@ -281,3 +281,32 @@ def test_tf_function_dict_outputs_int_dtypes_and_maximal():
   np.testing.assert_array_equal(out["s"].numpy(), a + b)
   np.testing.assert_array_equal(out["m"].numpy(), a.max(axis=0))
   assert gs.sharding_of(out["s"]) == out["s"].sharding and gs.sharding_of(a) is None
+
+
+def test_indexed_slices_result_is_returned_dense(rng):
+  """The gradient of a gather with respect to its table (IndexedSlices) comes back dense, repeated ids summed."""
+  def grad(table, ids):
+    with tf.GradientTape() as tape:
+      tape.watch(table)
+      loss = tf.reduce_sum(tf.gather(table, ids) ** 2)
+    return {"loss": loss, "grad": tape.gradient(loss, table), "nothing": None}
+
+  table = rng.standard_normal((16, 4)).astype(np.float32)
+  ids = np.array([1, 3, 3, 15], np.int32)
+  want = grad(tf.constant(table), tf.constant(ids))
+  assert isinstance(want["grad"], tf.IndexedSlices)
+  for specs in [(P("batch", None), P()), (P(None, "batch"), P("batch"))]:
+    f = gs.function(grad, mesh=MESH8, in_shardings=specs, out_shardings=(specs[0], P()))   # grad, loss
+    got = f(table, ids)
+    assert got["nothing"] is None and got["grad"].sharding.spec == specs[0]
+    assert_close(got["grad"].numpy(), tf.convert_to_tensor(want["grad"]))
+    assert_close(got["loss"].numpy(), want["loss"])
+
+
+@pytest.mark.parametrize("kind,fn,fix", [
+    ("SparseTensor", lambda x: (x, tf.SparseTensor([[0, 0], [1, 2]], x[:2], [8, 8])), "tf.sparse.to_dense"),
+    ("RaggedTensor", lambda x: tf.RaggedTensor.from_row_lengths(x, [2, 6]), r"x.to_tensor\(\)"),
+])
+def test_other_composite_results_are_a_typed_error(kind, fn, fix):
+  with pytest.raises(gs.InputError, match=rf"result {1 if kind == 'SparseTensor' else 0} of .*{kind}.*{fix}"):
+    gs.function(fn, mesh=MESH8, in_shardings=P("batch")).lower(tf.TensorSpec([8]))

@@ -179,8 +179,8 @@ class ShardedFunction:
         arriving.append(None)
     lowered = self._lower(tuple(specs), tuple(arriving), self.mesh.resolve_devices())
     flat = lowered.executable()(args)
-    structure = lowered.program.output_structure
-    return tf.nest.pack_sequence_as(structure, flat, expand_composites=False) if structure is not None else None
+    # The traced structure holds each result's index in `flat` (None for a result that was None).
+    return tf.nest.map_structure(lambda k: None if k is None else flat[k], lowered.program.output_structure)
 
 
 def _retrace_reason(old, new):

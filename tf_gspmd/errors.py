@@ -45,4 +45,5 @@ class PartitionError(ShardingError):
 
 
 class InputError(ShardingError):
-  """Arguments passed to a gs.function do not match what it was declared with."""
+  """A gs.function's arguments do not match its declaration, or it is given or returns a value it cannot
+  carry (e.g. a split string argument, a SparseTensor result)."""
