@@ -214,6 +214,8 @@ class FactorRule(Rule):
     axes_of, used = {}, set()
     for o, out_labels in enumerate(f.outputs):
       target = ctx.target(o)
+      if not target.is_maximal:   # (an opaque result, e.g. a string, is completed as rank-free replicated)
+        target = target.with_rank(len(out_labels))
       for d, l in enumerate(out_labels):
         ax = () if target.is_maximal else target.dims[d]
         if l and l not in axes_of and not used & set(ax):

@@ -14,7 +14,7 @@ from tf_gspmd._mesh import P
 from tf_gspmd._sharding import Sharding, to_sharding
 from tf_gspmd.errors import InputError, SpecError
 from tf_gspmd.rewriter.graph_ir import Graph
-from tf_gspmd.rewriter.graph_view import ref, split_ref
+from tf_gspmd.rewriter.graph_view import public_key, ref, split_ref
 
 BOUNDARY_SUFFIX = "/gspmd_in"
 
@@ -51,6 +51,7 @@ def run(program):
     if declared is None:
       declared = from_graph
     arriving = program.arriving_in[k] or declared
+    _check_splittable_argument(k, node, arriving)
     param.append(arriving)
     if arriving is not None and declared is not None and declared != arriving:
       _insert_boundary(gd, name, declared)
@@ -75,11 +76,26 @@ def run(program):
   pinned = {}
   for r, s in annotations.items():
     info = ir.info(r)
+    if info.sharding_rank is None and not s.is_maximal and not s.is_replicated:
+      raise SpecError(f"{public_key(r)} is a {info.dtype.name} tensor, which cannot be split ({s}): TF collectives "
+                      f"cannot carry {info.dtype.name} values, so it stays whole on every device; annotate it "
+                      "replicated or drop the annotation", node=split_ref(r)[0])
     try:
       pinned[r] = s if s.is_maximal or info.sharding_rank is None else s.with_rank(info.sharding_rank, r)
     except SpecError as e:
       raise SpecError(f"annotation on {r} does not fit its shape {list(info.shape)}: {e}", node=split_ref(r)[0]) from None
   return program.replace(graph_def=gd, ir=ir, annotations=pinned, variable_pins=pins)
+
+
+def _check_splittable_argument(k, node, sharding):
+  """A string (or other opaque) argument cannot arrive split: nothing could move its pieces."""
+  dtype = tf.as_dtype(node.attr["dtype"].type)
+  if dtype not in (tf.string, tf.variant) or sharding is None or sharding.is_maximal or sharding.is_replicated:
+    return
+  raise InputError(f"argument {k} ({node.name}) is a {dtype.name} tensor laid out as {sharding}, but {dtype.name} "
+                   f"tensors cannot be split (TF collectives cannot carry them): pass it replicated (P() or None "
+                   "in in_shardings), or convert it to numbers first (e.g. tf.strings.to_hash_bucket_fast)",
+                   node=node.name)
 
 
 def _declared_out(raw, n, mesh):

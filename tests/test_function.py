@@ -310,3 +310,42 @@ def test_indexed_slices_result_is_returned_dense(rng):
 def test_other_composite_results_are_a_typed_error(kind, fn, fix):
   with pytest.raises(gs.InputError, match=rf"result {1 if kind == 'SparseTensor' else 0} of .*{kind}.*{fix}"):
     gs.function(fn, mesh=MESH8, in_shardings=P("batch")).lower(tf.TensorSpec([8]))
+
+
+WORDS = np.array([b"a", b"bb", b"ccc", b"", b"e", b"ff", b"g", b"hhhh"])
+
+
+def test_split_string_argument_is_a_typed_error():
+  f = gs.function(lambda x: tf.strings.length(x), mesh=MESH8, in_shardings=P("batch"))
+  with pytest.raises(gs.InputError, match=r"argument 0 \(x\) is a string tensor laid out as P\('batch'\).*"
+                                          r"pass it replicated"):
+    f(WORDS)
+  with pytest.raises(gs.InputError, match=r"argument 0 \(x\)"):
+    f.lower(tf.TensorSpec([8], tf.string))
+
+
+def test_replicated_strings_pass_through_and_feed_ops():
+  def fn(x, y):
+    return x, tf.strings.length(x) + y, tf.strings.join([x, x])
+
+  f = gs.function(fn, mesh=MESH8, in_shardings=(None, P("batch")))
+  y = np.arange(8, dtype=np.int32)
+  for got, want in zip(f(WORDS, y), fn(tf.constant(WORDS), tf.constant(y))):
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def test_splitting_a_string_annotation_is_a_typed_error():
+  f = gs.function(lambda x: tf.strings.length(gs.shard(tf.identity(x, name="w"), P("batch"), name="ws")),
+                  mesh=MESH8)
+  with pytest.raises(gs.SpecError, match=r"ws is a string tensor, which cannot be split"):
+    f.lower(tf.TensorSpec([8], tf.string))
+
+
+def test_dtype_collectives_cannot_carry_names_the_argument(rng):
+  x = (rng.standard_normal(8) + 1j * rng.standard_normal(8)).astype(np.complex64)
+  f = gs.function(lambda a: a * a, mesh=MESH8, in_shardings=P("batch"))   # element-wise: nothing to move
+  assert_close(f(x).numpy(), x * x)
+  f = gs.function(lambda a: tf.reduce_sum(a * a), mesh=MESH8, in_shardings=P("batch"))
+  with pytest.raises(gs.PartitionError, match=r"complex64.*argument 0 \(a\), complex64 split as P\('batch'\).*"
+                                              r"tf.math.real"):
+    f.lower(tf.TensorSpec([8], tf.complex64))
