@@ -349,3 +349,43 @@ def test_dtype_collectives_cannot_carry_names_the_argument(rng):
   with pytest.raises(gs.PartitionError, match=r"complex64.*argument 0 \(a\), complex64 split as P\('batch'\).*"
                                               r"tf.math.real"):
     f.lower(tf.TensorSpec([8], tf.complex64))
+
+
+OPEN_COLUMNS = {   # rows pinned to "data", columns left to completion: both spellings
+    "gs.shard": lambda t: gs.shard(t, P("data", P.UNCONSTRAINED)),
+    "xla_sharding": lambda t: xla_sharding.mesh_split(t, MESH24.device_ids, [0, -1], use_sharding_op=True,
+                                                      unspecified_dims=[1]),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(OPEN_COLUMNS))
+def test_open_dims_are_completed_and_honoured(rng, spelling):
+  """An annotation with an open dim: the pinned dim stays, the open one is split as the program wants, and the
+  partitioned step (forward and gradient) gives the unpartitioned results."""
+  def step(x, w1, w2):
+    with tf.GradientTape() as tape:
+      tape.watch(w1)
+      h = tf.identity(OPEN_COLUMNS[spelling](tf.nn.gelu(x @ w1)), name="h")
+      loss = tf.reduce_sum((h @ w2) ** 2)
+    return loss, tape.gradient(loss, w1)
+
+  f = gs.function(step, mesh=MESH24, in_shardings=(None, P(None, "model"), None))
+  x = rng.standard_normal((8, 16)).astype(np.float32)
+  w1 = (rng.standard_normal((16, 32)) * 0.2).astype(np.float32)
+  w2 = (rng.standard_normal((32, 4)) * 0.2).astype(np.float32)
+  low = f.lower(*[tf.TensorSpec(a.shape) for a in (x, w1, w2)])
+  assert low.shardings["h"].spec == P("data", "model")       # columns over "model" from w1; rows as annotated
+  assert low.shardings["x"].spec == P("data", None) and low.shardings["w2"].spec == P("model", None)
+  for got, want in zip(f(x, w1, w2), tf.function(step)(x, w1, w2)):
+    assert_close(got.numpy(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_open_in_shardings_take_an_arriving_layout_that_keeps_the_pinned_dims(rng):
+  f = gs.function(lambda x: x * 2.0, mesh=MESH24, in_shardings=P("data", P.UNCONSTRAINED))
+  x = rng.standard_normal((8, 8)).astype(np.float32)
+  assert_close(f(x).numpy(), x * 2.0)   # scattered in the completed layout
+  for layout, moved in ((P("data", "model"), False), (P("model", None), True)):
+    arg = gs.function(tf.identity, mesh=MESH24, in_shardings=layout)(x)
+    low = f.lower(tf.TensorSpec([8, 8]), arg_shardings=(arg.sharding,))
+    assert bool(low.report.collectives) == moved
+    assert_close(f(arg).numpy(), x * 2.0)

@@ -7,7 +7,7 @@ import tensorflow as tf
 from absl import logging
 
 from tf_gspmd._mesh import Mesh, P
-from tf_gspmd._sharding import Sharding, to_sharding
+from tf_gspmd._sharding import Sharding, to_annotation
 from tf_gspmd._visualize import visualize_sharding
 from tf_gspmd.errors import InputError, MeshError, ShapeError
 from tf_gspmd.rewriter import pipeline
@@ -117,7 +117,7 @@ class ShardedFunction:
     elif not isinstance(raw, (tuple, list)) or len(raw) != n:
       raise InputError(f"in_shardings has {len(raw) if isinstance(raw, (tuple, list)) else 1} entries but the "
                        f"function was called with {n} arguments; give one spec per argument")
-    return tuple(to_sharding(s, self.mesh, rank=spec.shape.rank, what=f"argument {k}")
+    return tuple(to_annotation(s, self.mesh, rank=spec.shape.rank, what=f"argument {k}")
                  for k, (s, spec) in enumerate(zip(raw, specs)))
 
   def _declared_out(self):
@@ -157,7 +157,8 @@ class ShardedFunction:
                      _retrace_reason(previous[-1], key))
     declared_in = self._declared_in(specs)
     program = pipeline.Program(fn=self.fn, mesh=self.mesh, options=self.options, arg_specs=specs,
-                               declared_in=declared_in, arriving_in=arriving, devices=devices,
+                               declared_in=tuple(s for s, _ in declared_in),
+                               open_in=tuple(o for _, o in declared_in), arriving_in=arriving, devices=devices,
                                variable_layout=functools.partial(_state.layout_of, mesh=self.mesh))
     program = pipeline.run(program.replace(declared_out=self._declared_out()))
     lowered = Lowered(program)
