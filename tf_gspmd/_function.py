@@ -217,8 +217,9 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=Fal
     fn: a Python function or tf.function taking tensors.
     mesh: the `gs.Mesh`.
     in_shardings: one `P`/`Sharding` (or None = let completion decide) per positional argument, or one
-      for all of them.
-    out_shardings: one spec per flattened output, one for all, or None (completion decides).
+      for all of them. A `P.UNCONSTRAINED` entry leaves that dim to completion and pins the others.
+    out_shardings: one spec per flattened output, one for all, or None (completion decides); `P.UNCONSTRAINED`
+      entries as for in_shardings.
     strict: raise instead of running ops without a partitioning rule replicated.
     collective_timeout: seconds before a stuck collective raises DeadlineExceededError.
     weight_update_sharding: split optimizer state and the weight update over a data-parallel mesh axis (True:
