@@ -29,7 +29,8 @@ class AlongAxis(FactorRule):
 @register("ConcatV2")
 class Concat(AlongAxis):
   """Concatenation. Split along the concat dim, each device assembles its window of the result from the
-  operands' rows it owns and its neighbours' (masked windows summed); otherwise the concat dim is whole."""
+  operands' rows it owns and its neighbours' (each row selected from the operand it comes from); otherwise the
+  concat dim is whole."""
 
   priority = 0
 
@@ -56,7 +57,17 @@ class Concat(AlongAxis):
     if not all(ctx.window_fits(i, target, axis, total, -int(o)) for i, o in zip(self.data_inputs(node), offsets)):
       return self.partition_with(ctx, node, self.factors(node, windowed=False))
     windows = [ctx.window(i, target, axis, total, -int(o), 0) for i, o in zip(self.data_inputs(node), offsets)]
-    ctx.set_output(0, ctx.identity(tf.add_n(windows) if len(windows) > 1 else windows[0]), target)
+    out = windows[-1]
+    if len(windows) > 1:   # selects, not a sum of zero-filled windows (which would turn -0.0 into 0.0)
+      c = target.shard_shape(node.outputs[0].shape)[axis]
+      rows = np.array([[target.tile_index(p, axis) * c + k for k in range(c)] for p in range(ctx.mesh.size)])
+      owner = np.searchsorted(offsets, rows, side="right").astype(np.int32) - 1
+      with ctx.helper_scope():
+        owner = tf.reshape(ctx.lookup(owner, f"concat_owner_{axis}_{c}"),
+                           [c if d == axis else 1 for d in range(len(node.outputs[0].shape))])
+        for k in range(len(windows) - 2, -1, -1):
+          out = tf.where(tf.equal(owner, k), windows[k], out)
+    ctx.set_output(0, ctx.identity(out), target)
 
 
 @register("Pack")

@@ -1,4 +1,9 @@
-"""Einsum: the equation is the factor rule (letters absent from the output are reduced)."""
+"""Einsum: the equation is the factor rule (letters absent from the output are reduced).
+
+A letter repeated in an operand ("ii->i", a diagonal) is split on one of its dims; each device slices its
+diagonal block of the others locally (see factors._diagonal_blocks). A letter repeated in the output
+("i->ii", which builds a diagonal) is whole everywhere: the result is built whole and sliced if wanted split.
+"""
 
 from tf_gspmd.ops.factors import Factors, FactorRule
 from tf_gspmd.ops.registry import register
@@ -40,10 +45,12 @@ class Einsum(FactorRule):
     eq = eq.decode() if isinstance(eq, bytes) else eq
     ranks = [len(node.input_shape(i)) for i in range(len(node.inputs))]
     operands, out = parse_equation(eq, ranks)
-    # A size-1 broadcast dim carries no factor.
+    # A size-1 broadcast dim carries no factor, nor does a letter the output repeats.
+    whole = {l for l in out if out.count(l) > 1}
     fixed = []
     for i, labels in enumerate(operands):
       shape = node.input_shape(i)
-      fixed.append(tuple(None if (shape[d] == 1 and l in out and node.outputs[0].shape[out.index(l)] != 1) else l
+      fixed.append(tuple(None if l in whole or (shape[d] == 1 and l in out and
+                                                node.outputs[0].shape[out.index(l)] != 1) else l
                          for d, l in enumerate(labels)))
-    return Factors(tuple(fixed), (out,))
+    return Factors(tuple(fixed), (tuple(None if l in whole else l for l in out),))

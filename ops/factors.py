@@ -51,17 +51,55 @@ def identity_value(reduce_op, dtype):
   return np_dtype.type(info.min if reduce_op == "Max" else info.max)
 
 
-def _dims_from(labels, axes_of):
-  """Dims of a sharding for a tensor with `labels`, taking each label's axes, skipping axes already used."""
+def _dims_from(labels, axes_of, prefer=None):
+  """Dims of a sharding for a tensor with `labels`, taking each label's axes, skipping axes already used.
+
+  A label that repeats (an einsum diagonal, "ii->i") is split on one of its dims only, the others stay whole:
+  the one that `prefer` (the operand's current layout) already splits by those axes, else the first.
+  """
+  place = {}
+  if prefer is not None and not prefer.is_maximal:
+    prefer = prefer.with_rank(len(labels))
+    for d, l in enumerate(labels):
+      if l and l not in place and labels.count(l) > 1 and axes_of.get(l) and prefer.dims[d] == tuple(axes_of[l]):
+        place[l] = d
   used = set()
   dims = []
-  for l in labels:
-    ax = axes_of.get(l, ()) if l else ()
+  for d, l in enumerate(labels):
+    ax = axes_of.get(l, ()) if l and place.get(l, d) == d else ()
     if used & set(ax):
       ax = ()
     used.update(ax)
     dims.append(ax)
   return tuple(dims)
+
+
+def _diagonal_blocks(ctx, x, shape, layout, labels):
+  """Operand `x` (laid out as `layout`) cut to each device's diagonal block along its repeated labels.
+
+  An einsum reads an operand with a repeated label ("ii->i") only where those dims agree, so when one of them
+  is split each device needs, of the others, just the rows its own shard covers: a local slice at the same
+  offset (zero-padded past the end), no communication. Padding rows stay garbage like any shard's padding.
+  """
+  for l in dict.fromkeys(labels):
+    dims = [d for d, m in enumerate(labels) if m == l]
+    split = [d for d in dims if layout.dims[d]]
+    if l is None or len(dims) < 2 or not split:
+      continue
+    d0 = split[0]
+    n = layout.tiles(d0)
+    c = -(-shape[d0] // n)
+    with ctx.helper_scope():
+      local = x.shape.as_list()
+      pads = [[0, n * c - local[d] if d in dims and d != d0 else 0] for d in range(len(local))]
+      if any(p[1] for p in pads):
+        x = tf.pad(x, pads)
+      begin = np.zeros((ctx.mesh.size, len(local)), np.int32)
+      for p in range(ctx.mesh.size):
+        begin[p, [d for d in dims if d != d0]] = layout.tile_index(p, d0) * c
+      size = [c if d in dims else s for d, s in enumerate(local)]
+      x = tf.slice(x, ctx.lookup(begin, f"diagonal_begin_{d0}_{c}"), size)
+  return x
 
 
 def _axes_by_label(labels, sharding):
@@ -150,13 +188,13 @@ class FactorRule(Rule):
     reduced_split = [l for l in f.reduced if axes_of.get(l)]
     local = []
     for j, labels in enumerate(f.operands):
-      req = Sharding(mesh, _dims_from(labels, axes_of))
+      req = Sharding(mesh, _dims_from(labels, axes_of, ctx.current(data[j])))
       x = ctx.operand(data[j], req)
       shape = ctx.input_shape(data[j])
       for d, l in enumerate(labels):
         if l in reduced_split and shape[d] % req.tiles(d):
           x = ctx.mask(x, shape, req, d, identity_value(f.reduce_op, ctx.input_dtype(data[j])))
-      local.append(x)
+      local.append(_diagonal_blocks(ctx, x, shape, req, labels))
     outs = self.emit(ctx, node, local, axes_of)
     partial = _partial(f, axes_of)
     for o, out_labels in enumerate(f.outputs):
@@ -164,7 +202,7 @@ class FactorRule(Rule):
 
   def _cost(self, ctx, f, data, axes_of):
     mesh = ctx.mesh
-    cost = sum(ctx.operand_cost(data[j], Sharding(mesh, _dims_from(labels, axes_of)))
+    cost = sum(ctx.operand_cost(data[j], Sharding(mesh, _dims_from(labels, axes_of, ctx.current(data[j]))))
                for j, labels in enumerate(f.operands))
     partial = _partial(f, axes_of)
     return cost + sum(ctx.output_cost(o, Sharding(mesh, _dims_from(labels, axes_of)), partial)
@@ -176,6 +214,8 @@ class FactorRule(Rule):
     axes_of, used = {}, set()
     for o, out_labels in enumerate(f.outputs):
       target = ctx.target(o)
+      if not target.is_maximal:   # (an opaque result, e.g. a string, is completed as rank-free replicated)
+        target = target.with_rank(len(out_labels))
       for d, l in enumerate(out_labels):
         ax = () if target.is_maximal else target.dims[d]
         if l and l not in axes_of and not used & set(ax):

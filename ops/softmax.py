@@ -85,11 +85,12 @@ class SoftmaxCrossEntropy(FactorRule):
         c = xs.shard_shape(shape)[1]
         offsets = np.array([xs.tile_index(p, 1) * c for p in range(mesh.size)], np.int32)
         local_ids = tf.cast(labels, tf.int32) - ctx.lookup(offsets, f"class_offset_{c}")
-        onehot = tf.one_hot(local_ids, c, dtype=x.dtype)   # all zeros where the label lives on another device
-        picked = tf.reduce_sum(x * onehot, axis=-1, keepdims=True)
+        # Selected, not multiplied by a one-hot: a -inf logit (a masked class) or padding must not give 0 * inf.
+        hit = tf.one_hot(local_ids, c, on_value=True, off_value=False)   # no hit where another device holds it
+        picked = tf.reduce_sum(tf.where(hit, x, tf.zeros([], x.dtype)), axis=-1, keepdims=True)
         picked = ctx.backend.all_reduce(picked, c_axes, "Add", node.name, "label logit from the device holding it")
         loss = tf.squeeze(lse - picked, -1)
-        grad = e / s - onehot
+        grad = e / s - tf.cast(hit, x.dtype)
       else:
         lab = ctx.mask(labels, shape, xs, 1, 0.0) if shape[1] % xs.tiles(1) else labels
         xm = ctx.mask(x, shape, xs, 1, 0.0) if shape[1] % xs.tiles(1) else x

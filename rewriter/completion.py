@@ -5,7 +5,9 @@ a node is looked at again only when a neighbouring tensor changed) run in priori
 pass-through ops (element-wise, identity, parameters) propagate, round 1 adds contractions and reductions,
 round 3 everything, so shardings flow along cheap paths first.
 Annotations are pinned and never overwritten; conflicts are left for the partitioner, which reshards at
-the annotated boundary. All conflict resolution is in `merge`. Tensors nothing decides are replicated.
+the annotated boundary. An annotation that leaves dims open (XLA's unspecified dims, `P.UNCONSTRAINED`) is a
+partial pin: proposals may split its open dims (over mesh axes its pinned dims do not use), never change the
+pinned ones. All conflict resolution is in `merge`. Tensors nothing decides are replicated.
 """
 
 import tensorflow as tf
@@ -71,12 +73,30 @@ def body_program(parent, fname, arg_shapes, param_shardings, out_shardings):
   if key not in cache:
     gd, inputs, outputs = functions.body_graph_def(parent.graph_def.library, fname, arg_shapes)
     program = parent.replace(
-        fn=None, arg_specs=(), declared_in=tuple(param_shardings), arriving_in=tuple(param_shardings),
+        fn=None, arg_specs=(), declared_in=tuple(param_shardings), arriving_in=tuple(param_shardings), open_in=(),
         declared_out=tuple(out_shardings) if out_shardings else None, graph_def=gd, input_names=inputs,
-        output_refs=outputs, variable_names=(), variables=(), ir=None, annotations=None, shardings=None,
-        local_graph_def=None, report=None)
+        output_refs=outputs, variable_names=(), variables=(), ir=None, annotations=None, open_dims=None,
+        shardings=None, local_graph_def=None, report=None)
     cache[key] = run(import_annotations.run(program))
   return cache[key]
+
+
+def within(annotation, open_dims, cand):
+  """The part of proposal `cand` an annotation with `open_dims` takes: its pinned dims as annotated; an open dim
+  keeps the split the annotation starts it with (normally none), extended by the proposal's further axes as far
+  as they are axes the annotation does not use."""
+  if cand is None or cand.is_maximal or annotation.is_maximal:
+    return None
+  taken = set(annotation.used_axes)
+  dims = []
+  for d, axes in enumerate(annotation.dims):
+    if d in open_dims and cand.dims[d][:len(axes)] == axes:
+      for a in cand.dims[d][len(axes):]:
+        if a in taken:
+          break
+        axes += (a,)
+    dims.append(axes)
+  return Sharding(annotation.mesh, tuple(dims))
 
 
 def run(program, seed=None):
@@ -85,18 +105,21 @@ def run(program, seed=None):
   mesh = program.mesh
   shard = {}
   why = {}
+  open_dims = program.open_dims or {}
   for r, s in (seed or {}).items():
     shard[r] = s
     why[r] = (program.explanations or {}).get(r, "seeded")
   for r, s in program.annotations.items():
+    if r in open_dims and r in shard:   # a partial pin keeps a seed's split of its open dims
+      s = merge(s, within(s, open_dims[r], shard[r].with_rank(s.rank) if not shard[r].is_maximal else None))
     shard[r] = s
-    why[r] = "annotation"
+    why[r] = "annotation" + (f" (dims {list(open_dims[r])} left open)" if r in open_dims else "")
   pinned = set(program.annotations)
   rules = {n.name: (op_rules.lookup(n.op) or op_rules.FALLBACK) for n in ir.nodes}
   ctx = CompletionContext(program)
 
   def propose(r, cand, reason):
-    if r in pinned or cand is None:
+    if (r in pinned and r not in open_dims) or cand is None:
       return False
     info = ir.info(r)
     rank = info.sharding_rank
@@ -104,6 +127,9 @@ def run(program, seed=None):
       return False
     if not cand.is_maximal:
       cand = cand.with_rank(rank)
+    if r in pinned:   # a partial pin: only its open dims take the proposal
+      cand = within(program.annotations[r], open_dims[r], cand)
+      reason = f"{reason}, into the dims {list(open_dims[r])} the annotation leaves open"
     old = shard.get(r)
     new = merge(old, cand)
     if new != old:

@@ -302,8 +302,43 @@ def _partition_nodes(ctx):
         warnings.warn(f"tf_gspmd: op type {node.op} (first at {node.name}) has no partitioning rule; its operands "
                       "are replicated and it runs whole on every device", stacklevel=3)
       rule = op_rules.FALLBACK
-    rule.partition(ctx, node)
+    try:
+      rule.partition(ctx, node)
+    except PartitionError as e:
+      origins = _split_arguments_behind(program, node) if e.node == node.name else []
+      if not origins:
+        raise
+      raise PartitionError(f"{e.message}; it comes from {', '.join(origins)}: pass that argument replicated (P() in "
+                           "in_shardings) or convert it to a dtype TF collectives carry (floats, ints up to int64, "
+                           "bool; a complex tensor as tf.math.real and tf.math.imag)", node=e.node,
+                           op_type=e.op_type) from e
   ctx.node = None
+
+
+def _uncarried(dtype):
+  """Dtypes TF collectives carry neither natively nor through an exact cast (the backend refuses them)."""
+  return dtype.is_complex or dtype.is_quantized or dtype in (tf.uint64, tf.string, tf.variant)
+
+
+def _split_arguments_behind(program, node):
+  """'argument k (name) <dtype> split as P(...)' for every split argument of a dtype collectives cannot carry
+  that node's inputs derive from (so an error about such a value can name where it entered)."""
+  ir = program.ir
+  seen, stack, found = set(), list(node.inputs), []
+  while stack:
+    r = stack.pop()
+    name = split_ref(r)[0]
+    if name in seen:
+      continue
+    seen.add(name)
+    if name in ir.inputs:
+      k = ir.inputs.index(name)
+      s, dtype = program.param_shardings[k], ir.info(r).dtype
+      if _uncarried(dtype) and not s.is_maximal and not s.is_replicated:
+        found.append((k, f"argument {k} ({name}), {dtype.name} split as {s}"))
+      continue
+    stack.extend(ir.node(name).inputs)
+  return [text for _, text in sorted(found)]
 
 
 def _import_library(program):

@@ -36,6 +36,7 @@ class Program:
   arg_specs: Tuple[Any, ...]
   declared_in: Tuple[Any, ...]           # Sharding or None per argument (the function's in_shardings)
   arriving_in: Tuple[Any, ...]           # Sharding or None per argument (layout of ShardedTensor arguments)
+  open_in: Tuple[Any, ...] = ()          # per argument: the dims its in_shardings entry leaves open (P.UNCONSTRAINED)
   declared_out: Any = None               # None, or a tuple of Sharding-or-None per flattened output
   devices: Optional[Tuple[str, ...]] = None
   variable_layout: Any = None            # tf.Variable -> the Sharding it is stored in (pinned), or None
@@ -50,6 +51,7 @@ class Program:
   # import_annotations / complete
   ir: Any = None
   annotations: Any = None                # ref -> Sharding, pinned
+  open_dims: Any = None                  # ref -> dims an annotation leaves open (completion may split only those)
   shardings: Any = None                  # ref -> Sharding for every tensor
   explanations: Any = None               # ref -> why completion chose it
   param_shardings: Tuple[Any, ...] = ()

@@ -1,14 +1,22 @@
 """The trace pass: the user's Python function -> a global GraphDef with static input shapes.
 
 Captured variables stay parameters of the graph (resource handles, recorded with their tf.Variable);
-other captured tensors become constants.
+other captured tensors become constants. Results are dense tensors: an `IndexedSlices` result (the gradient of
+a gather with respect to its table) is densified in the graph, as `tf.convert_to_tensor` would; other composite
+results (SparseTensor, RaggedTensor, ...) are refused with the conversion that makes them dense.
 """
 
 import numpy as np
 import tensorflow as tf
 
 from tf_gspmd._annotations import mesh_scope
-from tf_gspmd.rewriter.graph_view import ref, split_ref
+from tf_gspmd.errors import InputError, ShapeError
+from tf_gspmd.rewriter.graph_view import node_def, ref, split_ref
+
+_CONVERSIONS = {
+    "SparseTensor": "tf.sparse.to_dense(x), or x.indices, x.values and x.dense_shape as separate results",
+    "RaggedTensor": "x.to_tensor() (padded), or x.flat_values and x.nested_row_splits as separate results",
+}
 
 
 def run(program):
@@ -27,10 +35,59 @@ def run(program):
   tensors = [(ph, value) for ph, value in captured if value.dtype != tf.resource]
   if tensors:
     gd = _inline_captures(gd, tensors)
-  outputs = [ref(*split_ref(t.name)) for t in cf.outputs]
+  gd, outputs, structure = _dense_results(gd, cf, getattr(program.fn, "__name__", "the function"))
   return program.replace(graph_def=gd, input_names=tuple(inputs), output_refs=tuple(outputs),
-                         output_structure=cf.structured_outputs, variable_names=tuple(n for n, _ in variables),
+                         output_structure=structure, variable_names=tuple(n for n, _ in variables),
                          variables=tuple(v for _, v in variables))
+
+
+def _dense_results(gd, cf, fname):
+  """(graph, one tensor ref per result, the results' structure with each result's index in place of it).
+
+  A result left None stays None (it has no tensor). An IndexedSlices becomes one dense tensor, summed over
+  repeated indices (UnsortedSegmentSum, what tf.convert_to_tensor builds).
+  """
+  leaves = tf.nest.flatten(cf.structured_outputs, expand_composites=False)
+  flat = [ref(*split_ref(t.name)) for t in cf.outputs]
+  out = tf.compat.v1.GraphDef()
+  out.CopyFrom(gd)
+  refs, slots, pos = [], [], 0
+  for k, leaf in enumerate(leaves):
+    if leaf is None:
+      slots.append(None)
+      continue
+    n = len(tf.nest.flatten(leaf, expand_composites=True))
+    parts, pos = flat[pos:pos + n], pos + n
+    if isinstance(leaf, tf.IndexedSlices):
+      parts = [_densify(out, leaf, parts, k, fname)]
+    elif not isinstance(leaf, tf.Tensor):
+      kind = type(leaf).__name__
+      fix = _CONVERSIONS.get(kind, "a dense tf.Tensor in its place")
+      raise InputError(f"a {kind} cannot be returned: a gs.function returns dense tensors; return {fix}",
+                       node=f"result {k} of {fname}")
+    slots.append(len(refs))
+    refs.append(parts[0])
+  return out, refs, tf.nest.pack_sequence_as(cf.structured_outputs, slots, expand_composites=False)
+
+
+def _densify(gd, slices, parts, k, fname):
+  """Append the dense value of IndexedSlices result `k` to `gd`; returns its ref."""
+  dense_shape = None if slices.dense_shape is None else tf.get_static_value(slices.dense_shape)
+  if dense_shape is None:
+    raise ShapeError("an IndexedSlices without a static dense shape cannot be returned densified; return "
+                     "x.values and x.indices as separate results", node=f"result {k} of {fname}")
+  values, indices = parts[0], parts[1]
+  name = f"gspmd/result_{k}/dense"
+  count = tf.compat.v1.AttrValue(tensor=tf.make_tensor_proto(np.int32(dense_shape[0])))
+  gd.node.extend([
+      node_def(f"{name}/rows", "Const", attrs={"dtype": tf.compat.v1.AttrValue(type=tf.int32.as_datatype_enum),
+                                                  "value": count}),
+      node_def(name, "UnsortedSegmentSum", [values, indices, f"{name}/rows"],
+               {"T": tf.compat.v1.AttrValue(type=slices.values.dtype.as_datatype_enum),
+                "Tindices": tf.compat.v1.AttrValue(type=slices.indices.dtype.as_datatype_enum),
+                "Tnumsegments": tf.compat.v1.AttrValue(type=tf.int32.as_datatype_enum)}),
+  ])
+  return ref(name)
 
 
 def _inline_captures(gd, captured):

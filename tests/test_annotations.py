@@ -7,6 +7,7 @@ from tensorflow.python.compiler.xla.experimental import xla_sharding
 
 import tf_gspmd as gs
 from tf_gspmd import P
+from tf_gspmd._annotations import decode_spec
 
 MESH = gs.Mesh((2, 4), ("data", "model"))
 
@@ -113,3 +114,37 @@ def test_gradient_of_an_annotation_is_annotated_alike(mesh):
     low = gs.function(f, mesh=MESH).lower(tf.TensorSpec([8, 16]))
     assert low.shardings["h"].spec == P("data", "model")
     assert low.shardings[backward.name].spec == P("data", "model")
+
+
+def _sharding_ops(fn, *specs):
+  graph = tf.function(fn).get_concrete_function(*specs).graph
+  return [(op.type, op.get_attr("sharding"), list(op.get_attr("unspecified_dims")), op.get_attr("_XlaSharding"))
+          for op in graph.get_operations() if op.type == "XlaSharding"]
+
+
+def test_open_dims_write_what_tf_writes():
+  """P.UNCONSTRAINED (gs.shard) and unspecified_dims (gs.mesh_split) write TF's XlaSharding op with its
+  unspecified_dims, byte for byte what xla_sharding.mesh_split(..., unspecified_dims=...) writes."""
+  spec = tf.TensorSpec([8, 16])
+  theirs = _sharding_ops(lambda x: xla_sharding.mesh_split(x * 1, MESH.device_ids, [0, -1], use_sharding_op=True,
+                                                           unspecified_dims=[1]) * 2, spec)
+  ours = _sharding_ops(lambda x: gs.shard(x * 1, P("data", P.UNCONSTRAINED), mesh=MESH) * 2, spec)
+  split = _sharding_ops(lambda x: gs.mesh_split(x * 1, MESH.device_ids, [0, -1], unspecified_dims=[1]) * 2, spec)
+  assert ours == theirs == split and len(ours) == 1
+
+
+def test_open_dims_without_a_mesh_wait_for_the_gs_function():
+  def f(x):
+    return gs.shard(x * 2.0, P(P.UNCONSTRAINED, "model"), name="h") + 1.0
+
+  graph = tf.function(f).get_concrete_function(tf.TensorSpec([8, 16])).graph
+  (op,) = [op for op in graph.get_operations() if "_gspmd_spec" in op.node_def.attr]
+  assert decode_spec(op.get_attr("_gspmd_spec")) == P(P.UNCONSTRAINED, "model")
+  low = gs.function(f, mesh=MESH, in_shardings=P("data", None)).lower(tf.TensorSpec([8, 16]))
+  assert low.shardings["h"].spec == P("data", "model")   # dim 0 from the argument, dim 1 as annotated
+
+
+def test_open_dims_out_of_range():
+  with pytest.raises(gs.SpecError, match=r"open dims \[2\].*rank 2"):
+    tf.function(lambda x: gs.mesh_split(x, MESH.device_ids, [0, -1], unspecified_dims=[2])).get_concrete_function(
+        tf.TensorSpec([4, 4]))

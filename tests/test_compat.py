@@ -129,6 +129,34 @@ def test_xla_mesh_split_sharding_writes_tile_assignment():
   assert list(proto.tile_assignment_devices) == [1, 0, 3, 2]
 
 
+def test_xla_sharding_op_matches_tf_mesh_split_with_unspecified_dims():
+  from tensorflow.python.compiler.xla.experimental import xla_sharding  # pylint: disable=g-import-not-at-top
+  proto = _compat.xla_mesh_split_sharding(np.arange(8).reshape(2, 4), [0, -1]).SerializeToString()
+
+  def annotated(build):
+    @tf.function
+    def f(x):
+      with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = build(x * 1.0)
+        loss = tf.reduce_sum(y * y)
+      return y, tape.gradient(loss, x)
+
+    graph = f.get_concrete_function(tf.TensorSpec([8, 8])).graph
+    ops = [op for op in graph.get_operations() if op.type == "XlaSharding"]
+    return [(op.get_attr("sharding"), list(op.get_attr("unspecified_dims")), op.get_attr("_XlaSharding"))
+            for op in ops], f
+
+  ours, f = annotated(lambda x: _compat.xla_sharding_op(x, proto, [1], name="h"))
+  theirs, _ = annotated(lambda x: xla_sharding.mesh_split(x, np.arange(8).reshape(2, 4), [0, -1],
+                                                          use_sharding_op=True, unspecified_dims=[1]))
+  assert ours == theirs and len(ours) == 2 and ours[0] == (proto, [1], proto)   # the gradient is annotated too
+  x = np.arange(64, dtype=np.float32).reshape(8, 8)
+  y, g = f(x)
+  assert_close(y, x)
+  assert_close(g, 2 * x)
+
+
 # ---- Resource variables ------------------------------------------------------------------------------------------
 
 def test_resource_variable_reads_writes_and_uninitialized_creation():

@@ -143,6 +143,26 @@ def test_uneven_contracting_dim_is_masked(rng, rows):
   assert_close(f(a, b).numpy(), tf.exp(a) @ tf.exp(b), rtol=1e-5)
 
 
+@pytest.mark.parametrize("mesh_shape", [(8,), (2, 4)])
+def test_inf_and_nan_in_padding_never_leak(rng, mesh_shape):
+  """Padding of an uneven split holds whatever ops make of it (log(0) = -inf, 1/0 = inf, 0/0 = NaN): reductions
+  and contractions over the split dim select it away, so the finite real values give finite results."""
+  mesh = gs.Mesh(mesh_shape, ("a",) if len(mesh_shape) == 1 else ("a", "b"))
+  spec = P(None, "a") if len(mesh_shape) == 1 else P(None, ("a", "b"))
+  x = rng.uniform(0.5, 2.0, (6, 13)).astype(np.float32)          # 13 columns over 8 devices: 3 padded
+  w = rng.standard_normal((13, 5)).astype(np.float32)
+
+  def fn(a, b):
+    logs, inv, nan = tf.math.log(a), 1.0 / a, a / a              # padding (zeros): -inf, inf, NaN
+    return (tf.reduce_sum(logs, 1), tf.reduce_max(inv, 1), tf.reduce_min(logs, 1), tf.reduce_mean(nan, 1),
+            tf.reduce_prod(nan, 1), inv @ b, tf.argmax(inv, 1), tf.nn.softmax(logs)[:, :4])
+
+  f = gs.function(fn, mesh=mesh, in_shardings=(spec, P(spec[1], None)), out_shardings=P())
+  for got, want in zip(f(x, w), fn(tf.constant(x), tf.constant(w))):
+    assert np.all(np.isfinite(got.numpy()))
+    assert_close(got.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_sharded_tensor_passes_back_without_moving_data(rng):
   f = gs.function(lambda x: x * 2.0, mesh=MESH24, in_shardings=P("data", "model"))
   x = rng.standard_normal((8, 8), np.float32)
@@ -261,3 +281,111 @@ def test_tf_function_dict_outputs_int_dtypes_and_maximal():
   np.testing.assert_array_equal(out["s"].numpy(), a + b)
   np.testing.assert_array_equal(out["m"].numpy(), a.max(axis=0))
   assert gs.sharding_of(out["s"]) == out["s"].sharding and gs.sharding_of(a) is None
+
+
+def test_indexed_slices_result_is_returned_dense(rng):
+  """The gradient of a gather with respect to its table (IndexedSlices) comes back dense, repeated ids summed."""
+  def grad(table, ids):
+    with tf.GradientTape() as tape:
+      tape.watch(table)
+      loss = tf.reduce_sum(tf.gather(table, ids) ** 2)
+    return {"loss": loss, "grad": tape.gradient(loss, table), "nothing": None}
+
+  table = rng.standard_normal((16, 4)).astype(np.float32)
+  ids = np.array([1, 3, 3, 15], np.int32)
+  want = grad(tf.constant(table), tf.constant(ids))
+  assert isinstance(want["grad"], tf.IndexedSlices)
+  for specs in [(P("batch", None), P()), (P(None, "batch"), P("batch"))]:
+    f = gs.function(grad, mesh=MESH8, in_shardings=specs, out_shardings=(specs[0], P()))   # grad, loss
+    got = f(table, ids)
+    assert got["nothing"] is None and got["grad"].sharding.spec == specs[0]
+    assert_close(got["grad"].numpy(), tf.convert_to_tensor(want["grad"]))
+    assert_close(got["loss"].numpy(), want["loss"])
+
+
+@pytest.mark.parametrize("kind,fn,fix", [
+    ("SparseTensor", lambda x: (x, tf.SparseTensor([[0, 0], [1, 2]], x[:2], [8, 8])), "tf.sparse.to_dense"),
+    ("RaggedTensor", lambda x: tf.RaggedTensor.from_row_lengths(x, [2, 6]), r"x.to_tensor\(\)"),
+])
+def test_other_composite_results_are_a_typed_error(kind, fn, fix):
+  with pytest.raises(gs.InputError, match=rf"result {1 if kind == 'SparseTensor' else 0} of .*{kind}.*{fix}"):
+    gs.function(fn, mesh=MESH8, in_shardings=P("batch")).lower(tf.TensorSpec([8]))
+
+
+WORDS = np.array([b"a", b"bb", b"ccc", b"", b"e", b"ff", b"g", b"hhhh"])
+
+
+def test_split_string_argument_is_a_typed_error():
+  f = gs.function(lambda x: tf.strings.length(x), mesh=MESH8, in_shardings=P("batch"))
+  with pytest.raises(gs.InputError, match=r"argument 0 \(x\) is a string tensor laid out as P\('batch'\).*"
+                                          r"pass it replicated"):
+    f(WORDS)
+  with pytest.raises(gs.InputError, match=r"argument 0 \(x\)"):
+    f.lower(tf.TensorSpec([8], tf.string))
+
+
+def test_replicated_strings_pass_through_and_feed_ops():
+  def fn(x, y):
+    return x, tf.strings.length(x) + y, tf.strings.join([x, x])
+
+  f = gs.function(fn, mesh=MESH8, in_shardings=(None, P("batch")))
+  y = np.arange(8, dtype=np.int32)
+  for got, want in zip(f(WORDS, y), fn(tf.constant(WORDS), tf.constant(y))):
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def test_splitting_a_string_annotation_is_a_typed_error():
+  f = gs.function(lambda x: tf.strings.length(gs.shard(tf.identity(x, name="w"), P("batch"), name="ws")),
+                  mesh=MESH8)
+  with pytest.raises(gs.SpecError, match=r"ws is a string tensor, which cannot be split"):
+    f.lower(tf.TensorSpec([8], tf.string))
+
+
+def test_dtype_collectives_cannot_carry_names_the_argument(rng):
+  x = (rng.standard_normal(8) + 1j * rng.standard_normal(8)).astype(np.complex64)
+  f = gs.function(lambda a: a * a, mesh=MESH8, in_shardings=P("batch"))   # element-wise: nothing to move
+  assert_close(f(x).numpy(), x * x)
+  f = gs.function(lambda a: tf.reduce_sum(a * a), mesh=MESH8, in_shardings=P("batch"))
+  with pytest.raises(gs.PartitionError, match=r"complex64.*argument 0 \(a\), complex64 split as P\('batch'\).*"
+                                              r"tf.math.real"):
+    f.lower(tf.TensorSpec([8], tf.complex64))
+
+
+OPEN_COLUMNS = {   # rows pinned to "data", columns left to completion: both spellings
+    "gs.shard": lambda t: gs.shard(t, P("data", P.UNCONSTRAINED)),
+    "xla_sharding": lambda t: xla_sharding.mesh_split(t, MESH24.device_ids, [0, -1], use_sharding_op=True,
+                                                      unspecified_dims=[1]),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(OPEN_COLUMNS))
+def test_open_dims_are_completed_and_honoured(rng, spelling):
+  """An annotation with an open dim: the pinned dim stays, the open one is split as the program wants, and the
+  partitioned step (forward and gradient) gives the unpartitioned results."""
+  def step(x, w1, w2):
+    with tf.GradientTape() as tape:
+      tape.watch(w1)
+      h = tf.identity(OPEN_COLUMNS[spelling](tf.nn.gelu(x @ w1)), name="h")
+      loss = tf.reduce_sum((h @ w2) ** 2)
+    return loss, tape.gradient(loss, w1)
+
+  f = gs.function(step, mesh=MESH24, in_shardings=(None, P(None, "model"), None))
+  x = rng.standard_normal((8, 16)).astype(np.float32)
+  w1 = (rng.standard_normal((16, 32)) * 0.2).astype(np.float32)
+  w2 = (rng.standard_normal((32, 4)) * 0.2).astype(np.float32)
+  low = f.lower(*[tf.TensorSpec(a.shape) for a in (x, w1, w2)])
+  assert low.shardings["h"].spec == P("data", "model")       # columns over "model" from w1; rows as annotated
+  assert low.shardings["x"].spec == P("data", None) and low.shardings["w2"].spec == P("model", None)
+  for got, want in zip(f(x, w1, w2), tf.function(step)(x, w1, w2)):
+    assert_close(got.numpy(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_open_in_shardings_take_an_arriving_layout_that_keeps_the_pinned_dims(rng):
+  f = gs.function(lambda x: x * 2.0, mesh=MESH24, in_shardings=P("data", P.UNCONSTRAINED))
+  x = rng.standard_normal((8, 8)).astype(np.float32)
+  assert_close(f(x).numpy(), x * 2.0)   # scattered in the completed layout
+  for layout, moved in ((P("data", "model"), False), (P("model", None), True)):
+    arg = gs.function(tf.identity, mesh=MESH24, in_shardings=layout)(x)
+    low = f.lower(tf.TensorSpec([8, 8]), arg_shardings=(arg.sharding,))
+    assert bool(low.report.collectives) == moved
+    assert_close(f(arg).numpy(), x * 2.0)

@@ -1,5 +1,7 @@
 """Mesh and P: validation, hashing, text."""
 
+import pickle
+
 import numpy as np
 import pytest
 
@@ -58,3 +60,11 @@ def test_partition_spec():
   assert hash(P("a", None)) == hash(P("a", None))
   with pytest.raises(gs.SpecError, match="entries"):
     P(3)
+
+
+def test_unconstrained_entry():
+  spec = P("data", P.UNCONSTRAINED, ("a", "b"))
+  assert spec.open_dims == (1,) and spec.axes(1) == () and spec.closed() == P("data", None, ("a", "b"))
+  assert repr(spec) == "P('data', P.UNCONSTRAINED, ('a', 'b'))"
+  assert pickle.loads(pickle.dumps(spec)) == spec and P(P.UNCONSTRAINED) != P(None)
+  assert hash(P("a", P.UNCONSTRAINED)) == hash(P("a", P.UNCONSTRAINED))

@@ -9,6 +9,7 @@ from tensorflow.python.compiler.xla.experimental import xla_sharding
 
 import tf_gspmd as gs
 from tf_gspmd import P
+from tf_gspmd._sharding import to_annotation
 
 MESH22 = gs.Mesh((2, 2), ("a", "b"))
 MESH24 = gs.Mesh((2, 4), ("data", "model"))
@@ -120,3 +121,12 @@ def test_spec_errors(spec, msg):
 def test_spec_longer_than_rank():
   with pytest.raises(gs.SpecError, match="has rank 1"):
     gs.Sharding.from_spec(MESH24, P("data", None), rank=1, what="w")
+
+
+def test_open_dims_only_where_completion_decides():
+  with pytest.raises(gs.SpecError, match=r"leaves dimension 1 of w open \(P.UNCONSTRAINED\).*in_shardings"):
+    gs.Sharding.from_spec(MESH24, P("data", P.UNCONSTRAINED), what="w")
+  s, open_dims = to_annotation(P("data", P.UNCONSTRAINED), MESH24, rank=3)
+  assert s == gs.Sharding.from_spec(MESH24, P("data", None, None)) and open_dims == (1,)
+  assert to_annotation(P("data"), MESH24) == (gs.Sharding.from_spec(MESH24, P("data")), ())
+  assert to_annotation(None, MESH24) == (None, ())

@@ -1,8 +1,10 @@
 """Sharding annotations inside a tf.function: `mesh_split` (the GSPMD paper's API), `shard`, `replicate`.
 
 An annotation is an Identity op carrying the `_XlaSharding` attribute, the same serialized OpSharding that
-TensorFlow's own `xla_sharding` writes, so graphs annotated either way read the same. Outside a graph
-(eager) the annotations check their arguments and return the tensor unchanged.
+TensorFlow's own `xla_sharding` writes, so graphs annotated either way read the same. An annotation that leaves
+dims open (`P.UNCONSTRAINED`, `unspecified_dims`) is TF's XlaSharding op with those `unspecified_dims`, as
+`xla_sharding.mesh_split(..., use_sharding_op=True, unspecified_dims=...)` writes it. Outside a graph (eager)
+the annotations check their arguments and return the tensor unchanged.
 """
 
 import contextlib
@@ -14,7 +16,7 @@ import tensorflow as tf
 
 from tf_gspmd import _compat
 from tf_gspmd._mesh import Mesh, P
-from tf_gspmd._sharding import Sharding, to_sharding
+from tf_gspmd._sharding import Sharding, to_annotation
 from tf_gspmd.errors import MeshError, ShapeError, SpecError
 
 SHARDING_ATTR = "_XlaSharding"
@@ -45,16 +47,22 @@ def _tensor_name(t):
     return "<eager tensor>"
 
 
-def _annotate(t, sharding, name=None):
+def _annotate(t, sharding, name=None, open_dims=()):
   t = tf.convert_to_tensor(t)
   rank = t.shape.rank
   if rank is None:
     raise ShapeError("cannot annotate a tensor of unknown rank; give the tf.function an input_signature or "
                      "TensorSpecs with static shapes", node=_tensor_name(t))
   sharding = sharding.with_rank(rank, what=_tensor_name(t)) if sharding.dims else sharding
+  open_dims = sorted({int(d) for d in open_dims})
+  if open_dims and (open_dims[0] < 0 or open_dims[-1] >= rank):
+    raise SpecError(f"open dims {open_dims} are not dimensions of a tensor of rank {rank}", node=_tensor_name(t))
   if tf.executing_eagerly():
     return t
-  return _annotated_identity(t, SHARDING_ATTR, sharding.to_proto().SerializeToString(), name)
+  proto = sharding.to_proto().SerializeToString()
+  if open_dims:
+    return _compat.xla_sharding_op(t, proto, open_dims, name)
+  return _annotated_identity(t, SHARDING_ATTR, proto, name)
 
 
 def _annotated_identity(t, attr, value, name):
@@ -78,7 +86,7 @@ def _mesh_from_device_mesh(device_mesh, mesh):
   return Mesh(device_mesh.shape, names)
 
 
-def mesh_split(tensor, device_mesh, dims_mapping, name=None):
+def mesh_split(tensor, device_mesh, dims_mapping, name=None, unspecified_dims=None):
   """Annotates `tensor` as split over `device_mesh` (GSPMD's `mesh_split`).
 
   Args:
@@ -86,12 +94,15 @@ def mesh_split(tensor, device_mesh, dims_mapping, name=None):
     device_mesh: an np.ndarray of device ids (mesh positions) or a `gs.Mesh`.
     dims_mapping: one entry per tensor dimension: the mesh dimension that splits it, or -1.
     name: optional name of the annotated tensor (its key in `Lowered.shardings`).
+    unspecified_dims: optional tensor dimensions left open (give them -1 in `dims_mapping`): completion
+      chooses their split, the other dimensions are pinned (TF's `xla_sharding.mesh_split` argument).
 
   Returns:
     The annotated tensor (use it in place of `tensor`).
 
   Example:
     >>> y = mesh_split(x, np.arange(8).reshape(2, 4), [0, -1])   # rows split over mesh dim 0
+    >>> y = mesh_split(x, np.arange(8).reshape(2, 4), [0, -1], unspecified_dims=[1])   # columns: completion's
   """
   t = tf.convert_to_tensor(tensor)
   what = _tensor_name(t)
@@ -118,7 +129,7 @@ def mesh_split(tensor, device_mesh, dims_mapping, name=None):
     # A permuted device_mesh: write exactly what TF would, then read it back over the mesh.
     proto = _compat.xla_mesh_split_sharding(ids, dims_mapping)
     sharding = Sharding.from_proto(proto, mesh, what=what)
-  return _annotate(t, sharding, name)
+  return _annotate(t, sharding, name, unspecified_dims or ())
 
 
 def shard(tensor, spec, mesh=None, name=None):
@@ -126,7 +137,11 @@ def shard(tensor, spec, mesh=None, name=None):
 
   The mesh is `mesh`, else the enclosing `gs.function`'s. Traced by plain TF (no mesh known yet), the
   annotation is kept by name and resolved when a gs.function lowers the graph; run eagerly it is a no-op,
-  so the same model code runs unpartitioned.
+  so the same model code runs unpartitioned. A `P.UNCONSTRAINED` entry leaves that dim to completion (it may
+  split it over mesh axes the other dims do not use); the other dims are pinned as given.
+
+  Example:
+    >>> h = shard(h, P("data", P.UNCONSTRAINED))   # rows over "data"; columns as the neighbours want
   """
   t = tf.convert_to_tensor(tensor)
   mesh = mesh or current_mesh()
@@ -137,15 +152,19 @@ def shard(tensor, spec, mesh=None, name=None):
     if tf.executing_eagerly():
       return t
     return _annotated_identity(t, SPEC_ATTR, encode_spec(spec), name)
-  return _annotate(t, to_sharding(spec, mesh, rank=t.shape.rank, what=_tensor_name(t)), name)
+  sharding, open_dims = to_annotation(spec, mesh, rank=t.shape.rank, what=_tensor_name(t))
+  return _annotate(t, sharding, name, open_dims)
+
+
+_OPEN = "UNCONSTRAINED"   # a P.UNCONSTRAINED entry in an encoded spec
 
 
 def encode_spec(spec):
-  return json.dumps([list(spec.axes(i)) for i in range(len(spec))]).encode()
+  return json.dumps([_OPEN if e is P.UNCONSTRAINED else list(spec.axes(i)) for i, e in enumerate(spec)]).encode()
 
 
 def decode_spec(raw):
-  return P(*[tuple(e) if e else None for e in json.loads(raw)])
+  return P(*[P.UNCONSTRAINED if e == _OPEN else tuple(e) if e else None for e in json.loads(raw)])
 
 
 def replicate(tensor, mesh=None, name=None):

@@ -11,6 +11,7 @@ Core layer: imports only tensorflow, keras (lazily: the core does not need Keras
 import threading
 
 import tensorflow as tf
+from tensorflow.compiler.tf2xla.python import xla as _tf2xla
 from tensorflow.compiler.xla import xla_data_pb2 as _xla_data_pb2
 from tensorflow.core.framework import cpp_shape_inference_pb2 as _cpp_shape_inference_pb2
 from tensorflow.python.compiler.xla.experimental import xla_sharding as _xla_sharding
@@ -96,6 +97,16 @@ def xla_data_pb2():
 def xla_mesh_split_sharding(device_mesh, dims_mapping):
   """The OpSharding proto TF's `xla_sharding.mesh_split` writes for `device_mesh` (device ids) and `dims_mapping`."""
   return _xla_sharding.mesh_split_sharding(device_mesh, dims_mapping).proto
+
+
+def xla_sharding_op(t, sharding, unspecified_dims, name=None):
+  """TF's XlaSharding op on `t`, as `xla_sharding.mesh_split(..., use_sharding_op=True, unspecified_dims=...)`
+  builds it (the serialized OpSharding `sharding` as its `sharding` and `_XlaSharding` attributes): the one
+  encoding TF has for an annotation that leaves dims open. TF registers its gradient (the same annotation on the
+  gradient). No public API builds the op."""
+  out = _tf2xla.sharding(t, sharding=sharding, unspecified_dims=list(unspecified_dims), name=name)
+  out.op._set_attr("_XlaSharding", tf.compat.v1.AttrValue(s=sharding))  # pylint: disable=protected-access
+  return out
 
 
 # ---- Resource variables (TF 2.21) --------------------------------------------------------------------------------

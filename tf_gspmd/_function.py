@@ -7,7 +7,7 @@ import tensorflow as tf
 from absl import logging
 
 from tf_gspmd._mesh import Mesh, P
-from tf_gspmd._sharding import Sharding, to_sharding
+from tf_gspmd._sharding import Sharding, to_annotation
 from tf_gspmd._visualize import visualize_sharding
 from tf_gspmd.errors import InputError, MeshError, ShapeError
 from tf_gspmd.rewriter import pipeline
@@ -117,7 +117,7 @@ class ShardedFunction:
     elif not isinstance(raw, (tuple, list)) or len(raw) != n:
       raise InputError(f"in_shardings has {len(raw) if isinstance(raw, (tuple, list)) else 1} entries but the "
                        f"function was called with {n} arguments; give one spec per argument")
-    return tuple(to_sharding(s, self.mesh, rank=spec.shape.rank, what=f"argument {k}")
+    return tuple(to_annotation(s, self.mesh, rank=spec.shape.rank, what=f"argument {k}")
                  for k, (s, spec) in enumerate(zip(raw, specs)))
 
   def _declared_out(self):
@@ -157,7 +157,8 @@ class ShardedFunction:
                      _retrace_reason(previous[-1], key))
     declared_in = self._declared_in(specs)
     program = pipeline.Program(fn=self.fn, mesh=self.mesh, options=self.options, arg_specs=specs,
-                               declared_in=declared_in, arriving_in=arriving, devices=devices,
+                               declared_in=tuple(s for s, _ in declared_in),
+                               open_in=tuple(o for _, o in declared_in), arriving_in=arriving, devices=devices,
                                variable_layout=functools.partial(_state.layout_of, mesh=self.mesh))
     program = pipeline.run(program.replace(declared_out=self._declared_out()))
     lowered = Lowered(program)
@@ -179,8 +180,8 @@ class ShardedFunction:
         arriving.append(None)
     lowered = self._lower(tuple(specs), tuple(arriving), self.mesh.resolve_devices())
     flat = lowered.executable()(args)
-    structure = lowered.program.output_structure
-    return tf.nest.pack_sequence_as(structure, flat, expand_composites=False) if structure is not None else None
+    # The traced structure holds each result's index in `flat` (None for a result that was None).
+    return tf.nest.map_structure(lambda k: None if k is None else flat[k], lowered.program.output_structure)
 
 
 def _retrace_reason(old, new):
@@ -216,8 +217,9 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=Fal
     fn: a Python function or tf.function taking tensors.
     mesh: the `gs.Mesh`.
     in_shardings: one `P`/`Sharding` (or None = let completion decide) per positional argument, or one
-      for all of them.
-    out_shardings: one spec per flattened output, one for all, or None (completion decides).
+      for all of them. A `P.UNCONSTRAINED` entry leaves that dim to completion and pins the others.
+    out_shardings: one spec per flattened output, one for all, or None (completion decides); `P.UNCONSTRAINED`
+      entries as for in_shardings.
     strict: raise instead of running ops without a partitioning rule replicated.
     collective_timeout: seconds before a stuck collective raises DeadlineExceededError.
     weight_update_sharding: split optimizer state and the weight update over a data-parallel mesh axis (True:

@@ -9,22 +9,45 @@ import numpy as np
 from tf_gspmd.errors import MeshError, SpecError
 
 
+class _Unconstrained:
+  """The `P.UNCONSTRAINED` entry: a dimension whose split completion decides (the annotation leaves it open)."""
+
+  _instance = None
+
+  def __new__(cls):
+    if cls._instance is None:
+      cls._instance = super().__new__(cls)
+    return cls._instance
+
+  def __repr__(self):
+    return "P.UNCONSTRAINED"
+
+  def __reduce__(self):
+    return (_Unconstrained, ())
+
+
 class P(tuple):
   """A partition spec: one entry per tensor dimension.
 
-  Each entry is ``None`` (dimension not split), a mesh axis name, or a tuple of mesh axis names (the
-  dimension is split over several axes, major first). A spec shorter than the tensor's rank leaves the
-  trailing dimensions unsplit; ``P()`` is fully replicated for any rank.
+  Each entry is ``None`` (dimension not split), a mesh axis name, a tuple of mesh axis names (the
+  dimension is split over several axes, major first), or ``P.UNCONSTRAINED`` (the dimension is left open:
+  completion chooses its split, as XLA's unspecified dims and JAX's ``P.UNCONSTRAINED``; only annotations
+  and in/out shardings take it). A spec shorter than the tensor's rank leaves the trailing dimensions
+  unsplit; ``P()`` is fully replicated for any rank.
 
   Example:
     >>> P("data", None)
     P('data', None)
+    >>> P("data", P.UNCONSTRAINED).open_dims
+    (1,)
   """
+
+  UNCONSTRAINED = _Unconstrained()
 
   def __new__(cls, *entries):
     norm = []
     for e in entries:
-      if e is None or isinstance(e, str):
+      if e is None or isinstance(e, (str, _Unconstrained)):
         norm.append(e)
       elif isinstance(e, (tuple, list)) and all(isinstance(a, str) for a in e):
         e = tuple(e)
@@ -38,9 +61,18 @@ class P(tuple):
     if i >= len(self):
       return ()
     e = self[i]
-    if e is None:
+    if e is None or e is P.UNCONSTRAINED:
       return ()
     return (e,) if isinstance(e, str) else tuple(e)
+
+  @property
+  def open_dims(self):
+    """The dimensions left to completion (`P.UNCONSTRAINED` entries)."""
+    return tuple(i for i, e in enumerate(self) if e is P.UNCONSTRAINED)
+
+  def closed(self):
+    """This spec with its open dimensions unsplit (what they start from before completion refines them)."""
+    return P(*[None if e is P.UNCONSTRAINED else e for e in self])
 
   def __repr__(self):
     return "P(" + ", ".join(repr(e) for e in self) + ")"

@@ -73,6 +73,10 @@ class Sharding:
     """Sharding of a tensor of rank `rank` (default len(spec)) split as `spec` over `mesh`."""
     if not isinstance(spec, P):
       spec = P(*spec)
+    if spec.open_dims:
+      raise SpecError(f"{spec} leaves dimension {spec.open_dims[0]} of {what or 'the tensor'} open "
+                      "(P.UNCONSTRAINED), but a layout is needed here; leave dimensions to completion only in "
+                      "annotations (gs.shard) and in gs.function's in_shardings/out_shardings", node=what)
     if rank is not None and len(spec) > rank:
       raise SpecError(f"{spec} has {len(spec)} entries but {what or 'the tensor'} has rank {rank}; "
                       f"give at most {rank} entries", node=what)
@@ -271,6 +275,16 @@ def _axis_assignments(mesh, tiles):
 
 def _text(proto):
   return "{" + ",".join(f"{f.name}={v}" for f, v in proto.ListFields()).replace("\n", " ") + "}"
+
+
+def to_annotation(value, mesh, rank=None, what=None):
+  """`(Sharding, open dims)` of an annotation: like `to_sharding`, but a `P` may leave dims open
+  (`P.UNCONSTRAINED`): they start unsplit and completion may split them; the other dims are pinned."""
+  if isinstance(value, (tuple, list)) and not isinstance(value, P):
+    value = P(*value)
+  if isinstance(value, P) and value.open_dims:
+    return to_sharding(value.closed(), mesh, rank, what), value.open_dims
+  return to_sharding(value, mesh, rank, what), ()
 
 
 def to_sharding(value, mesh, rank=None, what=None):

@@ -8,6 +8,7 @@ class ShardingError(ValueError):
   """Base class of all tf_gspmd errors about shardings, meshes and programs.
 
   Attributes:
+    message: what is wrong and how to fix it (the text without the node prefix).
     node: name of the graph node or tensor the error is about, when known.
     op_type: TF op type of that node, when known.
   """
@@ -16,6 +17,7 @@ class ShardingError(ValueError):
   ag_pass_through = True
 
   def __init__(self, message, node=None, op_type=None):
+    self.message = message
     self.node = node
     self.op_type = op_type
     where = ""
@@ -45,4 +47,5 @@ class PartitionError(ShardingError):
 
 
 class InputError(ShardingError):
-  """Arguments passed to a gs.function do not match what it was declared with."""
+  """A gs.function's arguments do not match its declaration, or it is given or returns a value it cannot
+  carry (e.g. a split string argument, a SparseTensor result)."""

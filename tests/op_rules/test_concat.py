@@ -43,3 +43,16 @@ def test_concat_along_a_split_dim_matches(rng, mesh_shape, spec, shape):
 
   f = gs.function(fn, mesh=mesh, in_shardings=spec, out_shardings=spec)
   assert_close(f(x).numpy(), fn(tf.constant(x)), rtol=1e-6, atol=1e-6)
+
+
+def test_concat_along_a_split_dim_keeps_signed_zeros_and_nans():
+  """Each row of the result is selected from the operand it comes from (no sum of zero-filled windows)."""
+  mesh = gs.Mesh((4,), ("d",))
+  a = np.array([[-0.0, np.nan]], np.float32)
+  b = np.array([[-0.0, np.inf], [3.0, -0.0], [np.nan, -1.0]], np.float32)
+  fn = lambda x, y: tf.concat([x, y], 0)
+  f = gs.function(fn, mesh=mesh, in_shardings=(P("d", None), P("d", None)), out_shardings=P("d", None))
+  assert "all-gather" not in f.lower(tf.TensorSpec(a.shape), tf.TensorSpec(b.shape)).report.counts()   # windows
+  got, want = f(a, b).numpy(), fn(a, b).numpy()
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(np.signbit(got), np.signbit(want))

@@ -48,6 +48,23 @@ def test_sparse_cross_entropy_split_classes(rng, classes):
   assert max(c.bytes for c in low.report.collectives) <= 16 * 4
 
 
+@pytest.mark.parametrize("classes", [64, 61])
+def test_sparse_cross_entropy_with_masked_classes(rng, classes):
+  """-inf logits (masked classes) and -inf in the padding of the split class dim: the label logit is selected,
+  never multiplied by a one-hot (0 * -inf = NaN)."""
+  p = rng.uniform(0.1, 1.0, (16, classes)).astype(np.float32)
+  p[:, ::3] = 0.0                                   # masked classes: log(0) = -inf
+  labels = (3 * rng.integers(0, classes // 3, size=(16,)) + 1).astype(np.int32)
+
+  def fn(q, y):
+    return tf.reduce_mean(_xent(tf.math.log(q), y))   # the padding of q is 0 too: -inf there
+
+  f = gs.function(fn, mesh=MESH, in_shardings=(P("data", "model"), P("data")))
+  got = f(p, labels).numpy()
+  assert np.isfinite(got)
+  assert_close(got, fn(tf.constant(p), tf.constant(labels)), rtol=1e-5)
+
+
 def test_dense_cross_entropy_split_classes(rng):
   logits = rng.standard_normal((8, 24)).astype(np.float32)
   labels = tf.nn.softmax(rng.standard_normal((8, 24)).astype(np.float32)).numpy()

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.compiler.xla.experimental import xla_sharding
 from hypothesis import given, settings, strategies as st
 
 import tf_gspmd as gs
@@ -109,6 +110,58 @@ def test_annotation_is_pinned_and_conflict_left_for_partitioner():
   assert spec(low.shardings, "x") == P("data", None)
   assert spec(low.shardings, "out") == P(None, "model")
   assert low.report.counts() == {"all-gather": 1}
+
+
+def _open_tf(t, dims_mapping, open_dims):
+  return xla_sharding.mesh_split(t, MESH.device_ids, dims_mapping, use_sharding_op=True, unspecified_dims=open_dims)
+
+
+# The same annotation both ways: rows pinned to "data", columns left to completion.
+OPEN_ROWS = {
+    "gs.shard": lambda t: gs.shard(t, P("data", P.UNCONSTRAINED)),
+    "xla_sharding": lambda t: _open_tf(t, [0, -1], [1]),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(OPEN_ROWS))
+def test_open_dim_takes_its_split_from_propagation(spelling):
+  def f(x, w):
+    h = tf.identity(OPEN_ROWS[spelling](tf.tanh(x)), name="h")
+    return tf.identity(h @ w, name="y")
+
+  f_ = gs.function(f, mesh=MESH, in_shardings=(None, P("model", None)))
+  low = f_.lower(tf.TensorSpec([8, 16]), tf.TensorSpec([16, 4]))
+  assert spec(low.shardings, "h") == P("data", "model")     # columns from the matmul's contracting dim
+  assert spec(low.shardings, "x") == P("data", "model")
+  assert "leaves open" in low.explain()
+
+
+@pytest.mark.parametrize("spelling", sorted(OPEN_ROWS))
+def test_pinned_dims_of_an_open_annotation_never_change(spelling):
+  def f(x):
+    return tf.identity(OPEN_ROWS[spelling](tf.exp(x)) * 2.0, name="out")
+
+  # The argument proposes rows over "model": the pinned rows stay "data"; the open columns cannot be split by
+  # "data" (a pinned dim uses it) and take nothing else.
+  low = gs.function(f, mesh=MESH, in_shardings=P("model", "data")).lower(tf.TensorSpec([8, 8]))
+  assert spec(low.shardings, "out") == P("data", None)
+  # Columns over "model" are free to take.
+  low = gs.function(f, mesh=MESH, in_shardings=P(None, "model")).lower(tf.TensorSpec([8, 8]))
+  assert spec(low.shardings, "out") == P("data", "model")
+
+
+def test_open_dims_in_in_and_out_shardings():
+  def f(x, w):
+    return tf.identity(x @ w, name="y")
+
+  s = complete(f, (8, 16), (16, 4), in_shardings=(P(P.UNCONSTRAINED, None), P("model", None)),
+               out_shardings=P(P.UNCONSTRAINED, P.UNCONSTRAINED))
+  assert spec(s, "x") == P(None, None) and spec(s, "y") == P(None, None)   # x's contracting dim is pinned whole
+  s = complete(f, (8, 16), (16, 4), in_shardings=(P(P.UNCONSTRAINED, None), P(None, "model")),
+               out_shardings=P("data", P.UNCONSTRAINED))
+  assert spec(s, "x") == P("data", None) and spec(s, "y") == P("data", "model")
+  s = complete(f, (8, 16), (16, 4), in_shardings=(P(P.UNCONSTRAINED, "model"), None), out_shardings=P("data", None))
+  assert spec(s, "x") == P("data", "model") and spec(s, "w") == P("model", None)
 
 
 def test_unreached_tensors_are_replicated():
