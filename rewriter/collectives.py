@@ -26,7 +26,10 @@ EMITTED_OPS = frozenset({"CollectiveReduceV2", "CollectiveGatherV2", "Collective
 TF_COLLECTIVE_OPS = EMITTED_OPS | frozenset({   # every TF collective op type (a program may hold only ours)
     "CollectiveReduceScatterV2", "CollectiveBcastSendV2", "CollectiveBcastRecvV2", "CollectiveReduceV3",
     "CollectiveAllToAllV3", "CollectiveReduce", "CollectiveGather", "CollectiveBcastSend", "CollectiveBcastRecv"})
-XLA_LOWERED = frozenset({"CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2"})  # XLA GPU/TPU compiles
+# The collectives XLA compiles: TF 2.21's tf2xla registers an XLA kernel (XLA_CPU_JIT, XLA_GPU_JIT) for
+# CollectiveReduceV2 only, which sums or multiplies (`lowered_by_xla`); gathers, all-to-alls and broadcasts
+# have none and run outside XLA.
+XLA_LOWERED = frozenset({"CollectiveReduceV2"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,11 @@ def group_key(members):
       key = key % 0x3FFFFFFF + 1
     _group_keys[key] = tuple(members)
     return key
+
+
+def lowered_by_xla(node):
+  """Whether XLA compiles the collective NodeDef `node`: a type tf2xla lowers, with a merge its kernel takes."""
+  return node.op in XLA_LOWERED and node.attr["merge_op"].s in (b"Add", b"Mul")
 
 
 def next_instance_key():
