@@ -58,7 +58,7 @@ class Program:
   local_variables: Tuple[str, ...] = ()
   local_outputs: Tuple[str, ...] = ()
   side_effects: Tuple[str, ...] = ()
-  collective_ops: Any = None             # op name -> collectives.Emitted, every collective of the per-device program
+  collective_ops: Any = None             # op name -> report.Emitted, every collective of the per-device program
   report: Any = None
   jit: Optional[str] = None              # None (not compiled), "segments" (CPU) or "whole" (GPU, TPU)
   function_cache: Any = dataclasses.field(default_factory=dict, compare=False, repr=False)
