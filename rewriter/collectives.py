@@ -6,8 +6,16 @@ partition id. Group keys derive from the member device names (the same in every 
 come from one process-wide counter, so every program gets fresh, deterministic keys. No collective hangs:
 the runtime aborts a program's collectives past its deadline (DeadlineExceededError). The ops' own
 `timeout_seconds` stays 0 on purpose: TF starts a timer thread per collective per device for it.
+
+Widths: each tensor travels at its own width where TF's op takes its dtype. TF's collective OpDefs take
+only a few dtypes (their CPU kernels take every one of them; measured on TF 2.21, see `takes`), so data that
+only moves (all-gather, all-to-all, collective-permute) travels bit for bit in a dtype the op takes: bitcast
+when the widths match (uint32 as int32), packed several to an element otherwise (int8, uint8 and bool four
+to an int32, int16, uint16 and bfloat16 two). Data that is summed cannot be packed: an all-reduce carries
+the small integer types as int32 and sums bfloat16 as float32; the report names each carried form.
 """
 
+import functools
 import itertools
 import math
 import threading
@@ -16,6 +24,7 @@ import zlib
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd import _compat
 from tf_gspmd.errors import PartitionError
 from tf_gspmd.rewriter.report import CollectiveRecord, Emitted
 
@@ -65,29 +74,99 @@ def _rank_key(name):
   return (spec.job or "", spec.replica or 0, spec.task or 0, spec.device_type or "", spec.device_index or 0)
 
 
-_NATIVE = (tf.float32, tf.float16, tf.float64, tf.int32, tf.int64)
-_CARRIER = {tf.bool: tf.int32, tf.int8: tf.int32, tf.uint8: tf.int32, tf.int16: tf.int32, tf.uint16: tf.int32,
-            tf.bfloat16: tf.float32, tf.uint32: tf.int64}
+# ---- widths ---------------------------------------------------------------------------------------------------
+# The dtypes collectives move; TF's own where an op takes them, else carried as below.
+_MOVABLE = frozenset({tf.float32, tf.float16, tf.float64, tf.int32, tf.int64, tf.bool, tf.int8, tf.uint8, tf.int16,
+                      tf.uint16, tf.bfloat16, tf.uint32})
+# Wider dtypes that hold every value exactly, for arithmetic on a dtype CollectiveReduceV2 cannot sum.
+_WIDER = {tf.bool: tf.int32, tf.int8: tf.int32, tf.uint8: tf.int32, tf.int16: tf.int32, tf.uint16: tf.int32,
+          tf.bfloat16: tf.float32, tf.uint32: tf.int64}
+_EXACT_MERGES = ("Max", "Min")   # merges whose result needs no wider dtype
 
 
-def _carry(x, source):
-  """Cast `x` to a dtype TF's collectives accept (exactly representable), with the cast back."""
-  if x.dtype in _NATIVE:
-    return x, lambda y: y
-  if x.dtype not in _CARRIER:
-    raise PartitionError(f"TF collectives cannot carry {x.dtype.name} tensors; keep this tensor replicated",
+@functools.lru_cache(maxsize=None)
+def takes(op_type):
+  """The dtypes TF's collective op `op_type` takes (its OpDef's; the CPU kernels run all of them).
+
+  Measured on TF 2.21 over 8 logical CPUs: CollectiveReduceV2 and CollectiveAllToAllV2 take float16/32/64,
+  bfloat16, int32 and int64; CollectiveGatherV2 the same but bfloat16; CollectiveBcastSendV2/RecvV2 the same
+  but bfloat16, and bool. No collective takes an 8- or 16-bit integer or an unsigned type.
+  """
+  (attr,) = [a for a in _compat.op_def(op_type).attr if a.name == "T"]
+  return frozenset(tf.as_dtype(t) for t in attr.allowed_values.list.type)
+
+
+def _check(dtype, source):
+  if dtype not in _MOVABLE:
+    raise PartitionError(f"TF collectives cannot carry {dtype.name} tensors; keep this tensor replicated",
                          node=source)
-  dtype = x.dtype
-  return tf.cast(x, _CARRIER[dtype]), lambda y: tf.cast(y, dtype)
 
 
-def _carry_note(x, y):
-  return "" if x.dtype == y.dtype else f"{x.dtype.name} carried as {y.dtype.name}"
+def _moving(dtype, op_type, source):
+  """(carrier dtype, elements per carrier element) that move `dtype` through `op_type` bit for bit."""
+  _check(dtype, source)
+  if dtype in takes(op_type):
+    return dtype, 1
+  width = 1 if dtype == tf.bool else dtype.size   # bool moves as uint8
+  carrier = tf.int32 if width <= 4 else tf.int64
+  return carrier, carrier.size // width
+
+
+def _moving_note(dtype, carrier, per, op_type):
+  if carrier == dtype:
+    return ""
+  how = f"bitcast to {carrier.name}" if per == 1 else f"packed {per} to an {carrier.name}"
+  return f"{dtype.name} {how} ({op_type} takes no {dtype.name})"
+
+
+def _to_carrier(x, carrier, per, keep):
+  """`x` as `carrier`: bitcast (same width), or flattened after its first `keep` dims and packed `per` to an
+  element (the last one padded with zeros)."""
+  if per == 1:
+    return x if x.dtype == carrier else tf.bitcast(x, carrier)
+  shape = x.shape.as_list()
+  m = math.prod(shape[keep:])
+  x = tf.reshape(tf.cast(x, tf.uint8) if x.dtype == tf.bool else x, shape[:keep] + [m])
+  pad = -m % per
+  if pad:
+    x = tf.pad(x, [[0, 0]] * keep + [[0, pad]])
+  return tf.bitcast(tf.reshape(x, shape[:keep] + [(m + pad) // per, per]), carrier)
+
+
+def _from_carrier(y, dtype, per, tail):
+  """The inverse of `_to_carrier`: `y` back to `dtype`, its dims after the leading ones laid out as `tail`."""
+  if per == 1:
+    return y if y.dtype == dtype else tf.bitcast(y, dtype)
+  lead = y.shape.as_list()[:-1]
+  y = tf.bitcast(y, tf.uint8 if dtype == tf.bool else dtype)   # [..., n, per]
+  y = tf.slice(tf.reshape(y, lead + [-1]), [0] * (len(lead) + 1), lead + [math.prod(tail)])
+  y = tf.reshape(y, lead + list(tail))
+  return tf.cast(y, tf.bool) if dtype == tf.bool else y
 
 
 def _scalar(value, dtype):
   """`value` as a scalar constant of `dtype` (0 as False for bool)."""
   return tf.constant(np.asarray(value).astype(dtype.as_numpy_dtype), dtype)
+
+
+def _summing(dtype, merge, source):
+  """(carrier dtype, how the value becomes it: "" own dtype, "bitcast" or "cast") for an all-reduce with `merge`."""
+  _check(dtype, source)
+  if dtype in takes("CollectiveReduceV2") and (dtype != tf.bfloat16 or merge in _EXACT_MERGES):
+    return dtype, ""
+  if dtype == tf.uint32 and merge in ("Add", "Mul"):   # sums and products modulo 2^32 agree bit for bit
+    return tf.int32, "bitcast"
+  return _WIDER[dtype], "cast"
+
+
+def _summing_note(dtype, carrier, how):
+  if not how:
+    return ""
+  if how == "bitcast":
+    return f"{dtype.name} bitcast to {carrier.name} (sums wrap alike; CollectiveReduceV2 takes no {dtype.name})"
+  if dtype == tf.bfloat16:
+    return "bfloat16 summed as float32 (a bfloat16 sum would round at every step)"
+  return f"{dtype.name} carried as {carrier.name} (CollectiveReduceV2 takes no {dtype.name})"
 
 
 def _token_senders(idle, starved, size):
@@ -179,42 +258,46 @@ class Backend:
   # ---- collectives ----------------------------------------------------------------------------------------
   def all_reduce(self, x, axes, op, source, reason, record=True):
     size, key = self._keys(axes)
-    y, back = _carry(x, source)
+    carrier, how = _summing(x.dtype, op, source)
+    y = tf.bitcast(x, carrier) if how == "bitcast" else tf.cast(x, carrier) if how else x
     out = tf.raw_ops.CollectiveReduceV2(
         input=y, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
         merge_op=op, final_op="Id", name="all_reduce")
     e = self._describe(out, "all-reduce", axes, y, size, reduction=op)
     if record:
-      self._record("all-reduce", x, x.shape, size, axes, source, reason, (e,), _carry_note(x, y))
-    return back(out)
+      self._record("all-reduce", x, x.shape, size, axes, source, reason, (e,), _summing_note(x.dtype, carrier, how))
+    return tf.bitcast(out, x.dtype) if how == "bitcast" else tf.cast(out, x.dtype) if how else out
 
   def all_gather(self, x, dim, axes, source, reason):
     """Concatenate the shards of the group along `dim`, in mesh order."""
     size, key = self._keys(axes)
     rank = x.shape.rank
     perm = [dim] + [d for d in range(rank) if d != dim]
-    y, back = _carry(x, source)
-    y = tf.transpose(y, perm) if dim else y
+    y = tf.transpose(x, perm) if dim else x
+    shape = y.shape.as_list()
+    carrier, per = _moving(x.dtype, "CollectiveGatherV2", source)
+    y = _to_carrier(y[None] if per > 1 else y, carrier, per, 1)   # packed: each member's shard is one row
     g = tf.raw_ops.CollectiveGatherV2(
         input=y, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
         name="all_gather")
     e = self._describe(g, "all-gather", axes, y, size, gathered=True)
-    gathered = [size * y.shape[0]] + y.shape.as_list()[1:]
-    g = tf.reshape(g, gathered)  # CollectiveGatherV2 leaves dim 0 unknown; the shape is static here
+    g = tf.reshape(g, [size * y.shape[0]] + y.shape.as_list()[1:])   # CollectiveGatherV2 leaves dim 0 unknown
+    gathered = [size * shape[0]] + shape[1:]
+    g = tf.reshape(_from_carrier(g, x.dtype, per, [math.prod(shape)]), gathered)
     rank_perm = self._rank_permutation(axes)
     if rank_perm is not None:
       chunks = tf.reshape(g, [size, -1])
       g = tf.reshape(tf.gather(chunks, self.lookup(rank_perm, f"rank_perm_{'_'.join(axes)}")), gathered)
     if dim:
       g = tf.transpose(g, np.argsort(perm))
-    self._record("all-gather", x, g.shape, size, axes, source, reason, (e,), _carry_note(x, y))
-    return back(g)
+    self._record("all-gather", x, g.shape, size, axes, source, reason, (e,),
+                 _moving_note(x.dtype, carrier, per, "CollectiveGatherV2"))
+    return g
 
   def _exchange_chunks(self, x, dim, axes, name, source):
     """Cut dim `dim` of x into group-size chunks and send chunk k to the k-th member (mesh order).
 
-    Returns ([sender, ..., chunk, ...]: what arrived, in the senders' mesh order and carried dtype; the cast
-    back; the op's description; how the dtype is carried).
+    Returns ([sender, ..., chunk, ...]: what arrived, in the senders' mesh order, the op's description, note).
     """
     size, key = self._keys(axes)
     shape = x.shape.as_list()
@@ -226,15 +309,16 @@ class Backend:
     tag = "_".join(axes)
     if rank_perm is not None:   # slot r must carry the chunk of the member with runtime rank r
       parts = tf.gather(parts, self.lookup(np.argsort(rank_perm, axis=1).astype(np.int32), f"rank_inv_{tag}"))
-    y, back = _carry(parts, source)
+    carrier, per = _moving(x.dtype, "CollectiveAllToAllV2", source)
+    y = _to_carrier(parts, carrier, per, 1)
     got = tf.raw_ops.CollectiveAllToAllV2(
         input=y, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
         name=name)
     e = self._describe(got, "all-to-all", axes, y, size)
-    got = tf.reshape(got, y.shape)
+    got = _from_carrier(tf.reshape(got, y.shape), x.dtype, per, parts.shape.as_list()[1:])
     if rank_perm is not None:   # slot r came from rank r: back to the senders' mesh order
       got = tf.gather(got, self.lookup(rank_perm, f"rank_perm_{tag}"))
-    return got, back, e, _carry_note(x, y)
+    return got, e, _moving_note(x.dtype, carrier, per, "CollectiveAllToAllV2")
 
   def all_to_all(self, x, src, dst, axes, source, reason):
     """Move a split from dim `src` to dim `dst` over the group of `axes`.
@@ -244,26 +328,28 @@ class Backend:
     """
     shape = x.shape.as_list()
     rank = len(shape)
-    got, back, e, note = self._exchange_chunks(x, dst, axes, "all_to_all", source)
+    got, e, note = self._exchange_chunks(x, dst, axes, "all_to_all", source)
     size = got.shape[0]
     # [sender, .., src, ..] -> [.., sender * src, ..]: the sender index is the major part of `src`.
     got = tf.transpose(got, list(range(1, src + 1)) + [0] + list(range(src + 1, rank + 1)))
     out_shape = shape[:dst] + [shape[dst] // size] + shape[dst + 1:]
     out_shape[src] *= size
     self._record("all-to-all", x, x.shape, size, axes, source, reason, (e,), note)
-    return back(tf.reshape(got, out_shape))
+    return tf.reshape(got, out_shape)
 
   def reduce_scatter(self, x, dim, axes, op, source, reason):
     """Sum (or max/min/product) partial results over the group, each member keeping its chunk of `dim`.
 
     TF's CollectiveReduceScatterV2 has no CPU kernel: emitted as an all-to-all of the chunks (member k
-    receives everyone's chunk k) and a local reduction, which moves no more than a reduce-scatter.
+    receives everyone's chunk k, at the dtype's own width) and a local reduction (in a wider dtype where an
+    all-reduce would carry one), which moves no more than a reduce-scatter.
     """
-    got, back, e, note = self._exchange_chunks(x, dim, axes, "reduce_scatter", source)
+    got, e, note = self._exchange_chunks(x, dim, axes, "reduce_scatter", source)
+    wide = _WIDER.get(x.dtype, x.dtype)
     combine = {"Add": tf.reduce_sum, "Max": tf.reduce_max, "Min": tf.reduce_min, "Mul": tf.reduce_prod}[op]
     self._record("reduce-scatter", x, x.shape, int(got.shape[0]), axes, source, reason, (e,),
                  "; ".join(filter(None, ["all-to-all + local reduction", note])))
-    return back(combine(got, axis=0))
+    return tf.cast(combine(tf.cast(got, wide), axis=0), x.dtype)
 
   def collective_permute(self, x, axes, pairs=None, shift=None, cyclic=False, fill=0, source="", reason=""):
     """Within every group of `axes`, each member sends `x` to at most one member and receives from at most one.
@@ -302,7 +388,8 @@ class Backend:
     gets = [k for k in range(size) if frm.get(k, k) != k]
     starved = [k for k in range(size) if k not in gets]
     token_from = _token_senders([k for k in range(size) if k not in sends], starved, size)
-    y, back = _carry(x, source)
+    carrier, per = _moving(x.dtype, "CollectiveBcastSendV2", source)
+    y = _to_carrier(x, carrier, per, 0)
     shape, token = y.shape.as_list(), [1] * y.shape.rank
     n = self.mesh.size
     send_key, send_size, recv_key, token_key, token_size = (np.zeros(n, np.int32) for _ in range(5))
@@ -349,12 +436,12 @@ class Backend:
       got = tf.reshape(tf.pad(tf.reshape(got, [-1]), self.lookup(missing, f"permute_token_pad_{tag}")), shape)
     with tf.control_dependencies(done):   # the sends stay in the program; only the result waits for them
       got = tf.identity(got)
-    z = back(got)
+    z = _from_carrier(got, x.dtype, per, x.shape.as_list())
     if not receives.all():
       z = tf.where(self.lookup(receives, f"permute_receives_{tag}"), z, _scalar(fill, x.dtype))
     if keeps.any():
       z = tf.where(self.lookup(keeps, f"permute_keeps_{tag}"), x, z)
-    note = _carry_note(x, y)
+    note = _moving_note(x.dtype, carrier, per, "CollectiveBcastSendV2")
     if token_from:
       note = "; ".join(filter(None, [note, "a member without a sender receives a one-element token (TF has no lone "
                                             "receive)"]))

@@ -1,4 +1,4 @@
-"""The collectives backend on 8 logical CPUs: exact collective-permutes."""
+"""The collectives backend on 8 logical CPUs: exact collective-permutes, every dtype at its own width."""
 
 import numpy as np
 import pytest
@@ -7,6 +7,7 @@ from tensorflow.python.eager import wrap_function
 
 import tf_gspmd as gs
 from tf_gspmd import _runtime
+from tf_gspmd.rewriter import collectives
 from tf_gspmd.rewriter.collectives import Backend
 from tf_gspmd.rewriter.report import Report
 
@@ -101,3 +102,69 @@ def test_halo_edges_are_selected_not_multiplied():
   np.testing.assert_array_equal(got[7][3], 0)
   np.testing.assert_array_equal(got[1][0], np.inf)
   assert report.counts() == {"collective-permute": 2} and report.bytes_per_device() == 2 * 4 * 4
+
+
+DTYPES = [tf.bool, tf.int8, tf.uint8, tf.int16, tf.uint16, tf.bfloat16, tf.uint32, tf.float16, tf.int32, tf.int64,
+          tf.float32, tf.float64]
+
+
+def _values(dtype, shape):
+  base = np.arange(np.prod(shape)).reshape(shape)
+  if dtype == tf.bool:
+    return [(base + p) % 3 == 0 for p in range(8)]
+  return [((base + 7 * p) % 100).astype(dtype.as_numpy_dtype) for p in range(8)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_data_moves_at_its_own_width(dtype):
+  """All-gather, all-to-all and collective-permute move every dtype bit for bit and send its own width (plus at
+  most three bytes of packing per device), whatever dtypes TF's ops take."""
+  xs = _values(dtype, (5, 3))
+  width = 1 if dtype == tf.bool else dtype.size
+  got, report = _run(M8, lambda b, x: b.all_gather(x, 1, ("d",), "s", "r"), xs)
+  for g in got:
+    np.testing.assert_array_equal(g, np.concatenate(xs, axis=1))
+  assert 8 * 15 * width <= report.bytes_per_device() <= 8 * (15 * width + 3)
+
+  ys = [np.concatenate([x] * 8) for x in xs]   # [40, 3]: chunk k of 5 rows goes to member k
+  got, report = _run(M8, lambda b, x: b.all_to_all(x, 1, 0, ("d",), "s", "r"), ys)
+  for p, g in enumerate(got):
+    np.testing.assert_array_equal(g, np.concatenate([y[5 * p:5 * p + 5] for y in ys], axis=1))
+  assert 8 * 15 * width <= report.bytes_per_device() <= 8 * (15 * width + 3)
+
+  got, report = _run(M8, lambda b, x: b.collective_permute(x, ("d",), shift=1, cyclic=True, source="s", reason="r"),
+                     xs)
+  for p, g in enumerate(got):
+    np.testing.assert_array_equal(g, xs[(p - 1) % 8])
+  assert 15 * width <= report.bytes_per_device() <= 15 * width + 3
+  (c,) = report.collectives
+  assert c.differs == (dtype not in collectives.takes("CollectiveBcastSendV2"))
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != tf.bool], ids=lambda d: d.name)
+def test_reductions_keep_their_results_and_name_wider_carriers(dtype):
+  """Reduce-scatter moves the dtype's own width and combines locally as before; an all-reduce carries a dtype
+  CollectiveReduceV2 cannot sum in a wider one (bfloat16 sums as float32), and the report says so."""
+  xs = _values(dtype, (40, 3))
+  exact = np.int64 if dtype.is_integer else np.float64   # integer sums wrap on the way back, as TF's casts do
+  total = sum(x.astype(exact) for x in xs).astype(dtype.as_numpy_dtype)
+  got, report = _run(M8, lambda b, x: b.reduce_scatter(x, 0, ("d",), "Add", "s", "r"), xs)
+  for p, g in enumerate(got):
+    np.testing.assert_array_equal(g, total[5 * p:5 * p + 5])
+  width = dtype.size
+  assert 120 * width <= report.bytes_per_device() <= 120 * width + 8 * 3
+  got, report = _run(M8, lambda b, x: b.all_reduce(x, ("d",), "Add", "s", "r"), xs)
+  for g in got:
+    np.testing.assert_array_equal(g, total)
+  (c,) = report.collectives
+  (op,) = c.ops
+  native = dtype in collectives.takes("CollectiveReduceV2") and dtype != tf.bfloat16
+  assert (op.dtype == dtype.name) == native and bool(c.note) == (not native)
+  assert report.bytes_per_device() == 120 * tf.as_dtype(op.dtype).size
+
+
+def test_bfloat16_max_travels_as_bfloat16():
+  xs = _values(tf.bfloat16, (4,))
+  got, report = _run(M8, lambda b, x: b.all_reduce(x, ("d",), "Max", "s", "r"), xs)
+  np.testing.assert_array_equal(got[0], np.max(np.stack(xs), axis=0))
+  assert report.collectives[0].ops[0].dtype == "bfloat16" and report.bytes_per_device() == 8

@@ -43,6 +43,17 @@ def test_pad_by_seven_sends_its_halos_only(rng):
   assert {op.op for op in low.report.emitted_ops()} == {"CollectiveBcastSendV2", "CollectiveBcastRecvV2"}
 
 
+def test_bool_all_gather_travels_at_one_byte_an_element(rng):
+  x = rng.standard_normal((64, 16)) > 0
+  low = check_partitioned(lambda x: tf.logical_not(x), [x], (P("d", None),), M8, out=P())
+  assert_report_counts_program(low)
+  (c,) = low.report.collectives
+  (op,) = c.ops
+  assert (c.kind, c.dtype, c.bytes) == ("all-gather", "bool", 64 * 16)
+  assert (op.op, op.dtype, op.bytes) == ("CollectiveGatherV2", "int32", 64 * 16)   # 4 bools to an int32
+  assert "bool packed 4 to an int32" in str(low.report)
+
+
 def test_combined_all_reduces_count_once(rng):
   def f(x, w1, w2, w3):
     return x @ w1, x @ w2, tf.reduce_sum(x @ w3, axis=1)
