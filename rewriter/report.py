@@ -167,7 +167,9 @@ class Report:
              f"{'' if sent == logical else f'; {logical:,} as logical collectives'}), {len(self.reshards)} reshard(s)"]
     for c in self.collectives:
       lines.append("  " + str(c))
-      if c.differs:
+      if not c.ops:
+        lines.append("    emitted: nothing (the program does not use its result)")
+      elif c.differs:
         lines.append("    emitted: " + "; ".join(str(op) for op in c.ops) + (f" - {c.note}" if c.note else ""))
     if self.combined:
       merged = sum(n for n, _ in self.combined)
