@@ -7,6 +7,7 @@ import tensorflow as tf
 from conftest import assert_report_counts_program, check_partitioned
 import tf_gspmd as gs
 from tf_gspmd import P
+from tf_gspmd.rewriter.report import CollectiveRecord, Emitted, Report
 
 M24 = gs.Mesh((2, 4), ("data", "model"))
 M8 = gs.Mesh((8,), ("d",))
@@ -80,3 +81,20 @@ def test_megatron_training_step(jit_compile):
                                                   P("model", None)), jit_compile=jit_compile).lower(
       tf.TensorSpec([16, 64]), tf.TensorSpec([16, 64]), tf.TensorSpec([64, 128]), tf.TensorSpec([128, 64]))
   assert_report_counts_program(low)
+
+
+def test_bytes_count_the_device_that_sends_the_most():
+  """Ops sent by some devices only (a permute's data, its token) add up per device; ops that cleanup removed
+  count nothing, and the report says their collective's result was unused."""
+  reduce = Emitted("all-reduce", ("m",), "Add", "ar", "CollectiveReduceV2", "float32", (8,), 4, 32)
+  send = Emitted("collective-permute", ("d",), None, "s", "CollectiveBcastSendV2", "float32", (2,), 2, 8, (0, 1, 2))
+  recv = Emitted("collective-permute", ("d",), None, "r", "CollectiveBcastRecvV2", "float32", (2,), 2, 0, ())
+  token = Emitted("collective-permute", ("d",), None, "t", "CollectiveBcastSendV2", "float32", (1,), 2, 4, (3,))
+  report = Report()
+  report.add(CollectiveRecord("all-reduce", "float32", (8,), 32, 4, ("m",), "a", "why", (reduce,)))
+  report.add(CollectiveRecord("collective-permute", "float32", (2,), 8, 4, ("d",), "b", "why", (send, recv, token)))
+  assert report.bytes_per_device() == 32 + 8 and report.logical_bytes_per_device() == 40
+  assert report.wire_bytes_per_device() == 2 * 32 * 3 // 4 + 8
+  report.replace_ops({"s": None, "r": None, "t": None})
+  assert report.bytes_per_device() == 32 and report.collectives[1].ops == ()
+  assert "emitted: nothing (the program does not use its result)" in str(report)
