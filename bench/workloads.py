@@ -1,8 +1,9 @@
 """The ten reference workloads of GSPMD, partitioned on 8 logical CPUs, next to XLA's own communication.
 
 Each workload is built in TF exactly as specified (shapes, shardings), run partitioned and unpartitioned
-on the same inputs (results must agree to rtol 1e-4), and its collectives and bytes per device are
-printed beside XLA's figure, with the ratio (<= 1.00 means no more communication than XLA).
+on the same inputs (results must agree to rtol 1e-4), and its collectives, the collective ops the per-device
+program emits for them and the bytes per device those ops send are printed beside XLA's figure, with the
+ratio (<= 1.00 means no more communication than XLA).
 
   python bench/workloads.py [--only=mlp_megatron,attention]
 """
@@ -132,9 +133,9 @@ def main(_):
     ok = err <= 1.0
     if not ok:
       failures.append(name)
-    rows.append((name, str(mesh.shape), counts, f"{r.bytes_per_device():,}", f"{xla:,}", f"{ratio:.2f}",
-                 "yes" if ok else f"NO ({err:.1f}x tol)"))
-  head = ("workload", "mesh", "collectives", "bytes/device", "XLA bytes", "ratio", "matches")
+    rows.append((name, str(mesh.shape), counts, str(len(r.emitted_ops())), f"{r.bytes_per_device():,}", f"{xla:,}",
+                 f"{ratio:.2f}", "yes" if ok else f"NO ({err:.1f}x tol)"))
+  head = ("workload", "mesh", "collectives", "ops", "bytes/device", "XLA bytes", "ratio", "matches")
   widths = [max(len(x) for x in col) for col in zip(head, *rows)]
   for row in [head] + rows:
     print("  ".join(c.ljust(w) for c, w in zip(row, widths)))

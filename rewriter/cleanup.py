@@ -6,13 +6,14 @@ from tf_gspmd.rewriter.graph_view import prune
 
 
 def run(program):
-  """Pass: drop nodes that neither feed an output nor have side effects."""
+  """Pass: drop nodes that neither feed an output nor have side effects (the report forgets dropped collectives)."""
   roots = (list(program.local_outputs) + list(program.side_effects) + list(program.local_inputs) +
            list(program.local_variables) + [program.partition_id])
   gd = prune(program.local_graph_def, roots)
   kept = {n.name for n in gd.node}
-  return program.replace(local_graph_def=gd,
-                         collective_ops={k: v for k, v in (program.collective_ops or {}).items() if k in kept})
+  collective_ops = program.collective_ops or {}
+  program.report.replace_ops({k: None for k in collective_ops if k not in kept})
+  return program.replace(local_graph_def=gd, collective_ops={k: v for k, v in collective_ops.items() if k in kept})
 
 
 def verify(program):

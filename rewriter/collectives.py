@@ -6,51 +6,62 @@ partition id. Group keys derive from the member device names (the same in every 
 come from one process-wide counter, so every program gets fresh, deterministic keys. No collective hangs:
 the runtime aborts a program's collectives past its deadline (DeadlineExceededError). The ops' own
 `timeout_seconds` stays 0 on purpose: TF starts a timer thread per collective per device for it.
+
+Widths: each tensor travels at its own width where TF's op takes its dtype. TF's collective OpDefs take
+only a few dtypes (their CPU kernels take every one of them; measured on TF 2.21, see `takes`), so data that
+only moves (all-gather, all-to-all, collective-permute) travels bit for bit in a dtype the op takes: bitcast
+when the widths match (uint32 as int32), packed several to an element otherwise (int8, uint8 and bool four
+to an int32, int16, uint16 and bfloat16 two). Data that is summed cannot be packed: an all-reduce carries
+the small integer types as int32 and sums bfloat16 as float32; the report names each carried form.
 """
 
-import dataclasses
+import functools
 import itertools
 import math
 import threading
-from typing import Optional, Tuple
 import zlib
 
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd import _compat
 from tf_gspmd.errors import PartitionError
-from tf_gspmd.rewriter.report import CollectiveRecord
+from tf_gspmd.rewriter.report import CollectiveRecord, Emitted
 
 # The collective vocabulary. Passes ask here which op types are collectives instead of keeping lists.
-EMITTED_OPS = frozenset({"CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2"})   # what Backend builds
+EMITTED_OPS = frozenset({"CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2",   # what Backend builds
+                         "CollectiveBcastSendV2", "CollectiveBcastRecvV2"})
 TF_COLLECTIVE_OPS = EMITTED_OPS | frozenset({   # every TF collective op type (a program may hold only ours)
-    "CollectiveReduceScatterV2", "CollectiveBcastSendV2", "CollectiveBcastRecvV2", "CollectiveReduceV3",
-    "CollectiveAllToAllV3", "CollectiveReduce", "CollectiveGather", "CollectiveBcastSend", "CollectiveBcastRecv"})
-XLA_LOWERED = frozenset({"CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2"})  # XLA GPU/TPU compiles
-
-
-@dataclasses.dataclass(frozen=True)
-class Emitted:
-  """A collective op the backend built, described for later passes (which never decode its keys)."""
-
-  kind: str                        # "all-reduce", "all-gather" or "all-to-all": what the op itself does
-  axes: Tuple[str, ...]            # the mesh axes its groups span
-  reduction: Optional[str] = None  # an all-reduce's merge op ("Add", "Max", ...)
-
+    "CollectiveReduceScatterV2", "CollectiveReduceV3", "CollectiveAllToAllV3", "CollectiveReduce", "CollectiveGather",
+    "CollectiveBcastSend", "CollectiveBcastRecv"})
+# The collectives XLA compiles: TF 2.21's tf2xla registers an XLA kernel (XLA_CPU_JIT, XLA_GPU_JIT) for
+# CollectiveReduceV2 only, which sums or multiplies (`lowered_by_xla`); gathers, all-to-alls and broadcasts
+# have none and run outside XLA.
+XLA_LOWERED = frozenset({"CollectiveReduceV2"})
 
 _lock = threading.Lock()
-_group_keys = {}          # key -> member device names
+_group_keys = {}          # key -> (member device names, tag)
 _instance_counter = itertools.count(1 << 16)
 
 
-def group_key(members):
-  """A stable int32 key for a group of devices, unique within the process."""
+def group_key(members, tag=""):
+  """A stable int32 key for a group of devices, unique within the process.
+
+  `tag` tells apart groups of the same devices that must not share a key (a collective-permute's lone sends and
+  its tokens). The order of `members` counts: a transfer a -> b and one b -> a get different keys.
+  """
+  member_key = (tuple(members), tag)
   with _lock:
-    key = (zlib.crc32("|".join(members).encode()) & 0x3FFFFFFF) + 1
-    while key in _group_keys and _group_keys[key] != tuple(members):
+    key = (zlib.crc32(("|".join(members) + (f"#{tag}" if tag else "")).encode()) & 0x3FFFFFFF) + 1
+    while key in _group_keys and _group_keys[key] != member_key:
       key = key % 0x3FFFFFFF + 1
-    _group_keys[key] = tuple(members)
+    _group_keys[key] = member_key
     return key
+
+
+def lowered_by_xla(node):
+  """Whether XLA compiles the collective NodeDef `node`: a type tf2xla lowers, with a merge its kernel takes."""
+  return node.op in XLA_LOWERED and node.attr["merge_op"].s in (b"Add", b"Mul")
 
 
 def next_instance_key():
@@ -63,20 +74,114 @@ def _rank_key(name):
   return (spec.job or "", spec.replica or 0, spec.task or 0, spec.device_type or "", spec.device_index or 0)
 
 
-_NATIVE = (tf.float32, tf.float16, tf.float64, tf.int32, tf.int64)
-_CARRIER = {tf.bool: tf.int32, tf.int8: tf.int32, tf.uint8: tf.int32, tf.int16: tf.int32, tf.uint16: tf.int32,
-            tf.bfloat16: tf.float32, tf.uint32: tf.int64}
+# ---- widths ---------------------------------------------------------------------------------------------------
+# The dtypes collectives move; TF's own where an op takes them, else carried as below.
+_MOVABLE = frozenset({tf.float32, tf.float16, tf.float64, tf.int32, tf.int64, tf.bool, tf.int8, tf.uint8, tf.int16,
+                      tf.uint16, tf.bfloat16, tf.uint32})
+# Wider dtypes that hold every value exactly, for arithmetic on a dtype CollectiveReduceV2 cannot sum.
+_WIDER = {tf.bool: tf.int32, tf.int8: tf.int32, tf.uint8: tf.int32, tf.int16: tf.int32, tf.uint16: tf.int32,
+          tf.bfloat16: tf.float32, tf.uint32: tf.int64}
+_EXACT_MERGES = ("Max", "Min")   # merges whose result needs no wider dtype
 
 
-def _carry(x, source):
-  """Cast `x` to a dtype TF's collectives accept (exactly representable), with the cast back."""
-  if x.dtype in _NATIVE:
-    return x, lambda y: y
-  if x.dtype not in _CARRIER:
-    raise PartitionError(f"TF collectives cannot carry {x.dtype.name} tensors; keep this tensor replicated",
+@functools.lru_cache(maxsize=None)
+def takes(op_type):
+  """The dtypes TF's collective op `op_type` takes (its OpDef's; the CPU kernels run all of them).
+
+  Measured on TF 2.21 over 8 logical CPUs: CollectiveReduceV2 and CollectiveAllToAllV2 take float16/32/64,
+  bfloat16, int32 and int64; CollectiveGatherV2 the same but bfloat16; CollectiveBcastSendV2/RecvV2 the same
+  but bfloat16, and bool. No collective takes an 8- or 16-bit integer or an unsigned type.
+  """
+  (attr,) = [a for a in _compat.op_def(op_type).attr if a.name == "T"]
+  return frozenset(tf.as_dtype(t) for t in attr.allowed_values.list.type)
+
+
+def _check(dtype, source):
+  if dtype not in _MOVABLE:
+    raise PartitionError(f"TF collectives cannot carry {dtype.name} tensors; keep this tensor replicated",
                          node=source)
-  dtype = x.dtype
-  return tf.cast(x, _CARRIER[dtype]), lambda y: tf.cast(y, dtype)
+
+
+def _moving(dtype, op_type, source):
+  """(carrier dtype, elements per carrier element) that move `dtype` through `op_type` bit for bit."""
+  _check(dtype, source)
+  if dtype in takes(op_type):
+    return dtype, 1
+  width = 1 if dtype == tf.bool else dtype.size   # bool moves as uint8
+  carrier = tf.int32 if width <= 4 else tf.int64
+  return carrier, carrier.size // width
+
+
+def _moving_note(dtype, carrier, per, op_type):
+  if carrier == dtype:
+    return ""
+  how = f"bitcast to {carrier.name}" if per == 1 else f"packed {per} to an {carrier.name}"
+  return f"{dtype.name} {how} ({op_type} takes no {dtype.name})"
+
+
+def _to_carrier(x, carrier, per, keep):
+  """`x` as `carrier`: bitcast (same width), or flattened after its first `keep` dims and packed `per` to an
+  element (the last one padded with zeros)."""
+  if per == 1:
+    return x if x.dtype == carrier else tf.bitcast(x, carrier)
+  shape = x.shape.as_list()
+  m = math.prod(shape[keep:])
+  x = tf.reshape(tf.cast(x, tf.uint8) if x.dtype == tf.bool else x, shape[:keep] + [m])
+  pad = -m % per
+  if pad:
+    x = tf.pad(x, [[0, 0]] * keep + [[0, pad]])
+  return tf.bitcast(tf.reshape(x, shape[:keep] + [(m + pad) // per, per]), carrier)
+
+
+def _from_carrier(y, dtype, per, tail):
+  """The inverse of `_to_carrier`: `y` back to `dtype`, its dims after the leading ones laid out as `tail`."""
+  if per == 1:
+    return y if y.dtype == dtype else tf.bitcast(y, dtype)
+  lead = y.shape.as_list()[:-1]
+  y = tf.bitcast(y, tf.uint8 if dtype == tf.bool else dtype)   # [..., n, per]
+  y = tf.slice(tf.reshape(y, lead + [-1]), [0] * (len(lead) + 1), lead + [math.prod(tail)])
+  y = tf.reshape(y, lead + list(tail))
+  return tf.cast(y, tf.bool) if dtype == tf.bool else y
+
+
+def _scalar(value, dtype):
+  """`value` as a scalar constant of `dtype` (0 as False for bool)."""
+  return tf.constant(np.asarray(value).astype(dtype.as_numpy_dtype), dtype)
+
+
+def _summing(dtype, merge, source):
+  """(carrier dtype, how the value becomes it: "" own dtype, "bitcast" or "cast") for an all-reduce with `merge`."""
+  _check(dtype, source)
+  if dtype in takes("CollectiveReduceV2") and (dtype != tf.bfloat16 or merge in _EXACT_MERGES):
+    return dtype, ""
+  if dtype == tf.uint32 and merge in ("Add", "Mul"):   # sums and products modulo 2^32 agree bit for bit
+    return tf.int32, "bitcast"
+  return _WIDER[dtype], "cast"
+
+
+def _summing_note(dtype, carrier, how):
+  if not how:
+    return ""
+  if how == "bitcast":
+    return f"{dtype.name} bitcast to {carrier.name} (sums wrap alike; CollectiveReduceV2 takes no {dtype.name})"
+  if dtype == tf.bfloat16:
+    return "bfloat16 summed as float32 (a bfloat16 sum would round at every step)"
+  return f"{dtype.name} carried as {carrier.name} (CollectiveReduceV2 takes no {dtype.name})"
+
+
+def _token_senders(idle, starved, size):
+  """{starved member: the member that sends it a token}: a bijection from the members that send nothing (`idle`)
+  to those that receive nothing (`starved`, as many), none to itself. When a single member is both, a member
+  that sends data sends its token too."""
+  k = len(starved)
+  if not k:
+    return {}
+  if idle == starved and k == 1:
+    return {starved[0]: (starved[0] + 1) % size}
+  for r in range(k):   # some rotation pairs no member with itself (k >= 2, or the lists differ)
+    if all(idle[(i + r) % k] != starved[i] for i in range(k)):
+      return {starved[i]: idle[(i + r) % k] for i in range(k)}
+  raise AssertionError("unreachable: a rotation without fixed points exists")
 
 
 class Backend:
@@ -132,64 +237,88 @@ class Backend:
       return None
     return np.array(perms, np.int32)[of]
 
+  def _per_device(self, table, name):
+    """A per-device value from `table` (indexed by device id): a constant when every device has the same."""
+    table = np.asarray(table)
+    return table[0].tolist() if (table == table[0]).all() else self.lookup(table, name)
+
+  def _describe(self, out, kind, axes, carried, group_size, reduction=None, gathered=False, senders=None):
+    """Record the op producing `out` in `self.emitted`, from the tensor it carries (`senders`: the devices that
+    send through it, None for all); returns the description."""
+    shape = [int(d) for d in carried.shape]
+    if gathered:
+      shape[0] *= group_size
+    senders = None if senders is None else tuple(sorted(senders))
+    nbytes = math.prod(shape) * carried.dtype.size if group_size > 1 and senders != () else 0
+    e = Emitted(kind, tuple(axes), reduction, out.op.name, out.op.type, carried.dtype.name, tuple(shape), group_size,
+                nbytes, senders)
+    self.emitted[e.name] = e
+    return e
+
   # ---- collectives ----------------------------------------------------------------------------------------
   def all_reduce(self, x, axes, op, source, reason, record=True):
     size, key = self._keys(axes)
-    y, back = _carry(x, source)
+    carrier, how = _summing(x.dtype, op, source)
+    y = tf.bitcast(x, carrier) if how == "bitcast" else tf.cast(x, carrier) if how else x
     out = tf.raw_ops.CollectiveReduceV2(
         input=y, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
         merge_op=op, final_op="Id", name="all_reduce")
-    self.emitted[out.op.name] = Emitted("all-reduce", tuple(axes), op)
+    e = self._describe(out, "all-reduce", axes, y, size, reduction=op)
     if record:
-      self._record("all-reduce", x, x.shape, size, axes, source, reason)
-    return back(out)
+      self._record("all-reduce", x, x.shape, size, axes, source, reason, (e,), _summing_note(x.dtype, carrier, how))
+    return tf.bitcast(out, x.dtype) if how == "bitcast" else tf.cast(out, x.dtype) if how else out
 
-  def all_gather(self, x, dim, axes, source, reason, record=True):
+  def all_gather(self, x, dim, axes, source, reason):
     """Concatenate the shards of the group along `dim`, in mesh order."""
     size, key = self._keys(axes)
     rank = x.shape.rank
     perm = [dim] + [d for d in range(rank) if d != dim]
-    y, back = _carry(x, source)
-    y = tf.transpose(y, perm) if dim else y
+    y = tf.transpose(x, perm) if dim else x
+    shape = y.shape.as_list()
+    carrier, per = _moving(x.dtype, "CollectiveGatherV2", source)
+    y = _to_carrier(y[None] if per > 1 else y, carrier, per, 1)   # packed: each member's shard is one row
     g = tf.raw_ops.CollectiveGatherV2(
         input=y, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
         name="all_gather")
-    self.emitted[g.op.name] = Emitted("all-gather", tuple(axes))
-    gathered = [size * y.shape[0]] + y.shape.as_list()[1:]
-    g = tf.reshape(g, gathered)  # CollectiveGatherV2 leaves dim 0 unknown; the shape is static here
+    e = self._describe(g, "all-gather", axes, y, size, gathered=True)
+    g = tf.reshape(g, [size * y.shape[0]] + y.shape.as_list()[1:])   # CollectiveGatherV2 leaves dim 0 unknown
+    gathered = [size * shape[0]] + shape[1:]
+    g = tf.reshape(_from_carrier(g, x.dtype, per, [math.prod(shape)]), gathered)
     rank_perm = self._rank_permutation(axes)
     if rank_perm is not None:
       chunks = tf.reshape(g, [size, -1])
       g = tf.reshape(tf.gather(chunks, self.lookup(rank_perm, f"rank_perm_{'_'.join(axes)}")), gathered)
     if dim:
       g = tf.transpose(g, np.argsort(perm))
-    if record:
-      self._record("all-gather", x, g.shape, size, axes, source, reason)
-    return back(g)
+    self._record("all-gather", x, g.shape, size, axes, source, reason, (e,),
+                 _moving_note(x.dtype, carrier, per, "CollectiveGatherV2"))
+    return g
 
-  def _exchange_chunks(self, y, dim, axes, name):
-    """Cut dim `dim` of y into group-size chunks and send chunk k to the k-th member (mesh order).
+  def _exchange_chunks(self, x, dim, axes, name, source):
+    """Cut dim `dim` of x into group-size chunks and send chunk k to the k-th member (mesh order).
 
-    Returns [sender, ..., chunk, ...]: what arrived, in the senders' mesh order.
+    Returns ([sender, ..., chunk, ...]: what arrived, in the senders' mesh order, the op's description, note).
     """
     size, key = self._keys(axes)
-    shape = y.shape.as_list()
+    shape = x.shape.as_list()
     c = shape[dim] // size
     # [.., dim, ..] -> [chunk, .., c, ..]: TF's CPU all-to-all exchanges slices of dim 0.
-    parts = tf.reshape(y, shape[:dim] + [size, c] + shape[dim + 1:])
+    parts = tf.reshape(x, shape[:dim] + [size, c] + shape[dim + 1:])
     parts = tf.transpose(parts, [dim] + [d for d in range(len(shape) + 1) if d != dim])
     rank_perm = self._rank_permutation(axes)
     tag = "_".join(axes)
     if rank_perm is not None:   # slot r must carry the chunk of the member with runtime rank r
       parts = tf.gather(parts, self.lookup(np.argsort(rank_perm, axis=1).astype(np.int32), f"rank_inv_{tag}"))
+    carrier, per = _moving(x.dtype, "CollectiveAllToAllV2", source)
+    y = _to_carrier(parts, carrier, per, 1)
     got = tf.raw_ops.CollectiveAllToAllV2(
-        input=parts, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
+        input=y, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
         name=name)
-    self.emitted[got.op.name] = Emitted("all-to-all", tuple(axes))
-    got = tf.reshape(got, parts.shape)
+    e = self._describe(got, "all-to-all", axes, y, size)
+    got = _from_carrier(tf.reshape(got, y.shape), x.dtype, per, parts.shape.as_list()[1:])
     if rank_perm is not None:   # slot r came from rank r: back to the senders' mesh order
       got = tf.gather(got, self.lookup(rank_perm, f"rank_perm_{tag}"))
-    return got
+    return got, e, _moving_note(x.dtype, carrier, per, "CollectiveAllToAllV2")
 
   def all_to_all(self, x, src, dst, axes, source, reason):
     """Move a split from dim `src` to dim `dst` over the group of `axes`.
@@ -197,41 +326,131 @@ class Backend:
     Dim `dst` is cut into group-size chunks; chunk k goes to the k-th member (mesh order); what arrives is
     concatenated along `src` in the senders' mesh order.
     """
-    y, back = _carry(x, source)
-    shape = y.shape.as_list()
+    shape = x.shape.as_list()
     rank = len(shape)
-    got = self._exchange_chunks(y, dst, axes, "all_to_all")
+    got, e, note = self._exchange_chunks(x, dst, axes, "all_to_all", source)
     size = got.shape[0]
     # [sender, .., src, ..] -> [.., sender * src, ..]: the sender index is the major part of `src`.
     got = tf.transpose(got, list(range(1, src + 1)) + [0] + list(range(src + 1, rank + 1)))
     out_shape = shape[:dst] + [shape[dst] // size] + shape[dst + 1:]
     out_shape[src] *= size
-    self._record("all-to-all", x, x.shape, size, axes, source, reason)
-    return back(tf.reshape(got, out_shape))
+    self._record("all-to-all", x, x.shape, size, axes, source, reason, (e,), note)
+    return tf.reshape(got, out_shape)
 
   def reduce_scatter(self, x, dim, axes, op, source, reason):
     """Sum (or max/min/product) partial results over the group, each member keeping its chunk of `dim`.
 
     TF's CollectiveReduceScatterV2 has no CPU kernel: emitted as an all-to-all of the chunks (member k
-    receives everyone's chunk k) and a local reduction, which moves no more than a reduce-scatter.
+    receives everyone's chunk k, at the dtype's own width) and a local reduction (in a wider dtype where an
+    all-reduce would carry one), which moves no more than a reduce-scatter.
     """
-    y, back = _carry(x, source)
-    got = self._exchange_chunks(y, dim, axes, "reduce_scatter")
+    got, e, note = self._exchange_chunks(x, dim, axes, "reduce_scatter", source)
+    wide = _WIDER.get(x.dtype, x.dtype)
     combine = {"Add": tf.reduce_sum, "Max": tf.reduce_max, "Min": tf.reduce_min, "Mul": tf.reduce_prod}[op]
-    shape = tuple(int(v) for v in x.shape)
-    self.report.add(CollectiveRecord("reduce-scatter", x.dtype.name, shape, math.prod(shape) * x.dtype.size,
-                                     int(got.shape[0]), tuple(axes), source, reason,
-                                     emitted="all-to-all + local reduction"))
-    return back(combine(got, axis=0))
+    self._record("reduce-scatter", x, x.shape, int(got.shape[0]), axes, source, reason, (e,),
+                 "; ".join(filter(None, ["all-to-all + local reduction", note])))
+    return tf.cast(combine(tf.cast(got, wide), axis=0), x.dtype)
+
+  def collective_permute(self, x, axes, pairs=None, shift=None, cyclic=False, fill=0, source="", reason=""):
+    """Within every group of `axes`, each member sends `x` to at most one member and receives from at most one.
+
+    Args:
+      x: the local tensor every device sends.
+      axes: mesh axes whose groups the permute runs in; members are numbered in mesh order along them.
+      pairs: (sender, receiver) member numbers, each sender and each receiver at most once; or
+      shift: member k sends to member k + shift (modulo the group size when `cyclic`, else none past the ends).
+      fill: what a member that receives nothing gets (selected, so no received value leaks into it).
+      source, reason: for the report.
+    Returns:
+      What this device received, shaped like `x` (its own `x` where it sends to itself).
+
+    Each transfer is a broadcast in a group of its two devices (`CollectiveBcastSendV2`/`RecvV2`, one group
+    key per ordered pair, read from per-device tables), so the data goes to one peer only. Every device runs one
+    send and one receive with no control edge between them, so no cycle of transfers can block. A member with
+    nothing to send runs its send alone in a group of its own device (which moves nothing). TF has no lone
+    receive, so a member with nothing to receive receives a one-element token instead, sent by a member that
+    sends nothing else where one exists (a third op, emitted only for permutes that leave members without a
+    sender); its result is `fill`.
+    """
+    of, members = self.groups(axes)
+    size = len(members[0])
+    if pairs is None:
+      pairs = [(k, k + shift) for k in range(size)]
+      pairs = [(a, b % size) for a, b in pairs] if cyclic else [(a, b) for a, b in pairs if 0 <= b < size]
+    pairs = [(int(a), int(b)) for a, b in pairs]
+    to, frm = dict(pairs), {b: a for a, b in pairs}
+    if len(to) != len(pairs) or len(frm) != len(pairs) or not all(0 <= k < size for p in pairs for k in p):
+      raise PartitionError(f"collective-permute pairs {pairs} over a group of {size}: each member may send once and "
+                           "receive once", node=source)
+    if size == 1:   # nothing to move: a member sends to itself or to no one
+      return x if pairs else tf.fill(x.shape, _scalar(fill, x.dtype))
+    sends = [k for k in range(size) if to.get(k, k) != k]
+    gets = [k for k in range(size) if frm.get(k, k) != k]
+    starved = [k for k in range(size) if k not in gets]
+    token_from = _token_senders([k for k in range(size) if k not in sends], starved, size)
+    carrier, per = _moving(x.dtype, "CollectiveBcastSendV2", source)
+    y = _to_carrier(x, carrier, per, 0)
+    shape, token = y.shape.as_list(), [1] * y.shape.rank
+    n = self.mesh.size
+    send_key, send_size, recv_key, token_key, token_size = (np.zeros(n, np.int32) for _ in range(5))
+    recv_shape = np.zeros((n, len(shape)), np.int32)
+    receives, keeps = np.zeros(n, np.bool_), np.zeros(n, np.bool_)
+    senders, token_senders = [], []
+    for m in members:
+      names = [self.devices[p] for p in m]
+      for k, p in enumerate(m):
+        if k in to and to[k] != k:
+          send_key[p], send_size[p] = group_key([names[k], names[to[k]]]), 2
+          senders.append(p)
+        else:
+          send_key[p], send_size[p] = group_key([names[k]]), 1
+        if k in frm and frm[k] != k:
+          recv_key[p], recv_shape[p] = group_key([names[frm[k]], names[k]]), shape
+        else:
+          recv_key[p], recv_shape[p] = group_key([names[token_from[k]], names[k]], "token"), token
+        token_key[p], token_size[p] = group_key([names[k]], "token"), 1
+        receives[p], keeps[p] = k in frm and frm[k] != k, to.get(k) == k
+      for r, q in token_from.items():
+        token_key[m[q]], token_size[m[q]] = group_key([names[q], names[r]], "token"), 2
+        token_senders.append(m[q])
+    tag = "_".join(axes)
+    instance = next_instance_key()
+    sent = tf.raw_ops.CollectiveBcastSendV2(
+        input=y, group_size=self._per_device(send_size, f"permute_send_size_{tag}"),
+        group_key=self.lookup(send_key, f"permute_send_key_{tag}"), instance_key=instance, name="permute_send")
+    got = tf.raw_ops.CollectiveBcastRecvV2(
+        group_size=2, group_key=self.lookup(recv_key, f"permute_recv_key_{tag}"), instance_key=instance,
+        shape=self._per_device(recv_shape, f"permute_recv_shape_{tag}"), T=y.dtype, name="permute_recv")
+    ops = [self._describe(sent, "collective-permute", axes, y, 2, senders=senders),
+           self._describe(got, "collective-permute", axes, y, 2, senders=())]
+    done = [sent.op]
+    if token_from:
+      mark = tf.raw_ops.CollectiveBcastSendV2(
+          input=tf.zeros(token, y.dtype), group_size=self._per_device(token_size, f"permute_token_size_{tag}"),
+          group_key=self.lookup(token_key, f"permute_token_key_{tag}"), instance_key=instance, name="permute_token")
+      ops.append(self._describe(mark, "collective-permute", axes, mark.op.inputs[0], 2, senders=token_senders))
+      done.append(mark.op)
+      # A token has one element: pad it out to the payload's shape (it is replaced by `fill` below).
+      missing = np.zeros((n, 1, 2), np.int32)
+      missing[~receives, 0, 1] = math.prod(shape) - 1
+      got = tf.reshape(tf.pad(tf.reshape(got, [-1]), self.lookup(missing, f"permute_token_pad_{tag}")), shape)
+    with tf.control_dependencies(done):   # the sends stay in the program; only the result waits for them
+      got = tf.identity(got)
+    z = _from_carrier(got, x.dtype, per, x.shape.as_list())
+    if not receives.all():
+      z = tf.where(self.lookup(receives, f"permute_receives_{tag}"), z, _scalar(fill, x.dtype))
+    if keeps.any():
+      z = tf.where(self.lookup(keeps, f"permute_keeps_{tag}"), x, z)
+    note = _moving_note(x.dtype, carrier, per, "CollectiveBcastSendV2")
+    if token_from:
+      note = "; ".join(filter(None, [note, "a member without a sender receives a one-element token (TF has no lone "
+                                            "receive)"]))
+    self._record("collective-permute", x, x.shape, size, axes, source, reason, tuple(ops), note)
+    return z
 
   def halo_exchange(self, x, dim, axes, left, right, source, reason):
-    """x extended along `dim` by the last `left` rows of the previous shard and the first `right` rows of the
-    next one (zeros at the ends of the group): two collective-permutes.
-
-    TF has no CPU collective-permute, so both halos travel in one all-gather of the shards' edge rows and
-    each device keeps its neighbours'; the report lists the logical permutes and names what was emitted.
-    """
-    size, _ = self._keys(axes)
+    """x extended along `dim` by the last `left` rows of the previous member's shard and the first `right` rows
+    of the next member's (zeros at the ends of the group): two collective-permutes, each moving only its halo."""
     n = x.shape[dim]
     rank = x.shape.rank
 
@@ -241,34 +460,18 @@ class Backend:
       begin[dim], extent[dim] = start, count
       return tf.slice(x, begin, extent)
 
-    edges = tf.concat([rows(0, right), rows(n - left, left)], axis=dim)   # [first `right`, last `left`]
-    gathered = self.all_gather(edges, dim, axes, source, reason, record=False)
-    of, members = self.groups(axes)
-    index = np.zeros(self.mesh.size, np.int32)
-    for m in members:
-      for k, p in enumerate(m):
-        index[p] = k
-    width = left + right
     parts = [x]
-    for count, offset, step, valid in ((left, right, -1, index > 0), (right, 0, 1, index < size - 1)):
-      if not count:
-        continue
-      start = np.clip(index + step, 0, size - 1) * width + offset
-      idx = start[:, None] + np.arange(count)[None, :]
-      halo = tf.gather(gathered, self.lookup(idx.astype(np.int32), f"halo_{dim}_{count}_{offset}_{size}"), axis=dim)
-      keep = self.lookup(valid.astype(x.dtype.as_numpy_dtype), f"halo_valid_{step}_{size}")
-      halo = halo * keep
-      parts.insert(0 if step < 0 else len(parts), halo)
-      shape = halo.shape.as_list()
-      self.report.add(CollectiveRecord(
-          "collective-permute", x.dtype.name, tuple(shape), math.prod(shape) * x.dtype.size, size, tuple(axes),
-          source, f"{reason} ({'previous' if step < 0 else 'next'} shard's {count} edge row(s))",
-          emitted=f"all-gather of {width} edge row(s) per shard"))
+    if left:
+      parts.insert(0, self.collective_permute(rows(n - left, left), axes, shift=1, source=source,
+                                              reason=f"{reason} (previous shard's {left} edge row(s))"))
+    if right:
+      parts.append(self.collective_permute(rows(0, right), axes, shift=-1, source=source,
+                                           reason=f"{reason} (next shard's {right} edge row(s))"))
     return tf.concat(parts, axis=dim)
 
-  def _record(self, kind, x, shape, size, axes, source, reason):
+  def _record(self, kind, x, shape, size, axes, source, reason, ops, note=""):
     shape = tuple(int(s) for s in shape)
     if any(s is None for s in shape):
       raise PartitionError(f"collective on a tensor of unknown shape {shape}", node=source)
     self.report.add(CollectiveRecord(kind, x.dtype.name, shape, math.prod(shape) * x.dtype.size, size, tuple(axes),
-                                     source, reason))
+                                     source, reason, ops, note))

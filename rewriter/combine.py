@@ -32,7 +32,8 @@ def _depths(view, all_reduces):
 
 
 def combine(program):
-  """(new GraphDef, {op name: Emitted} of its collectives, [(members, bytes)] per combined collective)."""
+  """(new GraphDef, {op name: Emitted} of its collectives, [(members, bytes)] per combined collective,
+  {member op name: Emitted of the combined op carrying it})."""
   emitted = dict(program.collective_ops or {})
   reduces = {name: e for name, e in emitted.items() if e.kind == "all-reduce"}
   view = GraphView(program.local_graph_def)
@@ -49,14 +50,15 @@ def combine(program):
   pid = graph.get_tensor_by_name(ref(program.partition_id))
   backend = Backend(program.mesh, program.devices, pid,
                     lambda table, name: tf.gather(tf.constant(table, name=name), pid), program.report)
-  combined, rewires = [], []
+  combined, rewires, carriers = [], [], {}
   for (_, axes, reduction, _), members in bins.items():
     chunk, size = [], 0
     for op in members + [None]:
       nbytes = 0 if op is None else op.outputs[0].shape.num_elements() * op.outputs[0].dtype.size
       if op is None or (chunk and size + nbytes > MAX_BYTES):
         if len(chunk) > 1:
-          rewires += _build(graph, backend, chunk, axes, reduction, len(combined))
+          merged = _build(graph, backend, chunk, axes, reduction, len(combined), rewires)
+          carriers.update((m.name, backend.emitted[merged.op.name]) for m in chunk)
           combined.append((len(chunk), size))
         chunk, size = [], 0
       if op is not None:
@@ -66,26 +68,26 @@ def combine(program):
   for old, new in rewires:
     out.rewire(old, new)
   emitted.update(backend.emitted)
-  return out.graph_def, emitted, combined
+  return out.graph_def, emitted, combined, carriers
 
 
-def _build(graph, backend, members, axes, reduction, k):
-  """The combined all-reduce of `members` in `graph`; returns [(old reference, new reference)] to rewire."""
+def _build(graph, backend, members, axes, reduction, k, rewires):
+  """The combined all-reduce of `members` in `graph` (returned); adds (old reference, new one) to `rewires`."""
   with graph.as_default(), tf.name_scope(f"combined_all_reduce_{k}{HELPER_SCOPE}"):
     controls = {c for m in members for c in m.control_inputs}
     with tf.control_dependencies(sorted(controls, key=lambda o: o.name)):
       flat = tf.concat([tf.reshape(m.inputs[0], [-1]) for m in members], 0)
       out = backend.all_reduce(flat, axes, reduction, members[0].name, "combined", record=False)
     parts = tf.split(out, [m.outputs[0].shape.num_elements() for m in members])
-    rewires = []
     for m, part in zip(members, parts):
       rewires.append((m.outputs[0].name, tf.reshape(part, m.outputs[0].shape).name))
       rewires.append(("^" + m.name, "^" + out.op.name))
-    return rewires
+    return out
 
 
 def run(program):
   """Pass: combine independent all-reduces of the per-device program (dropped ones are pruned by cleanup)."""
-  gd, emitted, combined = combine(program)
+  gd, emitted, combined, carriers = combine(program)
   program.report.combined.extend(combined)
+  program.report.replace_ops(carriers)
   return program.replace(local_graph_def=gd, collective_ops=emitted)

@@ -1,7 +1,9 @@
 """The compile pass: XLA compilation of the per-device program, by backend.
 
-* GPU: the whole per-device program is compiled (`jit_compile=True` on the imported function; TF's XLA GPU
-  backend lowers the collective ops). This pass only checks that every op is one XLA can compile.
+* GPU: the whole per-device program is compiled (`jit_compile=True` on the imported function) when XLA lowers
+  all of its collectives (TF's tf2xla lowers only summing or multiplying CollectiveReduceV2); this pass checks
+  that every op is one XLA can compile. A program with other collectives (max/min all-reduce, all-gather,
+  all-to-all, collective-permute) is cut into segments, as on CPU.
 * TPU: the per-device program runs under `TPUStrategy.run`, where XLA compiles it whole; same check.
 * CPU: XLA on CPU refuses collectives, so the program is cut into *segments* — maximal groups of compilable
   ops between collectives — and each segment becomes a function marked `_XlaMustCompile`, called from the
@@ -62,7 +64,7 @@ def _compilable(node):
 def check_whole_program(graph_def, backend):
   """Raises UnsupportedOpError naming the first op a whole-program XLA compilation on `backend` would refuse."""
   for node in graph_def.node:
-    if node.op in collectives.XLA_LOWERED or node.op == "Placeholder":
+    if collectives.lowered_by_xla(node) or node.op == "Placeholder":
       continue
     if not _compilable(node):
       raise UnsupportedOpError(f"op type {node.op} cannot be compiled by XLA on {backend}; run with "
@@ -222,11 +224,14 @@ def _build_segment(k, group, view, full):
 
 
 def run(program):
-  """Pass: segment (CPU) or check (GPU, TPU) the per-device program for XLA, per `Options.jit_compile`."""
+  """Pass: check (GPU, TPU) or segment (CPU; GPU with collectives XLA does not lower) the per-device program for
+  XLA, per `Options.jit_compile`."""
   backend = backend_of(program)
   if not wants_jit(program.options.jit_compile, backend):
     return program.replace(jit=None)
-  if backend in ("GPU", "TPU"):
+  unlowered = [n for n in program.local_graph_def.node
+               if n.op in collectives.TF_COLLECTIVE_OPS and not collectives.lowered_by_xla(n)]
+  if backend == "TPU" or (backend == "GPU" and not unlowered):
     check_whole_program(program.local_graph_def, backend)
     return program.replace(jit="whole")
   keep = set(program.local_inputs) | set(program.local_variables) | set(program.local_outputs) | {program.partition_id}

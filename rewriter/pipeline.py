@@ -63,7 +63,7 @@ class Program:
   local_variables: Tuple[str, ...] = ()
   local_outputs: Tuple[str, ...] = ()
   side_effects: Tuple[str, ...] = ()
-  collective_ops: Any = None             # op name -> collectives.Emitted, every collective of the per-device program
+  collective_ops: Any = None             # op name -> report.Emitted, every collective of the per-device program
   partition_id: Optional[str] = None     # the per-device program's partition-id input (scalar int32 Placeholder)
   variable_shardings: Tuple[Any, ...] = ()  # per captured variable: the Sharding its shards are stored in
   variables_written: Tuple[bool, ...] = ()  # per captured variable: whether the program may write it

@@ -1,20 +1,56 @@
 """The partition report: every collective the per-device program performs, with its cause.
 
+Each record is one *logical* collective (what the partitioner needed: kind, dtype, per-device shape, bytes)
+together with the ops the collectives backend emitted for it, described from the tensors they were built on:
+their op type, the dtype and per-device shape they carry, and the bytes they send. The two differ where TF's
+collectives cannot carry a dtype at its width, where a collective is emulated (reduce-scatter as all-to-all),
+and where the combine pass merged several all-reduces into one op (the records then share it).
+
 Bytes are per device (`shared` convention): the per-device *result* of an all-gather; the per-device
-*operand* of all-reduce, reduce-scatter, all-to-all and collective-permute.
+*operand* of all-reduce, reduce-scatter, all-to-all and collective-permute. `bytes_per_device()` counts the
+emitted ops (what the program sends), `logical_bytes_per_device()` the logical collectives.
 """
 
 import collections
 import dataclasses
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 LARGE_GATHER_BYTES = 1 << 20
 
 
+def _shape_str(shape):
+  return ",".join(str(s) for s in shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Emitted:
+  """A collective op of the per-device program, described from the tensors it was built on.
+
+  `bytes` is what a device sends through the op, in the report's convention (an all-gather: its per-device
+  result); a receive, or a send within a group of one device, sends nothing. `senders` names the devices that
+  send through it where not all do (a collective-permute's edge members send nothing).
+  """
+
+  kind: str                        # what the op itself does: all-reduce, all-gather, all-to-all, collective-permute
+  axes: Tuple[str, ...]            # the mesh axes its groups span
+  reduction: Optional[str]         # an all-reduce's merge op ("Add", "Max", ...), else None
+  name: str                        # the node in the per-device program
+  op: str                          # its TF op type
+  dtype: str                       # the dtype it carries
+  shape: Tuple[int, ...]           # per-device shape it carries (an all-gather: its result)
+  group_size: int
+  bytes: int
+  senders: Optional[Tuple[int, ...]] = None   # device ids that send through it; None: every device
+
+  def __str__(self):
+    who = "" if self.senders is None or not self.bytes else f" from {len(self.senders)} device(s)"
+    return f"{self.op} {self.dtype}[{_shape_str(self.shape)}] (group {self.group_size}), {self.bytes:,} B{who}"
+
+
 @dataclasses.dataclass(frozen=True)
 class CollectiveRecord:
-  """One logical collective: kind, dtype, per-device shape, bytes, group size, mesh axes, cause."""
+  """One logical collective: kind, dtype, per-device shape, bytes, group size, mesh axes, cause, emitted ops."""
 
   kind: str
   dtype: str
@@ -24,12 +60,18 @@ class CollectiveRecord:
   axes: Tuple[str, ...]
   source: str           # the op that needed it
   reason: str           # why
-  emitted: str = ""     # what the backend emitted, when it differs from `kind`
+  ops: Tuple[Emitted, ...] = ()   # the ops emitted for it (shared with other records once combined)
+  note: str = ""        # how the emitted ops carry it, where that is not plain
+
+  @property
+  def differs(self):
+    """Whether the emitted ops send something else than the logical collective (other ops, dtype or size)."""
+    senders = [op for op in self.ops if op.bytes]
+    return bool(self.note) or len(senders) != 1 or (senders[0].dtype, senders[0].bytes) != (self.dtype, self.bytes)
 
   def __str__(self):
-    shape = ",".join(str(s) for s in self.shape)
-    return (f"{self.kind} {self.dtype}[{shape}] over {'x'.join(self.axes) or '-'} (group {self.group_size}), "
-            f"{self.bytes:,} B/device - {self.source}: {self.reason}")
+    return (f"{self.kind} {self.dtype}[{_shape_str(self.shape)}] over {'x'.join(self.axes) or '-'} "
+            f"(group {self.group_size}), {self.bytes:,} B/device - {self.source}: {self.reason}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,18 +106,54 @@ class Report:
     """{kind: number of collectives} for the kinds present."""
     return dict(collections.Counter(c.kind for c in self.collectives))
 
+  def emitted_ops(self):
+    """The collective ops of the program behind the records, once each (a combined op serves several records)."""
+    ops = {}
+    for c in self.collectives:
+      for op in c.ops:
+        ops.setdefault(op.name, op)
+    return list(ops.values())
+
+  def _most_per_device(self, weight):
+    """The largest sum of `weight(op)` over the emitted ops one device sends through."""
+    ops = self.emitted_ops()
+    everyone = sum(weight(op) for op in ops if op.senders is None)
+    some = collections.Counter()
+    for op in ops:
+      for p in op.senders or ():
+        some[p] += weight(op)
+    return everyone + max(some.values(), default=0)
+
   def bytes_per_device(self):
+    """Bytes per device the program's collective ops send (the convention above, applied to the emitted ops; where
+    devices send through different ops, the device that sends the most)."""
+    return self._most_per_device(lambda op: op.bytes)
+
+  def logical_bytes_per_device(self):
+    """Bytes per device of the logical collectives (each at its own dtype and shape, before combining)."""
     return sum(c.bytes for c in self.collectives)
 
   def wire_bytes_per_device(self):
-    """Bytes each device sends with bandwidth-optimal (ring) algorithms: an all-reduce of B bytes over N devices
-    sends 2B(N-1)/N, a reduce-scatter, all-gather or all-to-all B(N-1)/N, a collective-permute B. A reduce-scatter
-    plus an all-gather therefore costs what the all-reduce they replace costs."""
-    total = 0.0
-    for c in self.collectives:
-      share = (c.group_size - 1) / c.group_size if c.group_size else 0.0
-      total += c.bytes * {"all-reduce": 2 * share, "collective-permute": 1.0}.get(c.kind, share)
-    return int(round(total))
+    """Bytes each device sends through the emitted ops with bandwidth-optimal (ring) algorithms: an all-reduce of
+    B bytes over N devices sends 2B(N-1)/N, an all-gather or all-to-all B(N-1)/N (a reduce-scatter is emitted as
+    an all-to-all), a collective-permute B. A reduce-scatter plus an all-gather therefore costs what the
+    all-reduce they replace costs."""
+    def wire(op):
+      share = (op.group_size - 1) / op.group_size if op.group_size else 0.0
+      return op.bytes * {"all-reduce": 2 * share, "collective-permute": 1.0}.get(op.kind, share)
+
+    return int(round(self._most_per_device(wire)))
+
+  def replace_ops(self, mapping):
+    """Point the records at other ops: `mapping` is {op name: its replacement Emitted, or None if removed}."""
+    for k, c in enumerate(self.collectives):
+      if any(op.name in mapping for op in c.ops):
+        ops = []
+        for op in c.ops:
+          new = mapping.get(op.name, op)
+          if new is not None and new not in ops:
+            ops.append(new)
+        self.collectives[k] = dataclasses.replace(c, ops=tuple(ops))
 
   def state_bytes(self, role=None):
     """(bytes per device, global bytes) of the variables kept on the devices ("weight", "update state" or all)."""
@@ -83,9 +161,16 @@ class Report:
     return sum(r.bytes_per_device for r in rows), sum(r.global_bytes for r in rows)
 
   def __str__(self):
-    lines = [f"{len(self.collectives)} collective(s), {self.bytes_per_device():,} bytes per device "
-             f"({self.wire_bytes_per_device():,} sent on the wire), {len(self.reshards)} reshard(s)"]
-    lines += ["  " + str(c) for c in self.collectives]
+    sent, logical = self.bytes_per_device(), self.logical_bytes_per_device()
+    lines = [f"{len(self.collectives)} collective(s), {sent:,} bytes per device "
+             f"({self.wire_bytes_per_device():,} sent on the wire"
+             f"{'' if sent == logical else f'; {logical:,} as logical collectives'}), {len(self.reshards)} reshard(s)"]
+    for c in self.collectives:
+      lines.append("  " + str(c))
+      if not c.ops:
+        lines.append("    emitted: nothing (the program does not use its result)")
+      elif c.differs:
+        lines.append("    emitted: " + "; ".join(str(op) for op in c.ops) + (f" - {c.note}" if c.note else ""))
     if self.combined:
       merged = sum(n for n, _ in self.combined)
       lines.append(f"emitted: {merged} independent all-reduces combined into {len(self.combined)} collectives")

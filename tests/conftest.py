@@ -50,3 +50,60 @@ def check_partitioned(fn, args, specs, mesh, out=None, tol=1e-5):
   for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
     assert_close(g.numpy(), w.numpy(), rtol=tol, atol=tol)
   return f.lower(*[tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in args])
+
+
+COLLECTIVE_GROUP_SIZE_INPUT = {"CollectiveBcastRecvV2": 0}   # others take (input, group_size, ...)
+
+
+def sent_by_program(low):
+  """What the per-device program `low.graph_def` sends, read from its collective nodes alone.
+
+  Returns ({node: (op type, dtype, per-device shape it carries, bytes per sending device, sending devices)},
+  the most bytes one device sends). A node's bytes come from its input's static shape and dtype (an all-gather:
+  times its group size, the report's convention); a receive sends nothing, nor does a send in a group of one
+  device. Group sizes are evaluated for every partition id, as the program computes them.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.rewriter.collectives import TF_COLLECTIVE_OPS  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.rewriter.partition import PARTITION_ID  # pylint: disable=g-import-not-at-top
+  n = low.program.mesh.size
+  graph = tf.Graph()
+  with graph.as_default():
+    tf.graph_util.import_graph_def(low.graph_def, name="")
+  pid = graph.get_tensor_by_name(PARTITION_ID + ":0")
+  nodes, totals = {}, np.zeros(n, np.int64)
+  with tf.compat.v1.Session(graph=graph) as sess:
+    for op in graph.get_operations():
+      if op.type not in TF_COLLECTIVE_OPS:
+        continue
+      size_input = op.inputs[COLLECTIVE_GROUP_SIZE_INPUT.get(op.type, 1)]
+      sizes = np.array([sess.run(size_input, {pid: p}) for p in range(n)])
+      if op.type == "CollectiveBcastRecvV2":
+        nodes[op.name] = (op.type, op.get_attr("T").name, None, 0, frozenset())
+        continue
+      x = op.inputs[0]
+      shape = x.shape.as_list()
+      if op.type == "CollectiveGatherV2":
+        shape[0] *= int(sizes[0])
+      nbytes = int(np.prod(shape)) * x.dtype.size
+      senders = frozenset(int(p) for p in np.flatnonzero(sizes > 1))
+      totals[list(senders)] += nbytes
+      nodes[op.name] = (op.type, x.dtype.name, tuple(shape), nbytes, senders)
+  return nodes, int(totals.max())
+
+
+def assert_report_counts_program(low):
+  """The report's emitted ops are the program's collective nodes, with their dtypes, shapes and bytes."""
+  nodes, most = sent_by_program(low)
+  ops = {op.name: op for op in low.report.emitted_ops()}
+  assert set(ops) == set(nodes), f"report: {sorted(ops)}; program: {sorted(nodes)}"
+  for name, (op_type, dtype, shape, nbytes, senders) in nodes.items():
+    e = ops[name]
+    assert (e.op, e.dtype) == (op_type, dtype), (name, e)
+    if senders:
+      everyone = frozenset(range(low.program.mesh.size))
+      assert (e.shape, e.bytes) == (shape, nbytes), (name, e, shape, nbytes)
+      assert (everyone if e.senders is None else frozenset(e.senders)) == senders, (name, e, senders)
+    else:
+      assert e.bytes == 0, (name, e)
+  assert low.report.bytes_per_device() == most, str(low.report)

@@ -1,7 +1,8 @@
-"""The ten reference workloads: the partitioner moves no more bytes per device than XLA's own choice.
+"""The ten reference workloads: the partitioned program sends no more bytes per device than XLA's own choice.
 
-Planned here (no run); bench/workloads.py runs them and checks results against the unpartitioned program,
-and the per-family tests run smaller versions of the same patterns.
+Planned here (no run); the bytes are the ones the per-device program's collective ops send, checked against its
+collective nodes. bench/workloads.py runs them and checks results against the unpartitioned program, and the
+per-family tests run smaller versions of the same patterns.
 """
 
 import os
@@ -10,6 +11,7 @@ import sys
 import pytest
 import tensorflow as tf
 
+from conftest import assert_report_counts_program
 import tf_gspmd as gs
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
@@ -24,5 +26,6 @@ def test_bytes_per_device_at_most_xla(case):
   low = gs.function(fn, mesh=mesh, in_shardings=ins, out_shardings=outs).lower(
       *[tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in args])
   assert low.report.fallbacks == []
+  assert_report_counts_program(low)
   assert low.report.bytes_per_device() <= xla, f"{name}: {low.report}"
   assert not any(c.kind == "all-gather" and c.bytes > 1 << 20 for c in low.report.collectives), str(low.report)

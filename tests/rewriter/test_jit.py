@@ -5,11 +5,12 @@ import logging
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.framework import kernels
 
 from conftest import assert_close
 import tf_gspmd as gs
 from tf_gspmd import P
-from tf_gspmd.rewriter import jit
+from tf_gspmd.rewriter import collectives, jit
 
 MESH = gs.Mesh((2, 4), ("data", "model"))
 COLLECTIVES = ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2")
@@ -65,6 +66,20 @@ def test_auto_compiles_on_gpu_and_tpu_meshes_only():
   assert gs.function(lambda x: x * 2.0, mesh=mesh, jit_compile=False).lower(tf.TensorSpec([8])).program.jit is None
 
 
+@pytest.mark.parametrize("fn,specs,jit_mode", [
+    (lambda x, w: x @ w, (P(None, "d"), P("d", None)), "whole"),                        # a summing all-reduce
+    (lambda x, w: tf.reduce_max(x, axis=0) + w[0], (P("d", None), P()), "segments"),     # a max all-reduce
+    (lambda x, w: tf.nn.conv2d(x[None, :, :, None], w[:3, :3, None, None], 1, "SAME"), (P("d", None), P()),
+     "segments"),                                                                          # halo permutes
+], ids=["sum", "max", "halo"])
+def test_gpu_programs_with_collectives_xla_does_not_lower_compile_in_segments(fn, specs, jit_mode):
+  """tf2xla lowers summing CollectiveReduceV2 only: other collectives leave the program to XLA segments."""
+  gpus = [f"/job:worker/replica:0/task:0/device:GPU:{i}" for i in range(8)]
+  f = gs.function(fn, mesh=gs.Mesh((8,), ("d",), devices=gpus), in_shardings=specs)
+  low = f.lower(tf.TensorSpec([16, 16]), tf.TensorSpec([16, 16]))
+  assert low.program.jit == jit_mode, str(low.report)
+
+
 def test_whole_program_check_names_the_op_xla_refuses():
   g = tf.Graph()
   with g.as_default():
@@ -116,3 +131,12 @@ def test_read_only_variables_are_not_written():
 
   program = gs.function(f, mesh=MESH).lower(tf.TensorSpec([8], tf.int32)).program
   assert program.variables_written == (False,)
+
+
+def test_xla_lowers_only_the_collectives_it_has_kernels_for():
+  """XLA_LOWERED names exactly the emitted op types that TF's tf2xla registry compiles (for a GPU program)."""
+  tf.function(lambda v: v + 1.0, jit_compile=True, autograph=False)(tf.constant(1.0))   # XLA's kernels registered
+  with_kernel = {op for op in collectives.EMITTED_OPS
+                 if "XLA_GPU_JIT" in {k.device_type for k in kernels.get_registered_kernels_for_op(op).kernel}}
+  assert with_kernel == set(collectives.XLA_LOWERED) == {"CollectiveReduceV2"}
+  assert collectives.EMITTED_OPS <= collectives.TF_COLLECTIVE_OPS

@@ -1,0 +1,170 @@
+"""The collectives backend on 8 logical CPUs: exact collective-permutes, every dtype at its own width."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.eager import wrap_function
+
+import tf_gspmd as gs
+from tf_gspmd import _runtime
+from tf_gspmd.rewriter import collectives
+from tf_gspmd.rewriter.collectives import Backend
+from tf_gspmd.rewriter.report import Report
+
+M8 = gs.Mesh((8,), ("d",))
+M24 = gs.Mesh((2, 4), ("a", "b"))
+
+
+def _run(mesh, body, values):
+  """body(backend, x) built into one per-device program and run on every device of `mesh` (x: values[p] on
+  device p). Returns (the per-device results, the report)."""
+  devices = tuple(d.name for d in tf.config.list_logical_devices("CPU"))[:mesh.size]
+  graph, report = tf.Graph(), Report()
+  with graph.as_default():
+    pid = tf.compat.v1.placeholder(tf.int32, [], name="pid")
+    x = tf.compat.v1.placeholder(tf.as_dtype(values[0].dtype), values[0].shape, name="x")
+    backend = Backend(mesh, devices, pid, lambda table, name: tf.gather(tf.constant(table, name=name), pid), report)
+    tf.identity(body(backend, x), name="out")
+  fn = wrap_function.function_from_graph_def(graph.as_graph_def(), ["pid:0", "x:0"], ["out:0"])
+  pd, packed_pid = _runtime._parallel(devices)  # pylint: disable=protected-access
+  comps = []
+  for d, v in zip(devices, values):
+    with tf.device(d):
+      comps.append(tf.identity(tf.constant(v)))
+  with tf.device(pd._name):  # pylint: disable=protected-access
+    (out,) = fn(packed_pid, pd.pack(comps))
+  return [t.numpy() for t in pd.unpack(out)], report
+
+
+def _members(mesh, axes):
+  """Per device: (its group's members in mesh order, its number in the group)."""
+  of, members = Backend(mesh, None, None, None, Report()).groups(axes)
+  return {p: (m, m.index(p)) for m in members for p in m}
+
+
+@pytest.mark.parametrize("mesh,axes", [(M8, ("d",)), (M24, ("a",)), (M24, ("b",))], ids=["8", "2x4:a", "2x4:b"])
+@pytest.mark.parametrize("shift,cyclic", [(1, False), (-1, False), (1, True), (-1, True), (2, False)], ids=str)
+def test_permute_shifts(mesh, axes, shift, cyclic):
+  """Member k's tensor arrives at member k + shift; with no wrap-around the edge members get the fill."""
+  values = [np.full((3, 5), p, np.float32) + np.arange(15, dtype=np.float32).reshape(3, 5) for p in range(8)]
+  for _ in range(3):   # the same program again: fresh instances, no race between a send and its token
+    got, report = _run(mesh, lambda b, x: b.collective_permute(x, axes, shift=shift, cyclic=cyclic, fill=-7.0,
+                                                               source="s", reason="r"), values)
+    for p, (members, k) in _members(mesh, axes).items():
+      src = k - shift
+      if cyclic:
+        src %= len(members)
+      want = values[members[src]] if 0 <= src < len(members) else np.full((3, 5), -7.0, np.float32)
+      np.testing.assert_array_equal(got[p], want, err_msg=f"device {p}")
+  (c,) = report.collectives
+  assert c.kind == "collective-permute" and c.bytes == 60
+  assert {op.op for op in c.ops} <= {"CollectiveBcastSendV2", "CollectiveBcastRecvV2"}
+  moves = cyclic or abs(shift) < c.group_size   # else every member only receives a token (4 bytes)
+  assert report.bytes_per_device() == report.wire_bytes_per_device() == (60 if moves else 4)  # to one peer each
+
+
+def test_non_cyclic_shift_sends_nothing_from_the_edge():
+  """Right shift over 8: devices 0..6 send their buffer; device 7 sends only a one-element token to device 0."""
+  x = [np.full((4, 1024), p, np.float32) for p in range(8)]
+  got, report = _run(M8, lambda b, x: b.collective_permute(x, ("d",), shift=1, source="s", reason="r"), x)
+  assert [float(g[0, 0]) for g in got] == [0.0, 0, 1, 2, 3, 4, 5, 6]
+  send, recv, token = report.collectives[0].ops
+  assert (send.op, send.bytes, send.senders) == ("CollectiveBcastSendV2", 4 * 1024 * 4, tuple(range(7)))
+  assert (recv.op, recv.bytes) == ("CollectiveBcastRecvV2", 0)
+  assert (token.op, token.shape, token.bytes, token.senders) == ("CollectiveBcastSendV2", (1, 1), 4, (7,))
+  assert report.bytes_per_device() == 4 * 1024 * 4
+
+
+@pytest.mark.parametrize("pairs", [[(0, 0), (1, 2), (2, 1), (5, 7)], [(k, (k + 1) % 7) for k in range(7)], []],
+                         ids=["partial", "cycle_of_7", "none"])
+def test_permute_pairs(pairs):
+  """Arbitrary pairs: a member sending to itself keeps its value; one without a sender gets the fill (also when
+  it is the only member without a peer, whose token then comes from a member that sends data too)."""
+  values = [np.full((2, 3), p, np.int32) for p in range(8)]
+  got, _ = _run(M8, lambda b, x: b.collective_permute(x, ("d",), pairs=pairs, fill=-1, source="s", reason="r"),
+                values)
+  want = {b: a for a, b in pairs}
+  assert [int(g[0, 0]) for g in got] == [want.get(p, -1) for p in range(8)]
+  assert all((g == g[0, 0]).all() for g in got)
+
+
+def test_permute_pairs_must_be_a_partial_permutation():
+  with pytest.raises(gs.PartitionError, match="each member may send once"):
+    _run(M8, lambda b, x: b.collective_permute(x, ("d",), pairs=[(0, 1), (2, 1)]), [np.zeros(2, np.float32)] * 8)
+
+
+def test_halo_edges_are_selected_not_multiplied():
+  """An inf next to the group's edge never turns the edge members' zero halos into NaN."""
+  values = [np.full((2, 4), np.inf if p in (0, 7) else p, np.float32) for p in range(8)]
+  got, report = _run(M8, lambda b, x: b.halo_exchange(x, 0, ("d",), 1, 1, "s", "r"), values)
+  assert got[0].shape == (4, 4) and not np.isnan(np.stack(got)).any()
+  np.testing.assert_array_equal(got[0][0], 0)
+  np.testing.assert_array_equal(got[7][3], 0)
+  np.testing.assert_array_equal(got[1][0], np.inf)
+  assert report.counts() == {"collective-permute": 2} and report.bytes_per_device() == 2 * 4 * 4
+
+
+DTYPES = [tf.bool, tf.int8, tf.uint8, tf.int16, tf.uint16, tf.bfloat16, tf.uint32, tf.float16, tf.int32, tf.int64,
+          tf.float32, tf.float64]
+
+
+def _values(dtype, shape):
+  base = np.arange(np.prod(shape)).reshape(shape)
+  if dtype == tf.bool:
+    return [(base + p) % 3 == 0 for p in range(8)]
+  return [((base + 7 * p) % 100).astype(dtype.as_numpy_dtype) for p in range(8)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_data_moves_at_its_own_width(dtype):
+  """All-gather, all-to-all and collective-permute move every dtype bit for bit and send its own width (plus at
+  most three bytes of packing per device), whatever dtypes TF's ops take."""
+  xs = _values(dtype, (5, 3))
+  width = 1 if dtype == tf.bool else dtype.size
+  got, report = _run(M8, lambda b, x: b.all_gather(x, 1, ("d",), "s", "r"), xs)
+  for g in got:
+    np.testing.assert_array_equal(g, np.concatenate(xs, axis=1))
+  assert 8 * 15 * width <= report.bytes_per_device() <= 8 * (15 * width + 3)
+
+  ys = [np.concatenate([x] * 8) for x in xs]   # [40, 3]: chunk k of 5 rows goes to member k
+  got, report = _run(M8, lambda b, x: b.all_to_all(x, 1, 0, ("d",), "s", "r"), ys)
+  for p, g in enumerate(got):
+    np.testing.assert_array_equal(g, np.concatenate([y[5 * p:5 * p + 5] for y in ys], axis=1))
+  assert 8 * 15 * width <= report.bytes_per_device() <= 8 * (15 * width + 3)
+
+  got, report = _run(M8, lambda b, x: b.collective_permute(x, ("d",), shift=1, cyclic=True, source="s", reason="r"),
+                     xs)
+  for p, g in enumerate(got):
+    np.testing.assert_array_equal(g, xs[(p - 1) % 8])
+  assert 15 * width <= report.bytes_per_device() <= 15 * width + 3
+  (c,) = report.collectives
+  assert c.differs == (dtype not in collectives.takes("CollectiveBcastSendV2"))
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != tf.bool], ids=lambda d: d.name)
+def test_reductions_keep_their_results_and_name_wider_carriers(dtype):
+  """Reduce-scatter moves the dtype's own width and combines locally as before; an all-reduce carries a dtype
+  CollectiveReduceV2 cannot sum in a wider one (bfloat16 sums as float32), and the report says so."""
+  xs = _values(dtype, (40, 3))
+  exact = np.int64 if dtype.is_integer else np.float64   # integer sums wrap on the way back, as TF's casts do
+  total = sum(x.astype(exact) for x in xs).astype(dtype.as_numpy_dtype)
+  got, report = _run(M8, lambda b, x: b.reduce_scatter(x, 0, ("d",), "Add", "s", "r"), xs)
+  for p, g in enumerate(got):
+    np.testing.assert_array_equal(g, total[5 * p:5 * p + 5])
+  width = dtype.size
+  assert 120 * width <= report.bytes_per_device() <= 120 * width + 8 * 3
+  got, report = _run(M8, lambda b, x: b.all_reduce(x, ("d",), "Add", "s", "r"), xs)
+  for g in got:
+    np.testing.assert_array_equal(g, total)
+  (c,) = report.collectives
+  (op,) = c.ops
+  native = dtype in collectives.takes("CollectiveReduceV2") and dtype != tf.bfloat16
+  assert (op.dtype == dtype.name) == native and bool(c.note) == (not native)
+  assert report.bytes_per_device() == 120 * tf.as_dtype(op.dtype).size
+
+
+def test_bfloat16_max_travels_as_bfloat16():
+  xs = _values(tf.bfloat16, (4,))
+  got, report = _run(M8, lambda b, x: b.all_reduce(x, ("d",), "Max", "s", "r"), xs)
+  np.testing.assert_array_equal(got[0], np.max(np.stack(xs), axis=0))
+  assert report.collectives[0].ops[0].dtype == "bfloat16" and report.bytes_per_device() == 8

@@ -1,0 +1,100 @@
+"""The report counts what the per-device program sends: its emitted ops are the program's collective nodes."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import assert_report_counts_program, check_partitioned
+import tf_gspmd as gs
+from tf_gspmd import P
+from tf_gspmd.rewriter.report import CollectiveRecord, Emitted, Report
+
+M24 = gs.Mesh((2, 4), ("data", "model"))
+M8 = gs.Mesh((8,), ("d",))
+
+
+def test_megatron_mlp(rng):
+  f = gs.function(lambda x, w1, w2: tf.nn.gelu(x @ w1) @ w2, mesh=M24,
+                  in_shardings=(P("data", None), P(None, "model"), P("model", None)), out_shardings=P("data", None))
+  low = f.lower(tf.TensorSpec([64, 1024]), tf.TensorSpec([1024, 4096]), tf.TensorSpec([4096, 1024]))
+  assert_report_counts_program(low)
+  assert low.report.bytes_per_device() == low.report.logical_bytes_per_device() == 131072
+  assert "emitted:" not in str(low.report)   # the op sends what the logical all-reduce says
+
+
+def test_spatially_split_conv_sends_its_halos_only(rng):
+  x = rng.standard_normal((2, 32, 16, 4)).astype(np.float32)
+  k = rng.standard_normal((3, 3, 4, 8)).astype(np.float32)
+  spec = P(None, "d", None, None)
+  low = check_partitioned(lambda x, k: tf.nn.conv2d(x, k, 1, "SAME"), [x, k], (spec, P()), M8, out=spec, tol=1e-4)
+  assert_report_counts_program(low)
+  halo = 2 * 1 * 16 * 4 * 4   # one row of [2, ., 16, 4] float32 from each neighbour
+  assert low.report.counts() == {"collective-permute": 2}
+  assert low.report.bytes_per_device() == low.report.logical_bytes_per_device() == 2 * halo
+
+
+def test_pad_by_seven_sends_its_halos_only(rng):
+  """x[64,1024] over 8 (8 rows a device), padded by 7 rows in front: 71 rows re-split 9 a device, so each
+  device takes up to 7 rows from the previous one and 1 from the next: 8 rows of 4 KiB, not a gather."""
+  x = rng.standard_normal((64, 1024)).astype(np.float32)
+  low = check_partitioned(lambda x: tf.pad(x, [[7, 0], [0, 0]]), [x], (P("d", None),), M8, out=P("d", None))
+  assert_report_counts_program(low)
+  assert low.report.counts() == {"collective-permute": 2}
+  assert low.report.bytes_per_device() == (7 + 1) * 1024 * 4
+  assert {op.op for op in low.report.emitted_ops()} == {"CollectiveBcastSendV2", "CollectiveBcastRecvV2"}
+
+
+def test_bool_all_gather_travels_at_one_byte_an_element(rng):
+  x = rng.standard_normal((64, 16)) > 0
+  low = check_partitioned(lambda x: tf.logical_not(x), [x], (P("d", None),), M8, out=P())
+  assert_report_counts_program(low)
+  (c,) = low.report.collectives
+  (op,) = c.ops
+  assert (c.kind, c.dtype, c.bytes) == ("all-gather", "bool", 64 * 16)
+  assert (op.op, op.dtype, op.bytes) == ("CollectiveGatherV2", "int32", 64 * 16)   # 4 bools to an int32
+  assert "bool packed 4 to an int32" in str(low.report)
+
+
+def test_combined_all_reduces_count_once(rng):
+  def f(x, w1, w2, w3):
+    return x @ w1, x @ w2, tf.reduce_sum(x @ w3, axis=1)
+
+  low = gs.function(f, mesh=M24, in_shardings=(P(None, "model"), P("model", None), P("model", None),
+                                               P("model", None)), out_shardings=P()).lower(
+      tf.TensorSpec([8, 16]), tf.TensorSpec([16, 4]), tf.TensorSpec([16, 6]), tf.TensorSpec([16, 5]))
+  assert_report_counts_program(low)
+  (op,) = low.report.emitted_ops()
+  assert all(c.ops == (op,) for c in low.report.collectives) and len(low.report.collectives) == 3
+  assert low.report.bytes_per_device() == low.report.logical_bytes_per_device() == 4 * 8 * (4 + 6 + 5)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_megatron_training_step(jit_compile):
+  def step(x, t, w1, w2):
+    with tf.GradientTape() as tape:
+      tape.watch([w1, w2])
+      loss = tf.reduce_mean(tf.square(tf.nn.gelu(x @ w1) @ w2 - t))
+    g1, g2 = tape.gradient(loss, [w1, w2])
+    return w1 - 0.1 * g1, w2 - 0.1 * g2, loss
+
+  low = gs.function(step, mesh=M24, in_shardings=(P("data", None), P("data", None), P(None, "model"),
+                                                  P("model", None)), jit_compile=jit_compile).lower(
+      tf.TensorSpec([16, 64]), tf.TensorSpec([16, 64]), tf.TensorSpec([64, 128]), tf.TensorSpec([128, 64]))
+  assert_report_counts_program(low)
+
+
+def test_bytes_count_the_device_that_sends_the_most():
+  """Ops sent by some devices only (a permute's data, its token) add up per device; ops that cleanup removed
+  count nothing, and the report says their collective's result was unused."""
+  reduce = Emitted("all-reduce", ("m",), "Add", "ar", "CollectiveReduceV2", "float32", (8,), 4, 32)
+  send = Emitted("collective-permute", ("d",), None, "s", "CollectiveBcastSendV2", "float32", (2,), 2, 8, (0, 1, 2))
+  recv = Emitted("collective-permute", ("d",), None, "r", "CollectiveBcastRecvV2", "float32", (2,), 2, 0, ())
+  token = Emitted("collective-permute", ("d",), None, "t", "CollectiveBcastSendV2", "float32", (1,), 2, 4, (3,))
+  report = Report()
+  report.add(CollectiveRecord("all-reduce", "float32", (8,), 32, 4, ("m",), "a", "why", (reduce,)))
+  report.add(CollectiveRecord("collective-permute", "float32", (2,), 8, 4, ("d",), "b", "why", (send, recv, token)))
+  assert report.bytes_per_device() == 32 + 8 and report.logical_bytes_per_device() == 40
+  assert report.wire_bytes_per_device() == 2 * 32 * 3 // 4 + 8
+  report.replace_ops({"s": None, "r": None, "t": None})
+  assert report.bytes_per_device() == 32 and report.collectives[1].ops == ()
+  assert "emitted: nothing (the program does not use its result)" in str(report)
