@@ -65,12 +65,11 @@ def sent_by_program(low):
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tf_gspmd.rewriter.collectives import TF_COLLECTIVE_OPS  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.rewriter.partition import PARTITION_ID  # pylint: disable=g-import-not-at-top
   n = low.program.mesh.size
   graph = tf.Graph()
   with graph.as_default():
     tf.graph_util.import_graph_def(low.graph_def, name="")
-  pid = graph.get_tensor_by_name(PARTITION_ID + ":0")
+  pid = graph.get_tensor_by_name(low.program.partition_id + ":0")
   nodes, totals = {}, np.zeros(n, np.int64)
   with tf.compat.v1.Session(graph=graph) as sess:
     for op in graph.get_operations():

@@ -6,7 +6,7 @@ import tensorflow as tf
 from tensorflow.python.eager import wrap_function
 
 import tf_gspmd as gs
-from tf_gspmd import _runtime
+from tf_gspmd.runtime import executable as _runtime
 from tf_gspmd.rewriter import collectives
 from tf_gspmd.rewriter.collectives import Backend
 from tf_gspmd.rewriter.report import Report
