@@ -84,17 +84,18 @@ def test_megatron_training_step(jit_compile):
 
 
 def test_bytes_count_the_device_that_sends_the_most():
-  """Ops sent by some devices only (a permute's data, its token) add up per device; ops that cleanup removed
-  count nothing, and the report says their collective's result was unused."""
+  """Ops through which devices send different amounts (a permute's data, its tokens) add up per device; ops
+  that cleanup removed count nothing, and the report says their collective's result was unused."""
   reduce = Emitted("all-reduce", ("m",), "Add", "ar", "CollectiveReduceV2", "float32", (8,), 4, 32)
-  send = Emitted("collective-permute", ("d",), None, "s", "CollectiveBcastSendV2", "float32", (2,), 2, 8, (0, 1, 2))
-  recv = Emitted("collective-permute", ("d",), None, "r", "CollectiveBcastRecvV2", "float32", (2,), 2, 0, ())
-  token = Emitted("collective-permute", ("d",), None, "t", "CollectiveBcastSendV2", "float32", (1,), 2, 4, (3,))
+  send = Emitted("collective-permute", ("d",), None, "s", "CollectiveBcastSendV2", "float32", (2,), 2, 8,
+                 (8, 8, 8, 4))
+  recv = Emitted("collective-permute", ("d",), None, "r", "CollectiveBcastRecvV2", "float32", (2,), 2, 0)
   report = Report()
   report.add(CollectiveRecord("all-reduce", "float32", (8,), 32, 4, ("m",), "a", "why", (reduce,)))
-  report.add(CollectiveRecord("collective-permute", "float32", (2,), 8, 4, ("d",), "b", "why", (send, recv, token)))
+  report.add(CollectiveRecord("collective-permute", "float32", (2,), 8, 4, ("d",), "b", "why", (send, recv)))
   assert report.bytes_per_device() == 32 + 8 and report.logical_bytes_per_device() == 40
   assert report.wire_bytes_per_device() == 2 * 32 * 3 // 4 + 8
-  report.replace_ops({"s": None, "r": None, "t": None})
+  assert str(send) == "CollectiveBcastSendV2 float32[2] (group 2), 8 B from 3 device(s), 4 B from 1 device(s)"
+  report.replace_ops({"s": None, "r": None})
   assert report.bytes_per_device() == 32 and report.collectives[1].ops == ()
   assert "emitted: nothing (the program does not use its result)" in str(report)
