@@ -230,11 +230,6 @@ class Backend:
       return None
     return np.array(perms, np.int32)[of]
 
-  def _per_device(self, table, name):
-    """A per-device value from `table` (indexed by device id): a constant when every device has the same."""
-    table = np.asarray(table)
-    return table[0].tolist() if (table == table[0]).all() else self.lookup(table, name)
-
   def _describe(self, out, kind, axes, carried, group_size, reduction=None, gathered=False, sends=True,
                 device_bytes=None, shape=None):
     """Record the op producing `out` in `self.emitted`, from the tensor it carries (`shape`: its largest, where
