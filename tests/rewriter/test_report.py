@@ -1,5 +1,8 @@
 """The report counts what the per-device program sends: its emitted ops are the program's collective nodes."""
 
+import os
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -8,6 +11,9 @@ from conftest import assert_report_counts_program, check_partitioned
 import tf_gspmd as gs
 from tf_gspmd import P
 from tf_gspmd.rewriter.report import CollectiveRecord, Emitted, Report
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+import transformer_model as tm  # noqa: E402  pylint: disable=g-import-not-at-top
 
 M24 = gs.Mesh((2, 4), ("data", "model"))
 M8 = gs.Mesh((8,), ("d",))
@@ -70,14 +76,7 @@ def test_combined_all_reduces_count_once(rng):
 
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_megatron_training_step(jit_compile):
-  def step(x, t, w1, w2):
-    with tf.GradientTape() as tape:
-      tape.watch([w1, w2])
-      loss = tf.reduce_mean(tf.square(tf.nn.gelu(x @ w1) @ w2 - t))
-    g1, g2 = tape.gradient(loss, [w1, w2])
-    return w1 - 0.1 * g1, w2 - 0.1 * g2, loss
-
-  low = gs.function(step, mesh=M24, in_shardings=(P("data", None), P("data", None), P(None, "model"),
+  low = gs.function(tm.mlp_train_step, mesh=M24, in_shardings=(P("data", None), P("data", None), P(None, "model"),
                                                   P("model", None)), jit_compile=jit_compile).lower(
       tf.TensorSpec([16, 64]), tf.TensorSpec([16, 64]), tf.TensorSpec([64, 128]), tf.TensorSpec([128, 64]))
   assert_report_counts_program(low)
