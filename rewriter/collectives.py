@@ -40,22 +40,20 @@ TF_COLLECTIVE_OPS = EMITTED_OPS | frozenset({   # every TF collective op type (a
 XLA_LOWERED = frozenset({"CollectiveReduceV2"})
 
 _lock = threading.Lock()
-_group_keys = {}          # key -> (member device names, tag)
+_group_keys = {}          # key -> member device names
 _instance_counter = itertools.count(1 << 16)
 
 
-def group_key(members, tag=""):
+def group_key(members):
   """A stable int32 key for a group of devices, unique within the process.
 
-  `tag` tells apart groups of the same devices that must not share a key (a collective-permute's lone sends and
-  its tokens). The order of `members` counts: a transfer a -> b and one b -> a get different keys.
+  The order of `members` counts: a collective-permute's transfer a -> b and one b -> a get different keys.
   """
-  member_key = (tuple(members), tag)
   with _lock:
-    key = (zlib.crc32(("|".join(members) + (f"#{tag}" if tag else "")).encode()) & 0x3FFFFFFF) + 1
-    while key in _group_keys and _group_keys[key] != member_key:
+    key = (zlib.crc32("|".join(members).encode()) & 0x3FFFFFFF) + 1
+    while key in _group_keys and _group_keys[key] != tuple(members):
       key = key % 0x3FFFFFFF + 1
-    _group_keys[key] = member_key
+    _group_keys[key] = tuple(members)
     return key
 
 
@@ -169,19 +167,14 @@ def _summing_note(dtype, carrier, how):
   return f"{dtype.name} carried as {carrier.name} (CollectiveReduceV2 takes no {dtype.name})"
 
 
-def _token_senders(idle, starved, size):
-  """{starved member: the member that sends it a token}: a bijection from the members that send nothing (`idle`)
-  to those that receive nothing (`starved`, as many), none to itself. When a single member is both, a member
-  that sends data sends its token too."""
+def _token_pairs(idle, starved):
+  """{sender: receiver} of tokens: a bijection from the members that send nothing (`idle`) to those that receive
+  nothing (`starved`, as many), none to itself; None when there is none (a single member that is both)."""
   k = len(starved)
-  if not k:
-    return {}
-  if idle == starved and k == 1:
-    return {starved[0]: (starved[0] + 1) % size}
-  for r in range(k):   # some rotation pairs no member with itself (k >= 2, or the lists differ)
+  for r in range(k):   # unless idle == starved == [p], some rotation pairs no member with itself
     if all(idle[(i + r) % k] != starved[i] for i in range(k)):
-      return {starved[i]: idle[(i + r) % k] for i in range(k)}
-  raise AssertionError("unreachable: a rotation without fixed points exists")
+      return {idle[(i + r) % k]: starved[i] for i in range(k)}
+  return {} if not k else None
 
 
 class Backend:
@@ -237,21 +230,20 @@ class Backend:
       return None
     return np.array(perms, np.int32)[of]
 
-  def _per_device(self, table, name):
-    """A per-device value from `table` (indexed by device id): a constant when every device has the same."""
-    table = np.asarray(table)
-    return table[0].tolist() if (table == table[0]).all() else self.lookup(table, name)
-
-  def _describe(self, out, kind, axes, carried, group_size, reduction=None, gathered=False, senders=None):
-    """Record the op producing `out` in `self.emitted`, from the tensor it carries (`senders`: the devices that
-    send through it, None for all); returns the description."""
-    shape = [int(d) for d in carried.shape]
+  def _describe(self, out, kind, axes, carried, group_size, reduction=None, gathered=False, sends=True,
+                device_bytes=None, shape=None):
+    """Record the op producing `out` in `self.emitted`, from the tensor it carries (`shape`: its largest, where
+    it differs by device; `device_bytes`: what each device sends through the op, where devices differ; nothing
+    for a receive); returns the description."""
+    shape = [int(d) for d in (carried.shape if shape is None else shape)]
     if gathered:
       shape[0] *= group_size
-    senders = None if senders is None else tuple(sorted(senders))
-    nbytes = math.prod(shape) * carried.dtype.size if group_size > 1 and senders != () else 0
+    nbytes = math.prod(shape) * carried.dtype.size if sends and group_size > 1 else 0
+    if device_bytes is not None:
+      nbytes = int(np.max(device_bytes))
+      device_bytes = tuple(int(b) for b in device_bytes)
     e = Emitted(kind, tuple(axes), reduction, out.op.name, out.op.type, carried.dtype.name, tuple(shape), group_size,
-                nbytes, senders)
+                nbytes, device_bytes)
     self.emitted[e.name] = e
     return e
 
@@ -366,13 +358,13 @@ class Backend:
 
     Each transfer is a broadcast in a group of its two devices (`CollectiveBcastSendV2`/`RecvV2`, one group
     key per ordered pair, read from per-device tables), so the data goes to one peer only. Every device runs one
-    send and one receive with no control edge between them, so no cycle of transfers can block. A member with
-    nothing to send runs its send alone in a group of its own device (which moves nothing). TF has no lone
-    receive, so a member with nothing to receive receives a one-element token instead, sent by a member that
-    sends nothing else where one exists (a third op, emitted only for permutes that leave members without a
-    sender); its result is `fill`.
+    send and one receive, with no control edge between them, so no cycle of transfers can block. TF has no
+    lone send or receive, so the members without a receiver send, each to a member without a sender, a
+    one-element token instead of their data (the sent tensor's size is per device); what a token's receiver
+    gets is `fill`. A permute that leaves exactly one member without a peer has no one to pair it with and
+    is refused.
     """
-    of, members = self.groups(axes)
+    _, members = self.groups(axes)
     size = len(members[0])
     if pairs is None:
       pairs = [(k, k + shift) for k in range(size)]
@@ -384,68 +376,62 @@ class Backend:
                            "receive once", node=source)
     if size == 1:   # nothing to move: a member sends to itself or to no one
       return x if pairs else tf.fill(x.shape, _scalar(fill, x.dtype))
-    sends = [k for k in range(size) if to.get(k, k) != k]
-    gets = [k for k in range(size) if frm.get(k, k) != k]
-    starved = [k for k in range(size) if k not in gets]
-    token_from = _token_senders([k for k in range(size) if k not in sends], starved, size)
+    moves = {a: b for a, b in pairs if a != b}
+    idle = [k for k in range(size) if k not in moves]
+    starved = [k for k in range(size) if k not in moves.values()]
+    tokens = _token_pairs(idle, starved)
+    if tokens is None:
+      raise PartitionError(f"collective-permute pairs {pairs} over a group of {size} leave only member {idle[0]} "
+                           "without a peer: TF's broadcasts have no lone send or receive to give it", node=source)
     carrier, per = _moving(x.dtype, "CollectiveBcastSendV2", source)
     y = _to_carrier(x, carrier, per, 0)
-    shape, token = y.shape.as_list(), [1] * y.shape.rank
+    shape = y.shape.as_list()
+    elements = math.prod(shape)
     n = self.mesh.size
-    send_key, send_size, recv_key, token_key, token_size = (np.zeros(n, np.int32) for _ in range(5))
-    recv_shape = np.zeros((n, len(shape)), np.int32)
+    send_key, recv_key, count = np.zeros(n, np.int32), np.zeros(n, np.int32), np.ones(n, np.int32)
     receives, keeps = np.zeros(n, np.bool_), np.zeros(n, np.bool_)
-    senders, token_senders = [], []
+    peer = {**moves, **tokens}   # every member sends once and receives once
+    sender_of = {b: a for a, b in peer.items()}
     for m in members:
       names = [self.devices[p] for p in m]
       for k, p in enumerate(m):
-        if k in to and to[k] != k:
-          send_key[p], send_size[p] = group_key([names[k], names[to[k]]]), 2
-          senders.append(p)
-        else:
-          send_key[p], send_size[p] = group_key([names[k]]), 1
-        if k in frm and frm[k] != k:
-          recv_key[p], recv_shape[p] = group_key([names[frm[k]], names[k]]), shape
-        else:
-          recv_key[p], recv_shape[p] = group_key([names[token_from[k]], names[k]], "token"), token
-        token_key[p], token_size[p] = group_key([names[k]], "token"), 1
-        receives[p], keeps[p] = k in frm and frm[k] != k, to.get(k) == k
-      for r, q in token_from.items():
-        token_key[m[q]], token_size[m[q]] = group_key([names[q], names[r]], "token"), 2
-        token_senders.append(m[q])
+        send_key[p] = group_key([names[k], names[peer[k]]])
+        recv_key[p] = group_key([names[sender_of[k]], names[k]])
+        count[p] = elements if k in moves else 1
+        receives[p], keeps[p] = sender_of[k] in moves, to.get(k) == k
     tag = "_".join(axes)
+    if tokens:   # a token is the first element of the flattened data; the receiver pads it back out
+      sending = tf.slice(tf.reshape(y, [-1]), [0], self.lookup(count[:, None], f"permute_count_{tag}"))
+      recv_shape = self.lookup(np.where(receives, elements, 1).astype(np.int32)[:, None],
+                               f"permute_recv_count_{tag}")
+      carried = [elements]
+    else:
+      sending, recv_shape, carried = y, shape, shape
     instance = next_instance_key()
-    sent = tf.raw_ops.CollectiveBcastSendV2(
-        input=y, group_size=self._per_device(send_size, f"permute_send_size_{tag}"),
-        group_key=self.lookup(send_key, f"permute_send_key_{tag}"), instance_key=instance, name="permute_send")
-    got = tf.raw_ops.CollectiveBcastRecvV2(
-        group_size=2, group_key=self.lookup(recv_key, f"permute_recv_key_{tag}"), instance_key=instance,
-        shape=self._per_device(recv_shape, f"permute_recv_shape_{tag}"), T=y.dtype, name="permute_recv")
-    ops = [self._describe(sent, "collective-permute", axes, y, 2, senders=senders),
-           self._describe(got, "collective-permute", axes, y, 2, senders=())]
-    done = [sent.op]
-    if token_from:
-      mark = tf.raw_ops.CollectiveBcastSendV2(
-          input=tf.zeros(token, y.dtype), group_size=self._per_device(token_size, f"permute_token_size_{tag}"),
-          group_key=self.lookup(token_key, f"permute_token_key_{tag}"), instance_key=instance, name="permute_token")
-      ops.append(self._describe(mark, "collective-permute", axes, mark.op.inputs[0], 2, senders=token_senders))
-      done.append(mark.op)
-      # A token has one element: pad it out to the payload's shape (it is replaced by `fill` below).
-      missing = np.zeros((n, 1, 2), np.int32)
-      missing[~receives, 0, 1] = math.prod(shape) - 1
-      got = tf.reshape(tf.pad(tf.reshape(got, [-1]), self.lookup(missing, f"permute_token_pad_{tag}")), shape)
-    with tf.control_dependencies(done):   # the sends stay in the program; only the result waits for them
+    sent = tf.raw_ops.CollectiveBcastSendV2(input=sending, group_size=2, group_key=self.lookup(
+        send_key, f"permute_send_key_{tag}"), instance_key=instance, name="permute_send")
+    got = tf.raw_ops.CollectiveBcastRecvV2(group_size=2, group_key=self.lookup(recv_key, f"permute_recv_key_{tag}"),
+                                           instance_key=instance, shape=recv_shape, T=y.dtype, name="permute_recv")
+    per_device = count * y.dtype.size
+    ops = (self._describe(sent, "collective-permute", axes, y, 2, device_bytes=per_device if tokens else None,
+                          shape=carried),
+           self._describe(got, "collective-permute", axes, y, 2, sends=False, shape=carried))
+    with tf.control_dependencies([sent.op]):   # the send stays in the program; only the result waits for it
       got = tf.identity(got)
+    if tokens:
+      missing = np.zeros((n, 1, 2), np.int32)
+      missing[~receives, 0, 1] = elements - 1
+      got = tf.reshape(tf.pad(got, self.lookup(missing, f"permute_token_pad_{tag}")), shape)
     z = _from_carrier(got, x.dtype, per, x.shape.as_list())
     if not receives.all():
       z = tf.where(self.lookup(receives, f"permute_receives_{tag}"), z, _scalar(fill, x.dtype))
     if keeps.any():
       z = tf.where(self.lookup(keeps, f"permute_keeps_{tag}"), x, z)
     note = _moving_note(x.dtype, carrier, per, "CollectiveBcastSendV2")
-    if token_from:
-      note = "; ".join(filter(None, [note, "a member without a sender receives a one-element token (TF has no lone "
-                                            "receive)"]))
-    self._record("collective-permute", x, x.shape, size, axes, source, reason, tuple(ops), note)
+    if tokens:
+      note = "; ".join(filter(None, [note, "members without a receiver send a one-element token to those without a "
+                                            "sender (TF has no lone send or receive)"]))
+    self._record("collective-permute", x, x.shape, size, axes, source, reason, ops, note)
     return z
 
   def halo_exchange(self, x, dim, axes, left, right, source, reason):

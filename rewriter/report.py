@@ -28,8 +28,8 @@ class Emitted:
   """A collective op of the per-device program, described from the tensors it was built on.
 
   `bytes` is what a device sends through the op, in the report's convention (an all-gather: its per-device
-  result); a receive, or a send within a group of one device, sends nothing. `senders` names the devices that
-  send through it where not all do (a collective-permute's edge members send nothing).
+  result; a receive sends nothing). Where devices send different amounts through it (a collective-permute's
+  members without a receiver send a token), `device_bytes` has each device's and `bytes` is the most.
   """
 
   kind: str                        # what the op itself does: all-reduce, all-gather, all-to-all, collective-permute
@@ -41,11 +41,14 @@ class Emitted:
   shape: Tuple[int, ...]           # per-device shape it carries (an all-gather: its result)
   group_size: int
   bytes: int
-  senders: Optional[Tuple[int, ...]] = None   # device ids that send through it; None: every device
+  device_bytes: Optional[Tuple[int, ...]] = None   # bytes by device id, where devices differ
 
   def __str__(self):
-    who = "" if self.senders is None or not self.bytes else f" from {len(self.senders)} device(s)"
-    return f"{self.op} {self.dtype}[{_shape_str(self.shape)}] (group {self.group_size}), {self.bytes:,} B{who}"
+    sent = f"{self.bytes:,} B"
+    if self.device_bytes is not None:
+      sent = ", ".join(f"{b:,} B from {k} device(s)" for b, k in sorted(collections.Counter(self.device_bytes).items(),
+                                                                             reverse=True))
+    return f"{self.op} {self.dtype}[{_shape_str(self.shape)}] (group {self.group_size}), {sent}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,20 +117,21 @@ class Report:
         ops.setdefault(op.name, op)
     return list(ops.values())
 
-  def _most_per_device(self, weight):
-    """The largest sum of `weight(op)` over the emitted ops one device sends through."""
-    ops = self.emitted_ops()
-    everyone = sum(weight(op) for op in ops if op.senders is None)
-    some = collections.Counter()
-    for op in ops:
-      for p in op.senders or ():
-        some[p] += weight(op)
-    return everyone + max(some.values(), default=0)
+  def _most_per_device(self, factor):
+    """The largest sum over the emitted ops of what one device sends through each, times `factor(op)`."""
+    everyone, by_device = 0, collections.Counter()
+    for op in self.emitted_ops():
+      if op.device_bytes is None:
+        everyone += op.bytes * factor(op)
+      else:
+        for p, b in enumerate(op.device_bytes):
+          by_device[p] += b * factor(op)
+    return everyone + max(by_device.values(), default=0)
 
   def bytes_per_device(self):
     """Bytes per device the program's collective ops send (the convention above, applied to the emitted ops; where
-    devices send through different ops, the device that sends the most)."""
-    return self._most_per_device(lambda op: op.bytes)
+    devices send different amounts, the device that sends the most)."""
+    return self._most_per_device(lambda op: 1)
 
   def logical_bytes_per_device(self):
     """Bytes per device of the logical collectives (each at its own dtype and shape, before combining)."""
@@ -138,11 +142,11 @@ class Report:
     B bytes over N devices sends 2B(N-1)/N, an all-gather or all-to-all B(N-1)/N (a reduce-scatter is emitted as
     an all-to-all), a collective-permute B. A reduce-scatter plus an all-gather therefore costs what the
     all-reduce they replace costs."""
-    def wire(op):
+    def factor(op):
       share = (op.group_size - 1) / op.group_size if op.group_size else 0.0
-      return op.bytes * {"all-reduce": 2 * share, "collective-permute": 1.0}.get(op.kind, share)
+      return {"all-reduce": 2 * share, "collective-permute": 1.0}.get(op.kind, share)
 
-    return int(round(self._most_per_device(wire)))
+    return int(round(self._most_per_device(factor)))
 
   def replace_ops(self, mapping):
     """Point the records at other ops: `mapping` is {op name: its replacement Emitted, or None if removed}."""

@@ -58,10 +58,11 @@ COLLECTIVE_GROUP_SIZE_INPUT = {"CollectiveBcastRecvV2": 0}   # others take (inpu
 def sent_by_program(low):
   """What the per-device program `low.graph_def` sends, read from its collective nodes alone.
 
-  Returns ({node: (op type, dtype, per-device shape it carries, bytes per sending device, sending devices)},
-  the most bytes one device sends). A node's bytes come from its input's static shape and dtype (an all-gather:
-  times its group size, the report's convention); a receive sends nothing, nor does a send in a group of one
-  device. Group sizes are evaluated for every partition id, as the program computes them.
+  Returns ({node: (op type, dtype, per-device shape it carries, bytes each device sends through it)}, the most
+  bytes one device sends). A node's bytes come from its input's shape and dtype (an all-gather: times its group
+  size, the report's convention); a receive sends nothing. Values the program computes from the partition id
+  (group sizes; the size of a send whose shape differs by device, which is a Slice of its data) are evaluated
+  for every partition id.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tf_gspmd.rewriter.collectives import TF_COLLECTIVE_OPS  # pylint: disable=g-import-not-at-top
@@ -72,22 +73,25 @@ def sent_by_program(low):
   pid = graph.get_tensor_by_name(low.program.partition_id + ":0")
   nodes, totals = {}, np.zeros(n, np.int64)
   with tf.compat.v1.Session(graph=graph) as sess:
+    per_device = lambda t: [sess.run(t, {pid: p}) for p in range(n)]  # noqa: E731
     for op in graph.get_operations():
       if op.type not in TF_COLLECTIVE_OPS:
         continue
-      size_input = op.inputs[COLLECTIVE_GROUP_SIZE_INPUT.get(op.type, 1)]
-      sizes = np.array([sess.run(size_input, {pid: p}) for p in range(n)])
       if op.type == "CollectiveBcastRecvV2":
-        nodes[op.name] = (op.type, op.get_attr("T").name, None, 0, frozenset())
+        nodes[op.name] = (op.type, op.get_attr("T").name, None, (0,) * n)
         continue
+      sizes = per_device(op.inputs[COLLECTIVE_GROUP_SIZE_INPUT.get(op.type, 1)])
       x = op.inputs[0]
-      shape = x.shape.as_list()
+      if x.shape.is_fully_defined():
+        shapes = [x.shape.as_list()] * n
+      else:
+        assert x.op.type == "Slice", f"{op.name} sends a tensor of per-device shape that is not a Slice"
+        shapes = [list(s) for s in per_device(x.op.inputs[2])]
       if op.type == "CollectiveGatherV2":
-        shape[0] *= int(sizes[0])
-      nbytes = int(np.prod(shape)) * x.dtype.size
-      senders = frozenset(int(p) for p in np.flatnonzero(sizes > 1))
-      totals[list(senders)] += nbytes
-      nodes[op.name] = (op.type, x.dtype.name, tuple(shape), nbytes, senders)
+        shapes = [[s[0] * int(g)] + s[1:] for s, g in zip(shapes, sizes)]
+      sent = tuple(int(np.prod(s)) * x.dtype.size if g > 1 else 0 for s, g in zip(shapes, sizes))
+      totals += sent
+      nodes[op.name] = (op.type, x.dtype.name, tuple(max(shapes, key=np.prod)), sent)
   return nodes, int(totals.max())
 
 
@@ -96,13 +100,9 @@ def assert_report_counts_program(low):
   nodes, most = sent_by_program(low)
   ops = {op.name: op for op in low.report.emitted_ops()}
   assert set(ops) == set(nodes), f"report: {sorted(ops)}; program: {sorted(nodes)}"
-  for name, (op_type, dtype, shape, nbytes, senders) in nodes.items():
+  for name, (op_type, dtype, shape, sent) in nodes.items():
     e = ops[name]
     assert (e.op, e.dtype) == (op_type, dtype), (name, e)
-    if senders:
-      everyone = frozenset(range(low.program.mesh.size))
-      assert (e.shape, e.bytes) == (shape, nbytes), (name, e, shape, nbytes)
-      assert (everyone if e.senders is None else frozenset(e.senders)) == senders, (name, e, senders)
-    else:
-      assert e.bytes == 0, (name, e)
+    assert (e.device_bytes or (e.bytes,) * len(sent)) == sent, (name, e, sent)
+    assert shape is None or e.shape == shape, (name, e, shape)
   assert low.report.bytes_per_device() == most, str(low.report)

@@ -1,5 +1,8 @@
 """The report counts what the per-device program sends: its emitted ops are the program's collective nodes."""
 
+import os
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -8,6 +11,9 @@ from conftest import assert_report_counts_program, check_partitioned
 import tf_gspmd as gs
 from tf_gspmd import P
 from tf_gspmd.rewriter.report import CollectiveRecord, Emitted, Report
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+import transformer_model as tm  # noqa: E402  pylint: disable=g-import-not-at-top
 
 M24 = gs.Mesh((2, 4), ("data", "model"))
 M8 = gs.Mesh((8,), ("d",))
@@ -70,31 +76,25 @@ def test_combined_all_reduces_count_once(rng):
 
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_megatron_training_step(jit_compile):
-  def step(x, t, w1, w2):
-    with tf.GradientTape() as tape:
-      tape.watch([w1, w2])
-      loss = tf.reduce_mean(tf.square(tf.nn.gelu(x @ w1) @ w2 - t))
-    g1, g2 = tape.gradient(loss, [w1, w2])
-    return w1 - 0.1 * g1, w2 - 0.1 * g2, loss
-
-  low = gs.function(step, mesh=M24, in_shardings=(P("data", None), P("data", None), P(None, "model"),
+  low = gs.function(tm.mlp_train_step, mesh=M24, in_shardings=(P("data", None), P("data", None), P(None, "model"),
                                                   P("model", None)), jit_compile=jit_compile).lower(
       tf.TensorSpec([16, 64]), tf.TensorSpec([16, 64]), tf.TensorSpec([64, 128]), tf.TensorSpec([128, 64]))
   assert_report_counts_program(low)
 
 
 def test_bytes_count_the_device_that_sends_the_most():
-  """Ops sent by some devices only (a permute's data, its token) add up per device; ops that cleanup removed
-  count nothing, and the report says their collective's result was unused."""
+  """Ops through which devices send different amounts (a permute's data, its tokens) add up per device; ops
+  that cleanup removed count nothing, and the report says their collective's result was unused."""
   reduce = Emitted("all-reduce", ("m",), "Add", "ar", "CollectiveReduceV2", "float32", (8,), 4, 32)
-  send = Emitted("collective-permute", ("d",), None, "s", "CollectiveBcastSendV2", "float32", (2,), 2, 8, (0, 1, 2))
-  recv = Emitted("collective-permute", ("d",), None, "r", "CollectiveBcastRecvV2", "float32", (2,), 2, 0, ())
-  token = Emitted("collective-permute", ("d",), None, "t", "CollectiveBcastSendV2", "float32", (1,), 2, 4, (3,))
+  send = Emitted("collective-permute", ("d",), None, "s", "CollectiveBcastSendV2", "float32", (2,), 2, 8,
+                 (8, 8, 8, 4))
+  recv = Emitted("collective-permute", ("d",), None, "r", "CollectiveBcastRecvV2", "float32", (2,), 2, 0)
   report = Report()
   report.add(CollectiveRecord("all-reduce", "float32", (8,), 32, 4, ("m",), "a", "why", (reduce,)))
-  report.add(CollectiveRecord("collective-permute", "float32", (2,), 8, 4, ("d",), "b", "why", (send, recv, token)))
+  report.add(CollectiveRecord("collective-permute", "float32", (2,), 8, 4, ("d",), "b", "why", (send, recv)))
   assert report.bytes_per_device() == 32 + 8 and report.logical_bytes_per_device() == 40
   assert report.wire_bytes_per_device() == 2 * 32 * 3 // 4 + 8
-  report.replace_ops({"s": None, "r": None, "t": None})
+  assert str(send) == "CollectiveBcastSendV2 float32[2] (group 2), 8 B from 3 device(s), 4 B from 1 device(s)"
+  report.replace_ops({"s": None, "r": None})
   assert report.bytes_per_device() == 32 and report.collectives[1].ops == ()
   assert "emitted: nothing (the program does not use its result)" in str(report)
