@@ -14,6 +14,7 @@ from tf_gspmd.ops import scatter  # noqa: F401
 from tf_gspmd.ops import shape_ops  # noqa: F401
 from tf_gspmd.ops import slicing  # noqa: F401
 from tf_gspmd.ops import softmax  # noqa: F401
+from tf_gspmd.ops import tensor_list  # noqa: F401
 from tf_gspmd.ops import variables  # noqa: F401
 from tf_gspmd.ops.fallback import FALLBACK  # noqa: F401
 from tf_gspmd.ops.registry import lookup, register, registered_ops, Rule  # noqa: F401

@@ -5,6 +5,11 @@ from tf_gspmd.ops.factors import Factors, FactorRule
 from tf_gspmd.ops.registry import Rule, register
 
 
+def _rank(info):
+  """Dims a passed-through value's layout has: a TensorList handle's are its elements'."""
+  return len(info.value_shape) if info.is_list else len(info.shape or ())
+
+
 @register("Placeholder")
 class Parameter(Rule):
   """A function argument: arrives in the layout the caller's data has (scattered or already sharded)."""
@@ -36,7 +41,7 @@ class IdentityLike(FactorRule):
     return [0]
 
   def factors(self, node):
-    labels = tuple(f"d{i}" for i in range(len(node.outputs[0].shape)))
+    labels = tuple(f"d{i}" for i in range(_rank(node.outputs[0])))
     return Factors((labels,), (labels,))
 
   def emit(self, ctx, node, local_inputs, axes_of):
@@ -50,7 +55,7 @@ class IdentityN(FactorRule):
   priority = 0
 
   def factors(self, node):
-    labels = tuple(tuple(f"t{k}d{i}" for i in range(len(o.shape or ()))) for k, o in enumerate(node.outputs))
+    labels = tuple(tuple(f"t{k}d{i}" for i in range(_rank(o))) for k, o in enumerate(node.outputs))
     return Factors(labels, labels)
 
   def partition(self, ctx, node):

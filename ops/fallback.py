@@ -25,6 +25,11 @@ class Fallback(Rule):
             f"op type {node.op} has no partitioning rule and writes or reads variable input {i} "
             f"({node.inputs[i]}), which is stored split as {layout}; a replicated fallback cannot run on a shard. "
             "Annotate that variable replicated (gs.replicate) or use ops with rules", node=node.name, op_type=node.op)
+      if node.input_info(i).is_list and layout is not None and not layout.is_replicated:
+        raise UnsupportedOpError(
+            f"op type {node.op} has no partitioning rule and reads TensorList input {i} ({node.inputs[i]}), whose "
+            f"elements are split as {layout}; a replicated fallback cannot run on them. Annotate the tensors put "
+            "into the list replicated (gs.replicate) or use list ops with rules", node=node.name, op_type=node.op)
     inputs = {i: ctx.operand(i, Sharding(mesh)) for i in range(len(node.inputs))}
     outs = ctx.clone(node, inputs)
     for o, value in enumerate(outs):

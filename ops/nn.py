@@ -8,6 +8,7 @@ split (inference-mode batch norm is element-wise per channel and passes every sp
 
 import tensorflow as tf
 
+from tf_gspmd._mesh import axes_text
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.ops.factors import Factors, FactorRule
 from tf_gspmd.ops.registry import register
@@ -95,7 +96,7 @@ class Conv(FactorRule):
     w = ctx.operand(1, Sharding(mesh, ((),) * (rank - 1) + (co_axes,)))
     with ctx.helper_scope():
       x = ctx.backend.halo_exchange(x, d, axes, left, right, node.name,
-                                    f"{node.name} convolves rows split over {'x'.join(axes)}")
+                                    f"{node.name} convolves rows split over {axes_text(axes)}")
     (y,) = ctx.clone(node, {0: x, 1: w}, attrs=_explicit(_same_pads(kernel, rank, d)))
     natural = Sharding(mesh, tuple(axes if i == d else (b_axes if i == 0 else (co_axes if i == rank - 1 else ()))
                                    for i in range(rank)))
@@ -145,7 +146,7 @@ class ConvBackpropInput(FactorRule):
     w = ctx.operand(1, Sharding(mesh, ((),) * (rank - 2) + (ci_axes, ())))
     with ctx.helper_scope():
       dy = ctx.backend.halo_exchange(dy, d, axes, k - 1 - top, top, node.name,
-                                     f"{node.name} back-propagates through rows split over {'x'.join(axes)}")
+                                     f"{node.name} back-propagates through rows split over {axes_text(axes)}")
       w = tf.transpose(tf.reverse(w, list(range(rank - 2))), list(range(rank - 2)) + [rank - 1, rank - 2])
       pads = [0, 0]
       for i in range(1, rank - 1):
@@ -203,7 +204,7 @@ class ConvBackpropFilter(FactorRule):
     dy = ctx.operand(2, layout)
     with ctx.helper_scope():
       x = ctx.backend.halo_exchange(x, d, axes, top, k - 1 - top, node.name,
-                                    f"{node.name} correlates rows split over {'x'.join(axes)}")
+                                    f"{node.name} correlates rows split over {axes_text(axes)}")
     (dw,) = ctx.clone(node, {0: x, 1: tf.constant(list(kernel), node.input_info(1).dtype), 2: dy},
                       attrs=_explicit(_same_pads([int(v) for v in kernel], rank, d)))
     ctx.set_output(0, dw, Sharding(mesh, ((),) * rank), partial=(tuple(axes) + b_axes, "Add"))

@@ -7,6 +7,7 @@ label logit) replace gathering the logits: the way GSPMD partitions an expanded 
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd._mesh import axes_text
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.ops.factors import Factors, FactorRule
 from tf_gspmd.ops.registry import register
@@ -20,13 +21,13 @@ def _class_stats(ctx, x, shape, sharding, source):
   xm = ctx.mask(x, shape, sharding, last, x.dtype.min) if uneven else x
   m = tf.reduce_max(xm, axis=-1, keepdims=True)
   if axes:
-    m = ctx.backend.all_reduce(m, axes, "Max", source, f"max over the class dim split by {'x'.join(axes)}")
+    m = ctx.backend.all_reduce(m, axes, "Max", source, f"max over the class dim split by {axes_text(axes)}")
   e = tf.exp(x - m)
   if uneven:
     e = ctx.mask(e, shape, sharding, last, 0.0)
   s = tf.reduce_sum(e, axis=-1, keepdims=True)
   if axes:
-    s = ctx.backend.all_reduce(s, axes, "Add", source, f"sum of exp over the class dim split by {'x'.join(axes)}")
+    s = ctx.backend.all_reduce(s, axes, "Add", source, f"sum of exp over the class dim split by {axes_text(axes)}")
   return m, s, e
 
 

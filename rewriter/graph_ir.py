@@ -6,9 +6,11 @@ Tensor references are "node:index" (see graph_view, which this module's ref help
 import dataclasses
 from typing import Dict, Optional, Tuple
 
+import numpy as np
 import tensorflow as tf
 
 from tf_gspmd.errors import ShapeError
+from tf_gspmd.ops.tensor_list import LIST_OPS
 from tf_gspmd.rewriter.graph_view import GraphView, ref, split_ref
 
 _SHAPELESS = (tf.resource, tf.variant, tf.string)
@@ -18,8 +20,8 @@ _SHAPELESS = (tf.resource, tf.variant, tf.string)
 class TensorInfo:
   shape: Optional[Tuple[int, ...]]
   dtype: tf.DType
-  value_shape: Optional[Tuple[int, ...]] = None   # for a variable handle: the shape of the variable's value
-  value_dtype: Optional[tf.DType] = None           # ... and its element type
+  value_shape: Optional[Tuple[int, ...]] = None   # variable handle: its value's shape; TensorList: its elements'
+  value_dtype: Optional[tf.DType] = None           # ... and their element type
 
   @property
   def partitionable(self):
@@ -27,8 +29,14 @@ class TensorInfo:
     return self.shape is not None and self.dtype not in _SHAPELESS
 
   @property
+  def is_list(self):
+    """A TensorList handle whose element shape is known (it carries its elements' layout)."""
+    return self.dtype == tf.variant and self.value_shape is not None
+
+  @property
   def sharding_rank(self):
-    """Rank of the layout this tensor can carry: its own, its variable's value rank, or None (opaque)."""
+    """Rank of the layout this tensor can carry: its own, its variable's value rank or its list's element rank,
+    or None (opaque)."""
     if self.partitionable:
       return len(self.shape)
     return None if self.value_shape is None else len(self.value_shape)
@@ -122,6 +130,7 @@ class Graph:
         outs.append(TensorInfo(shape, t.dtype))
       infos[op.name] = outs
     _attach_variable_shapes(tf_graph, infos)
+    _attach_list_element_shapes(tf_graph, infos)
     try:
       order = GraphView(graph_def).order()
     except ValueError as e:
@@ -190,3 +199,58 @@ def _attach_variable_shapes(tf_graph, infos):
         outs = infos[handle.op.name]
         old = outs[handle.value_index]
         outs[handle.value_index] = TensorInfo(old.shape, old.dtype, tuple(value.shape.as_list()), value.dtype)
+
+
+_PASS_THROUGH = ("Identity", "While", "StatelessWhile")
+
+
+def _list_element_shape(op):
+  """(shape, dtype) of the elements of the TensorList op `op` touches, when its graph says so statically."""
+  where = LIST_OPS[op.type].element
+  if where is None:
+    return None
+  kind, i = where
+  if kind == "shape_in":
+    value = tf.get_static_value(op.inputs[i])
+    if value is None or np.ndim(value) != 1 or np.any(np.asarray(value) < 0):
+      return None
+    return tuple(int(v) for v in value), op.get_attr("element_dtype")
+  t = op.inputs[i] if kind.startswith("in") else op.outputs[i]
+  if not t.shape.is_fully_defined():
+    return None
+  shape = tuple(t.shape.as_list())
+  return (shape[1:] if kind.endswith("stacked") else shape), t.dtype
+
+
+def _attach_list_element_shapes(tf_graph, infos):
+  """Give every TensorList handle its elements' shape: read off the list ops, carried through loops."""
+  def give(t, shape, dtype):
+    outs = infos[t.op.name]
+    old = outs[t.value_index]
+    if old.dtype == tf.variant and old.value_shape is None:
+      outs[t.value_index] = TensorInfo(old.shape, old.dtype, shape, dtype)
+      return True
+    return False
+
+  ops = tf_graph.get_operations()
+  changed = True
+  while changed:
+    changed = False
+    for op in ops:
+      if op.type in LIST_OPS:
+        known = _list_element_shape(op)
+        kind = LIST_OPS[op.type]
+        handles = [op.inputs[i] for i in kind.handles_in] + [op.outputs[o] for o in kind.handles_out]
+        if known is None:
+          known = next(((infos[h.op.name][h.value_index].value_shape, infos[h.op.name][h.value_index].value_dtype)
+                        for h in handles if infos[h.op.name][h.value_index].value_shape is not None), None)
+        if known is not None:
+          for h in handles:
+            changed |= give(h, *known)
+      elif op.type in _PASS_THROUGH:
+        for t_in, t_out in zip(op.inputs, op.outputs):
+          a, b = infos[t_in.op.name][t_in.value_index], infos[op.name][t_out.value_index]
+          if a.value_shape is not None and a.dtype == tf.variant:
+            changed |= give(t_out, a.value_shape, a.value_dtype)
+          elif b.value_shape is not None and b.dtype == tf.variant:
+            changed |= give(t_in, b.value_shape, b.value_dtype)

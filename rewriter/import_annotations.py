@@ -62,7 +62,8 @@ def run(program):
     if arriving is not None and declared is not None and _refines(arriving, declared, open_k):
       declared, open_k = arriving, ()   # the arriving layout keeps the pinned dims: taken as it is
     arriving = arriving or declared
-    _check_splittable_argument(k, node, arriving)
+    if program.fn is not None:   # (a loop body's TensorList parameter carries its elements' layout)
+      _check_splittable_argument(k, node, arriving)
     param.append(arriving)
     if arriving is not None and declared is not None and declared != arriving:
       _insert_boundary(gd, name, declared)
@@ -97,6 +98,9 @@ def run(program):
   pinned, opened = {}, {}
   for r, s in annotations.items():
     info = ir.info(r)
+    if info.sharding_rank is None and info.dtype == tf.variant and program.fn is None:
+      pinned[r] = s   # a loop body's TensorList parameter it never opens: it just carries the list along
+      continue
     if info.sharding_rank is None and not s.is_maximal and not s.is_replicated:
       raise SpecError(f"{public_key(r)} is a {info.dtype.name} tensor, which cannot be split ({s}): TF collectives "
                       f"cannot carry {info.dtype.name} values, so it stays whole on every device; annotate it "

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from tf_gspmd import _compat
 from tf_gspmd import ops as op_rules
+from tf_gspmd._mesh import axes_text
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.errors import PartitionError, UnsupportedOpError
 from tf_gspmd.rewriter import completion, functions, reshard
@@ -67,6 +68,8 @@ class PartitionContext:
     r = self.node.inputs[i]
     value, have = self.values[r]
     info = self.ir.info(r)
+    if info.is_list and sharding is not None:
+      _check_list_layout(r, have, sharding, f"operand {i} of {self.node.name} ({self.node.op})")
     if not info.partitionable or have == sharding:
       return value
     sharding = sharding.with_rank(len(info.shape))
@@ -252,7 +255,8 @@ class PartitionContext:
     k = self.ir.inputs.index(node.name)
     arriving = self.program.param_shardings[k]
     info = node.outputs[0]
-    ph = tf.compat.v1.placeholder(info.dtype, arriving.shard_shape(info.shape), name=node.name)
+    local = arriving.shard_shape(info.shape) if info.partitionable else info.shape
+    ph = tf.compat.v1.placeholder(info.dtype, local, name=node.name)
     self.ops[node.name] = ph.op
     self.local_inputs.append(ph.op.name)
     self._store(node.ref(0), ph, arriving)
@@ -266,9 +270,11 @@ class PartitionContext:
       with tf.name_scope(self._scope()):
         what = f"{self.node.name} ({self.node.op}) produces {natural}"
         if partial:
-          what += f" as partial {partial[1]} over {'x'.join(partial[0])}"
+          what += f" as partial {partial[1]} over {axes_text(partial[0])}"
         value = reshard.emit_reshard(self, value, info.shape, natural, target, partial, self.node.name,
                                      f"{what}; {public_key(r)} is completed as {target}")
+    elif info.is_list:
+      _check_list_layout(r, natural, target, f"output {o} of {self.node.name} ({self.node.op})")
     self._store(r, value, target)
 
   # ---- internals --------------------------------------------------------------------------------------------------
@@ -284,6 +290,16 @@ class PartitionContext:
         raise PartitionError(f"local shape of {public_key(r)} is {got} but {sharding} needs {want}",
                              node=split_ref(r)[0], op_type=self.ir.producer(r).op)
     self.values[r] = (value, sharding)
+
+
+def _check_list_layout(r, have, want, where):
+  """A TensorList handle cannot be resharded (its elements live inside it): its layouts must agree."""
+  rank = len(have.dims) if not have.is_maximal else None
+  if have == want or (rank is not None and not want.is_maximal and have == want.with_rank(rank)):
+    return
+  raise PartitionError(f"{where} needs the TensorList {public_key(r)} with elements laid out as {want}, but its "
+                       f"elements are {have}; a list cannot be resharded: annotate the tensors pushed into it (or "
+                       "the loop variables that become it) with one layout", node=split_ref(r)[0])
 
 
 def _partition_nodes(ctx):

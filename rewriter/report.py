@@ -15,6 +15,8 @@ import collections
 import dataclasses
 from typing import List, Optional, Tuple
 
+from tf_gspmd._mesh import axes_text
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 LARGE_GATHER_BYTES = 1 << 20
 
@@ -73,7 +75,7 @@ class CollectiveRecord:
     return bool(self.note) or len(senders) != 1 or (senders[0].dtype, senders[0].bytes) != (self.dtype, self.bytes)
 
   def __str__(self):
-    return (f"{self.kind} {self.dtype}[{_shape_str(self.shape)}] over {'x'.join(self.axes) or '-'} "
+    return (f"{self.kind} {self.dtype}[{_shape_str(self.shape)}] over {axes_text(self.axes) or '-'} "
             f"(group {self.group_size}), {self.bytes:,} B/device - {self.source}: {self.reason}")
 
 

@@ -380,6 +380,18 @@ def test_open_dims_are_completed_and_honoured(rng, spelling):
     assert_close(got.numpy(), want, rtol=1e-4, atol=1e-4)
 
 
+def test_open_dim_after_a_contraction_emits_what_xla_emits():
+  """mesh_split(h, [0, -1], unspecified_dims=[1]) on a matmul whose contraction is split: the open columns stay
+  free, so the partial sum needs one all-reduce (XLA's choice), not an all-gather to replicated columns."""
+  def fn(x, w):
+    h = xla_sharding.mesh_split(x @ w, MESH24.device_ids, [0, -1], use_sharding_op=True, unspecified_dims=[1])
+    return tf.nn.relu(h)
+
+  f = gs.function(fn, mesh=MESH24, in_shardings=(P("data", "model"), P("model", None)))
+  low = f.lower(tf.TensorSpec([8, 16]), tf.TensorSpec([16, 8]))
+  assert low.report.counts() == {"all-reduce": 1}
+
+
 def test_open_in_shardings_take_an_arriving_layout_that_keeps_the_pinned_dims(rng):
   f = gs.function(lambda x: x * 2.0, mesh=MESH24, in_shardings=P("data", P.UNCONSTRAINED))
   x = rng.standard_normal((8, 8)).astype(np.float32)

@@ -31,6 +31,7 @@ def test_mesh_frozen():
     ((2, 2), ("a", "a"), "unique"),
     ((0,), ("a",), "positive"),
     ((), (), "non-empty"),
+    ((2, 4), ("a,b", "c"), "may not contain ','"),
 ])
 def test_mesh_rejects(shape, names, msg):
   with pytest.raises(gs.MeshError, match=msg):

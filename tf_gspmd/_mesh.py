@@ -9,6 +9,13 @@ import numpy as np
 from tf_gspmd.errors import MeshError, SpecError
 
 
+AXES_SEPARATOR = ","
+
+
+def axes_text(axes):
+  """Mesh axes as reports print them ("data,model"); no axis name contains the separator."""
+  return AXES_SEPARATOR.join(axes)
+
 class _Unconstrained:
   """The `P.UNCONSTRAINED` entry: a dimension whose split completion decides (the annotation leaves it open)."""
 
@@ -124,6 +131,9 @@ class Mesh:
       raise MeshError(f"mesh axis names must be non-empty strings; got {names}")
     if len(set(names)) != len(names):
       raise MeshError(f"mesh axis names must be unique; got {names}")
+    if any(AXES_SEPARATOR in n for n in names):
+      raise MeshError(f"mesh axis names may not contain {AXES_SEPARATOR!r} (it separates axes in reports); got "
+                      f"{names}")
     if self.devices is not None:
       devs = tuple(_device_name(d) for d in self.devices)
       if len(devs) != self.size:

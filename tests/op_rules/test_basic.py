@@ -24,3 +24,22 @@ def test_identity_n_keeps_every_value_split_on_the_same_axes(rng):
   assert low.report.counts() == {}   # nothing moves: every value stays where it is
   for k, spec in enumerate(specs):
     assert low.shardings["IdentityN" if k == 0 else f"IdentityN:{k}"].spec == spec
+
+
+def test_custom_gradient_with_split_operands_moves_nothing(rng):
+  """tf.custom_gradient wraps its inputs and results in IdentityN ops: every split operand stays split."""
+  @tf.custom_gradient
+  def pair(a, b, c, d):
+    return (a * b, c * d), lambda g1, g2: (g1 * b, g1 * a, g2 * d, g2 * c)
+
+  def fn(a, b, c, d):
+    with tf.GradientTape() as tape:
+      tape.watch([a, b, c, d])
+      y1, y2 = pair(a, b, c, d)
+      loss = tf.reduce_sum(y1 * y2, axis=0)
+    return (loss,) + tuple(tape.gradient(loss, [a, b, c, d]))
+
+  args = [rng.standard_normal((8, 8)).astype(np.float32) for _ in range(4)]
+  low = check_partitioned(fn, args, (P("data", "model"),) * 4, MESH)
+  assert set(low.report.counts()) <= {"all-reduce"}   # only the loss's sum over rows; no operand is gathered
+  assert low.report.counts().get("all-reduce", 0) == 1

@@ -98,3 +98,12 @@ def test_bytes_count_the_device_that_sends_the_most():
   report.replace_ops({"s": None, "r": None})
   assert report.bytes_per_device() == 32 and report.collectives[1].ops == ()
   assert "emitted: nothing (the program does not use its result)" in str(report)
+
+
+def test_a_group_over_two_axes_prints_both_names_apart(rng):
+  """Axes x and y print as "x,y" (no axis name contains the separator), not run together."""
+  mesh = gs.Mesh((2, 4), ("x", "y"))
+  f = gs.function(lambda a, b: a @ b, mesh=mesh, in_shardings=(P(None, ("x", "y")), P(("x", "y"), None)))
+  low = f.lower(tf.TensorSpec([8, 16]), tf.TensorSpec([16, 8]))
+  (record,) = low.report.collectives
+  assert record.axes == ("x", "y") and " over x,y " in str(record)

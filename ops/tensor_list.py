@@ -1,0 +1,136 @@
+"""TensorLists (TF2's loop accumulators for gradients, tf.TensorArray): a list handle carries its elements' layout.
+
+Each device's list holds its shards of the elements. A handle (a variant) cannot be resharded, so all handles
+of one list -- from its creation through pushes, pops and the While loop variables it travels in -- share one
+element layout: every list op passes the layout between its handles and its elements, elements going in are
+resharded to the list's layout, and element-shape inputs become the local element shape. Stacked tensors
+(stack, gather, from-tensor, scatter) carry the elements on dims 1.. and keep their leading dim whole.
+"""
+
+import collections
+
+import tensorflow as tf
+
+from tf_gspmd._sharding import Sharding
+from tf_gspmd.errors import PartitionError
+from tf_gspmd.ops.registry import Rule, register
+
+# handles_in / handles_out: input / output indices that are list handles; element: where the element shape shows,
+# ("in", i) an element input, ("out", o) an element output, ("in_stacked", i) / ("out_stacked", o) elements
+# stacked on dim 0, ("shape_in", i) a constant element-shape input; shape_inputs: element-shape inputs.
+ListOp = collections.namedtuple("ListOp", "handles_in handles_out element shape_inputs")
+LIST_OPS = {
+    "EmptyTensorList": ListOp((), (0,), ("shape_in", 0), (0,)),
+    "TensorListReserve": ListOp((), (0,), ("shape_in", 0), (0,)),
+    "TensorListPushBack": ListOp((0,), (0,), ("in", 1), ()),
+    "TensorListPopBack": ListOp((0,), (0,), ("out", 1), (1,)),
+    "TensorListGetItem": ListOp((0,), (), ("out", 0), (2,)),
+    "TensorListSetItem": ListOp((0,), (0,), ("in", 2), ()),
+    "TensorListStack": ListOp((0,), (), ("out_stacked", 0), (1,)),
+    "TensorListGather": ListOp((0,), (), ("out_stacked", 0), (2,)),
+    "TensorListFromTensor": ListOp((), (0,), ("in_stacked", 0), (1,)),
+    "TensorListScatterV2": ListOp((), (0,), ("in_stacked", 0), (2,)),
+    "TensorListScatterIntoExistingList": ListOp((0,), (0,), ("in_stacked", 1), ()),
+    "TensorListLength": ListOp((0,), (), None, ()),
+}
+
+
+def _element_ports(kind):
+  """(element inputs, element outputs, stacked inputs, stacked outputs) of a list op."""
+  ports = ([], [], [], [])
+  if kind.element is not None and kind.element[0] != "shape_in":
+    where, i = kind.element
+    ports[{"in": 0, "out": 1, "in_stacked": 2, "out_stacked": 3}[where]].append(i)
+  return ports
+
+
+def _unstacked(s):
+  return None if s is None or s.is_maximal else Sharding(s.mesh, tuple(s.dims[1:]))
+
+
+def _stacked(s):
+  return Sharding(s.mesh, ((),) + tuple(s.dims))
+
+
+@register(*LIST_OPS)
+class TensorList(Rule):
+  """Handles and elements of one list share a layout; stacked tensors add a whole leading dim."""
+
+  priority = 0
+
+  def _layouts(self, node, ins, outs):
+    """The element layouts the node's handles and elements already have (completion merges them)."""
+    kind = LIST_OPS[node.op]
+    e_in, e_out, s_in, s_out = _element_ports(kind)
+    found = ([ins[i] for i in kind.handles_in] + [outs[o] for o in kind.handles_out] + [ins[i] for i in e_in] +
+             [outs[o] for o in e_out] + [_unstacked(ins[i]) for i in s_in] + [_unstacked(outs[o]) for o in s_out])
+    return [s for s in found if s is not None and not s.is_maximal]
+
+  def forward(self, ctx, node, operands):
+    layouts = self._layouts(node, operands, [None] * len(node.outputs))
+    kind = LIST_OPS[node.op]
+    _, e_out, _, s_out = _element_ports(kind)
+    cands = [[] for _ in node.outputs]
+    for o in list(kind.handles_out) + e_out:
+      cands[o].extend(layouts)
+    for o in s_out:
+      cands[o].extend(_stacked(s) for s in layouts)
+    return cands
+
+  def backward(self, ctx, node, outputs, operands):
+    layouts = self._layouts(node, [None] * len(node.inputs), outputs)
+    kind = LIST_OPS[node.op]
+    e_in, _, s_in, _ = _element_ports(kind)
+    cands = [[] for _ in node.inputs]
+    for i in list(kind.handles_in) + e_in:
+      cands[i].extend(layouts)
+    for i in s_in:
+      cands[i].extend(_stacked(s) for s in layouts)
+    return cands
+
+  def partition(self, ctx, node):
+    kind = LIST_OPS[node.op]
+    e_in, e_out, s_in, s_out = _element_ports(kind)
+    if kind.handles_in:
+      layout = ctx.current(kind.handles_in[0])
+    elif kind.handles_out:
+      layout = ctx.target(kind.handles_out[0])
+    else:
+      layout = None
+    info = node.input_info(kind.handles_in[0]) if kind.handles_in else node.outputs[kind.handles_out[0]]
+    if not info.is_list:   # element shape unknown: the list is opaque and its elements are whole
+      layout = Sharding(ctx.mesh)
+    rank = len(info.value_shape) if info.is_list else 0
+    layout = layout.with_rank(rank) if not layout.is_maximal else Sharding(ctx.mesh, ((),) * rank)
+    inputs = {}
+    for i in kind.handles_in:
+      inputs[i] = ctx.operand(i, layout)
+    for i in e_in:
+      inputs[i] = ctx.operand(i, layout)
+    for i in s_in:
+      inputs[i] = ctx.operand(i, _stacked(layout))
+    for i in kind.shape_inputs:
+      inputs[i] = self._local_element_shape(ctx, node, i, info, layout)
+    outs = ctx.clone(node, inputs)
+    for o in range(len(node.outputs)):
+      if o in kind.handles_out:
+        ctx.set_output(o, outs[o], layout)
+      elif o in e_out or o in s_out:   # (the ops' shape functions read the handle, which knows no shape here)
+        natural = layout if o in e_out else _stacked(layout)
+        outs[o].set_shape(natural.shard_shape(node.outputs[o].shape))
+        ctx.set_output(o, outs[o], natural)
+      else:
+        ctx.set_output(o, outs[o], Sharding(ctx.mesh))
+
+  @staticmethod
+  def _local_element_shape(ctx, node, i, info, layout):
+    """Element-shape input i as the shard's shape (the whole element's shape is known statically)."""
+    if not info.is_list:
+      if layout.is_replicated:
+        return ctx.operand(i, Sharding(ctx.mesh))
+      raise PartitionError(f"the element shape of the list at {node.name} ({node.op}) is not known statically, "
+                           f"but its elements are split as {layout}; give the list a static element shape",
+                           node=node.name, op_type=node.op)
+    with ctx.helper_scope():
+      return tf.constant(layout.shard_shape(info.value_shape), dtype=node.input_info(i).dtype,
+                         name="local_element_shape")
