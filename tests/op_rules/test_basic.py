@@ -36,10 +36,9 @@ def test_custom_gradient_with_split_operands_moves_nothing(rng):
     with tf.GradientTape() as tape:
       tape.watch([a, b, c, d])
       y1, y2 = pair(a, b, c, d)
-      loss = tf.reduce_sum(y1 * y2, axis=0)
-    return (loss,) + tuple(tape.gradient(loss, [a, b, c, d]))
+      prod = y1 * y2   # (a non-scalar target: its gradient starts from ones, no reduction over split dims)
+    return (prod,) + tuple(tape.gradient(prod, [a, b, c, d]))
 
   args = [rng.standard_normal((8, 8)).astype(np.float32) for _ in range(4)]
   low = check_partitioned(fn, args, (P("data", "model"),) * 4, MESH)
-  assert set(low.report.counts()) <= {"all-reduce"}   # only the loss's sum over rows; no operand is gathered
-  assert low.report.counts().get("all-reduce", 0) == 1
+  assert low.report.counts() == {}   # forward and backward: every operand stays where it is
