@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = {"tf_gspmd": "tf_gspmd", "ops": "tf_gspmd.ops", "rewriter": "tf_gspmd.rewriter"}
 
 FLOORS = (   # lowest first; a module belongs to the floor of its longest matching prefix
-    ("core", ("tf_gspmd.errors", "tf_gspmd._mesh", "tf_gspmd._sharding", "tf_gspmd._annotations",
+    ("core", ("tf_gspmd.errors", "tf_gspmd._cluster", "tf_gspmd._mesh", "tf_gspmd._sharding", "tf_gspmd._annotations",
               "tf_gspmd.initializers", "tf_gspmd._compat")),
     ("ops", ("tf_gspmd.ops",)),
     ("rewriter", ("tf_gspmd.rewriter",)),

@@ -12,6 +12,7 @@ import threading
 
 import tensorflow as tf
 from tensorflow.compiler.tf2xla.python import xla as _tf2xla
+from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2 as _coordination_config_pb2
 from tensorflow.compiler.xla import xla_data_pb2 as _xla_data_pb2
 from tensorflow.core.framework import cpp_shape_inference_pb2 as _cpp_shape_inference_pb2
 from tensorflow.python.compiler.xla.experimental import xla_sharding as _xla_sharding
@@ -52,6 +53,32 @@ def parallel_device_name(pd):
 def abort_collectives(code, message):
   """Aborts every pending collective of the process with error `code` (e.g. tf.errors.DEADLINE_EXCEEDED)."""
   _context.context().abort_collective_ops(code, message)
+
+
+# ---- Several processes: TF's collective runtime over a cluster (TF 2.21) ------------------------------------------
+# What MultiWorkerMirroredStrategy does to let collectives span processes: collective leader and device filters,
+# the coordination service, then the eager context enabled for collectives with the cluster's ServerDef. No public
+# API does this without also building a tf.distribute strategy.
+
+def enable_cluster_collectives(cluster_spec, job_name, task_index, leader, heartbeat_timeout_s):
+  """Starts this process's gRPC server and lets collectives span every task of `cluster_spec` (before TF runs)."""
+  ctx = _context.context()
+  ctx.configure_collective_ops(collective_leader=leader, device_filters=(f"/job:{job_name}/task:{task_index}",))
+  jobs = [_coordination_config_pb2.CoordinatedJob(name=j, num_tasks=cluster_spec.num_tasks(j))
+          for j in cluster_spec.jobs]
+  ctx.configure_coordination_service(service_type="standalone", service_leader=leader, coordinated_jobs=jobs,
+                                     heartbeat_timeout_in_ms=int(heartbeat_timeout_s * 1000))
+  config = tf.compat.v1.ConfigProto()
+  config.CopyFrom(ctx.config)
+  server_def = tf.compat.v1.train.ServerDef(cluster=cluster_spec.as_cluster_def(), job_name=job_name,
+                                            task_index=task_index, protocol="grpc", default_session_config=config)
+  ctx.enable_collective_ops(server_def)
+  ctx.ensure_initialized()
+
+
+def coordination_barrier(name, timeout_s):
+  """Waits until every task of the cluster reaches barrier `name` (the coordination service's)."""
+  _context.context().wait_at_barrier(name, int(timeout_s * 1000))
 
 
 # ---- Flat calls of a concrete function (TF 2.21) -----------------------------------------------------------------

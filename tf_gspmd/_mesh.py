@@ -6,6 +6,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from tf_gspmd import _cluster
 from tf_gspmd.errors import MeshError, SpecError
 
 
@@ -99,7 +100,9 @@ class Mesh:
     axis_names: one unique name per axis, e.g. ``("data", "model")``.
     devices: optional flat list (row-major) of TF device names. Default: the first ``prod(shape)``
       logical devices of the default type (GPU when present, else CPU), resolved when the mesh first
-      runs, so a mesh can be planned on a machine that lacks its devices.
+      runs, so a mesh can be planned on a machine that lacks its devices. Over several processes
+      (`gs.initialize`) the devices of all of them count, processes major (the chief, then workers by
+      index), so the mesh is the same in every process; `local_devices` are this process's.
 
   Example:
     >>> mesh = Mesh((2, 4), ("data", "model"))
@@ -174,13 +177,18 @@ class Mesh:
       return self.devices
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     kind = "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
-    avail = [d.name for d in tf.config.list_logical_devices(kind)]
+    avail = sorted((d.name for d in tf.config.list_logical_devices(kind)), key=_cluster.device_order)
     if len(avail) < self.size:
       raise MeshError(
           f"mesh {dict(zip(self.axis_names, self.shape))} needs {self.size} devices but only {len(avail)} logical "
           f"{kind} device(s) exist; use a smaller mesh, pass devices=[...], or split the CPU before TF starts with "
           f"tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * {self.size})")
     return tuple(_device_name(d) for d in avail[:self.size])
+
+  @property
+  def local_devices(self):
+    """The mesh devices this process drives (all of them unless the mesh spans several processes)."""
+    return tuple(d for d in self.resolve_devices() if _cluster.is_local(d))
 
   def __str__(self):
     return "Mesh(" + ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape)) + ")"
@@ -198,22 +206,3 @@ def _device_name(d):
   if spec.device_type is None or spec.device_index is None:
     raise MeshError(f"device {name!r} must name a device type and index, e.g. '/device:CPU:0'")
   return spec.to_string()
-
-
-def split_cpu_devices(n):
-  """Splits the host CPU into `n` logical devices (call before TensorFlow runs anything).
-
-  Lets a mesh of `n` devices run on one machine without accelerators. Returns the logical CPU names.
-  Raises MeshError when TensorFlow has already initialised with a different number of devices.
-  """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  cpu = tf.config.list_physical_devices("CPU")[0]
-  try:
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
-  except RuntimeError:
-    pass
-  names = [d.name for d in tf.config.list_logical_devices("CPU")]
-  if len(names) < n:
-    raise MeshError(f"TensorFlow already started with {len(names)} CPU device(s); call split_cpu_devices({n}) "
-                    "before running any TensorFlow op")
-  return names

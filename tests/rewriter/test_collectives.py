@@ -6,7 +6,7 @@ import tensorflow as tf
 from tensorflow.python.eager import wrap_function
 
 import tf_gspmd as gs
-from tf_gspmd.runtime import executable as _runtime
+from tf_gspmd.runtime import parallel
 from tf_gspmd.rewriter import collectives
 from tf_gspmd.rewriter.collectives import Backend
 from tf_gspmd.rewriter.report import Report
@@ -26,7 +26,8 @@ def _run(mesh, body, values):
     backend = Backend(mesh, devices, pid, lambda table, name: tf.gather(tf.constant(table, name=name), pid), report)
     tf.identity(body(backend, x), name="out")
   fn = wrap_function.function_from_graph_def(graph.as_graph_def(), ["pid:0", "x:0"], ["out:0"])
-  pd, packed_pid = _runtime._parallel(devices)  # pylint: disable=protected-access
+  where = parallel.local(devices)
+  pd, packed_pid = where.pd, where.pid
   comps = []
   for d, v in zip(devices, values):
     with tf.device(d):

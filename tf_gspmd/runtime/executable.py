@@ -13,34 +13,9 @@ import tensorflow as tf
 
 from tf_gspmd import _compat
 from tf_gspmd.errors import InputError
+from tf_gspmd.runtime import parallel
 from tf_gspmd.runtime import state as _state
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor, shard_host_value
-
-_lock = threading.Lock()
-_parallel_devices = {}
-
-
-def _parallel(devices):
-  with _lock:
-    if devices not in _parallel_devices:
-      pd = _new_parallel_device(devices)
-      pids = []
-      for p, d in enumerate(devices):
-        with tf.device(d):
-          pids.append(tf.identity(tf.constant(p, tf.int32)))
-      _parallel_devices[devices] = (pd, pd.pack(pids))
-    return _parallel_devices[devices]
-
-
-def _new_parallel_device(devices):
-  """A ParallelDevice over `devices`, skipping custom-device names other libraries (DTensor) registered."""
-  for _ in range(64):
-    try:
-      return _compat.parallel_device(devices)
-    except tf.errors.AlreadyExistsError:
-      continue   # the name counter has moved on; the next name is free
-  raise InputError("could not register a parallel device: 64 custom device names are taken")
-
 
 def _function_from_graph_def(graph_def, inputs, outputs):
   """A concrete function of `graph_def` from tensors `inputs` to `outputs` (tensor names; op names are run as
@@ -60,7 +35,8 @@ class Executable:
   def __init__(self, program):
     self.program = program
     self.devices = program.devices
-    self.pd, self.pid = _parallel(self.devices)
+    self.local = parallel.local(self.devices)   # this process's devices (all of them in one process)
+    self.pd, self.pid = self.local.pd, self.local.pid
     for v, name in zip(program.variables, program.variable_names):
       if v is None:
         raise InputError("the function captures a resource that is not a tf.Variable (or Keras variable); "
@@ -78,22 +54,25 @@ class Executable:
     self.n_outputs = len(outputs)
 
   def place(self, value, sharding, spec, what):
-    """An argument as one packed parallel tensor: in place for a matching ShardedTensor, else scattered."""
+    """An argument as one packed parallel tensor: in place for a matching ShardedTensor, else scattered (each
+    process takes its devices' shards of the global value)."""
     shape = tuple(spec.shape.as_list())
     if isinstance(value, ShardedTensor):
       if value.sharding != sharding:
         raise InputError(f"ShardedTensor {value} is not laid out as {sharding}", node=what)
       if value._packed is not None and value._packed[0] is self.pd:  # pylint: disable=protected-access
         return value.packed_for(self.pd)
-      if tuple(tf.DeviceSpec.from_string(d).to_string() for d in value.devices) != self.devices:
+      if value.positions != self.local.positions or tuple(
+          tf.DeviceSpec.from_string(d).to_string() for d in value.devices) != tuple(
+              self.devices[p] for p in self.local.positions):
         raise InputError(f"ShardedTensor {value} lives on other devices than this mesh's", node=what)
       return value.packed_for(self.pd)
     if isinstance(value, tf.Tensor):
       value = value.numpy()
     host = np.asarray(value, dtype=spec.dtype.as_numpy_dtype)
     comps = []
-    for d, shard in zip(self.devices, shard_host_value(host, sharding, shape)):
-      with tf.device(d):
+    for p, shard in zip(self.local.positions, shard_host_value(host, sharding, shape, self.local.positions)):
+      with tf.device(self.devices[p]):
         comps.append(tf.identity(tf.constant(shard)))
     return self.pd.pack(comps)
 
@@ -140,5 +119,5 @@ class Executable:
       st.after_step(written)
     results = []
     for (sharding, shape, dtype), out in zip(program.output_specs, outs):
-      results.append(ShardedTensor(None, sharding, shape, dtype, packed=(self.pd, out)))
+      results.append(ShardedTensor(None, sharding, shape, dtype, packed=(self.pd, out), devices=self.devices))
     return results

@@ -3,25 +3,35 @@
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd.runtime import parallel
+
 
 class ShardedTensor:
   """A global tensor stored as one component per mesh device.
 
   Attributes:
-    components: per-device tf.Tensors (mesh row-major order), each of the sharding's shard shape.
+    components: this process's per-device tf.Tensors (mesh row-major order), each of the sharding's shard
+      shape: one per mesh device, unless the mesh spans several processes.
+    positions: the mesh positions of `components`.
     sharding: the `Sharding` of the global value.
     shape: the global shape; dtype: the element type.
 
   Passing a ShardedTensor to a `gs.function` uses the components in place (no data moves when the
-  function wants this sharding). `.numpy()` assembles the global value, with padding removed.
+  function wants this sharding). `.numpy()` assembles the global value, with padding removed. When the mesh
+  spans several processes and this process lacks some tile (`is_fully_addressable` is False), `.numpy()` is an
+  all-gather over the mesh (each device sends its shard): every process must call it, in the same order. A
+  replicated value (a loss) is read locally in every process.
   """
 
-  def __init__(self, components, sharding, shape, dtype, packed=None):
+  def __init__(self, components, sharding, shape, dtype, packed=None, devices=None):
     self._components = tuple(components) if components is not None else None
     self._packed = packed    # (parallel device, packed tensor): how a gs.function result arrives
     self.sharding = sharding
     self.shape = tf.TensorShape(shape)
     self.dtype = tf.as_dtype(dtype)
+    self._mesh_devices = tuple(devices) if devices is not None else None
+    n = sharding.mesh.size
+    self.positions = parallel.local(devices).positions if devices is not None else tuple(range(n))
 
   @property
   def components(self):
@@ -36,21 +46,44 @@ class ShardedTensor:
       self._packed = (pd, pd.pack(list(self.components)))
     return self._packed[1]
 
+  @property
+  def is_fully_addressable(self):
+    """Whether this process holds a copy of every tile (always, unless the mesh spans several processes)."""
+    return self._missing_tiles() == []
+
+  def _tile(self, p, rank):
+    s = self.sharding
+    return () if s.is_maximal else tuple(s.with_rank(rank).tile_index(p, d) for d in range(rank))
+
+  def _missing_tiles(self):
+    rank = len(self.shape)
+    if self.sharding.is_maximal:
+      return [] if self.sharding.maximal in self.positions else [self.sharding.maximal]
+    have = {self._tile(p, rank) for p in self.positions}
+    return [p for p in range(self.sharding.mesh.size) if self._tile(p, rank) not in have]
+
   def numpy(self):
     shape = tuple(self.shape.as_list())
     s = self.sharding
+    local = dict(zip(self.positions, self.components))
+    if self._missing_tiles():   # tiles held by other processes: one all-gather over the mesh
+      pieces = parallel.gather_to_host(self._mesh_devices, list(self.components))
+    else:
+      pieces = None
+    def piece(p):
+      return pieces[p] if pieces is not None else local[p].numpy()
     if s.is_maximal:
-      return self.components[s.maximal].numpy()
+      return piece(s.maximal)
     s = s.with_rank(len(shape))
-    local = s.shard_shape(shape)
-    padded = np.zeros([c * s.tiles(d) for d, c in enumerate(local)], self.dtype.as_numpy_dtype)
+    shard = s.shard_shape(shape)
+    padded = np.zeros([c * s.tiles(d) for d, c in enumerate(shard)], self.dtype.as_numpy_dtype)
     done = set()
-    for p, comp in enumerate(self.components):
-      idx = tuple(s.tile_index(p, d) for d in range(len(shape)))
+    for p in (range(s.mesh.size) if pieces is not None else self.positions):
+      idx = self._tile(p, len(shape))
       if idx in done:
         continue
       done.add(idx)
-      padded[tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, local))] = comp.numpy()
+      padded[tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, shard))] = piece(p)
     return padded[tuple(slice(0, n) for n in shape)]
 
   def __array__(self, dtype=None, copy=None):  # pylint: disable=unused-argument
@@ -68,15 +101,17 @@ class ShardedTensor:
     return f"ShardedTensor(shape={self.shape.as_list()}, dtype={self.dtype.name}, sharding={self.sharding})"
 
 
-def shard_host_value(value, sharding, shape):
-  """Split a global host value into per-position shards (zero-padded to the shard shape)."""
+def shard_host_value(value, sharding, shape, positions=None):
+  """Split a global host value into the shards of mesh `positions` (default: all; zero-padded to the shard
+  shape)."""
   value = np.asarray(value)
+  positions = range(sharding.mesh.size) if positions is None else positions
   if sharding.is_maximal or sharding.is_replicated:
-    return [value] * sharding.mesh.size
+    return [value] * len(positions)
   s = sharding.with_rank(len(shape))
   local = s.shard_shape(shape)
   shards = []
-  for p in range(s.mesh.size):
+  for p in positions:
     idx = [s.tile_index(p, d) for d in range(len(shape))]
     piece = value[tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, local))]
     pad = [(0, c - n) for c, n in zip(local, piece.shape)]

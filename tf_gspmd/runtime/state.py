@@ -24,6 +24,7 @@ from tf_gspmd import initializers
 from tf_gspmd._annotations import current_mesh
 from tf_gspmd._sharding import to_sharding
 from tf_gspmd.errors import InputError
+from tf_gspmd.runtime import parallel
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
 _lock = threading.RLock()
@@ -63,7 +64,8 @@ class ShardedStorage:
 
   Attributes:
     sharding: the layout (a `Sharding` of the variable's rank, or maximal/replicated).
-    components: per-device tf.Variables of the shard shape (padding included for uneven dims).
+    components: this process's per-device tf.Variables of the shard shape (padding included for uneven dims),
+      one per position of `positions` (every mesh position unless the mesh spans several processes).
     devices: the mesh's device names, in mesh order.
   """
 
@@ -73,6 +75,7 @@ class ShardedStorage:
     self.dtype = variable.dtype
     self.sharding = sharding if sharding.is_maximal else sharding.with_rank(len(self.shape))
     self.devices = tuple(devices)
+    self.positions = parallel.local(self.devices).positions
     self.components = []
     self.shards_newer = False   # the shards hold the current value; the tf.Variable's own buffer is stale
     self.host_newer = False     # the tf.Variable was assigned outside a gs.function since the last step
@@ -94,9 +97,11 @@ class ShardedStorage:
     return starts, lengths
 
   def owners(self):
-    """One device position per distinct tile (the lowest), for saving each slice once."""
+    """One device position per distinct tile (this process's when it holds the tile, else the lowest), for
+    saving each slice once."""
     seen, out = set(), []
-    for p in range(len(self.devices)):
+    order = list(self.positions) + [p for p in range(len(self.devices)) if p not in set(self.positions)]
+    for p in order:
       key = self.tile_extent(p)
       if key not in seen:
         seen.add(key)
@@ -107,8 +112,8 @@ class ShardedStorage:
   def create(self, shard_fn):
     """Creates the per-device shards; `shard_fn(p, starts, lengths)` gives device p's unpadded slice."""
     comps = []
-    for p, d in enumerate(self.devices):
-      with tf.device(d):
+    for p in self.positions:
+      with tf.device(self.devices[p]):
         comps.append(tf.Variable(self._padded(shard_fn(p, *self.tile_extent(p))), trainable=False,
                                  name=f"gspmd_shard_{p}"))
     self.components = comps
@@ -122,19 +127,25 @@ class ShardedStorage:
   def load(self, value):
     """Writes a global host value into the shards."""
     value = np.asarray(value)
-    for p, comp in enumerate(self.components):
+    for p, comp in zip(self.positions, self.components):
       starts, lengths = self.tile_extent(p)
       with tf.device(self.devices[p]):
         comp.assign(self._padded(value[tuple(slice(s, s + n) for s, n in zip(starts, lengths))]))
 
   def gather(self):
-    """The global value on the host, assembled from one copy of every tile."""
+    """The global value on the host, assembled from one copy of every tile (when the mesh spans several
+    processes and some tile lives only elsewhere: one all-gather over the mesh, which every process must run)."""
     out = np.empty(self.shape, self.dtype.as_numpy_dtype)
-    for p in self.owners():
+    local = dict(zip(self.positions, self.components))
+    owners = self.owners()
+    if all(p in local for p in owners):
+      pieces = {p: local[p].numpy() for p in owners}
+    else:
+      pieces = parallel.gather_to_host(self.devices, [c.read_value() for c in self.components])
+    for p in owners:
       starts, lengths = self.tile_extent(p)
       if all(lengths) or not lengths:
-        piece = self.components[p].numpy()[tuple(slice(0, n) for n in lengths)]
-        out[tuple(slice(s, s + n) for s, n in zip(starts, lengths))] = piece
+        out[tuple(slice(s, s + n) for s, n in zip(starts, lengths))] = pieces[p][tuple(slice(0, n) for n in lengths)]
     return out
 
   def packed(self, pd):
@@ -176,17 +187,20 @@ class ShardedStorage:
     """{slice spec: device position} with every distinct non-empty tile once ("" = the whole value)."""
     if self._slice_specs is None:
       if self.sharding.is_maximal or self.sharding.is_replicated or not self.shape:
-        self._slice_specs = {"": self.sharding.maximal or 0}
+        self._slice_specs = {"": self.sharding.maximal if self.sharding.is_maximal else self.positions[0]}
       else:
         self._slice_specs = {self.slice_spec(p): p for p in self.owners() if all(self.tile_extent(p)[1])}
     return self._slice_specs
 
-  def read_slice(self, spec):
-    """The current value of one slice (an eager tensor on its device)."""
+  def read_slice(self, spec, whole=None):
+    """The current value of one slice (an eager tensor on its device; a slice only another process holds is
+    cut from `whole`, the gathered global value)."""
     self.before_step()
     p = self.slice_specs()[spec]
-    _, lengths = self.tile_extent(p)
-    comp = self.components[p]
+    starts, lengths = self.tile_extent(p)
+    if p not in self.positions:
+      return tf.constant(whole[tuple(slice(s, s + n) for s, n in zip(starts, lengths))] if spec else whole)
+    comp = self.components[self.positions.index(p)]
     with tf.device(self.devices[p]):
       x = comp.read_value()
       if tuple(lengths) != tuple(self.shard_shape):
@@ -197,7 +211,7 @@ class ShardedStorage:
     """Assigns restored slices ({spec: tensor}, or one whole tensor) to the shards that hold them."""
     if not isinstance(restored, dict):
       restored = {"": restored}
-    for p, comp in enumerate(self.components):
+    for p, comp in zip(self.positions, self.components):
       spec = "" if "" in restored else self.slice_spec(p)
       if spec in restored:
         piece = restored[spec]
@@ -208,7 +222,7 @@ class ShardedStorage:
           comp.assign(self._padded(piece))
       else:   # a tile that holds padding only, or a replica of a tile restored elsewhere
         starts, lengths = self.tile_extent(p)
-        donor = next((q for q in range(len(self.components)) if self.tile_extent(q) == (starts, lengths)
+        donor = next((q for q in range(len(self.devices)) if self.tile_extent(q) == (starts, lengths)
                       and self.slice_spec(q) in restored), None)
         with tf.device(self.devices[p]):
           if donor is not None:
@@ -295,8 +309,14 @@ class _SliceSaveable(_compat.SaveableObject):
     storage = variable._gspmd_storage  # pylint: disable=protected-access
     self._storage = storage
     self._order = storage.slice_specs()
-    specs = [_compat.SaveSpec(functools.partial(storage.read_slice, spec), spec, name, dtype=variable.dtype,
-                              device=storage.devices[p]) for spec, p in self._order.items()]
+    # Over several processes every process saves every slice (the chief's copy is the checkpoint): slices held
+    # elsewhere come from one all-gather, made here -- when the checkpoint collects its objects, in the same
+    # order in every process.
+    whole = storage.gather() if any(p not in storage.positions for p in self._order.values()) else None
+    here = storage.devices[storage.positions[0]]
+    specs = [_compat.SaveSpec(functools.partial(storage.read_slice, spec, whole), spec, name, dtype=variable.dtype,
+                              device=storage.devices[p] if p in storage.positions else here)
+             for spec, p in self._order.items()]
     super().__init__(variable, specs, name)
 
   def restore(self, restored_tensors, restored_shapes):

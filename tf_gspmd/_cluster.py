@@ -1,0 +1,146 @@
+"""Several processes, one SPMD program: the cluster this process belongs to (multi-controller, like JAX
+multi-process and DTensor multi-client).
+
+Every process runs the same Python program and drives its own (local) devices; collectives span all processes
+through TF's own collective runtime over gRPC (the one MultiWorkerMirroredStrategy uses). `initialize` joins the
+cluster that a `tf.distribute.cluster_resolver.ClusterResolver` describes -- `TF_CONFIG` by default, or Slurm,
+Kubernetes, or a `SimpleClusterResolver` -- before TensorFlow runs anything. Afterwards TF lists every task's
+devices; a mesh takes them in the order of `device_order` (tasks major: the chief, then workers by index; then
+device type and index), so every process builds the same mesh, the same group keys and the same program without
+exchanging any Python state.
+
+A process that never calls `initialize` (or whose resolver describes no cluster) is a cluster of one.
+"""
+
+import threading
+
+from tf_gspmd import _compat
+from tf_gspmd.errors import MeshError
+
+JOB_ORDER = ("chief", "worker")   # the jobs whose tasks drive devices, in process order
+_lock = threading.Lock()
+_state = {"job": None, "task": None, "tasks": None}
+
+
+def initialize(cluster_resolver=None, *, cpu_devices=None, heartbeat_timeout=30.0, join_timeout=120.0):
+  """Joins this process to its cluster (call once, before TensorFlow runs anything).
+
+  Args:
+    cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`; default: `TFConfigClusterResolver`
+      (the `TF_CONFIG` environment variable). Its tasks of jobs "chief" and "worker" are the processes.
+    cpu_devices: when given, the CPU is split into logical devices so that the whole cluster has this many
+      (each of the P processes gets cpu_devices / P): the same program runs on 1 process x 8 devices or on
+      2 x 4 with `cpu_devices=8`.
+    heartbeat_timeout: seconds after which the cluster declares a silent process lost (its peers' collectives
+      then fail naming it instead of waiting for the collective deadline).
+    join_timeout: seconds to wait for every process to start.
+
+  Returns:
+    (process index, process count).
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  if cluster_resolver is None:
+    cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+  spec = cluster_resolver.cluster_spec()
+  jobs = spec.jobs
+  other = [j for j in jobs if j not in JOB_ORDER]
+  if other:
+    raise MeshError(f"the cluster has jobs {other}; tf_gspmd runs one SPMD program on the tasks of jobs "
+                    f"{list(JOB_ORDER)} (no parameter servers or evaluators): remove them from the cluster spec")
+  tasks = tuple((j, i) for j in JOB_ORDER if j in jobs for i in sorted(spec.task_indices(j)))
+  with _lock:
+    if _state["tasks"] is not None:
+      raise MeshError("gs.initialize was already called in this process; call it once, before any TF op")
+    if len(tasks) <= 1:
+      _state["tasks"] = ()
+      if cpu_devices:
+        split_cpu_devices(cpu_devices)
+      return 0, 1
+    job, task = cluster_resolver.task_type, cluster_resolver.task_id
+    if (job, task) not in tasks:
+      raise MeshError(f"this process is task {job}:{task}, which the cluster spec {spec.as_dict()} does not list; "
+                      "set TF_CONFIG's \"task\" (or the resolver's task_type/task_id) to one of its tasks")
+    if cpu_devices:
+      if cpu_devices % len(tasks):
+        raise MeshError(f"cpu_devices={cpu_devices} cannot be split evenly over {len(tasks)} processes; give a "
+                        f"multiple of {len(tasks)}")
+      _configure_cpu_devices(cpu_devices // len(tasks))
+    leader = f"/job:{tasks[0][0]}/replica:0/task:{tasks[0][1]}"
+    try:
+      _compat.enable_cluster_collectives(spec, job, task, leader, heartbeat_timeout)
+      _compat.coordination_barrier("tf_gspmd_initialize", join_timeout)
+    except (RuntimeError, ValueError, tf.errors.OpError) as e:
+      raise MeshError(f"task {job}:{task} could not join the cluster {spec.as_dict()}: {e}") from e
+    _state.update(job=job, task=task, tasks=tasks)
+    return tasks.index((job, task)), len(tasks)
+
+
+def process_count():
+  return len(_state["tasks"]) if _state["tasks"] else 1
+
+
+def process_index():
+  return _state["tasks"].index((_state["job"], _state["task"])) if _state["tasks"] else 0
+
+
+def is_multi_process():
+  return process_count() > 1
+
+
+def _task_of(name):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  spec = tf.DeviceSpec.from_string(name)
+  return spec.job, spec.task or 0
+
+
+def is_local(device):
+  """Whether device name `device` belongs to this process."""
+  if not _state["tasks"]:
+    return True
+  return _task_of(device) == (_state["job"], _state["task"])
+
+
+def process_of(device):
+  """The index of the process that drives device name `device`."""
+  if not _state["tasks"]:
+    return 0
+  return _state["tasks"].index(_task_of(device))
+
+
+def device_order(device):
+  """Sort key of a device name: process (chief first, then workers by index), then device type and index."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  spec = tf.DeviceSpec.from_string(device)
+  job = JOB_ORDER.index(spec.job) if spec.job in JOB_ORDER else -1
+  return (job, spec.replica or 0, spec.task or 0, spec.device_type or "", spec.device_index or 0)
+
+
+def barrier(name, timeout=300.0):
+  """Every process waits here until all have arrived (no-op for a single process)."""
+  if is_multi_process():
+    _compat.coordination_barrier(name, timeout)
+
+
+def split_cpu_devices(n):
+  """Splits the host CPU into `n` logical devices (call before TensorFlow runs anything).
+
+  Lets a mesh of `n` devices run on one machine without accelerators. Returns the logical CPU names.
+  Raises MeshError when TensorFlow has already initialised with a different number of devices.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  _configure_cpu_devices(n)
+  names = [d.name for d in tf.config.list_logical_devices("CPU") if is_local(d.name)]
+  if len(names) < n:
+    raise MeshError(f"TensorFlow already started with {len(names)} CPU device(s); call split_cpu_devices({n}) "
+                    "before running any TensorFlow op")
+  return names
+
+
+def _configure_cpu_devices(n):
+  """Asks for `n` logical CPUs (without starting TF; ignored once it has started)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  try:
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+  except RuntimeError:
+    pass

@@ -1,0 +1,111 @@
+"""The devices a process drives: one ParallelDevice over this process's mesh devices, and host transfers that
+cross processes.
+
+A mesh may span several processes (`gs.initialize`); each process runs the per-device program on its own
+devices only, with the partition ids of their mesh positions, and TF's collective runtime joins the groups
+across processes. A host value that needs shards another process holds is fetched with one all-gather over
+every mesh device: a collective, so every process must ask for it, in the same order (as with any step).
+"""
+
+import itertools
+import threading
+import zlib
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gspmd import _cluster
+from tf_gspmd import _compat
+from tf_gspmd.errors import InputError
+
+_lock = threading.Lock()
+_parallel_devices = {}
+_HOST_GATHER_GROUPS = 1 << 30       # group keys of host gathers: above every program's (those are < 2**30 + 1)
+_host_instances = itertools.count(1 << 28)
+HOST_GATHER_TIMEOUT = 300.0
+# Dtypes an all-gather carries wider (bit-exact), as in the programs.
+_CARRIED = {tf.bool: tf.int32, tf.int8: tf.int32, tf.uint8: tf.int32, tf.int16: tf.int32, tf.uint16: tf.int32,
+            tf.bfloat16: tf.float32}
+
+
+class Local:
+  """This process's share of a mesh: its positions, a ParallelDevice over their devices, their partition ids."""
+
+  def __init__(self, devices):
+    self.devices = tuple(devices)
+    self.positions = tuple(p for p, d in enumerate(self.devices) if _cluster.is_local(d))
+    if not self.positions:
+      raise InputError(f"none of the mesh devices {self.devices} belongs to this process; a mesh must include "
+                       "devices of every process that runs the program")
+    self.pd = _new_parallel_device([self.devices[p] for p in self.positions])
+    pids = []
+    for p in self.positions:
+      with tf.device(self.devices[p]):
+        pids.append(tf.identity(tf.constant(p, tf.int32)))
+    self.pid = self.pd.pack(pids)
+    self.name = _compat.parallel_device_name(self.pd)
+
+  def broadcast(self, value, dtype=tf.int32):
+    """A scalar as a parallel tensor (the same value on every local device)."""
+    comps = []
+    for p in self.positions:
+      with tf.device(self.devices[p]):
+        comps.append(tf.constant(value, dtype))
+    return self.pd.pack(comps)
+
+  @property
+  def fully_local(self):
+    return len(self.positions) == len(self.devices)
+
+
+def local(devices):
+  """The (cached) `Local` of the mesh devices `devices` in this process."""
+  devices = tuple(devices)
+  with _lock:
+    if devices not in _parallel_devices:
+      _parallel_devices[devices] = Local(devices)
+    return _parallel_devices[devices]
+
+
+def _new_parallel_device(devices):
+  """A ParallelDevice over `devices`, skipping custom-device names other libraries (DTensor) registered."""
+  for _ in range(64):
+    try:
+      return _compat.parallel_device(devices)
+    except tf.errors.AlreadyExistsError:
+      continue   # the name counter has moved on; the next name is free
+  raise InputError("could not register a parallel device: 64 custom device names are taken")
+
+
+@tf.function(autograph=False)
+def _all_gather(x, group_size, group_key, instance_key):
+  return tf.raw_ops.CollectiveGatherV2(input=x, group_size=group_size, group_key=group_key, instance_key=instance_key,
+                                       ordering_token=[], timeout_seconds=HOST_GATHER_TIMEOUT)
+
+
+def gather_to_host(devices, components):
+  """{mesh position: numpy value} of every device's component, from this process's `components` (one per local
+  position, all of one shape and dtype). Within one process nothing moves between devices; across processes
+  this is one all-gather over all mesh devices (every process must call it for the same value)."""
+  where = local(devices)
+  if where.fully_local:
+    return {p: c.numpy() for p, c in zip(where.positions, components)}
+  dtype = components[0].dtype
+  carried = _CARRIED.get(dtype, dtype)
+  if dtype.is_complex or dtype in (tf.string, tf.variant, tf.resource):
+    raise InputError(f"a {dtype.name} value split across processes cannot be fetched to the host (TF collectives "
+                     "cannot carry it); return it replicated or as numbers")
+  shape = components[0].shape.as_list()
+  flat, ids = [], []
+  for p, c in zip(where.positions, components):
+    with tf.device(where.devices[p]):
+      flat.append(tf.reshape(tf.cast(c, carried), [1, -1]))
+      ids.append(tf.constant([p], tf.int32))
+  key = _HOST_GATHER_GROUPS + (zlib.crc32("|".join(where.devices).encode()) & 0x3FFFFFF)
+  consts = [where.broadcast(v) for v in (len(where.devices), key, next(_host_instances), next(_host_instances))]
+  with tf.device(where.name):
+    rows = where.pd.unpack(_all_gather(where.pd.pack(flat), *consts[:3]))[0]
+    order = where.pd.unpack(_all_gather(where.pd.pack(ids), consts[0], consts[1], consts[3]))[0]
+  rows = tf.cast(rows, dtype).numpy()
+  return {int(p): rows[k].reshape(shape) for k, p in enumerate(order.numpy())}
+
