@@ -17,7 +17,8 @@ import threading
 from tf_gspmd import _compat
 from tf_gspmd.errors import MeshError
 
-JOB_ORDER = ("chief", "worker")   # the jobs whose tasks drive devices, in process order
+JOB_ORDER = ("chief", "worker")
+DEVICES_ENV = "TF_GSPMD_CPU_DEVICES_PER_PROCESS"   # logical CPUs per process, from the launcher   # the jobs whose tasks drive devices, in process order
 _lock = threading.Lock()
 _state = {"job": None, "task": None, "tasks": None}
 
@@ -38,7 +39,9 @@ def initialize(cluster_resolver=None, *, cpu_devices=None, heartbeat_timeout=30.
   Returns:
     (process index, process count).
   """
+  import os  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  per_process = os.environ.get(DEVICES_ENV)
   if cluster_resolver is None:
     cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
   spec = cluster_resolver.cluster_spec()
@@ -48,6 +51,11 @@ def initialize(cluster_resolver=None, *, cpu_devices=None, heartbeat_timeout=30.
     raise MeshError(f"the cluster has jobs {other}; tf_gspmd runs one SPMD program on the tasks of jobs "
                     f"{list(JOB_ORDER)} (no parameter servers or evaluators): remove them from the cluster spec")
   tasks = tuple((j, i) for j in JOB_ORDER if j in jobs for i in sorted(spec.task_indices(j)))
+  if per_process:   # set by the launcher (python -m tf_gspmd.launch --devices_per_worker)
+    if cpu_devices and int(per_process) * max(len(tasks), 1) != cpu_devices:
+      raise MeshError(f"the program asks for cpu_devices={cpu_devices} in all, but it was launched with "
+                      f"{per_process} devices for each of {max(len(tasks), 1)} processes; make them agree")
+    cpu_devices = int(per_process) * max(len(tasks), 1)
   with _lock:
     if _state["tasks"] is not None:
       raise MeshError("gs.initialize was already called in this process; call it once, before any TF op")
