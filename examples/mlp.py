@@ -30,7 +30,7 @@ FLAGS = flags.FLAGS
 def main(_):
   shape = tuple(int(s) for s in FLAGS.mesh)
   import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
-  gs.split_cpu_devices(math.prod(shape))
+  gs.initialize(cpu_devices=math.prod(shape))   # one process, or the workers of python -m tf_gspmd.launch
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tf_gspmd import P  # pylint: disable=g-import-not-at-top
 

@@ -99,18 +99,25 @@ def run(task):
   import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
   import keras  # pylint: disable=g-import-not-at-top
   shape = FLAGS.mesh or task.default_mesh
-  gs.split_cpu_devices(int(np.prod([int(s) for s in shape])))
+  # One process with all the devices, or one of the workers python -m tf_gspmd.launch (or TF_CONFIG) starts.
+  gs.initialize(cpu_devices=int(np.prod([int(s) for s in shape])))
+  chief = gs.process_index() == 0
   mesh = _mesh(task, shape)
   model = task.build(mesh)
   step_var = tf.Variable(0, dtype=tf.int64, name="global_step")
   ckpt = tf.train.Checkpoint(step=step_var, **model.trackables)
   directory = os.path.join(FLAGS.logdir, task.name)
-  manager = tf.train.CheckpointManager(ckpt, os.path.join(directory, "checkpoints"), max_to_keep=3)
-  if FLAGS.resume and manager.latest_checkpoint:
-    ckpt.restore(manager.latest_checkpoint).assert_existing_objects_matched()
-    print(f"resumed from {manager.latest_checkpoint} at step {int(step_var.numpy())}")
+  checkpoints = os.path.join(directory, "checkpoints")
+  # Every process saves the whole checkpoint (slices other processes hold are all-gathered); the chief's copy is
+  # the checkpoint, the others write theirs aside. All resume from the chief's.
+  manager = tf.train.CheckpointManager(
+      ckpt, checkpoints if chief else os.path.join(directory, f"worker_{gs.process_index()}"), max_to_keep=3)
+  latest = tf.train.latest_checkpoint(checkpoints)
+  if FLAGS.resume and latest:
+    ckpt.restore(latest).assert_existing_objects_matched()
+    print(f"resumed from {latest} at step {int(step_var.numpy())}")
   train = gs.function(model.step, mesh=mesh, in_shardings=task.in_specs(mesh), jit_compile=FLAGS.jit)
-  writer = tf.summary.create_file_writer(directory)
+  writer = tf.summary.create_file_writer(directory) if chief else tf.summary.create_noop_writer()
   first = int(step_var.numpy())
   bar = keras.utils.Progbar(FLAGS.steps, verbose=1 if sys.stdout.isatty() else 0)
   losses = []

@@ -19,15 +19,15 @@ from tf_gspmd._cluster import initialize, is_local, process_count, process_index
 from tf_gspmd._mesh import Mesh, P
 from tf_gspmd._sharding import Sharding
 from tf_gspmd._visualize import visualize_sharding
-from tf_gspmd.errors import (InputError, MeshError, PartitionError, ShapeError, ShardingError, SpecError,
-                             UnsupportedOpError)
+from tf_gspmd.errors import (InputError, MeshError, PartitionError, ProcessLostError, ShapeError, ShardingError,
+                             SpecError, UnsupportedOpError)
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 from tf_gspmd.runtime.state import sharding_of, variable
 
 __all__ = [
     "Mesh", "P", "Sharding", "split_cpu_devices", "initialize", "process_count", "process_index", "is_local", "mesh_split", "shard", "replicate", "function", "ShardedFunction",
     "Lowered", "ShardedTensor", "sharding_of", "variable", "initializers", "visualize_sharding", "ShardingError",
-    "MeshError", "SpecError", "ShapeError", "PartitionError", "UnsupportedOpError", "InputError",
+    "MeshError", "SpecError", "ShapeError", "PartitionError", "UnsupportedOpError", "InputError", "ProcessLostError",
 ]
 __version__ = "0.1.0"
 

@@ -49,3 +49,8 @@ class PartitionError(ShardingError):
 class InputError(ShardingError):
   """A gs.function's arguments do not match its declaration, or it is given or returns a value it cannot
   carry (e.g. a split string argument, a SparseTensor result)."""
+
+
+class ProcessLostError(ShardingError):
+  """Another process of a mesh that spans several processes stopped answering during a step (it died, hung or
+  lost its network); the step's collectives were aborted. Restart every process (e.g. with --resume)."""

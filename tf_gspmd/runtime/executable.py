@@ -6,13 +6,15 @@ is what an SPMD program needs. The per-device GraphDef becomes one concrete func
 partition id is a packed per-device input.
 """
 
+import re
 import threading
 
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd import _cluster
 from tf_gspmd import _compat
-from tf_gspmd.errors import InputError
+from tf_gspmd.errors import InputError, ProcessLostError
 from tf_gspmd.runtime import parallel
 from tf_gspmd.runtime import state as _state
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor, shard_host_value
@@ -27,6 +29,26 @@ def _function_from_graph_def(graph_def, inputs, outputs):
   wrapped = tf.compat.v1.wrap_function(import_graph, [])
   graph = wrapped.graph
   return wrapped.prune([graph.as_graph_element(n) for n in inputs], [graph.as_graph_element(n) for n in outputs])
+
+
+_TASK = re.compile(r"/job:([A-Za-z0-9_]+)/replica:\d+/task:(\d+)")
+
+
+def _process_lost(error, devices, timeout):
+  """A step error of a mesh that spans processes, as the process that stopped answering (named by TF's message
+  when it says so)."""
+  ours = {(m.group(1), int(m.group(2))) for m in map(_TASK.search, devices) if m and _cluster.is_local(m.group(0))}
+  named = [m for m in _TASK.finditer(error.message) if (m.group(1), int(m.group(2))) not in ours]
+  if named:
+    task = named[0].group(0)
+    who = f"task {task} (process {_cluster.process_of(task + '/device:CPU:0')})"
+    what = f"{who} stopped answering during the step"
+  else:
+    what = (f"a process of the mesh stopped answering during the step (no collective finished within "
+            f"collective_timeout={timeout} s or TF reported the peer gone)")
+  return ProcessLostError(f"{what}; the step's collectives were aborted and this process cannot run collectives "
+                          f"again: restart every process (the training binaries continue with --resume). TF said: "
+                          f"{type(error).__name__}: {error.message.splitlines()[0][:300]}")
 
 
 class Executable:
@@ -96,6 +118,10 @@ class Executable:
     try:
       with tf.device(_compat.parallel_device_name(pd)):
         return self._call(pid, packed)[:self.n_outputs]
+    except tf.errors.OpError as e:
+      if self.local.fully_local:
+        raise
+      raise _process_lost(e, self.devices, timeout) from e
     finally:
       done.set()
 

@@ -1,0 +1,119 @@
+"""Several processes: gs.initialize, meshes over every process's devices, the launcher, and a training step on
+TF's distributed runtime (2 processes x 4 CPUs, 4 x 2) that matches one process x 8 CPUs.
+
+Multi-process runs are subprocesses on 127.0.0.1 with timeouts, so a hang fails the test instead of the suite.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_gspmd as gs
+from tf_gspmd import _cluster
+from tf_gspmd import launch
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+PROGRAMS = os.path.join(os.path.dirname(__file__), "cluster_programs")
+sys.path.insert(0, PROGRAMS)
+import megatron_step  # noqa: E402  pylint: disable=g-import-not-at-top
+
+MESH = gs.Mesh((2, 4), ("data", "model"))
+
+
+def _env():
+  return dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+
+
+def _launch(workers, program, *args, timeout=300):
+  out = subprocess.run([sys.executable, "-m", "tf_gspmd.launch", f"--workers={workers}", "--",
+                        os.path.join(PROGRAMS, program), *args], capture_output=True, text=True, timeout=timeout,
+                       env=_env(), cwd=ROOT, check=False)
+  assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+  results = {}
+  for line in out.stdout.splitlines():
+    if "RESULT " in line:
+      r = json.loads(line.split("RESULT ", 1)[1])
+      results[r["process"]] = r
+  assert sorted(results) == list(range(workers)), out.stdout[-4000:]
+  return results
+
+
+def test_device_order_is_processes_major():
+  names = ["/job:worker/replica:0/task:1/device:CPU:0", "/job:worker/replica:0/task:0/device:CPU:1",
+           "/job:chief/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:10/device:CPU:0",
+           "/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:2/device:CPU:0"]
+  assert sorted(names, key=_cluster.device_order) == [names[2], names[4], names[1], names[0], names[5], names[3]]
+
+
+def test_one_process_is_a_cluster_of_one():
+  assert gs.process_count() == 1 and gs.process_index() == 0
+  assert MESH.local_devices == MESH.resolve_devices()
+
+
+def test_jobs_other_than_chief_and_worker_are_refused():
+  spec = tf.train.ClusterSpec({"worker": ["127.0.0.1:1", "127.0.0.1:2"], "ps": ["127.0.0.1:3"]})
+  resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(spec, task_type="worker", task_id=0)
+  with pytest.raises(gs.MeshError, match=r"jobs \['ps'\].*no parameter servers"):
+    gs.initialize(resolver)
+
+
+def test_launcher_forwards_output_and_exits_with_the_failing_worker_status():
+  code = ("import json, os, sys; k = json.loads(os.environ['TF_CONFIG'])['task']['index']; "
+          "print('hello from', k, os.environ['TF_GSPMD_CPU_DEVICES_PER_PROCESS']); sys.exit(3 if k == 1 else 0)")
+  out = subprocess.run([sys.executable, "-m", "tf_gspmd.launch", "--workers=2", "--devices_per_worker=4", "--",
+                        sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=_env(),
+                       check=False)
+  assert out.returncode == 3
+  assert "[worker 0] hello from 0 4" in out.stdout and "[worker 1] hello from 1 4" in out.stdout
+  assert "[launch] worker 1 exited with status 3" in out.stdout
+  envs = launch.worker_envs(3)
+  configs = [json.loads(e["TF_CONFIG"]) for e in envs]
+  hosts = configs[0]["cluster"]["worker"]
+  assert len(set(hosts)) == 3 and all(h.startswith("127.0.0.1:") for h in hosts)
+  assert [c["task"]["index"] for c in configs] == [0, 1, 2] and all(c["cluster"]["worker"] == hosts for c in configs)
+
+
+@pytest.fixture(scope="module")
+def one_process():
+  """The step in this process on 8 CPUs: what every multi-process run must reproduce."""
+  return megatron_step.train(gs, tf, MESH, 3)
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+  ckpt = tmp_path_factory.mktemp("two_processes")
+  return _launch(2, "megatron_step.py", "--steps=3", f"--save={ckpt}"), ckpt
+
+
+def test_two_processes_match_one(one_process, two_processes):
+  results, _ = two_processes
+  for k, r in results.items():
+    assert r["processes"] == 2
+    assert r["local"] == [f"/job:worker/replica:0/task:{k}/device:CPU:{i}" for i in range(4)]
+    np.testing.assert_allclose(r["losses"], one_process["losses"], rtol=1e-5)
+    assert r["h_local"] is False   # split over both processes: .numpy() gathered it
+    for key in ("h_sum", "w1", "w2"):   # the same global values in every process
+      np.testing.assert_allclose(r[key], one_process[key], rtol=1e-5)
+
+
+def test_checkpoint_of_two_processes_restores_anywhere(one_process, two_processes):
+  results, ckpt = two_processes
+  prefix = results[0]["saved"]
+  reader = tf.train.load_checkpoint(prefix)   # plain TF reads the global tensors
+  w1 = reader.get_tensor("w1/.ATTRIBUTES/VARIABLE_VALUE")
+  assert w1.shape == (32, 64)
+  np.testing.assert_allclose(np.abs(w1).sum(), one_process["w1"], rtol=1e-5)
+  plain = tf.Variable(tf.zeros([64, 30]))   # into a plain single-device variable
+  tf.train.Checkpoint(w2=plain).restore(prefix).expect_partial()
+  np.testing.assert_allclose(np.abs(plain.numpy()).sum(), one_process["w2"], rtol=1e-5)
+  here = megatron_step.train(gs, tf, MESH, 1, restore=prefix)   # onto 1 process x 8, then a step
+  four = _launch(4, "megatron_step.py", "--steps=1", f"--restore={prefix}")   # onto 4 processes x 2
+  for r in four.values():
+    for key in ("restored_w1", "restored_w2", "losses", "w1", "w2"):
+      np.testing.assert_allclose(r[key], here[key], rtol=1e-5)
+  np.testing.assert_allclose(here["restored_w1"], one_process["w1"], rtol=1e-5)
