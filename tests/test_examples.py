@@ -28,13 +28,35 @@ def _run(binary, *flags, timeout=300):
   return out.stdout
 
 
-def _losses(text):
-  return {int(k): float(v) for k, v in re.findall(r"^step (\d+) loss ([0-9.eE+-]+)", text, re.M)}
+def _losses(text, worker=None):
+  prefix = "" if worker is None else re.escape(f"[worker {worker}] ")
+  return {int(k): float(v) for k, v in re.findall(rf"^{prefix}step (\d+) loss ([0-9.eE+-]+)", text, re.M)}
+
+
+def _launched(workers, binary, *flags, timeout=420):
+  """The binary as `workers` processes (python -m tf_gspmd.launch), the mesh's 8 CPUs split among them."""
+  out = subprocess.run([sys.executable, "-m", "tf_gspmd.launch", f"--workers={workers}", "--",
+                        os.path.join(ROOT, "examples", binary), *SMALL[binary], *flags], capture_output=True,
+                       text=True, timeout=timeout, env=_env(), cwd=ROOT, check=False)
+  assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
+  return out.stdout
+
+
+_ONE_PROCESS = {}
+
+
+def _one_process_losses(binary, tmp_path_factory):
+  """The binary's first 12 losses in one process x 8 CPUs (run once per binary)."""
+  if binary not in _ONE_PROCESS:
+    logdir = tmp_path_factory.mktemp(binary.replace(".", "_"))
+    out = _run(binary, "--steps=12", "--check_steps=2", "--ckpt_every=0", f"--logdir={logdir}", "--profile=4,5")
+    _ONE_PROCESS[binary] = (out, logdir)
+  return _ONE_PROCESS[binary]
 
 
 @pytest.mark.parametrize("binary", sorted(SMALL))
-def test_binary_trains_and_matches_the_unpartitioned_program(binary, tmp_path):
-  out = _run(binary, "--steps=12", "--check_steps=2", "--ckpt_every=0", f"--logdir={tmp_path}", "--profile=4,5")
+def test_binary_trains_and_matches_the_unpartitioned_program(binary, tmp_path_factory):
+  out, tmp_path = _one_process_losses(binary, tmp_path_factory)
   losses = _losses(out)
   assert sorted(losses) == list(range(12))
   assert sum(losses[k] for k in range(9, 12)) < 0.9 * sum(losses[k] for k in range(3)), losses
@@ -76,3 +98,56 @@ def test_sigkill_then_resume_continues_with_the_same_losses(tmp_path):
   assert sorted(resumed) == list(range(start, 40))
   for k in resumed:
     assert abs(resumed[k] - straight[k]) <= 1e-5 * abs(straight[k]), (k, resumed[k], straight[k])
+
+
+@pytest.mark.parametrize("binary,workers", [("train_transformer.py", 2), ("train_transformer.py", 4),
+                                            ("train_moe.py", 2), ("train_convnet.py", 2)])
+def test_binary_over_several_processes_gives_the_one_process_losses(binary, workers, tmp_path, tmp_path_factory):
+  one = _losses(_one_process_losses(binary, tmp_path_factory)[0])
+  out = _launched(workers, binary, "--steps=10", "--check_steps=0", "--ckpt_every=5", f"--logdir={tmp_path}")
+  for k in range(workers):
+    losses = _losses(out, k)
+    assert sorted(losses) == list(range(10)), out[-3000:]
+    for step, loss in losses.items():
+      assert abs(loss - one[step]) <= 1e-5 * abs(one[step]), (k, step, loss, one[step])
+
+
+def test_a_lost_worker_stops_the_others_by_name_and_resume_continues(tmp_path):
+  """SIGKILL one of two workers mid-run: the other fails within the deadline naming the lost task and exits
+  non-zero; both relaunched with --resume continue from the last checkpoint with the uninterrupted losses."""
+  from tf_gspmd import launch  # pylint: disable=g-import-not-at-top
+  binary = "train_transformer.py"
+  flags = ["--steps=16", "--check_steps=0", "--ckpt_every=4"]
+  command = [sys.executable, os.path.join(ROOT, "examples", binary), *SMALL[binary], *flags,
+             f"--logdir={tmp_path / 'run'}"]
+  logs = [tmp_path / f"worker_{k}.log" for k in range(2)]
+  procs = [subprocess.Popen(command, env=dict(env, **_env(), TF_CONFIG=env["TF_CONFIG"]), cwd=ROOT,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+           for env, log in zip(launch.worker_envs(2, 4), logs)]
+  try:
+    deadline = time.time() + 300
+    while "step 9 loss" not in logs[1].read_text():
+      assert all(p.poll() is None for p in procs) and time.time() < deadline, logs[0].read_text()[-3000:]
+      time.sleep(0.1)
+    procs[1].send_signal(signal.SIGKILL)
+    killed = time.time()
+    procs[0].wait(120)
+    took = time.time() - killed
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  survivor = logs[0].read_text()
+  assert procs[0].returncode not in (0, None), survivor[-3000:]
+  assert "ProcessLostError" in survivor and "task /job:worker/replica:0/task:1 (process 1) stopped answering" in \
+      survivor, survivor[-3000:]
+  assert took < 120
+  resumed = _launched(2, binary, *flags, f"--logdir={tmp_path / 'run'}", "--resume")
+  start = int(re.search(r"resumed from \S+ at step (\d+)", resumed).group(1))
+  assert 8 <= start < 16 and start % 4 == 0
+  straight = _losses(_run(binary, *flags, f"--logdir={tmp_path / 'straight'}"))
+  for k in range(2):
+    losses = _losses(resumed, k)
+    assert sorted(losses) == list(range(start, 16))
+    for step, loss in losses.items():
+      assert abs(loss - straight[step]) <= 1e-5 * abs(straight[step]), (k, step, loss, straight[step])
