@@ -41,6 +41,7 @@ class PartitionContext:
     self.values = {}            # ref -> (local tensor, sharding)
     self.ops = {}               # original node name -> local tf.Operation
     self._reshards = {}
+    self._windows = {}
     self._tables = {}
     self.pid = tf.compat.v1.placeholder(tf.int32, [], name=PARTITION_ID)
     self.backend = Backend(self.mesh, devices, self.pid, self.lookup, report)
@@ -219,6 +220,15 @@ class PartitionContext:
     fit = self._window_plan(i, sharding, dim, first, length, lo, hi)
     if fit is None:
       return None
+    # A window is cached like a reshard: a gradient reading the forward op's window (a filter gradient) reuses
+    # its halos instead of exchanging them again.
+    key = (self.node.inputs[i], sharding.with_rank(len(fit[0])), dim, tuple(first.tolist()), length,
+           tuple(lo.tolist()), tuple(hi.tolist()), repr(np.asarray(fill).item()))
+    if key not in self._windows:
+      self._windows[key] = self._emit_window(i, sharding, dim, first, length, lo, hi, fill, fit)
+    return self._windows[key]
+
+  def _emit_window(self, i, sharding, dim, first, length, lo, hi, fill, fit):
     shape, axes, tiles, own, left, right = fit
     x = self.operand(i, sharding)
     with tf.name_scope(self._scope()):
@@ -234,6 +244,10 @@ class PartitionContext:
       bshape = [1] * len(shape)
       bshape[dim] = length
       return tf.where(tf.reshape(keep, bshape), x, tf.constant(fill, x.dtype))
+
+  def window_rows_fit(self, i, sharding, dim, first, length, lo, hi):
+    """Whether `window_rows` can serve input i from neighbours only (no emission)."""
+    return self._window_plan(i, sharding, dim, first, length, lo, hi) is not None
 
   def take_rows(self, x, sharding, dim, begin, count):
     """Rows [begin[t], begin[t] + count) along `dim` of the local `x` on the device of shard index t (rows
