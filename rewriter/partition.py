@@ -229,8 +229,8 @@ class PartitionContext:
     return self._windows[key]
 
   def _emit_window(self, i, sharding, dim, first, length, lo, hi, fill, fit):
-    shape, axes, tiles, own, left, right = fit
-    x = self.operand(i, sharding)
+    shape, axes, tiles, own, left, right, source = fit
+    x = self.operand(i, source)
     with tf.name_scope(self._scope()):
       if left or right:
         x = self.backend.halo_exchange(x, dim, axes, left, right, self.node.name,
@@ -274,19 +274,25 @@ class PartitionContext:
     return tf.slice(x, self.lookup(begin, name), size)
 
   def _window_plan(self, i, sharding, dim, first, length, lo, hi):
-    """(shape, axes, shard index per device, own first row per device, left halo, right halo), or None when
-    some device needs rows its neighbours do not hold. Halos count only rows a device reads (in [lo, hi))."""
+    """(shape, axes, shard index per device, own first row per device, left halo, right halo, the layout to
+    read the input in), or None when some device needs rows its neighbours do not hold. Halos count only rows
+    a device reads (in [lo, hi)). An input already whole along `dim` is sliced locally, with no halo."""
     shape = self.node.input_info(i).shape
     n = sharding.tiles(dim)
     c_in = -(-shape[dim] // n)
     tiles = np.array([sharding.tile_index(p, dim) for p in range(self.mesh.size)])
+    have = self.current(i)
+    if have is not None and not have.is_maximal and not have.with_rank(len(shape)).dims[dim]:
+      dims = sharding.with_rank(len(shape)).dims
+      whole = Sharding(self.mesh, tuple(() if k == dim else a for k, a in enumerate(dims)))
+      return shape, (), tiles, np.zeros_like(tiles), 0, 0, whole
     own = tiles * c_in
     used = hi[tiles] > lo[tiles]
     left = int(max(0, np.max((own - lo[tiles])[used], initial=0)))
     right = int(max(0, np.max((hi[tiles] - own - c_in)[used], initial=0)))
     if left > c_in or right > c_in:
       return None
-    return shape, sharding.dims[dim], tiles, own, left, right
+    return shape, sharding.dims[dim], tiles, own, left, right, sharding
 
   def parameter(self, node):
     if node.name in self.program.variable_names:   # a variable handle: one shard of the variable per device

@@ -243,3 +243,31 @@ def test_resnet_max_pool_moves_halos_only():
       tf.TensorSpec([8, 112, 112, 64]))
   _halos_only(low)
   assert low.report.logical_bytes_per_device() == row + 3 * row + row // 2
+
+
+def test_an_input_whole_along_the_split_dim_is_sliced_locally(rng):
+  """The conv's result rows are split but its input's are whole on every device: each device slices its
+  window (halo included) from its own copy, with no exchange (the pool after it, on split rows, exchanges)."""
+  x = rng.standard_normal((2, 32, 16, 3)).astype(np.float32)
+  w = (rng.standard_normal((3, 3, 3, 4)) * 0.3).astype(np.float32)
+  spec = P(None, "x", None, None)
+  low = check_partitioned(lambda a, k: tf.nn.max_pool2d(tf.nn.conv2d(a, k, 2, "SAME"), 3, 2, "SAME"), [x, w],
+                          (P(), P()), M8, out=spec, tol=1e-4)
+  assert [c.source for c in low.report.collectives] == ["MaxPool2d"], str(low.report)
+
+
+def test_transposed_stride_2_conv_and_gradients(rng):
+  """conv2d_transpose is Conv2DBackpropInput forward (its gradients a Conv2D and a filter gradient): the same
+  windows, read the other way."""
+  x = rng.standard_normal((2, 16, 8, 4)).astype(np.float32)
+  w = (rng.standard_normal((3, 3, 3, 4)) * 0.3).astype(np.float32)
+
+  def step(a, k):
+    with tf.GradientTape() as tape:
+      tape.watch([a, k])
+      y = tf.nn.conv2d_transpose(a, k, [2, 32, 16, 3], 2, "SAME")
+      loss = tf.reduce_sum(tf.tanh(y) * tf.cos(y))
+    return (y,) + tuple(tape.gradient(loss, [a, k]))
+
+  low = check_partitioned(step, [x, w], (ROWS24, P()), M24, out=(ROWS24, ROWS24, P()), tol=1e-4)
+  _halos_only(low, filter_gradient=True)
