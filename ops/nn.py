@@ -92,9 +92,10 @@ def _geometry(node):
   if op not in WINDOWED_2D or _text(node, "data_format", "NHWC") != "NHWC":
     return None
   image = node.outputs[0].shape if op in ("Conv2DBackpropInput", "AvgPoolGrad") else node.input_shape(0)
-  result = {"Conv2D": lambda: node.outputs[0].shape, "MaxPool": lambda: node.outputs[0].shape,
-            "AvgPool": lambda: node.outputs[0].shape}.get(op, lambda: node.input_shape(
-                2 if op.startswith("Conv") else 1))()
+  if op in ("Conv2D", "MaxPool", "AvgPool"):
+    result = node.outputs[0].shape
+  else:   # a gradient: d_out is input 2 of a conv gradient, input 1 of a pool gradient
+    result = node.input_shape(2 if op.startswith("Conv") else 1)
   if op.startswith("Conv"):
     kernel = node.outputs[0].shape if op == "Conv2DBackpropFilter" else node.input_shape(1)
     if not _known(kernel):
@@ -398,7 +399,7 @@ class _PoolRule(FactorRule):
       d, axes = split
       b_axes = _free(target.dims[0], axes)
       layout = _layout(ctx.mesh, d, axes, b_axes, _free(target.dims[3], axes, b_axes))
-      if self.windowed(ctx, node, dims, d, layout) is not False:
+      if self.windowed(ctx, node, dims, d, layout):
         return None
       return _gather_instead(ctx, node, d, self, self.factors(node, spatial=False))
     strides = _tiled_windows(node)
