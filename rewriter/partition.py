@@ -199,19 +199,19 @@ class PartitionContext:
     (c-1)*stride + size (GSPMD's windowed input). Returns None when a window reaches past a neighbour (the
     caller then gathers instead); see `window_rows`.
     """
-    rows = window_rows(self.node.input_info(i).shape[dim], sharding.tiles(dim), out_size, start, stride, size)
+    rows = rows_read_by(self.node.input_info(i).shape[dim], sharding.tiles(dim), out_size, start, stride, size)
     return self.window_rows(i, sharding, dim, *rows, fill)
 
   def window_fits(self, i, sharding, dim, out_size, start, stride=1, size=1):
     """Whether `window` can serve input i from neighbours only (no emission)."""
-    rows = window_rows(self.node.input_info(i).shape[dim], sharding.tiles(dim), out_size, start, stride, size)
+    rows = rows_read_by(self.node.input_info(i).shape[dim], sharding.tiles(dim), out_size, start, stride, size)
     return self._window_plan(i, sharding, dim, *rows) is not None
 
   def window_rows(self, i, sharding, dim, first, length, lo, hi, fill):
     """Input i with rows [first[t], first[t] + length) along `dim` on the device of shard index t.
 
     `first`, `lo`, `hi` are indexed by shard index. Rows outside [lo[t], hi[t]) (outside the input, padding of
-    uneven shards, rows only results in the padding of the result read) are *selected* to `fill` (so a
+    uneven shards, rows read only by results in the result's padding) are *selected* to `fill` (so a
     neighbour's inf or NaN never leaks into a result). The input is first laid out as `sharding`, then each
     device takes the rows it lacks from its neighbours (one halo exchange sized by the largest need, which
     may differ between devices) and slices its window at a per-device offset. Returns None when a device
@@ -345,7 +345,7 @@ class PartitionContext:
     self.values[r] = (value, sharding)
 
 
-def window_rows(in_size, n, out_size, start, stride=1, size=1):
+def rows_read_by(in_size, n, out_size, start, stride=1, size=1):
   """(first, length, lo, hi) for `PartitionContext.window_rows`: the input rows a result of `out_size` rows
   split in n shards reads, result row j reading rows [start + j*stride, start + j*stride + size).
 
