@@ -1,36 +1,133 @@
 """Convolutions, pooling and batch normalisation (and their gradients).
 
 Batch and channel dims pass their split; an input-channel (or, for the filter gradient, batch) split gives
-partial sums and one all-reduce, like a matmul. Spatial dims are whole on every device here. Batch
-normalisation in training mode reduces over batch and space, so those dims are whole too; only channels
-split (inference-mode batch norm is element-wise per channel and passes every split).
+partial sums and one all-reduce, like a matmul. A 2-D NHWC convolution or pooling, forward and both
+gradients, may also keep one spatial dim split whatever its window, stride, dilation and padding (GSPMD's
+windowed input): each device computes its rows of the result from its own input rows plus halo rows from its
+neighbours, moved by one halo exchange and cut at a per-device offset (`PartitionContext.window_rows`); rows
+outside the input (padding, the padding of uneven shards) are *selected* to the window's pad value, so the
+local op runs with no padding along that dim. An input gradient is the transposed window: each device takes
+the rows of the result gradient whose windows reach its rows, runs the gradient op on that window, and keeps
+its own rows. A window that needs rows past the neighbours' shards gathers the dim instead (and the report
+says so). Batch normalisation in training mode reduces over batch and space, so those dims are whole; only
+channels split (inference-mode batch norm is element-wise per channel and passes every split).
 """
 
+import dataclasses
+
+import numpy as np
 import tensorflow as tf
 
-from tf_gspmd._mesh import axes_text
 from tf_gspmd._sharding import Sharding
-from tf_gspmd.ops.factors import Factors, FactorRule
+from tf_gspmd.ops.factors import Factors, FactorRule, identity_value
 from tf_gspmd.ops.registry import register
+
+# The ops whose split spatial dim takes halos: 2-D convolutions and pooling, forward and gradients.
+WINDOWED_2D = frozenset({"Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "MaxPool", "AvgPool",
+                         "MaxPoolGrad", "AvgPoolGrad"})
+
+
+def _text(node, name, default):
+  v = node.attr(name)
+  v = v.decode() if isinstance(v, bytes) else v
+  return v or default
 
 
 def _nhwc(node, b, c, rank=4):
   """Labels of an activation: batch label `b`, channel label `c`, spatial dims unsplit."""
-  fmt = node.attr("data_format")
-  fmt = fmt.decode() if isinstance(fmt, bytes) else (fmt or "NHWC")
+  fmt = _text(node, "data_format", "NHWC")
   spatial = (None,) * (rank - 2)
   return (b, c) + spatial if fmt.startswith("NC") else (b,) + spatial + (c,)
 
 
-def _halo_eligible(node):
-  """Stride 1, no dilation, SAME padding, NHWC: a split spatial dim needs only its neighbours' edge rows."""
-  fmt = node.attr("data_format")
-  fmt = fmt.decode() if isinstance(fmt, bytes) else (fmt or "NHWC")
-  padding = node.attr("padding")
-  padding = padding.decode() if isinstance(padding, bytes) else padding
-  return (node.op.startswith("Conv2D") and not fmt.startswith("NC") and padding == "SAME" and
-          all(v == 1 for v in node.attr("strides").i) and
-          all(v == 1 for v in (node.attr("dilations").i or [1])))
+@dataclasses.dataclass(frozen=True)
+class _Dim:
+  """One spatial dim of a windowed op: result row o reads input rows [o*stride - lo, o*stride - lo + window)."""
+
+  size: int      # input rows
+  out: int       # result rows
+  window: int    # the dilated window: (taps - 1) * dilation + 1
+  stride: int
+  lo: int        # padding before
+  hi: int        # padding after (VALID's unread tail counts 0, not negative)
+  taps: int
+
+  def count(self, o):
+    """Input rows (not padding) in the windows of results `o` (0 for results outside the result)."""
+    start = np.asarray(o) * self.stride - self.lo
+    n = np.minimum(start + self.window, self.size) - np.maximum(start, 0)
+    return np.where((np.asarray(o) >= 0) & (np.asarray(o) < self.out), np.maximum(n, 0), 0)
+
+  def reaching(self, n):
+    """For a gradient of the input split in n shards: per shard index t (rows [t*c, (t+1)*c)), the result rows
+    whose windows reach its rows: (first[t], how many (the same for all), rows that matter [lo[t], hi[t]),
+    c). Those results' windows start at input row first*stride - self.lo."""
+    c = -(-self.size // n)
+    own = np.arange(n) * c
+    first = -((self.window - 1 - own - self.lo) // self.stride)   # ceil((own + lo - window + 1) / stride)
+    last = (own + c - 1 + self.lo) // self.stride
+    count = max(1, int(np.max(last - first + 1)))
+    end = np.minimum(own + c, self.size)
+    lo = np.clip(first, 0, self.out)
+    hi = np.where(end > own, np.clip((end - 1 + self.lo) // self.stride + 1, 0, self.out), lo)
+    return first, count, lo, np.maximum(hi, lo), c
+
+  def rows_read(self, first, count, lo, hi):
+    """The input rows results [first, first+count) read: (first row, how many, rows that matter), where the
+    results that matter are [lo, hi)."""
+    start = first * self.stride - self.lo
+    r_lo = np.clip(lo * self.stride - self.lo, 0, self.size)
+    r_hi = np.where(hi > lo, np.clip((hi - 1) * self.stride - self.lo + self.window, 0, self.size), r_lo)
+    return start, (count - 1) * self.stride + self.window, r_lo, np.maximum(r_hi, r_lo)
+
+
+def _known(shape, rank=4):
+  return shape is not None and len(shape) == rank and all(isinstance(v, (int, np.integer)) and v >= 0 for v in shape)
+
+
+def _geometry(node):
+  """{spatial dim: _Dim} of a 2-D NHWC convolution or pooling (forward or a gradient), or None (other
+  layouts, unknown shapes)."""
+  op = node.op
+  if op not in WINDOWED_2D or _text(node, "data_format", "NHWC") != "NHWC":
+    return None
+  image = node.outputs[0].shape if op in ("Conv2DBackpropInput", "AvgPoolGrad") else node.input_shape(0)
+  if op in ("Conv2D", "MaxPool", "AvgPool"):
+    result = node.outputs[0].shape
+  else:   # a gradient: d_out is input 2 of a conv gradient, input 1 of a pool gradient
+    result = node.input_shape(2 if op.startswith("Conv") else 1)
+  if op.startswith("Conv"):
+    kernel = node.outputs[0].shape if op == "Conv2DBackpropFilter" else node.input_shape(1)
+    if not _known(kernel):
+      return None
+    kernel = [1] + list(kernel[:2]) + [1]
+    dilations = list(node.attr("dilations").i) if node.attr("dilations") is not None else [1] * 4
+  else:
+    kernel = list(node.attr("ksize").i)
+    dilations = [1] * 4
+  strides = list(node.attr("strides").i)
+  if not (_known(image) and _known(result)) or len(kernel) != 4 or len(strides) != 4 or len(dilations) != 4 or \
+      kernel[0] != 1 or kernel[3] != 1 or strides[0] != 1 or strides[3] != 1 or dilations[0] != 1 or dilations[3] != 1:
+    return None
+  padding = _text(node, "padding", "VALID")
+  explicit = list(node.attr("explicit_paddings").i) if node.attr("explicit_paddings") is not None else []
+  dims = {}
+  for d in (1, 2):
+    window = (kernel[d] - 1) * dilations[d] + 1
+    size, out, s = int(image[d]), int(result[d]), strides[d]
+    if padding == "SAME":
+      total = max((out - 1) * s + window - size, 0)
+      lo, hi = total // 2, total - total // 2
+    elif padding == "EXPLICIT" and len(explicit) == 8:
+      lo, hi = explicit[2 * d], explicit[2 * d + 1]
+    elif padding == "VALID":
+      lo = hi = 0
+    else:
+      return None
+    if (size + lo + hi - window) // s + 1 != out or out <= 0:
+      return None
+    dims[d] = _Dim(size, out, window, s, lo, hi, kernel[d])
+  return dims
 
 
 def _split_spatial(layout, rank):
@@ -42,13 +139,14 @@ def _split_spatial(layout, rank):
   return (split[0], layout.dims[split[0]]) if len(split) == 1 else None
 
 
-def _same_pads(kernel, rank, skip):
-  """EXPLICIT paddings (NHWC) that make a VALID window along `skip` and SAME elsewhere."""
-  pads = [0, 0]
-  for i in range(1, rank - 1):
-    total = 0 if i == skip else kernel[i - 1] - 1
-    pads += [total // 2, total - total // 2]
-  return pads + [0, 0]
+def _layout(mesh, d, axes, b_axes, c_axes=()):
+  """NHWC layout: batch over `b_axes`, spatial dim `d` over `axes`, channels over `c_axes`."""
+  return Sharding(mesh, tuple(b_axes if i == 0 else axes if i == d else c_axes if i == 3 else () for i in range(4)))
+
+
+def _free(axes, *used):
+  taken = {a for u in used for a in u}
+  return tuple(a for a in axes if a not in taken)
 
 
 def _explicit(pads):
@@ -56,68 +154,123 @@ def _explicit(pads):
           "explicit_paddings": tf.compat.v1.AttrValue(list=tf.compat.v1.AttrValue.ListValue(i=pads))}
 
 
+def _explicit_except(dims, d):
+  """EXPLICIT paddings attrs: each spatial dim padded as the op pads it, except `d` (its window is cut)."""
+  pads = [0, 0]
+  for k in (1, 2):
+    pads += [0, 0] if k == d else [dims[k].lo, dims[k].hi]
+  return _explicit(pads + [0, 0])
+
+
+def _valid(node):
+  attrs = {"padding": tf.compat.v1.AttrValue(s=b"VALID")}
+  if node.attr("explicit_paddings") is not None:
+    attrs["explicit_paddings"] = tf.compat.v1.AttrValue(list=tf.compat.v1.AttrValue.ListValue())
+  return attrs
+
+
+def _pad_others(x, dims, d, fill):
+  """`x` padded along the spatial dims but `d` as the op pads them (pooling ops take no EXPLICIT padding;
+  AvgPool none at all), so the local op runs VALID."""
+  pads = [[0, 0]] + [[0, 0] if k == d else [dims[k].lo, dims[k].hi] for k in (1, 2)] + [[0, 0]]
+  return tf.pad(x, pads, constant_values=fill) if any(p[0] or p[1] for p in pads) else x
+
+
+def _unpad_others(x, dims, d):
+  """The inverse of `_pad_others` on a gradient of the padded input: the rows of the input itself."""
+  begin = [0] + [0 if k == d else dims[k].lo for k in (1, 2)] + [0]
+  size = [-1] + [-1 if k == d else dims[k].size for k in (1, 2)] + [-1]
+  return tf.slice(x, begin, size) if any(dims[k].lo or dims[k].hi for k in (1, 2) if k != d) else x
+
+
+def _gather_instead(ctx, node, d, rule, factors):
+  """The window along dim `d` needs rows past the neighbours' shards: say so, and partition by `factors`
+  (spatial dims whole, so the split dim is gathered)."""
+  ctx.report.warnings.append(f"{node.name} ({node.op}): its windows along dim {d} reach past the neighbouring "
+                             "shards, so that dim is gathered instead of exchanging halos")
+  return rule.partition_with(ctx, node, factors)
+
+
+def _avg_scale(ctx, layout, dims, d, first, count):
+  """Per result element, taps / window count, so a VALID average of a window with padding selected to 0
+  becomes the average over its input rows alone (the op's SAME semantics); None where every count is full.
+  Along `d` result row j of the device of shard index t is row first[t] + j (a per-device table)."""
+  scale = None
+  for k in (1, 2):
+    g = dims[k]
+    if k == d:
+      rows = first[:, None] + np.arange(count)[None, :]
+      cnt = g.count(rows)
+      if np.all(cnt[(rows >= 0) & (rows < g.out)] == g.taps):
+        continue
+      tiles = np.array([layout.tile_index(p, d) for p in range(ctx.mesh.size)])
+      table = (g.taps / np.where(cnt > 0, cnt, g.taps)).astype(np.float32)[tiles]
+      f = tf.reshape(ctx.lookup(table, f"avg_scale_{d}_{count}"), [1, count, 1, 1])
+    else:
+      cnt = g.count(np.arange(g.out))
+      if np.all(cnt == g.taps):
+        continue
+      shape = [1, 1, 1, 1]
+      shape[k] = g.out
+      f = tf.constant((g.taps / cnt).astype(np.float32).reshape(shape))
+    scale = f if scale is None else scale * f
+  return scale
+
+
 @register("Conv2D", "Conv3D")
 class Conv(FactorRule):
   """out[b, ..., co] = sum over window and ci of in[b, ..., ci] * filter[..., ci, co].
 
-  With stride 1 and SAME padding a spatial dim may stay split: each device convolves its rows plus a halo
-  of its neighbours' edge rows (GSPMD's halo exchange), so only the halos move.
+  A split spatial dim of a 2-D NHWC convolution stays split: each device convolves its window of input rows
+  (its own plus halo rows from its neighbours), whatever the stride, dilation and padding, so only halos move.
   """
 
   def factors(self, node, spatial=None):
     rank = len(node.outputs[0].shape)
     filt = (None,) * (rank - 2) + ("ci", "co")
     if spatial is None:
-      spatial = _halo_eligible(node)
+      spatial = _geometry(node) is not None
     if not spatial:
       return Factors((_nhwc(node, "b", "ci", rank), filt), (_nhwc(node, "b", "co", rank),))
     space = tuple(f"s{i}" for i in range(rank - 2))
     return Factors((("b",) + space + ("ci",), filt), (("b",) + space + ("co",),))
 
   def partition(self, ctx, node):
+    dims = _geometry(node)
     target = ctx.target(0)
-    shape = node.input_shape(0)
-    rank = len(shape)
-    split = [d for d in range(1, rank - 1) if not target.is_maximal and target.dims[d]]
-    kernel = node.input_shape(1)
-    if not _halo_eligible(node) or len(split) != 1:
+    split = _split_spatial(target, 4) if dims else None
+    if split is None:
       return self.partition_with(ctx, node, self.factors(node, spatial=False))
-    d = split[0]
-    axes = target.dims[d]
-    n = target.tiles(d)
-    k = kernel[d - 1]
-    left, right = (k - 1) // 2, k - 1 - (k - 1) // 2
-    if shape[d] % n or max(left, right) > shape[d] // n:
-      return self.partition_with(ctx, node, self.factors(node, spatial=False))
-    mesh = ctx.mesh
-    b_axes = target.dims[0]
-    co_axes = tuple(a for a in target.dims[-1] if a not in axes and a not in b_axes)
-    x = ctx.operand(0, Sharding(mesh, tuple(axes if i == d else (b_axes if i == 0 else ()) for i in range(rank))))
-    w = ctx.operand(1, Sharding(mesh, ((),) * (rank - 1) + (co_axes,)))
-    with ctx.helper_scope():
-      x = ctx.backend.halo_exchange(x, d, axes, left, right, node.name,
-                                    f"{node.name} convolves rows split over {axes_text(axes)}")
-    (y,) = ctx.clone(node, {0: x, 1: w}, attrs=_explicit(_same_pads(kernel, rank, d)))
-    natural = Sharding(mesh, tuple(axes if i == d else (b_axes if i == 0 else (co_axes if i == rank - 1 else ()))
-                                   for i in range(rank)))
-    ctx.set_output(0, y, natural)
+    d, axes = split
+    g = dims[d]
+    b_axes = _free(target.dims[0], axes)
+    co_axes = _free(target.dims[3], axes, b_axes)
+    if not ctx.window_fits(0, _layout(ctx.mesh, d, axes, b_axes), d, g.out, -g.lo, g.stride, g.window):
+      return _gather_instead(ctx, node, d, self, self.factors(node, spatial=False))
+    x = ctx.window(0, _layout(ctx.mesh, d, axes, b_axes), d, g.out, -g.lo, 0, g.stride, g.window)
+    w = ctx.operand(1, Sharding(ctx.mesh, ((),) * 3 + (co_axes,)))
+    (y,) = ctx.clone(node, {0: x, 1: w}, attrs=_explicit_except(dims, d))
+    ctx.set_output(0, y, _layout(ctx.mesh, d, axes, b_axes, co_axes))
 
 
 @register("Conv2DBackpropInput", "Conv3DBackpropInputV2")
 class ConvBackpropInput(FactorRule):
   """d_in[b, ..., ci] = sum over co of filter[..., ci, co] * d_out[b, ..., co].
 
-  For a SAME stride-1 Conv2D a split spatial dim stays split: each device convolves its rows of d_out, plus
-  halo rows from its neighbours, with the flipped filter (the forward convolution's halo exchange, mirrored).
+  A split spatial dim of a 2-D NHWC convolution stays split: each device takes the rows of d_out whose
+  windows reach its rows of d_in (halo rows from its neighbours), back-propagates that window and keeps its
+  own rows.
   """
 
   def data_inputs(self, node):
     return [1, 2]
 
-  def factors(self, node):
+  def factors(self, node, spatial=None):
     rank = len(node.outputs[0].shape)
     filt = (None,) * (rank - 2) + ("ci", "co")
-    if _halo_eligible(node):
+    if spatial is None:
+      spatial = _geometry(node) is not None
+    if spatial:
       space = tuple(f"s{i}" for i in range(rank - 2))
       return Factors((filt, ("b",) + space + ("co",)), (("b",) + space + ("ci",),))
     return Factors((filt, _nhwc(node, "b", "co", rank)), (_nhwc(node, "b", "ci", rank),))
@@ -127,53 +280,49 @@ class ConvBackpropInput(FactorRule):
     return ctx.clone(node, {0: sizes, 1: local_inputs[0], 2: local_inputs[1]})
 
   def partition(self, ctx, node):
-    rank = len(node.outputs[0].shape)
+    dims = _geometry(node)
     target = ctx.target(0)
-    split = _split_spatial(target, rank) if _halo_eligible(node) else None
-    shape = node.outputs[0].shape
-    kernel = node.input_shape(1)
-    if split is None or shape[split[0]] % target.tiles(split[0]) or kernel[split[0] - 1] - 1 > \
-        shape[split[0]] // target.tiles(split[0]):
-      return self.partition_with(ctx, node, Factors(((None,) * (rank - 2) + ("ci", "co"),
-                                                     _nhwc(node, "b", "co", rank)), (_nhwc(node, "b", "ci", rank),)))
+    split = _split_spatial(target, 4) if dims else None
+    if split is None:
+      return self.partition_with(ctx, node, self.factors(node, spatial=False))
     d, axes = split
+    g = dims[d]
     mesh = ctx.mesh
-    b_axes = tuple(a for a in target.dims[0] if a not in axes)
-    ci_axes = tuple(a for a in target.dims[-1] if a not in axes and a not in b_axes)
-    k = kernel[d - 1]
-    top = (k - 1) // 2
-    dy = ctx.operand(2, Sharding(mesh, tuple(axes if i == d else (b_axes if i == 0 else ()) for i in range(rank))))
-    w = ctx.operand(1, Sharding(mesh, ((),) * (rank - 2) + (ci_axes, ())))
-    with ctx.helper_scope():
-      dy = ctx.backend.halo_exchange(dy, d, axes, k - 1 - top, top, node.name,
-                                     f"{node.name} back-propagates through rows split over {axes_text(axes)}")
-      w = tf.transpose(tf.reverse(w, list(range(rank - 2))), list(range(rank - 2)) + [rank - 1, rank - 2])
-      pads = [0, 0]
-      for i in range(1, rank - 1):
-        total = 0 if i == d else kernel[i - 1] - 1
-        pads += [total - total // 2, total // 2]   # the forward padding, mirrored
-      pads += [0, 0]
-      dx = tf.nn.conv2d(dy, w, strides=1, padding=[pads[2 * i:2 * i + 2] for i in range(rank)])
-    ctx.record(dx)
-    ctx.set_output(0, dx, Sharding(mesh, tuple(axes if i == d else (b_axes if i == 0 else
-                                                                    (ci_axes if i == rank - 1 else ()))
-                                               for i in range(rank))))
+    b_axes = _free(target.dims[0], axes)
+    ci_axes = _free(target.dims[3], axes, b_axes)
+    layout = _layout(mesh, d, axes, b_axes)
+    first, count, lo, hi, c = g.reaching(target.tiles(d))
+    dy = ctx.window_rows(2, layout, d, first, count, lo, hi, 0)
+    if dy is None:
+      return _gather_instead(ctx, node, d, self, self.factors(node, spatial=False))
+    w = ctx.operand(1, Sharding(mesh, ((),) * 2 + (ci_axes, ())))
+    natural = _layout(mesh, d, axes, b_axes, ci_axes)
+    start, rows, _, _ = g.rows_read(first, count, lo, hi)
+    sizes = list(natural.shard_shape(node.outputs[0].shape))
+    sizes[d] = rows
+    (dx,) = ctx.clone(node, {0: tf.constant(sizes, node.input_info(0).dtype), 1: w, 2: dy},
+                      attrs=_explicit_except(dims, d))
+    dx = ctx.take_rows(dx, natural, d, np.arange(len(first)) * c - start, c)
+    ctx.set_output(0, dx, natural)
 
 
 @register("Conv2DBackpropFilter", "Conv3DBackpropFilterV2")
 class ConvBackpropFilter(FactorRule):
   """d_filter[..., ci, co] = sum over b and space of in[b, ..., ci] * d_out[b, ..., co].
 
-  For a SAME stride-1 Conv2D with rows split, each device correlates its rows of d_out with its rows of the
-  input plus halo rows, giving a partial filter gradient summed by one all-reduce (no gather of activations).
+  With a spatial dim of a 2-D NHWC convolution split, each device correlates its rows of d_out with its
+  window of input rows (halo rows from its neighbours), giving a partial filter gradient summed by one
+  all-reduce (no gather of activations).
   """
 
   def data_inputs(self, node):
     return [0, 2]
 
-  def factors(self, node):
+  def factors(self, node, spatial=None):
     rank = len(node.outputs[0].shape)
-    if _halo_eligible(node):
+    if spatial is None:
+      spatial = _geometry(node) is not None
+    if spatial:
       space = tuple(f"s{i}" for i in range(rank - 2))
       return Factors((("b",) + space + ("ci",), ("b",) + space + ("co",)), ((None,) * (rank - 2) + ("ci", "co"),))
     return Factors((_nhwc(node, "b", "ci", rank), _nhwc(node, "b", "co", rank)),
@@ -184,39 +333,41 @@ class ConvBackpropFilter(FactorRule):
     return ctx.clone(node, {0: local_inputs[0], 1: sizes, 2: local_inputs[1]})
 
   def partition(self, ctx, node):
-    rank = len(node.outputs[0].shape)
-    kernel = node.outputs[0].shape   # the filter's shape (static), whatever computes filter_sizes
-    shape = node.input_shape(0)
+    dims = _geometry(node)
     cur = ctx.current(2)
-    split = _split_spatial(cur, rank) if _halo_eligible(node) else None
-    if split is None or shape[split[0]] % cur.tiles(split[0]) or int(kernel[split[0] - 1]) - 1 > \
-        shape[split[0]] // cur.tiles(split[0]):
-      return self.partition_with(ctx, node, Factors((_nhwc(node, "b", "ci", rank), _nhwc(node, "b", "co", rank)),
-                                                    ((None,) * (rank - 2) + ("ci", "co"),)))
+    split = None
+    if dims:
+      split = _split_spatial(cur, 4) or _split_spatial(ctx.current(0), 4)
+      cur = cur if _split_spatial(cur, 4) else ctx.current(0)
+    if split is None:
+      return self.partition_with(ctx, node, self.factors(node, spatial=False))
     d, axes = split
+    g = dims[d]
     mesh = ctx.mesh
-    cur = cur.with_rank(rank)
-    b_axes = tuple(a for a in cur.dims[0] if a not in axes)
-    layout = Sharding(mesh, tuple(axes if i == d else (b_axes if i == 0 else ()) for i in range(rank)))
-    k = int(kernel[d - 1])
-    top = (k - 1) // 2
-    x = ctx.operand(0, layout)
+    b_axes = _free(cur.with_rank(4).dims[0], axes)
+    layout = _layout(mesh, d, axes, b_axes)
+    if not ctx.window_fits(0, layout, d, g.out, -g.lo, g.stride, g.window):
+      return _gather_instead(ctx, node, d, self, self.factors(node, spatial=False))
+    x = ctx.window(0, layout, d, g.out, -g.lo, 0, g.stride, g.window)
     dy = ctx.operand(2, layout)
-    with ctx.helper_scope():
-      x = ctx.backend.halo_exchange(x, d, axes, top, k - 1 - top, node.name,
-                                    f"{node.name} correlates rows split over {axes_text(axes)}")
-    (dw,) = ctx.clone(node, {0: x, 1: tf.constant(list(kernel), node.input_info(1).dtype), 2: dy},
-                      attrs=_explicit(_same_pads([int(v) for v in kernel], rank, d)))
-    ctx.set_output(0, dw, Sharding(mesh, ((),) * rank), partial=(tuple(axes) + b_axes, "Add"))
+    dy_shape = node.input_shape(2)
+    # Summed over batch and rows: the padding of uneven shards must add nothing (selected to 0 on both sides).
+    if g.out % layout.tiles(d):
+      dy = ctx.mask(dy, dy_shape, layout, d, 0)
+    if b_axes and dy_shape[0] % layout.tiles(0):
+      dy = ctx.mask(dy, dy_shape, layout, 0, 0)
+      x = ctx.mask(x, node.input_shape(0), layout, 0, 0)
+    kernel = [int(v) for v in node.outputs[0].shape]
+    (dw,) = ctx.clone(node, {0: x, 1: tf.constant(kernel, node.input_info(1).dtype), 2: dy},
+                      attrs=_explicit_except(dims, d))
+    ctx.set_output(0, dw, Sharding(mesh, ((),) * 4), partial=(tuple(axes) + b_axes, "Add"))
 
 
 def _tiled_windows(node):
   """Pooling windows that tile space exactly (VALID, window == stride, NHWC): a split spatial dim whose
   shards hold whole windows pools locally, with no halo."""
-  fmt = node.attr("data_format")
-  fmt = fmt.decode() if isinstance(fmt, bytes) else (fmt or "NHWC")
-  padding = node.attr("padding")
-  padding = padding.decode() if isinstance(padding, bytes) else padding
+  fmt = _text(node, "data_format", "NHWC")
+  padding = _text(node, "padding", "")
   ksize, strides = list(node.attr("ksize").i), list(node.attr("strides").i)
   if fmt.startswith("NC") or padding != "VALID" or not ksize or ksize != strides:
     return None
@@ -224,7 +375,8 @@ def _tiled_windows(node):
 
 
 class _PoolRule(FactorRule):
-  """Batch and channels pass their split; space too when windows tile it and every shard holds whole ones."""
+  """Batch and channels pass their split; space too for 2-D NHWC pooling (halo exchange, see the module
+  docstring), or for other pooling when windows tile it and every shard holds whole ones."""
 
   def _labels(self, node, spatial):
     rank = len(node.outputs[0].shape)
@@ -232,17 +384,34 @@ class _PoolRule(FactorRule):
       return ("b",) + tuple(f"s{i}" for i in range(rank - 2)) + ("c",)
     return _nhwc(node, "b", "c", rank)
 
+  def spatial(self, node):
+    return _geometry(node) is not None or _tiled_windows(node) is not None
+
   def factors(self, node, spatial=None):
-    labels = self._labels(node, _tiled_windows(node) is not None if spatial is None else spatial)
+    labels = self._labels(node, self.spatial(node) if spatial is None else spatial)
     return Factors(tuple(labels for _ in self.data_inputs(node)), (labels,))
 
   def partition(self, ctx, node):
-    strides = _tiled_windows(node)
+    dims = _geometry(node)
     target = ctx.target(0)
+    split = _split_spatial(target, 4) if dims else None
+    if split is not None:
+      d, axes = split
+      b_axes = _free(target.dims[0], axes)
+      layout = _layout(ctx.mesh, d, axes, b_axes, _free(target.dims[3], axes, b_axes))
+      if self.windowed(ctx, node, dims, d, layout):
+        return None
+      return _gather_instead(ctx, node, d, self, self.factors(node, spatial=False))
+    strides = _tiled_windows(node)
     shape = self.input_image_shape(node)
     ok = strides is not None and not target.is_maximal and all(
         shape[d] % (target.tiles(d) * strides[d]) == 0 for d in range(1, len(shape) - 1))
-    self.partition_with(ctx, node, self.factors(node, spatial=ok))
+    return self.partition_with(ctx, node, self.factors(node, spatial=ok))
+
+  def windowed(self, ctx, node, dims, d, layout):
+    """Emit the op with spatial dim `d` split as `layout` (halo exchange); False when a window reaches past
+    the neighbouring shards (nothing emitted then)."""
+    raise NotImplementedError
 
   def input_image_shape(self, node):
     return node.input_shape(self.data_inputs(node)[0])
@@ -252,6 +421,24 @@ class _PoolRule(FactorRule):
 class Pool(_PoolRule):
   def data_inputs(self, node):
     return [0]
+
+  def windowed(self, ctx, node, dims, d, layout):
+    g = dims[d]
+    fill = identity_value("Max", node.outputs[0].dtype) if node.op == "MaxPool" else 0
+    if not ctx.window_fits(0, layout, d, g.out, -g.lo, g.stride, g.window):
+      return False
+    x = ctx.window(0, layout, d, g.out, -g.lo, fill, g.stride, g.window)
+    with ctx.helper_scope():
+      x = _pad_others(x, dims, d, fill)
+    (y,) = ctx.clone(node, {0: x}, attrs=_valid(node))
+    if node.op == "AvgPool":
+      c = -(-g.out // layout.tiles(d))
+      with ctx.helper_scope():
+        scale = _avg_scale(ctx, layout, dims, d, np.arange(layout.tiles(d)) * c, c)
+        if scale is not None:
+          y = ctx.record(y * tf.cast(scale, y.dtype))
+    ctx.set_output(0, y, layout)
+    return True
 
 
 @register("LRN")
@@ -265,16 +452,45 @@ class LRN(FactorRule):
 
 @register("MaxPoolGrad", "MaxPool3DGrad", "MaxPoolGradGrad")
 class MaxPoolGrad(_PoolRule):
+  """d_in of a max pool. With a spatial dim split each device takes the windows that reach its rows (the
+  pooled input's rows they read and the result gradient's rows), routes the gradient locally and keeps its
+  own rows."""
+
   def data_inputs(self, node):
     return [0, 1, 2]
 
   def factors(self, node, spatial=None):
-    labels = self._labels(node, _tiled_windows(node) is not None if spatial is None else spatial)
+    labels = self._labels(node, self.spatial(node) if spatial is None else spatial)
     return Factors((labels, labels, labels), (labels,))
+
+  def windowed(self, ctx, node, dims, d, layout):
+    g = dims[d]
+    lowest = identity_value("Max", node.outputs[0].dtype)
+    first, count, lo, hi, c = g.reaching(layout.tiles(d))
+    start, rows, r_lo, r_hi = g.rows_read(first, count, lo, hi)
+    if not (ctx.window_rows_fit(0, layout, d, start, rows, r_lo, r_hi) and
+            ctx.window_rows_fit(2, layout, d, first, count, lo, hi)):
+      return False
+    x = ctx.window_rows(0, layout, d, start, rows, r_lo, r_hi, lowest)
+    dy = ctx.window_rows(2, layout, d, first, count, lo, hi, 0)
+    with ctx.helper_scope():
+      x = _pad_others(x, dims, d, lowest)
+      # The pooled result over the window, recomputed from the input rows the window holds anyway (a max is
+      # exact), rather than exchanging the result's halo rows too.
+      y = tf.nn.max_pool2d(x, list(node.attr("ksize").i), list(node.attr("strides").i), "VALID")
+    (dx,) = ctx.clone(node, {0: x, 1: y, 2: dy}, attrs=_valid(node))
+    with ctx.helper_scope():
+      dx = ctx.take_rows(_unpad_others(dx, dims, d), layout, d, np.arange(len(first)) * c - start, c)
+    ctx.set_output(0, dx, layout)
+    return True
 
 
 @register("AvgPoolGrad", "AvgPool3DGrad")
 class AvgPoolGrad(_PoolRule):
+  """d_in of an average pool. With a spatial dim split each device takes the gradient rows whose windows
+  reach its rows, divides each by its window's count of input rows, spreads them locally and keeps its own
+  rows."""
+
   def data_inputs(self, node):
     return [1]
 
@@ -283,6 +499,28 @@ class AvgPoolGrad(_PoolRule):
 
   def emit(self, ctx, node, local_inputs, axes_of):
     return ctx.clone(node, {0: self.local_shape_input(ctx, node, axes_of, 0), 1: local_inputs[0]})
+
+  def windowed(self, ctx, node, dims, d, layout):
+    g = dims[d]
+    first, count, lo, hi, c = g.reaching(layout.tiles(d))
+    if not ctx.window_rows_fit(1, layout, d, first, count, lo, hi):
+      return False
+    dy = ctx.window_rows(1, layout, d, first, count, lo, hi, 0)
+    start, rows, _, _ = g.rows_read(first, count, lo, hi)
+    with ctx.helper_scope():
+      scale = _avg_scale(ctx, layout, dims, d, first, count)
+      if scale is not None:
+        dy = dy * tf.cast(scale, dy.dtype)
+      sizes = list(layout.shard_shape(node.outputs[0].shape))
+      sizes[d] = rows
+      for k in (1, 2):
+        if k != d:
+          sizes[k] += dims[k].lo + dims[k].hi
+    (dx,) = ctx.clone(node, {0: tf.constant(sizes, node.input_info(0).dtype), 1: dy}, attrs=_valid(node))
+    with ctx.helper_scope():
+      dx = ctx.take_rows(_unpad_others(dx, dims, d), layout, d, np.arange(len(first)) * c - start, c)
+    ctx.set_output(0, dx, layout)
+    return True
 
 
 @register("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")

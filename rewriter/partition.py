@@ -41,6 +41,7 @@ class PartitionContext:
     self.values = {}            # ref -> (local tensor, sharding)
     self.ops = {}               # original node name -> local tf.Operation
     self._reshards = {}
+    self._windows = {}
     self._tables = {}
     self.pid = tf.compat.v1.placeholder(tf.int32, [], name=PARTITION_ID)
     self.backend = Backend(self.mesh, devices, self.pid, self.lookup, report)
@@ -188,58 +189,110 @@ class PartitionContext:
       bshape[dim] = c
       return tf.where(tf.reshape(keep, bshape), x, tf.constant(value, x.dtype))
 
-  def window(self, i, sharding, dim, out_size, start, fill):
-    """Input i re-split along `dim` for a result of `out_size` rows split like `sharding` on `dim`.
+  def window(self, i, sharding, dim, out_size, start, fill, stride=1, size=1):
+    """Input i re-split along `dim` for a windowed result of `out_size` rows split like `sharding` on `dim`.
 
-    Device p gets the input's global rows [start + t*c, start + (t+1)*c) (t its shard index, c the
-    result's shard size), rows outside the input filled with `fill`. The input is first laid out as
-    `sharding` (same axes on `dim`), then each device takes what it lacks from its neighbours (a halo
-    exchange) and slices its window. Returns None when a window reaches past a neighbour (the caller then
-    gathers instead).
+    Result row j reads the input's rows [start + j*stride, start + j*stride + size): a slice, pad or concat
+    reads one row per result row (stride 1, size 1); a convolution or pooling window reads its dilated
+    window size at its stride (`start` = -padding before). The device of shard index t computes result rows
+    [t*c, (t+1)*c) (c the result's shard size), so it gets input rows [start + t*c*stride, ...) of length
+    (c-1)*stride + size (GSPMD's windowed input). Returns None when a window reaches past a neighbour (the
+    caller then gathers instead); see `window_rows`.
     """
-    fit = self._window_plan(i, sharding, dim, out_size, start)
+    rows = rows_read_by(self.node.input_info(i).shape[dim], sharding.tiles(dim), out_size, start, stride, size)
+    return self.window_rows(i, sharding, dim, *rows, fill)
+
+  def window_fits(self, i, sharding, dim, out_size, start, stride=1, size=1):
+    """Whether `window` can serve input i from neighbours only (no emission)."""
+    rows = rows_read_by(self.node.input_info(i).shape[dim], sharding.tiles(dim), out_size, start, stride, size)
+    return self._window_plan(i, sharding, dim, *rows) is not None
+
+  def window_rows(self, i, sharding, dim, first, length, lo, hi, fill):
+    """Input i with rows [first[t], first[t] + length) along `dim` on the device of shard index t.
+
+    `first`, `lo`, `hi` are indexed by shard index. Rows outside [lo[t], hi[t]) (outside the input, padding of
+    uneven shards, rows read only by results in the result's padding) are *selected* to `fill` (so a
+    neighbour's inf or NaN never leaks into a result). The input is first laid out as `sharding`, then each
+    device takes the rows it lacks from its neighbours (one halo exchange sized by the largest need, which
+    may differ between devices) and slices its window at a per-device offset. Returns None when a device
+    needs rows past its neighbours' shards.
+    """
+    fit = self._window_plan(i, sharding, dim, first, length, lo, hi)
     if fit is None:
       return None
-    shape, axes, own, need, left, right, c_out = fit
-    x = self.operand(i, sharding)
+    # A window is cached like a reshard: a gradient reading the forward op's window (a filter gradient) reuses
+    # its halos instead of exchanging them again.
+    key = (self.node.inputs[i], sharding.with_rank(len(fit[0])), dim, tuple(first.tolist()), length,
+           tuple(lo.tolist()), tuple(hi.tolist()), repr(np.asarray(fill).item()))
+    if key not in self._windows:
+      self._windows[key] = self._emit_window(i, sharding, dim, first, length, lo, hi, fill, fit)
+    return self._windows[key]
+
+  def _emit_window(self, i, sharding, dim, first, length, lo, hi, fill, fit):
+    shape, axes, tiles, own, left, right, source = fit
+    x = self.operand(i, source)
     with tf.name_scope(self._scope()):
       if left or right:
         x = self.backend.halo_exchange(x, dim, axes, left, right, self.node.name,
                                        f"{self.node.name} ({self.node.op}) moves its window along dim {dim}")
-      offset = (need - (own - left)).astype(np.int32)
-      begin = np.zeros((self.mesh.size, len(shape)), np.int32)
-      begin[:, dim] = offset
-      size = x.shape.as_list()
-      size[dim] = c_out
-      if x.shape[dim] < int(offset.max()) + c_out:   # windows past the extended rows read only fill
-        pads = [[0, 0] for _ in shape]
-        pads[dim][1] = int(offset.max()) + c_out - x.shape[dim]
-        x = tf.pad(x, pads)
-      x = tf.slice(x, self.lookup(begin, f"window_{dim}_{c_out}_{start}"), size)
-      rows = need[:, None] + np.arange(c_out)[None, :]
-      valid = ((rows >= 0) & (rows < shape[dim])).astype(np.bool_)
-      keep = self.lookup(valid, f"window_valid_{dim}_{c_out}_{start}")
+      x = self._take(x, dim, (first[tiles] - (own - left)).astype(np.int32), length, f"window_{dim}_{length}")
+      rows = first[tiles][:, None] + np.arange(length)[None, :]
+      valid = (rows >= lo[tiles][:, None]) & (rows < hi[tiles][:, None])
+      if valid.all():
+        return x
+      keep = self.lookup(valid, f"window_valid_{dim}_{length}")
       bshape = [1] * len(shape)
-      bshape[dim] = c_out
+      bshape[dim] = length
       return tf.where(tf.reshape(keep, bshape), x, tf.constant(fill, x.dtype))
 
-  def window_fits(self, i, sharding, dim, out_size, start):
-    """Whether `window` can serve input i from neighbours only (no emission)."""
-    return self._window_plan(i, sharding, dim, out_size, start) is not None
+  def window_rows_fit(self, i, sharding, dim, first, length, lo, hi):
+    """Whether `window_rows` can serve input i from neighbours only (no emission)."""
+    return self._window_plan(i, sharding, dim, first, length, lo, hi) is not None
 
-  def _window_plan(self, i, sharding, dim, out_size, start):
+  def take_rows(self, x, sharding, dim, begin, count):
+    """Rows [begin[t], begin[t] + count) along `dim` of the local `x` on the device of shard index t (rows
+    before or past x's ends read 0): a local slice at a per-device offset, no communication."""
+    tiles = np.array([sharding.tile_index(p, dim) for p in range(self.mesh.size)])
+    with tf.name_scope(self._scope()):
+      return self._take(x, dim, np.asarray(begin)[tiles].astype(np.int32), count, f"rows_{dim}_{count}")
+
+  def _take(self, x, dim, offset, count, name):
+    """`x`'s rows [offset[p], offset[p] + count) along `dim` on device p, zero-padded where they leave x."""
+    front = max(0, -int(offset.min()))
+    offset = offset + front
+    back = max(0, int(offset.max()) + count - (x.shape[dim] + front))
+    if front or back:
+      pads = [[0, 0] for _ in range(x.shape.rank)]
+      pads[dim] = [front, back]
+      x = tf.pad(x, pads)
+    if x.shape[dim] == count:
+      return x
+    begin = np.zeros((self.mesh.size, x.shape.rank), np.int32)
+    begin[:, dim] = offset
+    size = x.shape.as_list()
+    size[dim] = count
+    return tf.slice(x, self.lookup(begin, name), size)
+
+  def _window_plan(self, i, sharding, dim, first, length, lo, hi):
+    """(shape, axes, shard index per device, own first row per device, left halo, right halo, the layout to
+    read the input in), or None when some device needs rows its neighbours do not hold. Halos count only rows
+    a device reads (in [lo, hi)). An input already whole along `dim` is sliced locally, with no halo."""
     shape = self.node.input_info(i).shape
     n = sharding.tiles(dim)
     c_in = -(-shape[dim] // n)
-    c_out = -(-out_size // n)
     tiles = np.array([sharding.tile_index(p, dim) for p in range(self.mesh.size)])
+    have = self.current(i)
+    if have is not None and not have.is_maximal and not have.with_rank(len(shape)).dims[dim]:
+      dims = sharding.with_rank(len(shape)).dims
+      whole = Sharding(self.mesh, tuple(() if k == dim else a for k, a in enumerate(dims)))
+      return shape, (), tiles, np.zeros_like(tiles), 0, 0, whole
     own = tiles * c_in
-    need = start + tiles * c_out
-    left = int(max(0, np.max(own - need)))
-    right = int(max(0, np.max(need + c_out - own - c_in)))
+    used = hi[tiles] > lo[tiles]
+    left = int(max(0, np.max((own - lo[tiles])[used], initial=0)))
+    right = int(max(0, np.max((hi[tiles] - own - c_in)[used], initial=0)))
     if left > c_in or right > c_in:
       return None
-    return shape, sharding.dims[dim], own, need, left, right, c_out
+    return shape, sharding.dims[dim], tiles, own, left, right, sharding
 
   def parameter(self, node):
     if node.name in self.program.variable_names:   # a variable handle: one shard of the variable per device
@@ -290,6 +343,22 @@ class PartitionContext:
         raise PartitionError(f"local shape of {public_key(r)} is {got} but {sharding} needs {want}",
                              node=split_ref(r)[0], op_type=self.ir.producer(r).op)
     self.values[r] = (value, sharding)
+
+
+def rows_read_by(in_size, n, out_size, start, stride=1, size=1):
+  """(first, length, lo, hi) for `PartitionContext.window_rows`: the input rows a result of `out_size` rows
+  split in n shards reads, result row j reading rows [start + j*stride, start + j*stride + size).
+
+  Shard t computes result rows [t*c, (t+1)*c): it reads `length` rows from `first[t]`, of which those in
+  [lo[t], hi[t]) matter (inside the input, and read by a result row inside the result).
+  """
+  c = -(-out_size // n)
+  t = np.arange(n)
+  first = start + t * c * stride
+  valid = np.clip(out_size - t * c, 0, c)
+  lo = np.clip(first, 0, in_size)
+  hi = np.where(valid > 0, np.clip(first + (valid - 1) * stride + size, 0, in_size), lo)
+  return first, (c - 1) * stride + size, lo, np.maximum(hi, lo)
 
 
 def _check_list_layout(r, have, want, where):
