@@ -33,6 +33,8 @@ flags.DEFINE_integer("ckpt_every", 10, "Save a checkpoint every this many steps 
 flags.DEFINE_bool("resume", False, "Continue from the latest checkpoint in --logdir.")
 flags.DEFINE_bool("plan", False, "Print the sharding and communication plan for --plan_mesh and exit.")
 flags.DEFINE_list("plan_mesh", None, "Mesh shape for --plan (default: 2048 devices).")
+flags.DEFINE_integer("plan_hosts", None, "For --plan: the mesh's devices spread over this many hosts (processes), "
+                     "an equal number each, hosts major; the plan then tells which collectives cross hosts.")
 flags.DEFINE_integer("check_steps", 3, "Steps re-run unpartitioned at the end to check the losses (0: skip).")
 flags.DEFINE_bool("jit", False, "Compile the compute between collectives with XLA (jit_compile=True).")
 flags.DEFINE_list("profile", [], "Steps FIRST,LAST (e.g. 3,5) to trace with the TensorFlow profiler into "
@@ -72,9 +74,10 @@ def plan(task):
   model = task.build(mesh, plan_only=True)
   f = gs.function(model.step, mesh=mesh, in_shardings=task.in_specs(mesh))
   start = time.perf_counter()
-  low = f.lower(*[tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in task.batch(0)])
+  low = f.lower(*[tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in task.batch(0)], processes=FLAGS.plan_hosts)
   took = time.perf_counter() - start
-  print(f"{task.name}: plan for mesh {dict(zip(mesh.axis_names, mesh.shape))} ({mesh.size} devices), "
+  hosts = f" on {FLAGS.plan_hosts} hosts x {mesh.size // FLAGS.plan_hosts}" if FLAGS.plan_hosts else ""
+  print(f"{task.name}: plan for mesh {dict(zip(mesh.axis_names, mesh.shape))} ({mesh.size} devices{hosts}), "
         f"lowered in {took:.1f} s without the devices")
   print("variables:")
   for r in low.report.state:
@@ -142,7 +145,9 @@ def run(task):
   writer.flush()
   if losses:
     low = train.lower(*[tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in task.batch(0)])
-    print(f"collectives per step: {low.report.counts()}, {low.report.bytes_per_device():,} B/device")
+    crossing = (f", {low.report.cross_process_bytes_per_device():,} B/device across processes"
+                if gs.process_count() > 1 else "")
+    print(f"collectives per step: {low.report.counts()}, {low.report.bytes_per_device():,} B/device{crossing}")
   if FLAGS.check_steps and first == 0 and losses:
     check(task, [l for _, l in losses[:FLAGS.check_steps]])
   return losses

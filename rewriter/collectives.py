@@ -180,8 +180,9 @@ def _token_pairs(idle, starved):
 class Backend:
   """Emits collectives over mesh axes into the per-device graph being built."""
 
-  def __init__(self, mesh, devices, pid, lookup, report):
+  def __init__(self, mesh, devices, pid, lookup, report, processes=None):
     self.emitted = {}         # op name -> Emitted, for every collective op built here
+    self.processes = processes   # per position: the process that drives it (None: all in one)
     self.mesh = mesh
     self.devices = tuple(devices) if devices else tuple(f"/job:localhost/replica:0/task:0/device:CPU:{p}"
                                                          for p in range(mesh.size))
@@ -213,6 +214,12 @@ class Backend:
       self._groups[axes] = (of, members)
     return self._groups[axes]
 
+  def _crosses_processes(self, axes):
+    """Whether the groups along `axes` join devices of different processes."""
+    if self.processes is None or not axes:
+      return False
+    return any(len({self.processes[p] for p in m}) > 1 for m in self.groups(axes)[1])
+
   def _keys(self, axes):
     of, members = self.groups(axes)
     keys = np.array([group_key([self.devices[p] for p in m]) for m in members], np.int32)
@@ -243,7 +250,7 @@ class Backend:
       nbytes = int(np.max(device_bytes))
       device_bytes = tuple(int(b) for b in device_bytes)
     e = Emitted(kind, tuple(axes), reduction, out.op.name, out.op.type, carried.dtype.name, tuple(shape), group_size,
-                nbytes, device_bytes)
+                nbytes, device_bytes, self._crosses_processes(axes))
     self.emitted[e.name] = e
     return e
 

@@ -49,7 +49,8 @@ def combine(program):
       bins[(depth[name], e.axes, e.reduction, op.inputs[0].dtype)].append(op)
   pid = graph.get_tensor_by_name(ref(program.partition_id))
   backend = Backend(program.mesh, program.devices, pid,
-                    lambda table, name: tf.gather(tf.constant(table, name=name), pid), program.report)
+                    lambda table, name: tf.gather(tf.constant(table, name=name), pid), program.report,
+                    program.processes)
   combined, rewires, carriers = [], [], {}
   for (_, axes, reduction, _), members in bins.items():
     chunk, size = [], 0

@@ -32,7 +32,7 @@ _warned_fallback = set()
 class PartitionContext:
   """What a rule's `partition` sees: the node's operands (resharded on demand) and where to put results."""
 
-  def __init__(self, program, graph, devices, report, functions=None):
+  def __init__(self, program, graph, devices, report, functions=None, processes=None):
     self.program = program
     self.ir = program.ir
     self.mesh = program.mesh
@@ -44,7 +44,7 @@ class PartitionContext:
     self._windows = {}
     self._tables = {}
     self.pid = tf.compat.v1.placeholder(tf.int32, [], name=PARTITION_ID)
-    self.backend = Backend(self.mesh, devices, self.pid, self.lookup, report)
+    self.backend = Backend(self.mesh, devices, self.pid, self.lookup, report, processes)
     self.node = None
     self.local_inputs = []
     self.local_variables = []
@@ -153,7 +153,7 @@ class PartitionContext:
     graph = tf.Graph()
     with graph.as_default():
       _import_library(sub)
-      ctx = PartitionContext(sub, graph, self.backend.devices, self.report, self.functions)
+      ctx = PartitionContext(sub, graph, self.backend.devices, self.report, self.functions, self.backend.processes)
       _partition_nodes(ctx)
       outs = [ctx.values[r][0] for r in sub.ir.outputs] + ([tf.identity(ctx.pid)] if return_pid else [])
       params = [graph.get_tensor_by_name(ctx.ops[name].name + ":0") for name in sub.ir.inputs]
@@ -459,7 +459,7 @@ def run(program):
   graph = tf.Graph()
   with graph.as_default():
     _import_library(program)
-    ctx = PartitionContext(program, graph, program.devices, report)
+    ctx = PartitionContext(program, graph, program.devices, report, processes=program.processes)
     _partition_nodes(ctx)
     outputs = []
     for k, r in enumerate(program.ir.outputs):

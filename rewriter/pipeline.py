@@ -39,6 +39,7 @@ class Program:
   open_in: Tuple[Any, ...] = ()          # per argument: the dims its in_shardings entry leaves open (P.UNCONSTRAINED)
   declared_out: Any = None               # None, or a tuple of Sharding-or-None per flattened output
   devices: Optional[Tuple[str, ...]] = None
+  processes: Optional[Tuple[int, ...]] = None   # per mesh position: the process driving it (None: one)
   variable_layout: Any = None            # tf.Variable -> the Sharding it is stored in (pinned), or None
   # trace / grappler
   graph_def: Any = None

@@ -44,13 +44,15 @@ class Emitted:
   group_size: int
   bytes: int
   device_bytes: Optional[Tuple[int, ...]] = None   # bytes by device id, where devices differ
+  cross_process: bool = False      # its groups join devices of different processes (network, not host links)
 
   def __str__(self):
     sent = f"{self.bytes:,} B"
     if self.device_bytes is not None:
       sent = ", ".join(f"{b:,} B from {k} device(s)" for b, k in sorted(collections.Counter(self.device_bytes).items(),
                                                                              reverse=True))
-    return f"{self.op} {self.dtype}[{_shape_str(self.shape)}] (group {self.group_size}), {sent}"
+    where = ", across processes" if self.cross_process else ""
+    return f"{self.op} {self.dtype}[{_shape_str(self.shape)}] (group {self.group_size}{where}), {sent}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +76,15 @@ class CollectiveRecord:
     senders = [op for op in self.ops if op.bytes]
     return bool(self.note) or len(senders) != 1 or (senders[0].dtype, senders[0].bytes) != (self.dtype, self.bytes)
 
+  @property
+  def cross_process(self):
+    """Whether its emitted ops join devices of different processes."""
+    return any(op.cross_process for op in self.ops)
+
   def __str__(self):
+    where = ", across processes" if self.cross_process else ""
     return (f"{self.kind} {self.dtype}[{_shape_str(self.shape)}] over {axes_text(self.axes) or '-'} "
-            f"(group {self.group_size}), {self.bytes:,} B/device - {self.source}: {self.reason}")
+            f"(group {self.group_size}{where}), {self.bytes:,} B/device - {self.source}: {self.reason}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +143,11 @@ class Report:
     devices send different amounts, the device that sends the most)."""
     return self._most_per_device(lambda op: 1)
 
+  def cross_process_bytes_per_device(self):
+    """Of `bytes_per_device`, what goes through collectives whose groups span processes: the traffic between hosts
+    (a network much slower than the links inside one), 0 when the mesh lives in one process."""
+    return self._most_per_device(lambda op: 1 if op.cross_process else 0)
+
   def logical_bytes_per_device(self):
     """Bytes per device of the logical collectives (each at its own dtype and shape, before combining)."""
     return sum(c.bytes for c in self.collectives)
@@ -168,9 +181,12 @@ class Report:
 
   def __str__(self):
     sent, logical = self.bytes_per_device(), self.logical_bytes_per_device()
+    crossing = self.cross_process_bytes_per_device()
     lines = [f"{len(self.collectives)} collective(s), {sent:,} bytes per device "
              f"({self.wire_bytes_per_device():,} sent on the wire"
-             f"{'' if sent == logical else f'; {logical:,} as logical collectives'}), {len(self.reshards)} reshard(s)"]
+             f"{'' if sent == logical else f'; {logical:,} as logical collectives'}"
+             f"{f'; {crossing:,} across processes' if any(op.cross_process for op in self.emitted_ops()) else ''})"
+             f", {len(self.reshards)} reshard(s)"]
     for c in self.collectives:
       lines.append("  " + str(c))
       if not c.ops:

@@ -6,6 +6,7 @@ import threading
 import tensorflow as tf
 from absl import logging
 
+from tf_gspmd import _cluster
 from tf_gspmd._mesh import Mesh, P
 from tf_gspmd._sharding import Sharding, to_annotation
 from tf_gspmd._visualize import visualize_sharding
@@ -128,18 +129,31 @@ class ShardedFunction:
       return raw
     return tuple(raw)
 
-  def lower(self, *specs, arg_shardings=None):
-    """Completes and partitions the function for `specs` (TensorSpecs); needs no devices."""
+  def lower(self, *specs, arg_shardings=None, processes=None):
+    """Completes and partitions the function for `specs` (TensorSpecs); needs no devices.
+
+    `processes`: plan for the mesh's devices spread over this many processes (hosts), an equal number each,
+    processes major (as `gs.initialize` orders them); the report then tells which collectives cross processes
+    and how many bytes per device do. Default: the processes that drive the mesh's devices now.
+    """
     specs = tuple(_as_spec(s, k) for k, s in enumerate(specs))
     arriving = tuple(arg_shardings) if arg_shardings else (None,) * len(specs)
     try:
       devices = self.mesh.resolve_devices()
     except MeshError:
       devices = None
-    return self._lower(specs, arriving, devices)
+    plan = None
+    if processes is not None:
+      n = int(processes)
+      if n < 1 or self.mesh.size % n:
+        raise MeshError(f"processes={processes} must divide the mesh's {self.mesh.size} devices evenly")
+      plan = tuple(p // (self.mesh.size // n) for p in range(self.mesh.size))
+    return self._lower(specs, arriving, devices, plan)
 
-  def _lower(self, specs, arriving, devices):
-    key = (specs, arriving, devices)
+  def _lower(self, specs, arriving, devices, processes=None):
+    if processes is None and devices is not None and _cluster.is_multi_process():
+      processes = tuple(_cluster.process_of(d) for d in devices)
+    key = (specs, arriving, devices, processes)
     with self._lock:
       cached = self._cache.get(key)
     if cached is not None:
@@ -151,7 +165,7 @@ class ShardedFunction:
                    getattr(self.fn, "__name__", self.fn))
     else:
       with self._lock:
-        previous = [k for k in self._cache if k[2] == devices]
+        previous = [k for k in self._cache if k[2:] == (devices, processes)]
       if previous:
         logging.info("tf_gspmd: retracing %s: %s", getattr(self.fn, "__name__", self.fn),
                      _retrace_reason(previous[-1], key))
@@ -159,6 +173,7 @@ class ShardedFunction:
     program = pipeline.Program(fn=self.fn, mesh=self.mesh, options=self.options, arg_specs=specs,
                                declared_in=tuple(s for s, _ in declared_in),
                                open_in=tuple(o for _, o in declared_in), arriving_in=arriving, devices=devices,
+                               processes=processes,
                                variable_layout=functools.partial(_state.layout_of, mesh=self.mesh))
     program = pipeline.run(program.replace(declared_out=self._declared_out()))
     lowered = Lowered(program)

@@ -108,3 +108,30 @@ def test_a_group_over_two_axes_prints_both_names_apart(rng):
   low = f.lower(tf.TensorSpec([8, 16]), tf.TensorSpec([16, 8]))
   (record,) = low.report.collectives
   assert record.axes == ("x", "y") and " over x,y " in str(record)
+
+
+def test_plan_for_several_processes_counts_the_bytes_that_cross_them():
+  """Megatron on (2, 4) over 2 processes of 4 devices: the model axis stays inside a process, the data axis
+  crosses. Over 8 processes every collective crosses."""
+  def step(x, w1, w2):
+    with tf.GradientTape() as tape:
+      tape.watch([w1, w2])
+      y = tf.nn.relu(x @ w1) @ w2
+      loss = tf.reduce_sum(y)
+    return [y] + tape.gradient(loss, [w1, w2])
+
+  f = gs.function(step, mesh=M24, in_shardings=(P("data", None), P(None, "model"), P("model", None)),
+                  out_shardings=(P("data", None), None, None))
+  specs = (tf.TensorSpec([16, 32]), tf.TensorSpec([32, 64]), tf.TensorSpec([64, 32]))
+  one = f.lower(*specs)
+  two = f.lower(*specs, processes=2)
+  eight = f.lower(*specs, processes=8)
+  assert one.report.cross_process_bytes_per_device() == 0 and "across processes" not in str(one.report)
+  crossing = [c for c in two.report.collectives if c.cross_process]
+  assert crossing and all("data" in c.axes for c in crossing)
+  assert all(c.axes == ("model",) for c in two.report.collectives if not c.cross_process)
+  assert 0 < two.report.cross_process_bytes_per_device() < two.report.bytes_per_device()
+  assert eight.report.cross_process_bytes_per_device() == eight.report.bytes_per_device()
+  assert "across processes" in str(two.report)
+  with pytest.raises(gs.MeshError, match="processes=3 must divide"):
+    f.lower(*specs, processes=3)
