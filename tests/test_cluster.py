@@ -62,6 +62,17 @@ def test_jobs_other_than_chief_and_worker_are_refused():
     gs.initialize(resolver)
 
 
+def test_process_local_data_in_one_process_is_the_whole_value(rng):
+  x = rng.standard_normal((10, 6)).astype(np.float32)   # 10 rows over 2: uneven shards stay exact
+  t = gs.from_process_local_data(x, MESH, gs.P("data", "model"))
+  assert t.is_fully_addressable and t.shape == (10, 6) and t.sharding.spec == gs.P("data", "model")
+  np.testing.assert_array_equal(t.numpy(), x)
+  f = gs.function(lambda a: a * 2.0, mesh=MESH, in_shardings=gs.P("data", "model"))
+  np.testing.assert_array_equal(f(t).numpy(), x * 2.0)   # used in place
+  with pytest.raises(gs.InputError, match=r"does not fit.*pass exactly that block \(shape \(10, 6\)\)"):
+    gs.from_process_local_data(x[:7], MESH, gs.P("data", None), global_shape=(10, 6))
+
+
 def test_launcher_forwards_output_and_exits_with_the_failing_worker_status():
   code = ("import json, os, sys; k = json.loads(os.environ['TF_CONFIG'])['task']['index']; "
           "print('hello from', k, os.environ['TF_GSPMD_CPU_DEVICES_PER_PROCESS']); sys.exit(3 if k == 1 else 0)")
@@ -97,6 +108,7 @@ def test_two_processes_match_one(one_process, two_processes):
     assert r["local"] == [f"/job:worker/replica:0/task:{k}/device:CPU:{i}" for i in range(4)]
     np.testing.assert_allclose(r["losses"], one_process["losses"], rtol=1e-5)
     assert r["h_local"] is False   # split over both processes: .numpy() gathered it
+    assert r["batch_local"] is False   # each process passed its own rows only
     for key in ("h_sum", "w1", "w2"):   # the same global values in every process
       np.testing.assert_allclose(r[key], one_process[key], rtol=1e-5)
 

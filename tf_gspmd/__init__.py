@@ -21,12 +21,13 @@ from tf_gspmd._sharding import Sharding
 from tf_gspmd._visualize import visualize_sharding
 from tf_gspmd.errors import (InputError, MeshError, PartitionError, ProcessLostError, ShapeError, ShardingError,
                              SpecError, UnsupportedOpError)
-from tf_gspmd.runtime.sharded_tensor import ShardedTensor
+from tf_gspmd.runtime.sharded_tensor import ShardedTensor, from_process_local_data
 from tf_gspmd.runtime.state import sharding_of, variable
 
 __all__ = [
     "Mesh", "P", "Sharding", "split_cpu_devices", "initialize", "process_count", "process_index", "is_local", "mesh_split", "shard", "replicate", "function", "ShardedFunction",
-    "Lowered", "ShardedTensor", "sharding_of", "variable", "initializers", "visualize_sharding", "ShardingError",
+    "Lowered", "ShardedTensor",
+    "from_process_local_data", "sharding_of", "variable", "initializers", "visualize_sharding", "ShardingError",
     "MeshError", "SpecError", "ShapeError", "PartitionError", "UnsupportedOpError", "InputError", "ProcessLostError",
 ]
 __version__ = "0.1.0"

@@ -39,9 +39,14 @@ def train(gs, tf, mesh, steps, restore=None, save=None):
     ckpt.read(restore).assert_existing_objects_matched()
     out["restored_w1"] = float(np.abs(w1.numpy()).sum())
     out["restored_w2"] = float(np.abs(w2.numpy()).sum())
+  # Each process passes only its own rows of the batch (rows split over "data": mesh row = position // 4).
+  mine = sorted({p // 4 for p in range(8) if mesh.resolve_devices()[p] in mesh.local_devices})
+  rows = x[mine[0] * 8:(mine[-1] + 1) * 8]
+  batch = gs.from_process_local_data(rows, mesh, P("data", None))
+  out["batch_local"] = batch.is_fully_addressable
   losses = []
   for _ in range(steps):
-    loss, h = step(x)
+    loss, h = step(batch)
     losses.append(float(loss))
   out.update(losses=losses, h_sum=float(np.abs(h.numpy()).sum()), h_local=h.is_fully_addressable,
              w1=float(np.abs(w1.numpy()).sum()), w2=float(np.abs(w2.numpy()).sum()))

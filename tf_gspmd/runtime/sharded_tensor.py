@@ -3,6 +3,8 @@
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd._sharding import to_sharding
+from tf_gspmd.errors import InputError
 from tf_gspmd.runtime import parallel
 
 
@@ -117,3 +119,47 @@ def shard_host_value(value, sharding, shape, positions=None):
     pad = [(0, c - n) for c, n in zip(local, piece.shape)]
     shards.append(np.pad(piece, pad) if any(p[1] for p in pad) else piece)
   return shards
+
+
+def from_process_local_data(local_data, mesh, spec, global_shape=None):
+  """A global value from each process's part of it (JAX's make_array_from_process_local_data).
+
+  Every process passes the block of the global value its own devices hold under `spec` -- e.g. with the batch
+  split over the processes, each process's own rows of the global batch -- and gets a `ShardedTensor` whose local
+  shards come from that block only; no data moves between processes. Along each dim, the block is the range of
+  rows this process's tiles cover (the whole dim where the spec does not split it across processes).
+
+  Args:
+    local_data: this process's block (numpy or tf.Tensor).
+    mesh: the `gs.Mesh`; spec: the global value's layout (`P(...)` or `Sharding`).
+    global_shape: the global shape; by default each dim's block size times the number of blocks along it.
+
+  Raises InputError when the block's shape does not fit the spec and global shape.
+  """
+  block = np.asarray(local_data)
+  devices = mesh.resolve_devices()
+  positions = parallel.local(devices).positions
+  s = to_sharding(spec, mesh, rank=block.ndim, what="process-local data")
+  rank = block.ndim
+  tiles = [s.tiles(d) if not s.is_maximal else 1 for d in range(rank)]
+  idx = {p: [s.tile_index(p, d) if not s.is_maximal else 0 for d in range(rank)] for p in positions}
+  mine = [sorted({idx[p][d] for p in positions}) for d in range(rank)]
+  if global_shape is None:
+    global_shape = [block.shape[d] * tiles[d] // len(mine[d]) for d in range(rank)]
+  global_shape = tuple(int(n) for n in global_shape)
+  shard = s.shard_shape(global_shape) if not s.is_maximal else global_shape
+  lo = [mine[d][0] * shard[d] for d in range(rank)]
+  hi = [min((mine[d][-1] + 1) * shard[d], global_shape[d]) for d in range(rank)]
+  want = tuple(h - l for l, h in zip(lo, hi))
+  if any(mine[d] != list(range(mine[d][0], mine[d][-1] + 1)) for d in range(rank)) or block.shape != want:
+    raise InputError(f"process-local data of shape {block.shape} does not fit: this process's devices hold rows "
+                     f"{[f'{l}:{h}' for l, h in zip(lo, hi)]} of the global {global_shape} laid out as {s}; pass "
+                     f"exactly that block (shape {want}), or give global_shape")
+  comps = []
+  for p in positions:
+    starts = [idx[p][d] * shard[d] - lo[d] for d in range(rank)]
+    piece = block[tuple(slice(max(a, 0), max(a, 0) + c) for a, c in zip(starts, shard))]
+    piece = np.pad(piece, [(0, c - n) for c, n in zip(shard, piece.shape)])
+    with tf.device(devices[p]):
+      comps.append(tf.identity(tf.constant(piece)))
+  return ShardedTensor(comps, s, global_shape, tf.as_dtype(block.dtype), devices=devices)
