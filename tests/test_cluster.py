@@ -29,8 +29,9 @@ def _env():
   return dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
 
 
-def _launch(workers, program, *args, timeout=300):
-  out = subprocess.run([sys.executable, "-m", "tf_gspmd.launch", f"--workers={workers}", "--",
+def _launch(workers, program, *args, timeout=300, devices_per_worker=None):
+  per = [f"--devices_per_worker={devices_per_worker}"] if devices_per_worker else []
+  out = subprocess.run([sys.executable, "-m", "tf_gspmd.launch", f"--workers={workers}", *per, "--",
                         os.path.join(PROGRAMS, program), *args], capture_output=True, text=True, timeout=timeout,
                        env=_env(), cwd=ROOT, check=False)
   assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
@@ -129,3 +130,17 @@ def test_checkpoint_of_two_processes_restores_anywhere(one_process, two_processe
     for key in ("restored_w1", "restored_w2", "losses", "w1", "w2"):
       np.testing.assert_allclose(r[key], here[key], rtol=1e-5)
   np.testing.assert_allclose(here["restored_w1"], one_process["w1"], rtol=1e-5)
+
+
+def test_keras_fit_with_model_parallel_over_two_processes_matches_one():
+  """keras.distribution.initialize() joins the launcher's cluster; list_devices spans both processes."""
+  keras = pytest.importorskip("keras")
+  import keras_fit  # pylint: disable=g-import-not-at-top
+  import tf_gspmd.keras  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  want = keras_fit.fit(keras)
+  results = _launch(2, "keras_fit.py", devices_per_worker=4, timeout=420)
+  for r in results.values():
+    assert r["processes"] == 2 and len(r["losses"]) == 8
+    np.testing.assert_allclose(r["losses"], want["losses"], rtol=1e-5)
+    np.testing.assert_allclose(r["evaluate"], want["evaluate"], rtol=1e-5)
+    np.testing.assert_allclose(r["weights"], want["weights"], rtol=1e-5)

@@ -36,6 +36,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd import _cluster
 from tf_gspmd import _compat
 from tf_gspmd import initializers
 from tf_gspmd._annotations import current_mesh, shard
@@ -102,6 +103,9 @@ class _Plan:
 def _mesh_of(device_mesh):
   devices = []
   for d in np.asarray(device_mesh.devices).reshape(-1):
+    if str(d).startswith("/job:"):   # a full name (list_devices over several processes)
+      devices.append(str(d))
+      continue
     kind, _, index = str(d).rpartition(":")
     devices.append(f"/device:{kind.split('/')[-1].upper()}:{index}")
   return Mesh(tuple(device_mesh.shape), tuple(device_mesh.axis_names), devices=devices)
@@ -226,24 +230,39 @@ def _sharded_initializer(initializer, path):
 
 
 def _initialize_processes(job_addresses=None, num_processes=None, process_id=None):
-  """The TF backend's `keras.distribution.initialize`: accepts a single process, else raises MeshError.
+  """The TF backend's `keras.distribution.initialize`: joins the processes of a multi-process run (gs.initialize).
 
-  Keras passes its arguments (or the KERAS_DISTRIBUTION_JOB_ADDRESSES / _NUM_PROCESSES / _PROCESS_ID
-  environment variables) through unchanged. tf_gspmd runs a mesh on the devices of one process and has no
-  multi-process runtime yet, so only a description of one process is accepted (nothing to set up); anything
-  else, including no description at all (Keras's "let the backend find the cluster"), is a MeshError.
+  Keras passes its arguments (or the KERAS_DISTRIBUTION_JOB_ADDRESSES / _NUM_PROCESSES / _PROCESS_ID environment
+  variables) through unchanged. TF's collective runtime needs the address of every process (JAX's needs only the
+  coordinator's): `job_addresses` lists them all, in process order. Without a description, the cluster comes
+  from TF_CONFIG (as `python -m tf_gspmd.launch` sets it), and without TF_CONFIG this is one process.
   """
-  addresses = [a for a in str(job_addresses).split(",") if a.strip()] if job_addresses is not None else []
+  addresses = [a.strip() for a in str(job_addresses).split(",") if a.strip()] if job_addresses is not None else []
   got = f"job_addresses={job_addresses!r}, num_processes={num_processes!r}, process_id={process_id!r}"
-  if num_processes is None:
-    raise MeshError(f"keras.distribution.initialize({got}): num_processes is missing, and tf_gspmd cannot find a "
-                    "cluster by itself: multi-process execution is not set up (tf_gspmd.keras supports one process "
-                    "so far). For one process, call keras.distribution.initialize(num_processes=1, process_id=0) "
-                    "or do not call it; every mesh device must be a device of this process.")
-  if int(num_processes) != 1 or process_id not in (None, 0) or len(addresses) > 1:
-    raise MeshError(f"keras.distribution.initialize({got}) describes several processes, but multi-process execution "
-                    "is not set up: tf_gspmd.keras runs a mesh on the devices of one process only so far. Run one "
-                    "process (num_processes=1, process_id=0) whose mesh holds every device.")
+  if num_processes is None and not addresses:
+    resolver = None   # TF_CONFIG, or one process
+  elif int(num_processes if num_processes is not None else len(addresses)) == 1:
+    if process_id not in (None, 0):
+      raise MeshError(f"keras.distribution.initialize({got}): a single process has process_id 0")
+    return
+  else:
+    n = int(num_processes if num_processes is not None else len(addresses))
+    if len(addresses) != n or process_id is None or not 0 <= int(process_id) < n:
+      raise MeshError(f"keras.distribution.initialize({got}) describes {n} processes, but TensorFlow's collective "
+                      f"runtime needs the host:port of every one of them in job_addresses (in process order) and "
+                      f"this process's process_id in 0..{n - 1}; or set TF_CONFIG and call it without arguments")
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({"worker": addresses}), task_type="worker", task_id=int(process_id))
+  _cluster.initialize(resolver)
+
+
+def _list_devices(device_type=None):
+  """Keras's `list_devices` over every process (full TF names, processes major), as `gs.Mesh` orders them."""
+  kind = (device_type or ("gpu" if tf.config.list_logical_devices("GPU") else "cpu")).upper()
+  names = sorted((d.name for d in tf.config.list_logical_devices(kind)), key=_cluster.device_order)
+  if not _cluster.is_multi_process():
+    return [f"{kind.lower()}:{tf.DeviceSpec.from_string(n).device_index}" for n in names]
+  return names
 
 
 def _install():
@@ -311,8 +330,9 @@ def _install():
   backend_dl.distribute_variable = distribute_variable
   backend_dl.get_device_count = get_device_count
   backend_dl.initialize = _initialize_processes
-  backend_dl.num_processes = lambda: 1
-  backend_dl.process_id = lambda: 0
+  backend_dl.list_devices = _list_devices
+  backend_dl.num_processes = _cluster.process_count
+  backend_dl.process_id = _cluster.process_index
   cls._gspmd_installed = True
 
 

@@ -1,0 +1,56 @@
+"""Keras `fit` / `evaluate` under `keras.distribution.ModelParallel` on mesh (2, 4), run by every process of a
+cluster (or by one process). Prints one JSON line: per-step losses, the evaluation and a digest of the weights.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+
+
+def fit(keras):
+  import transformer_model as tm  # pylint: disable=g-import-not-at-top
+  cfg = tm.Config(layers=1, d_model=32, heads=4, d_ff=64, vocab=64, seq=8, batch=8)
+  xs, ys = zip(*[tm.synthetic_batch(cfg, seed=i) for i in range(4)])
+  x, y = np.concatenate(xs), np.concatenate(ys)
+  mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], keras.distribution.list_devices("cpu")[:8])
+  layout_map = keras.distribution.LayoutMap(mesh)
+  layout_map[".*(query|key|value)/kernel"] = (None, "model", None)
+  layout_map[".*attention_output/kernel"] = ("model", None, None)
+  layout_map[".*_up/kernel"] = (None, "model")
+  layout_map[".*_down/kernel"] = ("model", None)
+  layout_map["head/kernel"] = (None, "model")
+  losses = []
+
+  class Record(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+      losses.append(float(logs["loss"]))
+
+  # Every process feeds the same global batches (tf_gspmd keeps each process's slices): no dataset sharding.
+  with keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch",
+                                        auto_shard_dataset=False).scope():
+    keras.utils.set_random_seed(0)
+    model = tm.keras_model(cfg)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=cfg.batch, epochs=2, shuffle=False, verbose=0, callbacks=[Record()])
+    evaluation = model.evaluate(x, y, batch_size=cfg.batch, verbose=0)
+    weights = [float(np.abs(w).sum()) for w in model.get_weights()]
+  return {"losses": losses, "evaluate": float(evaluation), "weights": weights}
+
+
+def main():
+  import keras  # pylint: disable=g-import-not-at-top
+  import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
+  import tf_gspmd.keras  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  keras.distribution.initialize()   # the cluster of TF_CONFIG (python -m tf_gspmd.launch sets it)
+  out = fit(keras)
+  out.update(process=gs.process_index(), processes=gs.process_count())
+  print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
