@@ -14,6 +14,25 @@ from tf_gspmd.ops.registry import register
 from tf_gspmd.ops.variables import handle_sharding
 
 
+def take_owned(ctx, x, layout, size, axis, ids):
+  """The rows `ids` (global indices along `axis`, a numpy array or a tensor) of `x`, a shard laid out as
+  `layout` that splits `axis`, read where this device holds them; and `owned`, shaped like `ids`: which of them
+  it holds.
+
+  Rows held elsewhere read a clamped local row, garbage for the caller to replace (with a select, so that no
+  NaN or Inf of a foreign row leaks into a sum). Every global row has exactly one owner in each group of the
+  axes splitting `axis`, and padding rows are never owned, so the selected results of a group sum to the rows
+  themselves: the way a narrowing op (gather, slice, strided slice) of a split dim moves only its result,
+  never the operand.
+  """
+  c = -(-size // layout.tiles(axis))
+  dtype = ids.dtype if isinstance(ids, tf.Tensor) else (tf.int32 if size < 2**31 else tf.int64)
+  lo = np.array([layout.tile_index(p, axis) * c for p in range(ctx.mesh.size)], dtype.as_numpy_dtype)
+  local = tf.cast(ids, dtype) - ctx.lookup(lo, f"offset_{axis}_{c}")
+  owned = (local >= 0) & (local < c)
+  return tf.gather(x, tf.clip_by_value(local, 0, c - 1), axis=axis), owned
+
+
 @register("GatherV2")
 class Gather(FactorRule):
   """params[..., axis, ...][indices]: index dims and params' other dims pass their split.
@@ -60,13 +79,8 @@ class Gather(FactorRule):
 
   def masked_lookup(self, ctx, params, ids, params_s, axis, size):
     """Rows of the ids this device owns along `axis` (zeros elsewhere): the partial result of a split table."""
-    mesh = ctx.mesh
-    c = -(-size // params_s.tiles(axis))
-    lo = np.array([params_s.tile_index(p, axis) * c for p in range(mesh.size)], ids.dtype.as_numpy_dtype)
     with ctx.helper_scope():
-      ids = tf.clip_by_value(ids, 0, size - 1) - ctx.lookup(lo, f"vocab_offset_{axis}_{c}")
-      owned = (ids >= 0) & (ids < c)
-      rows = tf.gather(params, tf.clip_by_value(ids, 0, c - 1), axis=axis)
+      rows, owned = take_owned(ctx, params, params_s, size, axis, tf.clip_by_value(ids, 0, size - 1))
       mask_shape = [1] * axis + ids.shape.as_list() + [1] * (params.shape.rank - axis - 1)
       return tf.where(tf.reshape(owned, mask_shape), rows, tf.zeros([], rows.dtype))
 

@@ -227,6 +227,17 @@ class PartitionContext:
     """Whether `window` can serve input i from neighbours only (no emission)."""
     return self._window_plan(i, sharding, dim, out_size, start) is not None
 
+  def window_bytes(self, i, sharding, dim, out_size, start):
+    """Bytes per device that `window` moves (resharding input i to `sharding`, then its halos); None when the
+    window does not fit (the caller weighs it against other ways to compute the same result)."""
+    fit = self._window_plan(i, sharding, dim, out_size, start)
+    if fit is None:
+      return None
+    shape, _, _, _, left, right, _ = fit
+    local = list(sharding.with_rank(len(shape)).shard_shape(shape))
+    local[dim] = left + right
+    return self.operand_cost(i, sharding) + int(np.prod(local)) * self.input_dtype(i).size
+
   def _window_plan(self, i, sharding, dim, out_size, start):
     shape = self.node.input_info(i).shape
     n = sharding.tiles(dim)
