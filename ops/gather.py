@@ -62,20 +62,33 @@ class Gather(FactorRule):
     cur = ctx.current(0)
     v_axes = () if cur is None or cur.is_maximal or axis is None else cur.with_rank(len(node.input_shape(0))).dims[axis]
     target = ctx.target(0)
-    if not v_axes or node.attr("batch_dims") or target.is_maximal or set(v_axes) & set(target.used_axes):
+    dtype = node.outputs[0].dtype
+    if not v_axes or node.attr("batch_dims") or target.is_maximal or not (
+        dtype.is_floating or dtype.is_integer or dtype == tf.bool):
       return FactorRule.partition(self, ctx, node)   # the table is whole along the gathered dim
     mesh = ctx.mesh
     f = self.factors(node)
     p_labels, i_labels = f.operands
     out_labels = f.outputs[0]
-    axes_of = {l: target.dims[d] for d, l in enumerate(out_labels)}
+    # The output's other dims follow its layout where that does not use the table's axes; a result wanted
+    # split by them is reduce-scattered into place from the partial rows.
+    axes_of = {l: target.dims[d] for d, l in enumerate(out_labels) if not set(target.dims[d]) & set(v_axes)}
     params_s = Sharding(mesh, tuple(v_axes if l == "v" else axes_of.get(l, ()) for l in p_labels))
     ids_s = Sharding(mesh, tuple(axes_of.get(l, ()) for l in i_labels))
+    natural = Sharding(mesh, tuple(axes_of.get(l, ()) for l in out_labels))
+    partial = (v_axes, "Add")
+    # GSPMD's choice by bytes: look up where the table is (the result moves), or gather the table along the
+    # gathered dim (the generic path), which only pays when the table is smaller than the result.
+    data = self.data_inputs(node)
+    gathered = min(self._cost(ctx, f, data, plan) for plan in (self._axes_from_target(ctx, node, f, data),
+                                                              self._axes_from_operands(ctx, node, f, data)))
+    local = ctx.operand_cost(0, params_s) + ctx.operand_cost(1, ids_s) + ctx.output_cost(0, natural, partial)
+    if gathered < local:
+      return FactorRule.partition(self, ctx, node)
     params = ctx.operand(0, params_s)
     ids = ctx.operand(1, ids_s)
     rows = self.masked_lookup(ctx, params, ids, params_s, axis, node.input_shape(0)[axis])
-    natural = Sharding(mesh, tuple(axes_of.get(l, ()) for l in out_labels))
-    ctx.set_output(0, rows, natural, partial=(v_axes, "Add"))
+    ctx.set_output(0, rows, natural, partial=partial)
 
   def masked_lookup(self, ctx, params, ids, params_s, axis, size):
     """Rows of the ids this device owns along `axis` (zeros elsewhere): the partial result of a split table."""

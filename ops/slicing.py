@@ -243,7 +243,11 @@ def narrow(ctx, node, i, selections):
   outs, naturals, partials = [], [], []
   for o, sel in enumerate(selections):
     out_shape = node.outputs[o].shape
-    if kind == "window":
+    if not np.prod(out_shape) or o not in used:   # an empty or unread result needs no data, no collective
+      natural, partial = targets[o], None
+      with ctx.helper_scope():
+        x = tf.zeros(natural.shard_shape(out_shape) if not natural.is_maximal else out_shape, node.outputs[o].dtype)
+    elif kind == "window":
       w, d = windows[o]
       p = sel.picks[d]
       x = ctx.window(i, w, d, p.size, p.start, 0)
@@ -253,7 +257,7 @@ def narrow(ctx, node, i, selections):
       x = _select(ctx, node, ctx.operand(i, layout), shape, layout, sel)
       natural, partial = _natural(ctx, sel, layout), _partial(sel, layout)
     with ctx.helper_scope():
-      outs.append(tf.reshape(x, natural.shard_shape(out_shape)))
+      outs.append(tf.reshape(x, natural.shard_shape(out_shape) if not natural.is_maximal else out_shape))
     naturals.append(natural)
     partials.append(partial)
   if len(outs) == 1:
