@@ -1,8 +1,10 @@
 """Lookups of rows by index: GatherV2, ResourceGather (a variable's table), GatherNd, OneHot.
 
 Index dims and the table's other dims pass their split. A table split along the gathered dim (a
-vocabulary-split embedding) is never gathered: each device looks up the ids it owns, zeroes the rows it
-does not, and one all-reduce sums the rows. GatherNd's indexed dims and OneHot's depth dim are whole.
+vocabulary-split embedding, or a few indices of a split sequence) is not gathered: each device looks up the
+ids it owns, zeroes the rows it does not, and one all-reduce sums the rows (a reduce-scatter when the result
+is split by the table's axes) -- unless, by bytes, gathering the table would move less. `take_owned` is that
+lookup, shared with the slicing rules. GatherNd's indexed dims and OneHot's depth dim are whole.
 """
 
 import numpy as np
@@ -38,7 +40,8 @@ class Gather(FactorRule):
   """params[..., axis, ...][indices]: index dims and params' other dims pass their split.
 
   When the table is split along the gathered dim (a vocabulary-split embedding), each device looks up the
-  ids in its own range (clamped), zeroes the rows it does not own, and one all-reduce sums the rows.
+  ids in its own range (clamped), zeroes the rows it does not own, and one all-reduce sums the rows; the
+  generic path (the table whole along that dim) only where it moves fewer bytes.
   """
 
   def data_inputs(self, node):
@@ -82,11 +85,18 @@ class Gather(FactorRule):
     data = self.data_inputs(node)
     gathered = min(self._cost(ctx, f, data, plan) for plan in (self._axes_from_target(ctx, node, f, data),
                                                               self._axes_from_operands(ctx, node, f, data)))
-    local = ctx.operand_cost(0, params_s) + ctx.operand_cost(1, ids_s) + ctx.output_cost(0, natural, partial)
+    # Constant ids wanted whole are read from the constant itself (not gathered back from their slices).
+    const_ids = node.const_input(1) if ids_s.is_replicated else None
+    local = ctx.operand_cost(0, params_s) + (0 if const_ids is not None else ctx.operand_cost(1, ids_s)) + \
+        ctx.output_cost(0, natural, partial)
     if gathered < local:
       return FactorRule.partition(self, ctx, node)
     params = ctx.operand(0, params_s)
-    ids = ctx.operand(1, ids_s)
+    if const_ids is not None:
+      with ctx.helper_scope():
+        ids = tf.constant(const_ids, node.input_info(1).dtype, name="ids")
+    else:
+      ids = ctx.operand(1, ids_s)
     rows = self.masked_lookup(ctx, params, ids, params_s, axis, node.input_shape(0)[axis])
     ctx.set_output(0, rows, natural, partial=partial)
 
