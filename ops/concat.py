@@ -110,7 +110,8 @@ class _SplitAlong(AlongAxis):
     (axis,) = self.fixed_dims(node)
     cur = ctx.current(i)
     shape = node.input_shape(i)
-    if axis is None or cur is None or cur.is_maximal or not cur.with_rank(len(shape)).dims[axis]:
+    if axis is None or cur is None or cur.is_maximal or not node.input_info(i).partitionable or \
+        not cur.with_rank(len(shape)).dims[axis]:
       return super().partition(ctx, node)
     sizes = [o.shape[axis] for o in node.outputs]
     starts = np.cumsum([0] + sizes[:-1])

@@ -301,7 +301,7 @@ class _Narrowing(FactorRule):
 
   def partition(self, ctx, node):
     sel = self.selection(node)
-    if sel is None or node.input_shape(0) is None:
+    if sel is None or not node.input_info(0).partitionable:
       return FactorRule.partition(self, ctx, node)
     narrow(ctx, node, 0, [sel])
 
