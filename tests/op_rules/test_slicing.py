@@ -180,5 +180,6 @@ def test_corner_of_a_512_mib_variable_moves_a_few_bytes():
     return v[:8, :8]
 
   low = gs.function(step, mesh=M8).lower()
+  assert_report_counts_program(low)
   assert low.report.bytes_per_device() <= 8 * 8 * 4, str(low.report)
   assert not any(c.kind == "all-gather" for c in low.report.collectives), str(low.report)
