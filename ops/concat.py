@@ -3,6 +3,7 @@
 The dim an op joins or splits along carries no factor: it is whole on every device, so the op runs
 unchanged on the local shards while every other dim passes its split through. A concatenation whose result
 is split along the concat dim instead assembles each device's window from its neighbours (halo exchange).
+Split pieces of an operand split along the split dim are narrowings of it: only the pieces read move.
 """
 
 import numpy as np
@@ -10,6 +11,7 @@ import tensorflow as tf
 
 from tf_gspmd.ops.factors import const_axis, dim_labels, Factors, FactorRule, unsplit
 from tf_gspmd.ops.registry import register
+from tf_gspmd.ops.slicing import narrow, Pick, Selection
 
 
 class AlongAxis(FactorRule):
@@ -97,9 +99,29 @@ class Unpack(FactorRule):
     return Factors((unsplit(labels, {axis}),), tuple(out for _ in node.outputs))
 
 
-@register("Split")
-class Split(AlongAxis):
+class _SplitAlong(AlongAxis):
+  """Split, SplitV: the split dim is whole in the pieces. An operand already split along it is not gathered:
+  each piece is a narrowing of it (`slicing.narrow`), so only the pieces that are read move."""
+
   priority = 0
+
+  def partition(self, ctx, node):
+    (i,) = self.data_inputs(node)
+    (axis,) = self.fixed_dims(node)
+    cur = ctx.current(i)
+    shape = node.input_shape(i)
+    if axis is None or cur is None or cur.is_maximal or not node.input_info(i).partitionable or \
+        not cur.with_rank(len(shape)).dims[axis]:
+      return super().partition(ctx, node)
+    sizes = [o.shape[axis] for o in node.outputs]
+    starts = np.cumsum([0] + sizes[:-1])
+    everything = tuple(range(len(shape)))
+    narrow(ctx, node, i, [Selection({axis: Pick(n, int(b))} if n != shape[axis] else {}, everything)
+                          for n, b in zip(sizes, starts)])
+
+
+@register("Split")
+class Split(_SplitAlong):
 
   def data_inputs(self, node):
     return [1]
@@ -109,8 +131,7 @@ class Split(AlongAxis):
 
 
 @register("SplitV")
-class SplitV(AlongAxis):
-  priority = 0
+class SplitV(_SplitAlong):
 
   def data_inputs(self, node):
     return [0]

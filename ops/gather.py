@@ -1,8 +1,10 @@
 """Lookups of rows by index: GatherV2, ResourceGather (a variable's table), GatherNd, OneHot.
 
 Index dims and the table's other dims pass their split. A table split along the gathered dim (a
-vocabulary-split embedding) is never gathered: each device looks up the ids it owns, zeroes the rows it
-does not, and one all-reduce sums the rows. GatherNd's indexed dims and OneHot's depth dim are whole.
+vocabulary-split embedding, or a few indices of a split sequence) is not gathered: each device looks up the
+ids it owns, zeroes the rows it does not, and one all-reduce sums the rows (a reduce-scatter when the result
+is split by the table's axes) -- unless, by bytes, gathering the table would move less. `take_owned` is that
+lookup, shared with the slicing rules. GatherNd's indexed dims and OneHot's depth dim are whole.
 """
 
 import numpy as np
@@ -14,12 +16,32 @@ from tf_gspmd.ops.registry import register
 from tf_gspmd.ops.variables import handle_sharding
 
 
+def take_owned(ctx, x, layout, size, axis, ids):
+  """The rows `ids` (global indices along `axis`, a numpy array or a tensor) of `x`, a shard laid out as
+  `layout` that splits `axis`, read where this device holds them; and `owned`, shaped like `ids`: which of them
+  it holds.
+
+  Rows held elsewhere read a clamped local row, garbage for the caller to replace (with a select, so that no
+  NaN or Inf of a foreign row leaks into a sum). Every global row has exactly one owner in each group of the
+  axes splitting `axis`, and padding rows are never owned, so the selected results of a group sum to the rows
+  themselves: the way a narrowing op (gather, slice, strided slice) of a split dim moves only its result,
+  never the operand.
+  """
+  c = -(-size // layout.tiles(axis))
+  dtype = ids.dtype if isinstance(ids, tf.Tensor) else (tf.int32 if size < 2**31 else tf.int64)
+  lo = np.array([layout.tile_index(p, axis) * c for p in range(ctx.mesh.size)], dtype.as_numpy_dtype)
+  local = tf.cast(ids, dtype) - ctx.lookup(lo, f"offset_{axis}_{c}")
+  owned = (local >= 0) & (local < c)
+  return tf.gather(x, tf.clip_by_value(local, 0, c - 1), axis=axis), owned
+
+
 @register("GatherV2")
 class Gather(FactorRule):
   """params[..., axis, ...][indices]: index dims and params' other dims pass their split.
 
   When the table is split along the gathered dim (a vocabulary-split embedding), each device looks up the
-  ids in its own range (clamped), zeroes the rows it does not own, and one all-reduce sums the rows.
+  ids in its own range (clamped), zeroes the rows it does not own, and one all-reduce sums the rows; the
+  generic path (the table whole along that dim) only where it moves fewer bytes.
   """
 
   def data_inputs(self, node):
@@ -43,30 +65,45 @@ class Gather(FactorRule):
     cur = ctx.current(0)
     v_axes = () if cur is None or cur.is_maximal or axis is None else cur.with_rank(len(node.input_shape(0))).dims[axis]
     target = ctx.target(0)
-    if not v_axes or node.attr("batch_dims") or target.is_maximal or set(v_axes) & set(target.used_axes):
+    dtype = node.outputs[0].dtype
+    if not v_axes or node.attr("batch_dims") or target.is_maximal or not (
+        dtype.is_floating or dtype.is_integer or dtype == tf.bool):
       return FactorRule.partition(self, ctx, node)   # the table is whole along the gathered dim
     mesh = ctx.mesh
     f = self.factors(node)
     p_labels, i_labels = f.operands
     out_labels = f.outputs[0]
-    axes_of = {l: target.dims[d] for d, l in enumerate(out_labels)}
+    # The output's other dims follow its layout where that does not use the table's axes; a result wanted
+    # split by them is reduce-scattered into place from the partial rows.
+    axes_of = {l: target.dims[d] for d, l in enumerate(out_labels) if not set(target.dims[d]) & set(v_axes)}
     params_s = Sharding(mesh, tuple(v_axes if l == "v" else axes_of.get(l, ()) for l in p_labels))
     ids_s = Sharding(mesh, tuple(axes_of.get(l, ()) for l in i_labels))
-    params = ctx.operand(0, params_s)
-    ids = ctx.operand(1, ids_s)
-    rows = self.masked_lookup(ctx, params, ids, params_s, axis, node.input_shape(0)[axis])
     natural = Sharding(mesh, tuple(axes_of.get(l, ()) for l in out_labels))
-    ctx.set_output(0, rows, natural, partial=(v_axes, "Add"))
+    partial = (v_axes, "Add")
+    # GSPMD's choice by bytes: look up where the table is (the result moves), or gather the table along the
+    # gathered dim (the generic path), which only pays when the table is smaller than the result.
+    data = self.data_inputs(node)
+    gathered = min(self._cost(ctx, f, data, plan) for plan in (self._axes_from_target(ctx, node, f, data),
+                                                              self._axes_from_operands(ctx, node, f, data)))
+    # Constant ids wanted whole are read from the constant itself (not gathered back from their slices).
+    const_ids = node.const_input(1) if ids_s.is_replicated else None
+    local = ctx.operand_cost(0, params_s) + (0 if const_ids is not None else ctx.operand_cost(1, ids_s)) + \
+        ctx.output_cost(0, natural, partial)
+    if gathered < local:
+      return FactorRule.partition(self, ctx, node)
+    params = ctx.operand(0, params_s)
+    if const_ids is not None:
+      with ctx.helper_scope():
+        ids = tf.constant(const_ids, node.input_info(1).dtype, name="ids")
+    else:
+      ids = ctx.operand(1, ids_s)
+    rows = self.masked_lookup(ctx, params, ids, params_s, axis, node.input_shape(0)[axis])
+    ctx.set_output(0, rows, natural, partial=partial)
 
   def masked_lookup(self, ctx, params, ids, params_s, axis, size):
     """Rows of the ids this device owns along `axis` (zeros elsewhere): the partial result of a split table."""
-    mesh = ctx.mesh
-    c = -(-size // params_s.tiles(axis))
-    lo = np.array([params_s.tile_index(p, axis) * c for p in range(mesh.size)], ids.dtype.as_numpy_dtype)
     with ctx.helper_scope():
-      ids = tf.clip_by_value(ids, 0, size - 1) - ctx.lookup(lo, f"vocab_offset_{axis}_{c}")
-      owned = (ids >= 0) & (ids < c)
-      rows = tf.gather(params, tf.clip_by_value(ids, 0, c - 1), axis=axis)
+      rows, owned = take_owned(ctx, params, params_s, size, axis, tf.clip_by_value(ids, 0, size - 1))
       mask_shape = [1] * axis + ids.shape.as_list() + [1] * (params.shape.rank - axis - 1)
       return tf.where(tf.reshape(owned, mask_shape), rows, tf.zeros([], rows.dtype))
 

@@ -1,121 +1,326 @@
 """Slices and pads, and the gradients that are their transposes: Slice, StridedSlice, StridedSliceGrad,
-Pad, PadV2, MirrorPad.
+Pad, PadV2, MirrorPad; and `narrow`, how every op that reads part of a dim (these, Split, SplitV) partitions.
 
-A dim read whole (or left unpadded) passes its split through. A dim sliced or padded by a constant window
-may stay split too: each device takes its window of the result from its own rows and its neighbours'
-(halo exchange, GSPMD's windowed slice and pad); otherwise that dim is whole on every device. Strided
-slices with new axes, an ellipsis or shrunk dims keep the split of every dim they read whole.
+A dim read whole (or left unpadded) passes its split through. A narrowed dim is never gathered just to be
+narrowed, since the result is usually much smaller than the operand (a last token, a few rows of a 512 MiB
+table). `narrow` weighs, by the bytes each moves, what GSPMD does with a windowed slice:
+- window: the result stays split on that dim and each device takes its window of it from its own rows and
+  its neighbours' (halo exchange), when every window lies within a neighbour's reach;
+- take: each device reads the selected rows it holds (a select puts zeros where it holds none) and the
+  result-sized partial sums combine in one all-reduce (a reduce-scatter when the result is split), so only
+  the result moves;
+- gather: the narrowed dims whole on every device first (free when they already are).
+Strided slices with new axes, an ellipsis, strides, shrunk dims or a start read at run time (a dynamic begin
+with a static size) are narrowed alike. Completion lets a contiguous slice keep its operand's split on the
+sliced dim when the result still gives every device a row; other narrowed dims take no split from it.
 StridedSliceGrad, the transpose of a plain strided slice, passes the split of the dims read whole.
 """
+
+import dataclasses
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd._sharding import Sharding
 from tf_gspmd.ops.factors import dim_labels, Factors, FactorRule, unsplit
+from tf_gspmd.ops.gather import take_owned
 from tf_gspmd.ops.registry import register
 
 
-class _Windowed(FactorRule):
-  """A rule whose selected dims may stay split: each device takes its window of the result from its own
-  rows and its neighbours' (halo exchange). Subclasses give `ranges(node)`: {input dim: (start, size)}."""
+@dataclasses.dataclass(frozen=True)
+class Pick:
+  """The rows one input dim contributes: `size` rows from `start` every `stride`, or from a start read at run
+  time (`dynamic` = (input index, element) of a vector input; with `wrap` a negative start counts from the
+  end, as a strided slice's index does). A `shrink` pick (one row) drops the dim from the result."""
+  size: int
+  start: int = 0
+  stride: int = 1
+  shrink: bool = False
+  dynamic: Optional[Tuple[int, int]] = None
+  wrap: bool = False
+
+  @property
+  def contiguous(self):
+    """A constant run of rows that stays a dim of the result: the pick a window can serve."""
+    return self.dynamic is None and self.stride == 1 and not self.shrink
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+  """What an op reads of its operand: `picks` {input dim: Pick} (other dims whole) and the result's dims in
+  order, each the input dim it comes from or None for a new size-1 axis (shrunk dims are absent)."""
+  picks: Dict[int, Pick]
+  out: Tuple[Optional[int], ...]
+
+  def labels(self, rank):
+    """Factor labels (operand, result): whole dims and contiguous picks pass their split; others carry none."""
+    ins = tuple(f"d{d}" if d not in self.picks or self.picks[d].contiguous else None for d in range(rank))
+    return ins, tuple(None if d is None else ins[d] for d in self.out)
+
+
+def _strided_selection(node):
+  """The Selection of a StridedSlice, or None (a stride read at run time, or a dynamic begin or end on a dim
+  that is neither shrunk nor read whole)."""
+  shape = node.input_shape(0)
+  begin, end, strides = (node.const_input(i) for i in (1, 2, 3))
+  if strides is None or shape is None:
+    return None
+  strides = np.asarray(strides).reshape(-1)
+  begin = None if begin is None else np.asarray(begin).reshape(-1)
+  end = None if end is None else np.asarray(end).reshape(-1)
+  bm, em, sm = node.attr("begin_mask"), node.attr("end_mask"), node.attr("shrink_axis_mask")
+  nm, elm = node.attr("new_axis_mask"), node.attr("ellipsis_mask")
+  consumed = sum(1 for k in range(len(strides)) if not (nm >> k & 1 or elm >> k & 1))
+  picks, out, d = {}, [], 0
+  for k in range(len(strides)):
+    if elm >> k & 1:
+      for _ in range(len(shape) - consumed):
+        out.append(d)
+        d += 1
+      continue
+    if nm >> k & 1:
+      out.append(None)
+      continue
+    if d >= len(shape):
+      return None
+    size = shape[d]
+    if sm >> k & 1:
+      if begin is None:
+        picks[d] = Pick(1, shrink=True, dynamic=(1, k), wrap=True)
+      else:
+        b = int(begin[k])
+        picks[d] = Pick(1, b + size if b < 0 else b, shrink=True)
+    else:
+      if (begin is None and not bm >> k & 1) or (end is None and not em >> k & 1):
+        return None
+      rows = range(size)[slice(None if bm >> k & 1 else int(begin[k]), None if em >> k & 1 else int(end[k]),
+                               int(strides[k]))]
+      if rows != range(size):
+        picks[d] = Pick(len(rows), rows.start if len(rows) else 0, rows.step)
+      out.append(d)
+    d += 1
+  out.extend(range(d, len(shape)))
+  return Selection(picks, tuple(out))
+
+
+def _slice_selection(node):
+  """The Selection of a Slice (a begin read at run time, with a static size, included), or None."""
+  shape, out = node.input_shape(0), node.outputs[0].shape
+  begin = node.const_input(1)
+  if shape is None or out is None:
+    return None
+  picks = {}
+  for d, (s, n) in enumerate(zip(shape, out)):
+    if begin is None:
+      if n != s:
+        picks[d] = Pick(n, dynamic=(1, d))
+    elif (int(begin[d]), n) != (0, s):
+      picks[d] = Pick(n, int(begin[d]))
+  return Selection(picks, tuple(range(len(shape))))
+
+
+def _whole(mesh, rank):
+  return Sharding(mesh, ((),) * rank)
+
+
+def _used(ctx, node, o):
+  """Whether output o of `node` is read (unread results cost nothing: their ops are pruned)."""
+  r = node.ref(o)
+  return bool(ctx.ir.consumers.get(r)) or r in ctx.ir.outputs
+
+
+def _natural(ctx, sel, layout):
+  """The layout of a result computed from an operand laid out as `layout`: whole dims keep their split."""
+  return Sharding(ctx.mesh, tuple(() if d is None or d in sel.picks else layout.dims[d] for d in sel.out))
+
+
+def _partial(sel, layout):
+  axes = tuple(a for d in sorted(sel.picks) for a in layout.dims[d])
+  return (axes, "Add") if axes else None
+
+
+def _rows(ctx, node, pick, size):
+  """The global rows of a pick: a numpy array, or a tensor when its start is read at run time."""
+  if pick.dynamic is None:
+    return pick.start + pick.stride * np.arange(pick.size)
+  i, k = pick.dynamic
+  vec = ctx.operand(i, _whole(ctx.mesh, 1))
+  with ctx.helper_scope():
+    start = vec[k]
+    if pick.wrap:
+      start = tf.where(start < 0, start + size, start)
+    return start + tf.range(pick.size, dtype=start.dtype)
+
+
+def _select(ctx, node, x, shape, layout, sel, skip=()):
+  """`x` (laid out as `layout`) narrowed to `sel` on the picked dims (but `skip`). Split picked dims read the
+  rows this device holds (zeros elsewhere: a partial result); the others read their rows directly."""
+  rank = len(shape)
+  rows = {d: _rows(ctx, node, p, shape[d]) for d, p in sel.picks.items() if d not in skip}
+  mask = None
+  with ctx.helper_scope():
+    for d in sorted(rows):
+      p, idx = sel.picks[d], rows[d]
+      if layout.dims[d]:
+        x, owned = take_owned(ctx, x, layout, shape[d], d, idx)
+        owned = tf.reshape(owned, [-1 if k == d else 1 for k in range(rank)])
+        mask = owned if mask is None else mask & owned
+      elif p.contiguous:
+        x = tf.slice(x, [p.start if k == d else 0 for k in range(rank)], [p.size if k == d else -1 for k in
+                                                                              range(rank)])
+      else:
+        x = tf.gather(x, idx, axis=d)
+    if mask is not None:
+      x = tf.where(mask, x, tf.zeros([], x.dtype))
+  return x
+
+
+def _window_layout(ctx, sel, target, rank):
+  """(operand layout, dim) when the result is split on exactly one picked dim, a contiguous one, and no
+  other picked dim: the operand laid out like the result (shrunk dims whole) can then serve it by windows."""
+  if target.is_maximal:
+    return None
+  dims = [()] * rank
+  for o, d in enumerate(sel.out):
+    if target.dims[o]:
+      if d is None:
+        return None
+      dims[d] = target.dims[o]
+  split = [d for d in sel.picks if dims[d]]
+  if len(split) != 1 or not sel.picks[split[0]].contiguous:
+    return None
+  return Sharding(ctx.mesh, tuple(dims)), split[0]
+
+
+def narrow(ctx, node, i, selections):
+  """Partition `node`, whose output o is input i narrowed to `selections[o]`: by windows, take or gather (see
+  the module docstring), whichever moves the fewest bytes for the outputs that are read."""
+  mesh = ctx.mesh
+  shape = ctx.input_shape(i)
+  rank = len(shape)
+  cur = ctx.current(i)
+  cur = _whole(mesh, rank) if cur is None or cur.is_maximal else cur.with_rank(rank)
+  used = [o for o in range(len(selections)) if _used(ctx, node, o)] or list(range(len(selections)))
+  targets = [ctx.target(o).with_rank(len(node.outputs[o].shape)) if not ctx.target(o).is_maximal else ctx.target(o)
+             for o in range(len(selections))]
+  plans = []   # (bytes, order, kind, layouts)
+
+  windows = [_window_layout(ctx, sel, targets[o], rank) for o, sel in enumerate(selections)]
+  if all(windows[o] is not None for o in used):
+    costs = [ctx.window_bytes(i, w, d, selections[o].picks[d].size, selections[o].picks[d].start)
+             for o, (w, d) in ((o, windows[o]) for o in used)]
+    if None not in costs:
+      plans.append((sum(costs), 0, "window", None))
+
+  dtype = ctx.input_dtype(i)
+  can_take = dtype.is_floating or dtype.is_integer or dtype == tf.bool
+  picked = set().union(*(sel.picks for sel in selections))
+  for order, take in ((1, False), (3, True)):
+    if take and not (can_take and any(cur.dims[d] for d in picked)):
+      continue
+    for shift, whole_from in enumerate(("target", "current")):
+      dims = [cur.dims[d] if take and d in picked else () for d in range(rank)]
+      taken = {a for d in range(rank) for a in dims[d]}
+      for d in range(rank):
+        if d in picked:
+          continue
+        if whole_from == "current":
+          ax = cur.dims[d]
+        else:
+          o = used[0]
+          t = targets[o]
+          ax = () if t.is_maximal or d not in selections[o].out else t.dims[selections[o].out.index(d)]
+        if not taken & set(ax):
+          dims[d] = ax
+          taken.update(ax)
+      layout = Sharding(mesh, tuple(dims))
+      cost = ctx.operand_cost(i, layout) + sum(
+          ctx.output_cost(o, _natural(ctx, selections[o], layout), _partial(selections[o], layout)) for o in used)
+      plans.append((cost, order + shift, "local", layout))
+  _, _, kind, layout = min(plans, key=lambda p: p[:2])
+
+  outs, naturals, partials = [], [], []
+  for o, sel in enumerate(selections):
+    out_shape = node.outputs[o].shape
+    if not np.prod(out_shape) or o not in used:   # an empty or unread result needs no data, no collective
+      natural, partial = targets[o], None
+      with ctx.helper_scope():
+        x = tf.zeros(natural.shard_shape(out_shape) if not natural.is_maximal else out_shape, node.outputs[o].dtype)
+    elif kind == "window":
+      w, d = windows[o]
+      p = sel.picks[d]
+      x = ctx.window(i, w, d, p.size, p.start, 0)
+      x = _select(ctx, node, x, shape, w, sel, skip=(d,))
+      natural, partial = targets[o], None
+    else:
+      x = _select(ctx, node, ctx.operand(i, layout), shape, layout, sel)
+      natural, partial = _natural(ctx, sel, layout), _partial(sel, layout)
+    with ctx.helper_scope():
+      outs.append(tf.reshape(x, natural.shard_shape(out_shape) if not natural.is_maximal else out_shape))
+    naturals.append(natural)
+    partials.append(partial)
+  if len(outs) == 1:
+    outs = [ctx.identity(outs[0])]
+  else:
+    outs = tf.identity_n(outs, name=node.name)
+    ctx.record(outs[0])
+  for o, (x, natural, partial) in enumerate(zip(outs, naturals, partials)):
+    ctx.set_output(o, x, natural, partial=partial)
+
+
+class _Narrowing(FactorRule):
+  """A rule whose output is its operand narrowed to `selection(node)` (None when it cannot say: then every
+  dim is whole). Partitioned by `narrow`."""
 
   def data_inputs(self, node):
     return [0]
 
-  def ranges(self, node):
+  def selection(self, node):
     raise NotImplementedError
 
-  def factors(self, node, windowed=True):
-    shape = node.input_shape(0)
-    ranges = self.ranges(node)
-    if ranges is None:
-      return Factors(((None,) * len(shape),), ((None,) * len(node.outputs[0].shape),))
-    labels = dim_labels(len(shape)) if windowed else unsplit(dim_labels(len(shape)), set(ranges))
-    return Factors((labels,), (labels,))
+  def factors(self, node):
+    sel = self.selection(node)
+    if sel is None:
+      return Factors(((None,) * len(node.input_shape(0)),), ((None,) * len(node.outputs[0].shape),))
+    ins, out = sel.labels(len(node.input_shape(0)))
+    return Factors((ins,), (out,))
+
+  def forward(self, ctx, node, operands):
+    """A contiguous slice keeps its operand's split on the sliced dim only where every device still gets a
+    row of the result (a smaller result is better left to its users than split into mostly empty shards)."""
+    cands = super().forward(ctx, node, operands)
+    sel = self.selection(node)
+    if sel is None:
+      return cands
+    out_shape = node.outputs[0].shape
+    small = {o for o, d in enumerate(sel.out) if d in sel.picks}
+    cands[0] = [Sharding(s.mesh, tuple(() if o in small and out_shape[o] < s.tiles(o) else a
+                                       for o, a in enumerate(s.dims))) for s in cands[0]]
+    return cands
 
   def partition(self, ctx, node):
-    ranges = self.ranges(node)
-    target = ctx.target(0)
-    split = [d for d in (ranges or {}) if not target.is_maximal and d < target.rank and target.dims[d]]
-    if ranges is None or len(split) != 1:
-      return self.partition_with(ctx, node, self.factors(node, windowed=False))
-    d = split[0]
-    start, size = ranges[d]
-    x = ctx.window(0, target, d, size, start, 0)
-    if x is None:
-      return self.partition_with(ctx, node, self.factors(node, windowed=False))
-    begin = [0] * x.shape.rank
-    extent = x.shape.as_list()
-    for k, (b, n) in ranges.items():   # the other selected dims are whole: select them locally
-      if k != d:
-        begin[k], extent[k] = b, n
-    ctx.set_output(0, ctx.identity(tf.slice(x, begin, extent)), target)
+    sel = self.selection(node)
+    if sel is None or not node.input_info(0).partitionable:
+      return FactorRule.partition(self, ctx, node)
+    narrow(ctx, node, 0, [sel])
 
 
 @register("Slice")
-class Slice(_Windowed):
-  """Dims sliced to less than their size take a window (split: with halos); full-size dims pass their split."""
+class Slice(_Narrowing):
+  """Dims sliced to less than their size are picked (a begin read at run time too); full-size dims pass."""
 
-  def ranges(self, node):
-    begin, size = node.const_input(1), node.const_input(2)
-    if begin is None or size is None:
-      return None
-    shape, out = node.input_shape(0), node.outputs[0].shape
-    return {d: (int(begin[d]), out[d]) for d in range(len(shape)) if out[d] != shape[d]}
-
-  def emit(self, ctx, node, local_inputs, axes_of):
-    (x,) = local_inputs
-    ranges = self.ranges(node)
-    if ranges is None:
-      return ctx.clone(node, {0: x})
-    size = [ranges[d][1] if d in ranges else x.shape[d] for d in range(x.shape.rank)]
-    begin = [ranges[d][0] if d in ranges else 0 for d in range(x.shape.rank)]
-    return ctx.clone(node, {0: x, 1: tf.constant(begin, node.input_info(1).dtype),
-                            2: tf.constant(size, node.input_info(2).dtype)})
+  def selection(self, node):
+    return _slice_selection(node)
 
 
 @register("StridedSlice")
-class StridedSlice(_Windowed):
-  """Untouched full-range dims pass their split, shrunk dims vanish, new axes (`x[..., None]`) are whole.
+class StridedSlice(_Narrowing):
+  """Full-range dims pass their split, shrunk dims vanish, new axes (`x[..., None]`) are whole; ranges, strides
+  and indices (`x[:, -1]`, also read at run time) are picked."""
 
-  A contiguous range (stride 1, no shrink, no new axes) on a split dim takes a window with halos, like Slice.
-  """
-
-  def _plain(self, node):
-    return not node.attr("new_axis_mask") and not node.attr("ellipsis_mask") and all(
-        node.const_input(i) is not None for i in (1, 2, 3))
-
-  def _entries(self, node):
-    """Output dims in order: ("in", input dim, read whole with stride 1, shrunk) or ("new",); None if dynamic.
-
-    Expands the ellipsis (and the implicit one at the end) and keeps new axes where they are inserted.
-    """
-    shape = node.input_shape(0)
-    consts = [node.const_input(i) for i in (1, 2, 3)]
-    if any(c is None for c in consts):
-      return None
-    begin, end, strides = (np.asarray(c).reshape(-1) for c in consts)
-    bm, em, sm = node.attr("begin_mask"), node.attr("end_mask"), node.attr("shrink_axis_mask")
-    nm, elm = node.attr("new_axis_mask"), node.attr("ellipsis_mask")
-    consumed = sum(1 for i in range(len(begin)) if not (nm >> i & 1 or elm >> i & 1))
-    entries, d = [], 0
-    for i in range(len(begin)):
-      if elm >> i & 1:
-        for _ in range(len(shape) - consumed):
-          entries.append(("in", d, True, False))
-          d += 1
-      elif nm >> i & 1:
-        entries.append(("new",))
-      else:
-        b = 0 if bm >> i & 1 else int(begin[i])
-        e = shape[d] if em >> i & 1 else int(end[i])
-        shrink = bool(sm >> i & 1)
-        entries.append(("in", d, not shrink and strides[i] == 1 and b in (0, -shape[d]) and e >= shape[d], shrink))
-        d += 1
-    while d < len(shape):
-      entries.append(("in", d, True, False))
-      d += 1
-    return entries
+  def selection(self, node):
+    return _strided_selection(node)
 
   @staticmethod
   def full_dims(shape, begin, end, strides, begin_mask, end_mask, shrink_mask):
@@ -130,36 +335,6 @@ class StridedSlice(_Windowed):
       if not shrink_mask >> d & 1 and strides[d] == 1 and b in (0, -shape[d]) and e >= shape[d]:
         full.add(d)
     return full
-
-  def ranges(self, node):
-    """{dim: (start, size)} of a contiguous stride-1 selection without shrinking, else None."""
-    if not self._plain(node) or node.attr("shrink_axis_mask"):
-      return None
-    shape = node.input_shape(0)
-    begin, end, strides = (np.asarray(node.const_input(i)).reshape(-1) for i in (1, 2, 3))
-    if np.any(strides != 1):
-      return None
-    out = {}
-    for d in range(min(len(begin), len(shape))):
-      b = 0 if node.attr("begin_mask") >> d & 1 else int(begin[d])
-      e = shape[d] if node.attr("end_mask") >> d & 1 else int(end[d])
-      b, e = (b + shape[d] if b < 0 else b), (e + shape[d] if e < 0 else e)
-      b, e = min(max(b, 0), shape[d]), min(max(e, 0), shape[d])
-      if (b, e) != (0, shape[d]):
-        out[d] = (b, max(e - b, 0))
-    return out
-
-  def factors(self, node, windowed=True):
-    if self.ranges(node) is not None:
-      return super().factors(node, windowed)
-    shape = node.input_shape(0)
-    entries = self._entries(node)
-    if entries is None:
-      return Factors(((None,) * len(shape),), ((None,) * len(node.outputs[0].shape),))
-    full = {e[1] for e in entries if e[0] == "in" and e[2]}
-    ins = tuple(f"d{d}" if d in full else None for d in range(len(shape)))
-    out = tuple(None if e[0] == "new" else ins[e[1]] for e in entries if e[0] == "new" or not e[3])
-    return Factors((ins,), (out,))
 
 
 @register("StridedSliceGrad")

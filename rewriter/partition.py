@@ -249,6 +249,18 @@ class PartitionContext:
     """Whether `window_rows` can serve input i from neighbours only (no emission)."""
     return self._window_plan(i, sharding, dim, first, length, lo, hi) is not None
 
+  def window_bytes(self, i, sharding, dim, out_size, start, stride=1, size=1):
+    """Bytes per device that `window` moves (resharding input i to the layout it reads, then its halos); None
+    when the window does not fit (the caller weighs it against other ways to compute the same result)."""
+    rows = rows_read_by(self.node.input_info(i).shape[dim], sharding.tiles(dim), out_size, start, stride, size)
+    fit = self._window_plan(i, sharding, dim, *rows)
+    if fit is None:
+      return None
+    shape, _, _, _, left, right, source = fit
+    local = list(source.with_rank(len(shape)).shard_shape(shape))
+    local[dim] = left + right
+    return self.operand_cost(i, source) + int(np.prod(local)) * self.input_dtype(i).size
+
   def take_rows(self, x, sharding, dim, begin, count):
     """Rows [begin[t], begin[t] + count) along `dim` of the local `x` on the device of shard index t (rows
     before or past x's ends read 0): a local slice at a per-device offset, no communication."""

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import assert_close, check_partitioned
+from conftest import assert_close, assert_report_counts_program, check_partitioned
 import tf_gspmd as gs
 from tf_gspmd import P
 
@@ -72,3 +72,20 @@ def test_gather_nd_and_its_gradient(rng, spec):
 def test_one_hot(rng, spec):
   ids = rng.integers(0, 6, size=(8,)).astype(np.int32)
   check_partitioned(lambda i: (tf.one_hot(i, 6), tf.one_hot(i, 6, axis=0)), [ids], (spec,), MESH)
+
+
+M8 = gs.Mesh((8,), ("m",))
+
+
+@pytest.mark.parametrize("out", [None, P(None, "m", None)], ids=["replicated_out", "split_out"])
+@pytest.mark.parametrize("axis_size", [30, 1024])
+def test_gather_a_few_indices_of_a_split_axis(rng, axis_size, out):
+  """tf.gather(x, [3, 17, ...], axis=1) with axis 1 split (30: uneven over 8): each device looks up the indices it
+  holds, zeros the others; one result-sized all-reduce (a reduce-scatter into a split result)."""
+  x = rng.standard_normal((4, axis_size, 6)).astype(np.float32)
+  ids = np.array([3, 17, axis_size - 1, 17, 0, 9, 28, 21], np.int32)
+  low = check_partitioned(lambda t: tf.gather(t, ids, axis=1), [x], (P(None, "m", None),), M8, out=out)
+  assert_report_counts_program(low)
+  result = x[:, ids].nbytes
+  assert low.report.bytes_per_device() <= result, str(low.report)
+  assert not any(c.kind == "all-gather" for c in low.report.collectives), str(low.report)
