@@ -328,3 +328,41 @@ def test_grappler_folds_a_shape_computation():
   shape_node = next(n for n in optimized.node if n.name == next(n for n in optimized.node if n.name == "y").input[1])
   assert shape_node.op == "Const"
   np.testing.assert_array_equal(tf.make_ndarray(shape_node.attr["value"].tensor), [3, 2])
+
+
+# ---- Several processes -------------------------------------------------------------------------------------------
+
+def test_cluster_collectives_span_two_processes():
+  """enable_cluster_collectives + coordination_barrier: an all-reduce over 2 processes x 2 CPUs sums all four."""
+  from tf_gspmd import launch  # pylint: disable=g-import-not-at-top
+  code = textwrap.dedent("""
+      import json, os
+      import tensorflow as tf
+      from tf_gspmd import _compat
+      conf = json.loads(os.environ["TF_CONFIG"])
+      k = conf["task"]["index"]
+      cpu = tf.config.list_physical_devices("CPU")[0]
+      tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+      spec = tf.train.ClusterSpec(conf["cluster"])
+      _compat.enable_cluster_collectives(spec, "worker", k, "/job:worker/replica:0/task:0", 10.0)
+      _compat.coordination_barrier("test", 60.0)
+      mine = [d.name for d in tf.config.list_logical_devices("CPU") if f"/task:{k}/" in d.name]
+      pd = _compat.parallel_device(mine)
+      comps = []
+      for i, d in enumerate(mine):
+        with tf.device(d):
+          comps.append(tf.identity(tf.constant([float(2 * k + i)])))
+      f = tf.function(lambda x: tf.raw_ops.CollectiveReduceV2(input=x, group_size=4, group_key=5, instance_key=6,
+                                                              ordering_token=[], merge_op="Add", final_op="Id"))
+      with tf.device(_compat.parallel_device_name(pd)):
+        out = f(pd.pack(comps))
+      print("SUM", [float(c.numpy()[0]) for c in pd.unpack(out)], flush=True)
+  """)
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+             PYTHONPATH=os.path.join(os.path.dirname(__file__), ".."))
+  procs = [subprocess.Popen([sys.executable, "-c", code], env=dict(env, TF_CONFIG=e["TF_CONFIG"]),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for e in launch.worker_envs(2)]
+  outs = [p.communicate(timeout=120)[0] for p in procs]
+  for out in outs:
+    assert "SUM [6.0, 6.0]" in out, out[-2000:]
