@@ -59,10 +59,10 @@ class Selection:
     return ins, tuple(None if d is None else ins[d] for d in self.out)
 
 
-def _strided_selection(node):
-  """The Selection of a StridedSlice, or None (a stride read at run time, or a dynamic begin or end on a dim
-  that is neither shrunk nor read whole)."""
-  shape = node.input_shape(0)
+def _strided_selection(node, shape=None):
+  """The Selection of a StridedSlice (or of the slice a StridedSliceGrad transposes, of operand `shape`), or
+  None (a stride read at run time, or a dynamic begin or end on a dim that is neither shrunk nor read whole)."""
+  shape = node.input_shape(0) if shape is None else shape
   begin, end, strides = (node.const_input(i) for i in (1, 2, 3))
   if strides is None or shape is None:
     return None
@@ -322,39 +322,25 @@ class StridedSlice(_Narrowing):
   def selection(self, node):
     return _strided_selection(node)
 
-  @staticmethod
-  def full_dims(shape, begin, end, strides, begin_mask, end_mask, shrink_mask):
-    """Dims of `shape` that a strided slice reads entirely, in order, with stride 1."""
-    full = set()
-    for d in range(len(shape)):
-      if d >= len(begin):
-        full.add(d)
-        continue
-      b = 0 if begin_mask >> d & 1 else int(begin[d])
-      e = shape[d] if end_mask >> d & 1 else int(end[d])
-      if not shrink_mask >> d & 1 and strides[d] == 1 and b in (0, -shape[d]) and e >= shape[d]:
-        full.add(d)
-    return full
-
 
 @register("StridedSliceGrad")
 class StridedSliceGrad(FactorRule):
-  """d_input of a plain strided slice: dims read whole pass their split; others are whole."""
+  """d_input of a strided slice (new axes, ellipsis and shrunk dims included): dims read whole pass their split;
+  others are whole."""
 
   def data_inputs(self, node):
     return [4]
 
   def factors(self, node):
-    shape = [int(s) for s in np.asarray(node.const_input(0)).reshape(-1)] if node.const_input(0) is not None else None
     rank = len(node.outputs[0].shape)
-    if shape is None or any(node.const_input(i) is None for i in (1, 2, 3)) or node.attr("new_axis_mask") or \
-        node.attr("ellipsis_mask"):
+    shape = node.const_input(0)
+    sel = _strided_selection(node, [int(s) for s in np.asarray(shape).reshape(-1)]) if shape is not None else None
+    if sel is None or len(sel.out) != len(node.input_shape(4)):
       return Factors(((None,) * len(node.input_shape(4)),), ((None,) * rank,))
-    full = StridedSlice.full_dims(shape, *(np.asarray(node.const_input(i)).reshape(-1) for i in (1, 2, 3)),
-                                  node.attr("begin_mask"), node.attr("end_mask"), node.attr("shrink_axis_mask"))
-    out = tuple(f"d{d}" if d in full else None for d in range(rank))
-    sm = node.attr("shrink_axis_mask")
-    return Factors((tuple(l for d, l in enumerate(out) if not sm >> d & 1),), (out,))
+    # dy's dims are the slice result's: a dim read whole carries its operand dim's label, new axes and narrowed
+    # dims none (the gradient scatters them into zeros, which needs them whole).
+    grad = tuple(f"d{d}" if d is not None and d not in sel.picks else None for d in sel.out)
+    return Factors((grad,), (tuple(f"d{d}" if d not in sel.picks else None for d in range(rank)),))
 
   def emit(self, ctx, node, local_inputs, axes_of):
     return ctx.clone(node, {0: self.local_shape_input(ctx, node, axes_of, 0), 4: local_inputs[0]})

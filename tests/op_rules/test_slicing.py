@@ -184,3 +184,20 @@ def test_corner_of_a_512_mib_variable_moves_a_few_bytes():
   assert_report_counts_program(low)
   assert low.report.bytes_per_device() <= 8 * 8 * 4, str(low.report)
   assert not any(c.kind == "all-gather" for c in low.report.collectives), str(low.report)
+
+
+def test_gradient_of_a_slice_with_new_axes_keeps_the_split(rng):
+  """StridedSliceGrad of x[:, 1:, None, None] (new axes, a narrowed dim): the whole dim's split passes through,
+  no gather of the gradient (the MoE gates' pattern)."""
+  mesh = gs.Mesh((8,), ("d",))
+
+  def fn(x, w):
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      y = tf.reduce_sum(x[:, 1:, None, None] * w)
+    return tape.gradient(y, x)
+
+  x = rng.standard_normal((16, 5)).astype(np.float32)
+  w = rng.standard_normal((16, 4, 3, 2)).astype(np.float32)
+  low = check_partitioned(fn, [x, w], (P("d", None), P("d", None, None, None)), mesh, out=P("d", None))
+  assert "all-gather" not in low.report.counts()
