@@ -66,27 +66,27 @@ class TensorList(Rule):
              [outs[o] for o in e_out] + [_unstacked(ins[i]) for i in s_in] + [_unstacked(outs[o]) for o in s_out])
     return [s for s in found if s is not None and not s.is_maximal]
 
-  def forward(self, ctx, node, operands):
-    layouts = self._layouts(node, operands, [None] * len(node.outputs))
-    kind = LIST_OPS[node.op]
-    _, e_out, _, s_out = _element_ports(kind)
-    cands = [[] for _ in node.outputs]
-    for o in list(kind.handles_out) + e_out:
-      cands[o].extend(layouts)
-    for o in s_out:
-      cands[o].extend(_stacked(s) for s in layouts)
+  @staticmethod
+  def _candidates(count, layouts, elements, stacked):
+    """Candidate layouts for `count` tensors: `layouts` for the handles and elements, stacked ones for those."""
+    cands = [[] for _ in range(count)]
+    for k in elements:
+      cands[k].extend(layouts)
+    for k in stacked:
+      cands[k].extend(_stacked(s) for s in layouts)
     return cands
 
+  def forward(self, ctx, node, operands):
+    kind = LIST_OPS[node.op]
+    _, e_out, _, s_out = _element_ports(kind)
+    layouts = self._layouts(node, operands, [None] * len(node.outputs))
+    return self._candidates(len(node.outputs), layouts, list(kind.handles_out) + e_out, s_out)
+
   def backward(self, ctx, node, outputs, operands):
-    layouts = self._layouts(node, [None] * len(node.inputs), outputs)
     kind = LIST_OPS[node.op]
     e_in, _, s_in, _ = _element_ports(kind)
-    cands = [[] for _ in node.inputs]
-    for i in list(kind.handles_in) + e_in:
-      cands[i].extend(layouts)
-    for i in s_in:
-      cands[i].extend(_stacked(s) for s in layouts)
-    return cands
+    layouts = self._layouts(node, [None] * len(node.inputs), outputs)
+    return self._candidates(len(node.inputs), layouts, list(kind.handles_in) + e_in, s_in)
 
   def partition(self, ctx, node):
     kind = LIST_OPS[node.op]
