@@ -220,7 +220,7 @@ def _mm_err(k, ma, ea, mb, eb):
   return k * (mb * ea + ma * eb) + (math.sqrt(k) + 1) * k * ma * mb
 
 
-def _tolerance(out, want):
+def _tolerance(out):
   """(atol, rtol) of a float output: TOL_FACTOR * eps32 times its error scale (above), and a few ulps."""
   return TOL_FACTOR * EPS32 * max(out.err, out.mag, 1.0), TOL_FACTOR * EPS32
 
@@ -834,7 +834,7 @@ def _image(draw, b, channels=(1, 2, 3, 4)):
   return b.arg(shape)
 
 
-def _conv_geometry(draw, h, w, kh, kw, padding, stride):
+def _conv_geometry(h, w, kh, kw, padding, stride):
   if padding == "SAME":
     return -(-h // stride), -(-w // stride)
   return (h - kh) // stride + 1, (w - kw) // stride + 1
@@ -848,7 +848,7 @@ def _fam_conv(b):
   stride = _d(draw, (1, 1, 2))
   padding = _d(draw, ("SAME", "VALID"))
   kernel = b.arg((kh, kw, c, co))
-  oh, ow = _conv_geometry(draw, h, w, kh, kw, padding, stride)
+  oh, ow = _conv_geometry(h, w, kh, kw, padding, stride)
   k = kh * kw * c
   b.cur = x
   b.emit(f"tf.nn.conv2d({x}, {kernel}, strides={stride}, padding={padding!r})", (n, oh, ow, co), k,
@@ -864,7 +864,7 @@ def _fam_pool(b):
   n, h, w, c = b.shape
   k, stride = _d(draw, (2, 3)), _d(draw, (1, 2, 3))
   padding = _d(draw, ("SAME", "VALID"))
-  oh, ow = _conv_geometry(draw, h, w, k, k, padding, stride)
+  oh, ow = _conv_geometry(h, w, k, k, padding, stride)
   op = _d(draw, ("max_pool2d", "avg_pool2d"))
   err = 0.0 if op == "max_pool2d" else _sum_err(k * k, 1.0, 0.0) / (k * k) + 1
   b.emit(f"tf.nn.{op}({x}, {k}, {stride}, {padding!r})", (n, oh, ow, c), 1.0, err, tag=("pool",))
@@ -929,14 +929,14 @@ def _fam_gradient(b):
     kh, kw, co = _d(draw, (1, 2, 3)), _d(draw, (1, 2, 3)), _d(draw, (1, 2, 3))
     stride, padding = _d(draw, (1, 2)), _d(draw, ("SAME", "VALID"))
     kern = b.arg((kh, kw, c, co))
-    oh, ow = _conv_geometry(draw, h, w, kh, kw, padding, stride)
+    oh, ow = _conv_geometry(h, w, kh, kw, padding, stride)
     watched, expr, yshape = [x, kern], f"tf.nn.conv2d({x}, {kern}, {stride}, {padding!r})", (n, oh, ow, co)
     fan, ylen = [kh * kw * co, n * oh * ow], kh * kw * c
   elif kind in ("max_pool", "avg_pool"):
     x = _image(draw, b)
     n, h, w, c = b.shape
     k, stride, padding = _d(draw, (2, 3)), _d(draw, (1, 2, 3)), _d(draw, ("SAME", "VALID"))
-    oh, ow = _conv_geometry(draw, h, w, k, k, padding, stride)
+    oh, ow = _conv_geometry(h, w, k, k, padding, stride)
     watched, expr, yshape = [x], f"tf.nn.{kind}2d({x}, {k}, {stride}, {padding!r})", (n, oh, ow, c)
     fan, ylen = [k * k], k * k
   elif kind in ("matmul", "einsum"):
@@ -990,7 +990,7 @@ def _fam_gradient(b):
 
 def _fam_int(b):
   draw = b.draw
-  x = b.arg(_shape(draw, draw(st.integers(1, 3))), "i", -4, 4)
+  b.arg(_shape(draw, draw(st.integers(1, 3))), "i", -4, 4)
   for _ in range(draw(st.integers(1, 3))):
     op = _d(draw, ("binary", "unary", "reduce", "cumsum", "matmul", "view", "gather", "concat", "pad"))
     if op == "binary":
@@ -1023,7 +1023,6 @@ def _fam_int(b):
       _d(draw, (_op_transpose, _op_reshape, _op_slice))(b)
     elif b.rank:
       _op_slice(b)
-  del x
 
 
 def _fam_bool(b):
@@ -1177,7 +1176,7 @@ def _compare(got, want, out, what):
   if out.kind != "f":
     bad = got != want
     return f"{what}: {int(bad.sum())} element(s) differ (exact dtype)" if bad.any() else None
-  atol, rtol = _tolerance(out, want)
+  atol, rtol = _tolerance(out)
   diff = np.abs(got.astype(np.float64) - want)
   bad = ~(diff <= atol + rtol * np.abs(want))
   if bad.any():
