@@ -205,7 +205,9 @@ def _avg_scale(ctx, layout, dims, d, first, count):
         continue
       tiles = np.array([layout.tile_index(p, d) for p in range(ctx.mesh.size)])
       table = (g.taps / np.where(cnt > 0, cnt, g.taps)).astype(np.float32)[tiles]
-      f = tf.reshape(ctx.lookup(table, f"avg_scale_{d}_{count}"), [1, count, 1, 1])
+      shape = [1, 1, 1, 1]
+      shape[d] = count
+      f = tf.reshape(ctx.lookup(table, f"avg_scale_{d}_{count}"), shape)
     else:
       cnt = g.count(np.arange(g.out))
       if np.all(cnt == g.taps):

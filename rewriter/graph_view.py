@@ -141,11 +141,22 @@ class GraphView:
     A control input that becomes a duplicate is dropped.
     """
     old, new = normalize(old), normalize(new)
-    for nd, _ in list(self.consumers(old)):
+    users = []
+    for nd, _ in self.consumers(old):
+      if not any(u is nd for u in users):
+        users.append(nd)
+    # The fan-out index is updated in place for the nodes edited (rebuilding it per rewire makes a pass that
+    # rewires every op quadratic in the graph's size).
+    fanout = self._fanout
+    for nd in users:
+      for i in set(nd.input):
+        key = normalize(i)
+        fanout[key] = [(n, k) for n, k in fanout.get(key, ()) if n is not nd]
       inputs = [new if normalize(i) == old else i for i in nd.input]
       nd.ClearField("input")
       nd.input.extend(dedupe_controls(inputs))
-    self._changed()
+      for k, i in enumerate(nd.input):
+        fanout.setdefault(normalize(i), []).append((nd, k))
 
   def _changed(self):
     self._by_name = None

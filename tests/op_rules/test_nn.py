@@ -157,3 +157,23 @@ def test_conv_gradients_keep_rows_split_with_halos_only(rng, kernel):
   assert low.out_shardings[0].spec == P("data", "spatial", None, None)
   for got, want in zip(g(x, w), f(tf.constant(x), tf.constant(w))):
     assert_close(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("spec", [P(None, None, "b"), P(None, "a", "b")], ids=["width", "height_and_width"])
+def test_same_avg_pool_with_split_width_scales_its_edge_windows(rng, spec):
+  """Regression: the per-device count of a SAME average's edge windows along a split width lies along the width
+  (it was laid along the height, a shape error)."""
+  mesh = gs.Mesh((2, 4), ("a", "b"))
+  x = rng.uniform(-1, 1, (2, 9, 6, 2)).astype(np.float32)
+  g = rng.uniform(-1, 1, (2, 9, 6, 2)).astype(np.float32)
+
+  def fn(x, g):
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      y = tf.nn.avg_pool2d(x, 3, 1, "SAME")
+      loss = tf.reduce_sum(y * g)
+    return y, tape.gradient(loss, x)
+
+  f = gs.function(fn, mesh=mesh, in_shardings=(spec, spec))
+  for got, want in zip(f(x, g), fn(tf.constant(x), tf.constant(g))):
+    assert_close(got.numpy(), want.numpy())
