@@ -445,17 +445,27 @@ def _import_library(program):
     tf.graph_util.import_graph_def(lib, name="")
 
 
+def variable_shard_bytes(program, name):
+  """Bytes of one device's shard of the captured variable behind handle `name` (padding included), or None when
+  its value's shape is unknown."""
+  info, layout = program.ir.info(ref(name)), program.shardings[ref(name)]
+  if info.value_shape is None:
+    return None
+  local = info.value_shape if layout.is_maximal else layout.with_rank(len(info.value_shape)).shard_shape(
+      info.value_shape)
+  return int(np.prod(local)) * info.value_dtype.size
+
+
 def _state_records(program):
   records = []
   for name, var in zip(program.variable_names, program.variables):
-    info, layout = program.ir.info(ref(name)), program.shardings[ref(name)]
-    if info.value_shape is None:
+    local = variable_shard_bytes(program, name)
+    if local is None:
       continue
-    local = info.value_shape if layout.is_maximal else layout.with_rank(len(info.value_shape)).shard_shape(
-        info.value_shape)
-    size = info.value_dtype.size
-    records.append(StateRecord(var.name if var is not None else name, info.value_shape, str(layout),
-                               int(np.prod(local)) * size, int(np.prod(info.value_shape)) * size,
+    info = program.ir.info(ref(name))
+    records.append(StateRecord(var.name if var is not None else name, info.value_shape,
+                               str(program.shardings[ref(name)]), local,
+                               int(np.prod(info.value_shape)) * info.value_dtype.size,
                                "update state" if name in program.update_state else "weight"))
   return records
 

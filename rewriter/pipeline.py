@@ -14,8 +14,8 @@ import time
 from typing import Any, Optional, Tuple
 
 from tf_gspmd.errors import PartitionError, ShardingError
-from tf_gspmd.rewriter import (cleanup, combine, completion, grappler, import_annotations, jit, partition, trace,
-                               weight_update)
+from tf_gspmd.rewriter import (cleanup, combine, completion, grappler, import_annotations, jit, memory, partition,
+                               trace, weight_update)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +91,7 @@ PASSES = (
     ("combine", combine.run),                      # independent all-reduces merged into one collective
     ("cleanup", cleanup.run),                      # dead nodes removed
     ("verify", cleanup.verify),                    # invariants of the per-device program
+    ("memory", memory.run),                        # estimated peak bytes per device (report.memory)
     ("compile", jit.run),                          # XLA: segments between collectives (CPU) or whole (GPU, TPU)
 )
 

@@ -99,6 +99,45 @@ class StateRecord:
   role: str               # "weight" (read by the computation) or "update state" (optimizer slots, counters)
 
 
+@dataclasses.dataclass(frozen=True)
+class LiveBuffer:
+  """A buffer live at the estimated peak: the op that allocated it and its size on one device."""
+
+  op: str
+  op_type: str
+  dtype: str
+  shape: Tuple[int, ...]
+  bytes: int
+
+  def __str__(self):
+    return f"{self.op} ({self.op_type}) {self.dtype}[{_shape_str(self.shape)}] {self.bytes:,} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+  """Peak bytes one device holds while running the per-device program (see `rewriter.memory`).
+
+  `peak_bytes` = arguments + state + constants + activations, all at the peak; `collective_bytes` is the part of
+  the activations that collectives produced (their receive buffers). `at` is the op running at the peak and
+  `largest` the largest buffers live there (up to five).
+  """
+
+  peak_bytes: int
+  argument_bytes: int
+  state_bytes: int
+  constant_bytes: int
+  activation_bytes: int
+  collective_bytes: int
+  at: str
+  largest: Tuple[LiveBuffer, ...] = ()
+
+  def __str__(self):
+    largest = "; ".join(str(b) for b in self.largest)
+    return (f"peak memory {self.peak_bytes:,} B per device (estimate): arguments {self.argument_bytes:,} + variables "
+            f"{self.state_bytes:,} + constants {self.constant_bytes:,} + live activations {self.activation_bytes:,} "
+            f"(collective buffers {self.collective_bytes:,}) at {self.at}" + (f"; largest: {largest}" if largest else ""))
+
+
 @dataclasses.dataclass
 class Report:
   collectives: List[CollectiveRecord] = dataclasses.field(default_factory=list)
@@ -109,6 +148,12 @@ class Report:
   pass_times: dict = dataclasses.field(default_factory=dict)
   state: List[StateRecord] = dataclasses.field(default_factory=list)
   combined: List[Tuple[int, int]] = dataclasses.field(default_factory=list)  # (all-reduces merged, bytes) each
+  memory: Optional[MemoryEstimate] = None   # the per-device program's estimated peak (the memory pass)
+
+  @property
+  def peak_bytes_per_device(self):
+    """Estimated peak bytes one device holds during the program (None before the memory pass ran)."""
+    return None if self.memory is None else self.memory.peak_bytes
 
   def add(self, record):
     self.collectives.append(record)
@@ -200,6 +245,8 @@ class Report:
       if any(r.role == role for r in self.state):
         local, total = self.state_bytes(role)
         lines.append(f"{role} variables: {local:,} B per device of {total:,} B")
+    if self.memory is not None:
+      lines.append(str(self.memory))
     if self.fallbacks:
       lines.append("replicated fallback for: " + ", ".join(f"{n} ({op})" for n, op in self.fallbacks))
     lines += ["warning: " + w for w in self.warnings]
