@@ -29,6 +29,7 @@ lowering for thousands of devices stays fast.
 """
 
 import heapq
+import math
 
 import tensorflow as tf
 
@@ -57,7 +58,7 @@ def _bytes(t):
 class _Program:
   """One GraphDef's buffers: who allocates what, how many reads each buffer has, which ones never die."""
 
-  def __init__(self, graph_def, arguments, variables, outputs):
+  def __init__(self, graph_def, arguments, variables, outputs, known=None):
     graph = tf.Graph()
     with graph.as_default():
       tf.graph_util.import_graph_def(graph_def, name="")
@@ -66,9 +67,11 @@ class _Program:
     self.ops = {op.name: op for op in graph.get_operations()}
     self.buffer = {}        # tensor ref -> the ref of the buffer it is (itself, or what it aliases)
     self.size = {}          # buffer ref -> bytes (activations only)
+    self.shape = {}         # buffer ref -> its static shape, where TF did not infer it
     self.reads = {}         # buffer ref -> number of op inputs reading it
     self.argument_bytes = self.state_bytes = self.constant_bytes = 0
-    persistent = set()
+    known = known or {}
+    persistent, unsized = set(), set()
     for nd in self.order:
       op = self.ops[nd.name]
       inputs = [self.buffer[normalize(i)] for i in nd.input if not is_control(i)]
@@ -78,6 +81,10 @@ class _Program:
         r = ref(nd.name, k)
         if nd.op in ALIASING_OPS and k < len(inputs) and (k == 0 or nd.op == "IdentityN"):
           self.buffer[r] = inputs[k]
+          if inputs[k] in unsized and t.shape.is_fully_defined():   # e.g. the static reshape after a gather
+            self.size[inputs[k]] = _bytes(t)
+            self.shape[inputs[k]] = tuple(t.shape.as_list())
+            unsized.discard(inputs[k])
           continue
         self.buffer[r] = r
         if nd.name in variables:
@@ -89,8 +96,13 @@ class _Program:
         elif nd.op in CONSTANT_OPS:
           self.constant_bytes += _bytes(t)
           persistent.add(r)
+        elif r in known and t.dtype not in _OPAQUE:
+          self.shape[r] = tuple(known[r])
+          self.size[r] = math.prod(known[r]) * t.dtype.size
         else:
           self.size[r] = _bytes(t)
+          if t.dtype not in _OPAQUE and not t.shape.is_fully_defined():
+            unsized.add(r)
     self.pinned = persistent | {self.buffer[r] for r in outputs}
 
   def _inner(self, nd, cache):
@@ -153,7 +165,7 @@ class _Program:
       return self.ops[name].outputs[int(k)]
 
     buffers = [LiveBuffer(tensor(r).op.name, tensor(r).op.type, tensor(r).dtype.name,
-                          tuple(tensor(r).shape.as_list()), b)
+                          self.shape.get(r, tuple(tensor(r).shape.as_list())), b)
                for r, b in heapq.nlargest(LARGEST, live.items(), key=lambda kv: (kv[1], kv[0]))]
     if extra:   # a control-flow op's bodies, as one buffer
       buffers = sorted(buffers + [LiveBuffer(nd.name, f"{nd.op} body", "-", (), extra)],
@@ -166,7 +178,7 @@ class _Program:
                           collective_bytes=collective, at=f"{nd.name} ({nd.op})", largest=tuple(buffers))
 
 
-def estimate(graph_def, arguments=(), variables=None, outputs=()):
+def estimate(graph_def, arguments=(), variables=None, outputs=(), known=None):
   """The MemoryEstimate of a GraphDef whose tensors all have static shapes.
 
   Args:
@@ -174,15 +186,20 @@ def estimate(graph_def, arguments=(), variables=None, outputs=()):
     arguments: names of its argument Placeholders (live throughout).
     variables: {resource Placeholder name: bytes of the variable behind it} (live throughout).
     outputs: refs ("node:index") of its results (live from when they are computed).
+    known: {ref: shape} of tensors whose static shape TF does not infer (a CollectiveGatherV2's first dimension);
+      a tensor without a static shape otherwise takes the size of a statically shaped alias of it (the Reshape
+      that follows a gather), or counts 0.
   """
   if not graph_def.node:
     return MemoryEstimate(0, 0, 0, 0, 0, 0, "-")
-  return _Program(graph_def, set(arguments), dict(variables or {}), [normalize(r) for r in outputs]).simulate({})[0]
+  return _Program(graph_def, set(arguments), dict(variables or {}), [normalize(r) for r in outputs],
+                  known).simulate({})[0]
 
 
 def run(program):
   """Pass: the per-device program's estimated peak memory, into `report.memory`."""
   variables = {name: variable_shard_bytes(program, name) or 0 for name in program.local_variables}
   arguments = list(program.local_inputs) + ([program.partition_id] if program.partition_id else [])
-  program.report.memory = estimate(program.local_graph_def, arguments, variables, program.local_outputs)
+  known = {ref(name): e.shape for name, e in (program.collective_ops or {}).items()}   # what a collective carries
+  program.report.memory = estimate(program.local_graph_def, arguments, variables, program.local_outputs, known)
   return program

@@ -78,7 +78,11 @@ class PartitionContext:
       return value
     key = (r, sharding)
     if key not in self._reshards:
-      with tf.name_scope(self._scope()):
+      # Asked for: the node's result is pinned to the layout its operand is brought to (e.g. out_shardings=P() on
+      # an identity of a split value).
+      pinned = self.program.annotations or {}
+      requested = any(pinned.get(self.node.ref(o)) == sharding for o in range(len(self.node.outputs)))
+      with tf.name_scope(self._scope()), self.report.resharding_of(public_key(r), have, sharding, requested):
         reason = f"operand {i} of {self.node.name} ({self.node.op}) needs {sharding}, {public_key(r)} is {have}"
         self._reshards[key] = reshard.emit_reshard(self, value, info.shape, have, sharding, None, self.node.name,
                                                    reason)
@@ -332,7 +336,8 @@ class PartitionContext:
     target = self.program.shardings[r]
     info = self.ir.info(r)
     if info.partitionable and (partial or natural != target.with_rank(len(info.shape))):
-      with tf.name_scope(self._scope()):
+      requested = (self.program.annotations or {}).get(r) is not None   # the user pinned the result's layout
+      with tf.name_scope(self._scope()), self.report.resharding_of(public_key(r), natural, target, requested):
         what = f"{self.node.name} ({self.node.op}) produces {natural}"
         if partial:
           what += f" as partial {partial[1]} over {axes_text(partial[0])}"
@@ -477,7 +482,7 @@ def run(program):
   stored layout and whether the program may write it (any use of its handle but a read), per output its
   sharding, global shape and dtype. Later passes keep these boundary nodes in place.
   """
-  report = Report(completion_iterations=program.completion_iterations)
+  report = Report(completion_iterations=program.completion_iterations, strict=program.options.strict)
   graph = tf.Graph()
   with graph.as_default():
     _import_library(program)

@@ -12,10 +12,12 @@ emitted ops (what the program sends), `logical_bytes_per_device()` the logical c
 """
 
 import collections
+import contextlib
 import dataclasses
 from typing import List, Optional, Tuple
 
 from tf_gspmd._mesh import axes_text
+from tf_gspmd.errors import PartitionError
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 LARGE_GATHER_BYTES = 1 << 20
@@ -149,16 +151,49 @@ class Report:
   state: List[StateRecord] = dataclasses.field(default_factory=list)
   combined: List[Tuple[int, int]] = dataclasses.field(default_factory=list)  # (all-reduces merged, bytes) each
   memory: Optional[MemoryEstimate] = None   # the per-device program's estimated peak (the memory pass)
+  strict: bool = False   # gs.function(strict=True): an involuntary full rematerialization is an error
+  # (tensor, its layout, the layout wanted, whether a sharding the user pinned asked for it) while a reshard emits
+  resharding: Optional[Tuple[str, str, str, bool]] = dataclasses.field(default=None, repr=False, compare=False)
 
   @property
   def peak_bytes_per_device(self):
     """Estimated peak bytes one device holds during the program (None before the memory pass ran)."""
     return None if self.memory is None else self.memory.peak_bytes
 
+  @contextlib.contextmanager
+  def resharding_of(self, tensor, have, want, requested):
+    """Collectives recorded inside reshard `tensor` from layout `have` to `want`. `requested`: the user pinned
+    `want` there (an annotation, in_shardings or out_shardings), so a large gather it takes is what they asked for,
+    not one the partitioner fell back to."""
+    previous = self.resharding
+    self.resharding = (tensor, str(have), str(want), requested)
+    try:
+      yield
+    finally:
+      self.resharding = previous
+
   def add(self, record):
-    self.collectives.append(record)
+    """Record a collective. An all-gather of more than LARGE_GATHER_BYTES per device that no pinned sharding asked
+    for is an *involuntary full rematerialization* (an op's rule could not use the layout its operand has, or
+    completion chose a layout the value then has to be gathered into): a warning, or with strict=True a
+    PartitionError naming the tensor, its layout and the fix."""
     if record.kind == "all-gather" and record.bytes > LARGE_GATHER_BYTES:
+      tensor, have, want, requested = self.resharding or (None, None, None, False)
+      if requested:
+        self.collectives.append(record)
+        return
+      if self.strict:
+        value = f"{record.dtype}[{_shape_str(record.shape)}]"
+        what = f"{tensor} ({value}), laid out as {have}, is gathered whole into {want}" if tensor else (
+            f"{value} is gathered whole")
+        raise PartitionError(
+            f"strict=True forbids an involuntary full rematerialization: {what} ({record.bytes:,} B per device "
+            f"over {axes_text(record.axes)}) because {record.reason}. Fix: annotate the tensor (gs.shard, in_shardings or "
+            "out_shardings) with a layout its consumer can use as it is, change the layout of the values it is "
+            "computed from so that the op's split dimensions agree, or pass strict=False to accept the gather",
+            node=record.source)
       self.warnings.append(f"involuntary full rematerialization: {record}")
+    self.collectives.append(record)
 
   def counts(self):
     """{kind: number of collectives} for the kinds present."""
