@@ -33,10 +33,11 @@ import math
 
 import tensorflow as tf
 
+from tf_gspmd import _compat
 from tf_gspmd.rewriter import functions
 from tf_gspmd.rewriter.collectives import TF_COLLECTIVE_OPS
 from tf_gspmd.rewriter.graph_view import GraphView, function_names, is_control, normalize, ref
-from tf_gspmd.rewriter.partition import variable_shard_bytes
+from tf_gspmd.rewriter.partition import variable_shard
 from tf_gspmd.rewriter.report import LiveBuffer, MemoryEstimate
 
 # Ops whose output k is their input k's buffer (IdentityN: every output; the others: output 0).
@@ -58,10 +59,10 @@ def _bytes(t):
 class _Program:
   """One GraphDef's buffers: who allocates what, how many reads each buffer has, which ones never die."""
 
-  def __init__(self, graph_def, arguments, variables, outputs, known=None):
-    graph = tf.Graph()
-    with graph.as_default():
-      tf.graph_util.import_graph_def(graph_def, name="")
+  def __init__(self, graph_def, arguments, variables, outputs, known=None, handles=None):
+    handles = dict(handles or {})
+    graph = _imported(graph_def, handles)
+    self.handles = {ref(name): value for name, value in handles.items()}   # buffer -> (shape, dtype) behind it
     self.library = graph_def.library
     self.order = GraphView(graph_def).order()
     self.ops = {op.name: op for op in graph.get_operations()}
@@ -88,7 +89,7 @@ class _Program:
           continue
         self.buffer[r] = r
         if nd.name in variables:
-          self.state_bytes += variables[nd.name]
+          self.state_bytes += math.prod(variables[nd.name][0]) * variables[nd.name][1].size
           persistent.add(r)
         elif nd.name in arguments:
           self.argument_bytes += _bytes(t)
@@ -116,10 +117,13 @@ class _Program:
         continue
       n = len(names[fname].signature.input_arg)
       arg_shapes = tuple(tuple(s.as_list()) if s.is_fully_defined() else None for s in shapes[len(shapes) - n:])
-      key = (fname, arg_shapes)
+      carried = tuple(self.handles.get(self.buffer[normalize(i)])
+                      for i in [i for i in nd.input if not is_control(i)][len(shapes) - n:])
+      key = (fname, arg_shapes, carried)
       if key not in cache:
         gd, params, results = functions.body_graph_def(self.library, fname, arg_shapes)
-        body = _Program(gd, set(params), {}, results)
+        body = _Program(gd, set(params), {}, results,
+                        handles={p: h for p, h in zip(params, carried) if h is not None})
         peak = body.simulate(cache)[0]
         cache[key] = peak.peak_bytes - peak.argument_bytes
       most = max(most, cache[key])
@@ -178,13 +182,28 @@ class _Program:
                           collective_bytes=collective, at=f"{nd.name} ({nd.op})", largest=tuple(buffers))
 
 
+def _imported(graph_def, handles):
+  """`graph_def` imported for its shapes. A GraphDef does not carry what a resource placeholder's variable holds,
+  so the placeholders of `handles` ({name: (shape, dtype)}) are fed by placeholders that say it: variable reads
+  get their static shapes, and so does what is computed from them."""
+  graph = tf.Graph()
+  with graph.as_default():
+    feeds = {}
+    for k, (name, (shape, dtype)) in enumerate(sorted(handles.items())):
+      handle = tf.compat.v1.placeholder(tf.resource, [], name=f"gspmd_memory/handle_{k}")
+      _compat.set_resource_shape(handle, tf.TensorShape(shape), dtype)
+      feeds[ref(name)] = handle
+    tf.graph_util.import_graph_def(graph_def, input_map=feeds or None, name="")
+  return graph
+
+
 def estimate(graph_def, arguments=(), variables=None, outputs=(), known=None):
   """The MemoryEstimate of a GraphDef whose tensors all have static shapes.
 
   Args:
     graph_def: the program (with the library of its control-flow bodies).
     arguments: names of its argument Placeholders (live throughout).
-    variables: {resource Placeholder name: bytes of the variable behind it} (live throughout).
+    variables: {resource Placeholder name: (shape, dtype) of the variable (shard) behind it} (live throughout).
     outputs: refs ("node:index") of its results (live from when they are computed).
     known: {ref: shape} of tensors whose static shape TF does not infer (a CollectiveGatherV2's first dimension);
       a tensor without a static shape otherwise takes the size of a statically shaped alias of it (the Reshape
@@ -192,13 +211,15 @@ def estimate(graph_def, arguments=(), variables=None, outputs=(), known=None):
   """
   if not graph_def.node:
     return MemoryEstimate(0, 0, 0, 0, 0, 0, "-")
-  return _Program(graph_def, set(arguments), dict(variables or {}), [normalize(r) for r in outputs],
-                  known).simulate({})[0]
+  variables = dict(variables or {})
+  return _Program(graph_def, set(arguments), variables, [normalize(r) for r in outputs], known,
+                  variables).simulate({})[0]
 
 
 def run(program):
   """Pass: the per-device program's estimated peak memory, into `report.memory`."""
-  variables = {name: variable_shard_bytes(program, name) or 0 for name in program.local_variables}
+  variables = {name: variable_shard(program, name) for name in program.local_variables}
+  variables = {name: shard for name, shard in variables.items() if shard is not None}
   arguments = list(program.local_inputs) + ([program.partition_id] if program.partition_id else [])
   known = {ref(name): e.shape for name, e in (program.collective_ops or {}).items()}   # what a collective carries
   program.report.memory = estimate(program.local_graph_def, arguments, variables, program.local_outputs, known)

@@ -450,15 +450,21 @@ def _import_library(program):
     tf.graph_util.import_graph_def(lib, name="")
 
 
-def variable_shard_bytes(program, name):
-  """Bytes of one device's shard of the captured variable behind handle `name` (padding included), or None when
-  its value's shape is unknown."""
+def variable_shard(program, name):
+  """(shape, dtype) of one device's shard of the captured variable behind handle `name` (padding included), or
+  None when its value's shape is unknown."""
   info, layout = program.ir.info(ref(name)), program.shardings[ref(name)]
   if info.value_shape is None:
     return None
   local = info.value_shape if layout.is_maximal else layout.with_rank(len(info.value_shape)).shard_shape(
       info.value_shape)
-  return int(np.prod(local)) * info.value_dtype.size
+  return tuple(local), info.value_dtype
+
+
+def variable_shard_bytes(program, name):
+  """Bytes of one device's shard of the captured variable behind handle `name`, or None (shape unknown)."""
+  shard = variable_shard(program, name)
+  return None if shard is None else int(np.prod(shard[0])) * shard[1].size
 
 
 def _state_records(program):
