@@ -20,7 +20,7 @@ from tf_gspmd.rewriter import (cleanup, combine, completion, grappler, import_an
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-  strict: bool = False               # an op without a rule is an error instead of a replicated fallback
+  strict: bool = False               # an op without a rule, or an involuntary full gather, is an error
   collective_timeout: float = 300.0  # seconds before a stuck program's collectives are aborted
   weight_update_sharding: Any = None  # None/False, True (the "data" axis, else the first), or a mesh axis name
   jit_compile: Any = "auto"          # "auto" (GPU/TPU), True (every backend; CPU in segments), False
