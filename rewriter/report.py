@@ -137,7 +137,8 @@ class MemoryEstimate:
     largest = "; ".join(str(b) for b in self.largest)
     return (f"peak memory {self.peak_bytes:,} B per device (estimate): arguments {self.argument_bytes:,} + variables "
             f"{self.state_bytes:,} + constants {self.constant_bytes:,} + live activations {self.activation_bytes:,} "
-            f"(collective buffers {self.collective_bytes:,}) at {self.at}" + (f"; largest: {largest}" if largest else ""))
+            f"(collective buffers {self.collective_bytes:,}) at {self.at}"
+            + (f"; largest: {largest}" if largest else ""))
 
 
 @dataclasses.dataclass
@@ -188,8 +189,8 @@ class Report:
             f"{value} is gathered whole")
         raise PartitionError(
             f"strict=True forbids an involuntary full rematerialization: {what} ({record.bytes:,} B per device "
-            f"over {axes_text(record.axes)}) because {record.reason}. Fix: annotate the tensor (gs.shard, in_shardings or "
-            "out_shardings) with a layout its consumer can use as it is, change the layout of the values it is "
+            f"over {axes_text(record.axes)}) because {record.reason}. Fix: annotate the tensor (gs.shard, "
+            "in_shardings or out_shardings) with a layout its consumer can use as it is, change the layout of the values it is "
             "computed from so that the op's split dimensions agree, or pass strict=False to accept the gather",
             node=record.source)
       self.warnings.append(f"involuntary full rematerialization: {record}")
