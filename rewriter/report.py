@@ -190,8 +190,9 @@ class Report:
         raise PartitionError(
             f"strict=True forbids an involuntary full rematerialization: {what} ({record.bytes:,} B per device "
             f"over {axes_text(record.axes)}) because {record.reason}. Fix: annotate the tensor (gs.shard, "
-            "in_shardings or out_shardings) with a layout its consumer can use as it is, change the layout of the values it is "
-            "computed from so that the op's split dimensions agree, or pass strict=False to accept the gather",
+            "in_shardings or out_shardings) with a layout its consumer can use as it is, change the layout of the "
+            "values it is computed from so that the op's split dimensions agree, or pass strict=False to accept the "
+            "gather",
             node=record.source)
       self.warnings.append(f"involuntary full rematerialization: {record}")
     self.collectives.append(record)
