@@ -79,6 +79,11 @@ def plan(task):
   hosts = f" on {FLAGS.plan_hosts} hosts x {mesh.size // FLAGS.plan_hosts}" if FLAGS.plan_hosts else ""
   print(f"{task.name}: plan for mesh {dict(zip(mesh.axis_names, mesh.shape))} ({mesh.size} devices{hosts}), "
         f"lowered in {took:.1f} s without the devices")
+  memory = low.report.memory
+  print(f"estimated peak memory: {memory.peak_bytes / 2**20:,.2f} MiB per device ({memory.peak_bytes:,} B: variables "
+        f"{memory.state_bytes:,}, arguments {memory.argument_bytes:,}, constants {memory.constant_bytes:,}, "
+        f"activations {memory.activation_bytes:,} at the peak; estimated in "
+        f"{low.report.pass_times.get('memory', 0.0):.2f} s)")
   print("variables:")
   for r in low.report.state:
     print(f"  {r.name:48s} {str(list(r.shape)):18s} {r.sharding:32s} {r.bytes_per_device:>12,} B/device")

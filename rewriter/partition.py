@@ -78,7 +78,11 @@ class PartitionContext:
       return value
     key = (r, sharding)
     if key not in self._reshards:
-      with tf.name_scope(self._scope()):
+      # Asked for: the node's result is pinned to the layout its operand is brought to (e.g. out_shardings=P() on
+      # an identity of a split value).
+      pinned = self.program.annotations or {}
+      requested = any(pinned.get(self.node.ref(o)) == sharding for o in range(len(self.node.outputs)))
+      with tf.name_scope(self._scope()), self.report.resharding_of(public_key(r), have, sharding, requested):
         reason = f"operand {i} of {self.node.name} ({self.node.op}) needs {sharding}, {public_key(r)} is {have}"
         self._reshards[key] = reshard.emit_reshard(self, value, info.shape, have, sharding, None, self.node.name,
                                                    reason)
@@ -332,7 +336,8 @@ class PartitionContext:
     target = self.program.shardings[r]
     info = self.ir.info(r)
     if info.partitionable and (partial or natural != target.with_rank(len(info.shape))):
-      with tf.name_scope(self._scope()):
+      requested = (self.program.annotations or {}).get(r) is not None   # the user pinned the result's layout
+      with tf.name_scope(self._scope()), self.report.resharding_of(public_key(r), natural, target, requested):
         what = f"{self.node.name} ({self.node.op}) produces {natural}"
         if partial:
           what += f" as partial {partial[1]} over {axes_text(partial[0])}"
@@ -445,17 +450,33 @@ def _import_library(program):
     tf.graph_util.import_graph_def(lib, name="")
 
 
+def variable_shard(program, name):
+  """(shape, dtype) of one device's shard of the captured variable behind handle `name` (padding included), or
+  None when its value's shape is unknown."""
+  info, layout = program.ir.info(ref(name)), program.shardings[ref(name)]
+  if info.value_shape is None:
+    return None
+  local = info.value_shape if layout.is_maximal else layout.with_rank(len(info.value_shape)).shard_shape(
+      info.value_shape)
+  return tuple(local), info.value_dtype
+
+
+def variable_shard_bytes(program, name):
+  """Bytes of one device's shard of the captured variable behind handle `name`, or None (shape unknown)."""
+  shard = variable_shard(program, name)
+  return None if shard is None else int(np.prod(shard[0])) * shard[1].size
+
+
 def _state_records(program):
   records = []
   for name, var in zip(program.variable_names, program.variables):
-    info, layout = program.ir.info(ref(name)), program.shardings[ref(name)]
-    if info.value_shape is None:
+    local = variable_shard_bytes(program, name)
+    if local is None:
       continue
-    local = info.value_shape if layout.is_maximal else layout.with_rank(len(info.value_shape)).shard_shape(
-        info.value_shape)
-    size = info.value_dtype.size
-    records.append(StateRecord(var.name if var is not None else name, info.value_shape, str(layout),
-                               int(np.prod(local)) * size, int(np.prod(info.value_shape)) * size,
+    info = program.ir.info(ref(name))
+    records.append(StateRecord(var.name if var is not None else name, info.value_shape,
+                               str(program.shardings[ref(name)]), local,
+                               int(np.prod(info.value_shape)) * info.value_dtype.size,
                                "update state" if name in program.update_state else "weight"))
   return records
 
@@ -467,7 +488,7 @@ def run(program):
   stored layout and whether the program may write it (any use of its handle but a read), per output its
   sharding, global shape and dtype. Later passes keep these boundary nodes in place.
   """
-  report = Report(completion_iterations=program.completion_iterations)
+  report = Report(completion_iterations=program.completion_iterations, strict=program.options.strict)
   graph = tf.Graph()
   with graph.as_default():
     _import_library(program)

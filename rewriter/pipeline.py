@@ -14,13 +14,13 @@ import time
 from typing import Any, Optional, Tuple
 
 from tf_gspmd.errors import PartitionError, ShardingError
-from tf_gspmd.rewriter import (cleanup, combine, completion, grappler, import_annotations, jit, partition, trace,
-                               weight_update)
+from tf_gspmd.rewriter import (cleanup, combine, completion, grappler, import_annotations, jit, memory, partition,
+                               trace, weight_update)
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-  strict: bool = False               # an op without a rule is an error instead of a replicated fallback
+  strict: bool = False               # an op without a rule, or an involuntary full gather, is an error
   collective_timeout: float = 300.0  # seconds before a stuck program's collectives are aborted
   weight_update_sharding: Any = None  # None/False, True (the "data" axis, else the first), or a mesh axis name
   jit_compile: Any = "auto"          # "auto" (GPU/TPU), True (every backend; CPU in segments), False
@@ -91,6 +91,7 @@ PASSES = (
     ("combine", combine.run),                      # independent all-reduces merged into one collective
     ("cleanup", cleanup.run),                      # dead nodes removed
     ("verify", cleanup.verify),                    # invariants of the per-device program
+    ("memory", memory.run),                        # estimated peak bytes per device (report.memory)
     ("compile", jit.run),                          # XLA: segments between collectives (CPU) or whole (GPU, TPU)
 )
 

@@ -12,10 +12,12 @@ emitted ops (what the program sends), `logical_bytes_per_device()` the logical c
 """
 
 import collections
+import contextlib
 import dataclasses
 from typing import List, Optional, Tuple
 
 from tf_gspmd._mesh import axes_text
+from tf_gspmd.errors import PartitionError
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 LARGE_GATHER_BYTES = 1 << 20
@@ -99,6 +101,46 @@ class StateRecord:
   role: str               # "weight" (read by the computation) or "update state" (optimizer slots, counters)
 
 
+@dataclasses.dataclass(frozen=True)
+class LiveBuffer:
+  """A buffer live at the estimated peak: the op that allocated it and its size on one device."""
+
+  op: str
+  op_type: str
+  dtype: str
+  shape: Tuple[int, ...]
+  bytes: int
+
+  def __str__(self):
+    return f"{self.op} ({self.op_type}) {self.dtype}[{_shape_str(self.shape)}] {self.bytes:,} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+  """Peak bytes one device holds while running the per-device program (see `rewriter.memory`).
+
+  `peak_bytes` = arguments + state + constants + activations, all at the peak; `collective_bytes` is the part of
+  the activations that collectives produced (their receive buffers). `at` is the op running at the peak and
+  `largest` the largest buffers live there (up to five).
+  """
+
+  peak_bytes: int
+  argument_bytes: int
+  state_bytes: int
+  constant_bytes: int
+  activation_bytes: int
+  collective_bytes: int
+  at: str
+  largest: Tuple[LiveBuffer, ...] = ()
+
+  def __str__(self):
+    largest = "; ".join(str(b) for b in self.largest)
+    return (f"peak memory {self.peak_bytes:,} B per device (estimate): arguments {self.argument_bytes:,} + variables "
+            f"{self.state_bytes:,} + constants {self.constant_bytes:,} + live activations {self.activation_bytes:,} "
+            f"(collective buffers {self.collective_bytes:,}) at {self.at}"
+            + (f"; largest: {largest}" if largest else ""))
+
+
 @dataclasses.dataclass
 class Report:
   collectives: List[CollectiveRecord] = dataclasses.field(default_factory=list)
@@ -109,11 +151,51 @@ class Report:
   pass_times: dict = dataclasses.field(default_factory=dict)
   state: List[StateRecord] = dataclasses.field(default_factory=list)
   combined: List[Tuple[int, int]] = dataclasses.field(default_factory=list)  # (all-reduces merged, bytes) each
+  memory: Optional[MemoryEstimate] = None   # the per-device program's estimated peak (the memory pass)
+  strict: bool = False   # gs.function(strict=True): an involuntary full rematerialization is an error
+  # (tensor, its layout, the layout wanted, whether a sharding the user pinned asked for it) while a reshard emits
+  resharding: Optional[Tuple[str, str, str, bool]] = dataclasses.field(default=None, repr=False, compare=False)
+
+  @property
+  def peak_bytes_per_device(self):
+    """Estimated peak bytes one device holds during the program (None before the memory pass ran)."""
+    return None if self.memory is None else self.memory.peak_bytes
+
+  @contextlib.contextmanager
+  def resharding_of(self, tensor, have, want, requested):
+    """Collectives recorded inside reshard `tensor` from layout `have` to `want`. `requested`: the user pinned
+    `want` there (an annotation, in_shardings or out_shardings), so a large gather it takes is what they asked for,
+    not one the partitioner fell back to."""
+    previous = self.resharding
+    self.resharding = (tensor, str(have), str(want), requested)
+    try:
+      yield
+    finally:
+      self.resharding = previous
 
   def add(self, record):
-    self.collectives.append(record)
+    """Record a collective. An all-gather of more than LARGE_GATHER_BYTES per device that no pinned sharding asked
+    for is an *involuntary full rematerialization* (an op's rule could not use the layout its operand has, or
+    completion chose a layout the value then has to be gathered into): a warning, or with strict=True a
+    PartitionError naming the tensor, its layout and the fix."""
     if record.kind == "all-gather" and record.bytes > LARGE_GATHER_BYTES:
+      tensor, have, want, requested = self.resharding or (None, None, None, False)
+      if requested:
+        self.collectives.append(record)
+        return
+      if self.strict:
+        value = f"{record.dtype}[{_shape_str(record.shape)}]"
+        what = f"{tensor} ({value}), laid out as {have}, is gathered whole into {want}" if tensor else (
+            f"{value} is gathered whole")
+        raise PartitionError(
+            f"strict=True forbids an involuntary full rematerialization: {what} ({record.bytes:,} B per device "
+            f"over {axes_text(record.axes)}) because {record.reason}. Fix: annotate the tensor (gs.shard, "
+            "in_shardings or out_shardings) with a layout its consumer can use as it is, change the layout of the "
+            "values it is computed from so that the op's split dimensions agree, or pass strict=False to accept the "
+            "gather",
+            node=record.source)
       self.warnings.append(f"involuntary full rematerialization: {record}")
+    self.collectives.append(record)
 
   def counts(self):
     """{kind: number of collectives} for the kinds present."""
@@ -200,6 +282,8 @@ class Report:
       if any(r.role == role for r in self.state):
         local, total = self.state_bytes(role)
         lines.append(f"{role} variables: {local:,} B per device of {total:,} B")
+    if self.memory is not None:
+      lines.append(str(self.memory))
     if self.fallbacks:
       lines.append("replicated fallback for: " + ", ".join(f"{n} ({op})" for n, op in self.fallbacks))
     lines += ["warning: " + w for w in self.warnings]

@@ -71,6 +71,7 @@ def test_binary_trains_and_matches_the_unpartitioned_program(binary, tmp_path_fa
 def test_plan_for_2048_devices_without_them(binary):
   out = _run(binary, "--plan")
   assert "(2048 devices)" in out and "B/device" in out and "collective" in out
+  assert re.search(r"estimated peak memory: [\d.,]+ MiB per device", out) and "peak memory" in out
 
 
 def test_sigkill_then_resume_continues_with_the_same_losses(tmp_path):

@@ -1,0 +1,117 @@
+"""The estimated peak memory per device (the memory pass) and strict mode's refusal of involuntary gathers."""
+
+import os
+import sys
+
+import pytest
+import tensorflow as tf
+
+import tf_gspmd as gs
+from tf_gspmd import P
+from tf_gspmd.rewriter import memory
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+import transformer_model as tm  # noqa: E402  pylint: disable=g-import-not-at-top
+
+M1 = gs.Mesh((1,), ("d",))
+M8 = gs.Mesh((8,), ("d",))
+M24 = gs.Mesh((2, 4), ("data", "model"))
+
+
+def test_matmul_chain_peaks_where_two_activations_meet():
+  """x[64,128] @ w1[128,256] @ w2[256,512] @ w3[512,16] in float32 on one device. h1 (64 KiB) is still live when
+  h2 (128 KiB) is written; h1 is freed after that, so y (4 KiB) meets h2 alone: the peak is at h2's MatMul,
+  arguments (the partition id's 4 bytes included) plus h1 and h2."""
+  f = gs.function(lambda x, w1, w2, w3: ((x @ w1) @ w2) @ w3, mesh=M1)
+  low = f.lower(tf.TensorSpec([64, 128]), tf.TensorSpec([128, 256]), tf.TensorSpec([256, 512]),
+                tf.TensorSpec([512, 16]))
+  est = low.report.memory
+  arguments = 4 * (64 * 128 + 128 * 256 + 256 * 512 + 512 * 16) + 4
+  activations = 4 * (64 * 256 + 64 * 512)
+  assert (est.argument_bytes, est.activation_bytes, est.state_bytes, est.constant_bytes) == (arguments, activations,
+                                                                                             0, 0)
+  assert low.report.peak_bytes_per_device == arguments + activations
+  assert est.at == "matmul_1 (MatMul)"
+  assert [(b.op, b.bytes) for b in est.largest] == [("matmul_1", 4 * 64 * 512), ("matmul", 4 * 64 * 256)]
+  assert f"peak memory {arguments + activations:,} B per device" in str(low.report)
+
+
+def test_estimate_of_a_graph_def_frees_after_the_last_reader_and_aliases_allocate_nothing():
+  """a = x + 1 is read by b and (through a Reshape, which aliases it) by c; it dies after c, not after b."""
+  def fn(x):
+    a = x + 1.0
+    b = a * 2.0
+    c = tf.reshape(a, [16, 64]) * 3.0
+    return tf.reduce_sum(b) + tf.reduce_sum(c)
+
+  graph = tf.function(fn).get_concrete_function(tf.TensorSpec([32, 32])).graph
+  gd = graph.as_graph_def()
+  est = memory.estimate(gd, arguments=[graph.inputs[0].op.name])
+  kib = 32 * 32 * 4
+  assert est.argument_bytes == kib
+  assert est.activation_bytes == 3 * kib   # a, b and c live at once (at c's Mul)
+  assert {b.op_type for b in est.largest} == {"AddV2", "Mul"}
+
+
+def test_megatron_training_step_needs_less_than_half_the_unpartitioned_peak():
+  specs = (tf.TensorSpec([256, 1024]), tf.TensorSpec([256, 1024]), tf.TensorSpec([1024, 4096]),
+           tf.TensorSpec([4096, 1024]))
+  split = gs.function(tm.mlp_train_step, mesh=M24, in_shardings=(P("data", None), P("data", None),
+                                                                  P(None, "model"), P("model", None))).lower(*specs)
+  whole = gs.function(tm.mlp_train_step, mesh=M1).lower(*specs)
+  assert 0 < split.report.peak_bytes_per_device <= 0.5 * whole.report.peak_bytes_per_device
+  # The collective buffers count at what they carry (the combined all-reduce of the gradients is live at its peak).
+  assert split.report.memory.collective_bytes > 0
+
+
+def test_variables_count_their_shard_and_plan_mode_reports_a_peak():
+  """Lowered for 64 devices without them: the estimate is there; a (replicated) variable counts whole, and what is
+  computed from its reads has the shard's static shape (x's 16 rows times v's 1024 columns)."""
+  mesh = gs.Mesh((8, 8), ("data", "model"))
+  v = tf.Variable(tf.zeros([512, 1024]))
+  f = gs.function(lambda x: tf.reduce_sum(x @ v), mesh=mesh, in_shardings=(P("data", None),))
+  low = f.lower(tf.TensorSpec([128, 512]))
+  est = low.report.memory
+  assert low.program.devices is None
+  assert est.state_bytes == low.report.state_bytes()[0] > 0
+  assert low.report.peak_bytes_per_device >= est.argument_bytes + est.state_bytes + 16 * 128 * 4
+  assert "peak memory" in str(low.report)
+
+
+def test_a_loop_body_counts_on_top_of_its_carried_values():
+  """The body's temporaries (a [256,256] product each iteration) count at the While, above its carried inputs."""
+  def fn(x, w):
+    return tf.while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, tf.tanh(y @ w) + 1.0), (0, x))[1]
+
+  low = gs.function(fn, mesh=M1).lower(tf.TensorSpec([256, 256]), tf.TensorSpec([256, 256]))
+  est = low.report.memory
+  if not any(n.op in memory.CALL_OPS for n in low.graph_def.node):
+    pytest.skip("the loop was unrolled or folded")
+  kib = 256 * 256 * 4
+  assert est.peak_bytes >= est.argument_bytes + 2 * kib + kib   # carried in, carried out, at least one temporary
+  assert any("body" in b.op_type for b in est.largest)
+
+
+def test_strict_refuses_an_involuntary_full_gather():
+  """Cumsum along a split dimension gathers its 4 MiB operand: a warning, with strict=True a PartitionError that
+  names the tensor, its layout and the fix."""
+  args = dict(mesh=M8, in_shardings=(P("d", None),), out_shardings=P("d", None))
+  spec = tf.TensorSpec([1024, 1024])
+  low = gs.function(lambda x: tf.math.cumsum(x, axis=0), **args).lower(spec)
+  assert any(w.startswith("involuntary full rematerialization") for w in low.report.warnings)
+  with pytest.raises(gs.PartitionError, match=r"strict=True forbids an involuntary full rematerialization: x "
+                                              r"\(float32\[1024,1024\]\), laid out as P\('d', None\).*Fix:") as e:
+    gs.function(lambda x: tf.math.cumsum(x, axis=0), strict=True, **args).lower(spec)
+  assert e.value.node == "Cumsum"
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_gather_the_user_asked_for_is_not_involuntary(strict):
+  """A 2 MiB split value returned replicated (out_shardings=P(), or gs.shard(..., P())): a gather, asked for."""
+  spec = tf.TensorSpec([1024, 512])
+  for f in (gs.function(lambda x: x * 2.0, mesh=M8, in_shardings=(P("d", None),), out_shardings=P(), strict=strict),
+            gs.function(lambda x: gs.shard(x * 2.0, P()), mesh=M8, in_shardings=(P("d", None),), strict=strict)):
+    low = f.lower(spec)
+    assert low.report.counts() == {"all-gather": 1} and not low.report.warnings
+    # The gathered value is live at the peak, sized from what the gather carries.
+    assert any(b.op_type == "CollectiveGatherV2" and b.bytes == 1024 * 512 * 4 for b in low.report.memory.largest)
