@@ -77,7 +77,7 @@ def test_plan_for_2048_devices_without_them(binary):
 def test_sigkill_then_resume_continues_with_the_same_losses(tmp_path):
   binary = "train_transformer.py"
   flags = ["--steps=40", "--check_steps=0", "--ckpt_every=4"]
-  straight = _losses(_one_process_losses(binary, tmp_path_factory)[0])   # uninterrupted
+  straight = _losses(_run(binary, *flags, f"--logdir={tmp_path / 'straight'}"))
   log = open(tmp_path / "killed.log", "w")
   proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "examples", binary), *SMALL[binary], *flags,
                            f"--logdir={tmp_path / 'resumed'}"], stdout=log, stderr=subprocess.STDOUT, env=_env())
@@ -146,7 +146,7 @@ def test_a_lost_worker_stops_the_others_by_name_and_resume_continues(tmp_path, t
   resumed = _launched(2, binary, *flags, f"--logdir={tmp_path / 'run'}", "--resume")
   start = int(re.search(r"resumed from \S+ at step (\d+)", resumed).group(1))
   assert 8 <= start < 16 and start % 4 == 0
-  straight = _losses(_run(binary, *flags, f"--logdir={tmp_path / 'straight'}"))
+  straight = _losses(_one_process_losses(binary, tmp_path_factory)[0])   # uninterrupted, one process
   for k in range(2):
     losses = _losses(resumed, k)
     assert sorted(losses) == list(range(start, 16))
