@@ -49,6 +49,7 @@ class Program:
   variable_names: Tuple[str, ...] = ()   # Placeholders of captured variables (resource handles)
   variables: Tuple[Any, ...] = ()        # the captured tf.Variables, in the same order
   variable_pins: Tuple[Any, ...] = ()    # the stored layout of each captured variable when lowered (or None)
+  pipelines: Tuple[Any, ...] = ()        # the `gs.pipeline` schedules built while tracing (_annotations.PipelineSpec)
   # import_annotations / complete
   ir: Any = None
   annotations: Any = None                # ref -> Sharding, pinned
