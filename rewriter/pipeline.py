@@ -14,8 +14,8 @@ import time
 from typing import Any, Optional, Tuple
 
 from tf_gspmd.errors import PartitionError, ShardingError
-from tf_gspmd.rewriter import (cleanup, combine, completion, grappler, import_annotations, jit, partition, trace,
-                               weight_update)
+from tf_gspmd.rewriter import (cleanup, combine, completion, grappler, import_annotations, jit, partition, report,
+                               trace, weight_update)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +93,7 @@ PASSES = (
     ("cleanup", cleanup.run),                      # dead nodes removed
     ("verify", cleanup.verify),                    # invariants of the per-device program
     ("compile", jit.run),                          # XLA: segments between collectives (CPU) or whole (GPU, TPU)
+    ("schedules", report.pipeline_schedules),      # gs.pipeline schedules stated in the report
 )
 
 

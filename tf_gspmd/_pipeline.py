@@ -168,7 +168,7 @@ def pipeline(stage_fn, stage_weights, inputs, *, microbatches, stage_axis="stage
   total = repeats * m_count
   iterations = total + stages - 1
 
-  with tf.name_scope(name):
+  with tf.name_scope(name) as scope:
     weights = [shard(w, _open(w.shape.rank, stage_axis, *([None] * (lead - 1)))) for w in weights]
     # Microbatch m = rows m, m + M, ...: the batch's split (dim 0) lands on the microbatch rows, not on M.
     xs = tf.reshape(x, [mb, m_count] + feature)
@@ -233,7 +233,7 @@ def pipeline(stage_fn, stage_weights, inputs, *, microbatches, stage_axis="stage
                        f" across the stages); it returned {y.dtype.name}{y.shape.as_list()}", node=name)
     return i + 1, shard(y, _open(rank, stage_axis)), buf
 
-  with tf.name_scope(name):
+  with tf.name_scope(scope):
     _, state, buf = tf.while_loop(lambda i, *_: i < iterations, body, (tf.constant(0), state, buf),
                                   name=f"{name}_loop")
     _, buf = collect(tf.constant(iterations), state, buf)   # the last item reaches stage 0 after the loop
@@ -245,5 +245,6 @@ def pipeline(stage_fn, stage_weights, inputs, *, microbatches, stage_axis="stage
   record_schedule(PipelineSpec(
       name=name, stage_axis=stage_axis, stages=stages, microbatches=m_count, repeats=repeats, shift=shift_name,
       buffers=((f"{name}_state", tuple([stages, mb] + feature), itemsize),
-               (f"{name}_collected", tuple([stages, m_count, mb] + feature), itemsize))))
+               (f"{name}_collected", tuple([stages, m_count, mb] + feature), itemsize),
+               (f"{name}_microbatches", tuple([m_count, mb] + feature), itemsize))))
   return out
