@@ -172,7 +172,11 @@ def pipeline(stage_fn, stage_weights, inputs, *, microbatches, stage_axis="stage
     weights = [shard(w, _open(w.shape.rank, stage_axis, *([None] * (lead - 1)))) for w in weights]
     # Microbatch m = rows m, m + M, ...: the batch's split (dim 0) lands on the microbatch rows, not on M.
     xs = tf.reshape(x, [mb, m_count] + feature)
-    xs = shard(tf.transpose(xs, [1, 0] + list(range(2, rank))), _open(rank, None), name=f"{name}_microbatches")
+    xs = tf.transpose(xs, [1, 0] + list(range(2, rank)))
+    # One copy per stage row (each device its own, built locally): the injection reads it with stage-split ops,
+    # so its gradient accumulates split over the loop and is summed over the stages once, after it.
+    xs = shard(tf.broadcast_to(xs[None], [stages, m_count, mb] + feature), _open(rank + 1, stage_axis, None),
+               name=f"{name}_microbatches")
     state = shard(tf.zeros([stages, mb] + feature, x.dtype), _open(rank, stage_axis), name=f"{name}_state")
     buf = shard(tf.zeros([stages, m_count, mb] + feature, x.dtype), _open(rank + 1, stage_axis, None),
                 name=f"{name}_collected")
@@ -195,9 +199,10 @@ def pipeline(stage_fn, stage_weights, inputs, *, microbatches, stage_axis="stage
     """Row 0: microbatch i mod M, fresh in repeat 0, else its output of the previous repeat; other rows: rotated."""
     m0 = tf.math.floormod(i, m_count)
     pick = tf.equal(slots, m0)
-    fresh = tf.reduce_sum(tf.where(tf.reshape(pick, [m_count] + [1] * (rank - 1)), xs, tf.zeros([], x.dtype)), 0)
-    again = tf.reduce_sum(tf.where(tf.reshape(pick, [1, m_count] + [1] * (rank - 1)), buf, tf.zeros([], x.dtype)), 1)
-    feed = tf.where(i < m_count, fresh[None], again)
+    pick = tf.reshape(pick, [1, m_count] + [1] * (rank - 1))
+    fresh = tf.reduce_sum(tf.where(pick, xs, tf.zeros([], x.dtype)), 1)
+    again = tf.reduce_sum(tf.where(pick, buf, tf.zeros([], x.dtype)), 1)
+    feed = tf.where(i < m_count, fresh, again)
     return shard(tf.where(first_stage, feed, rotated), _open(rank, stage_axis))
 
   def stage_weights_at(i):
@@ -246,5 +251,5 @@ def pipeline(stage_fn, stage_weights, inputs, *, microbatches, stage_axis="stage
       name=name, stage_axis=stage_axis, stages=stages, microbatches=m_count, repeats=repeats, shift=shift_name,
       buffers=((f"{name}_state", tuple([stages, mb] + feature), itemsize),
                (f"{name}_collected", tuple([stages, m_count, mb] + feature), itemsize),
-               (f"{name}_microbatches", tuple([m_count, mb] + feature), itemsize))))
+               (f"{name}_microbatches", tuple([stages, m_count, mb] + feature), itemsize))))
   return out
