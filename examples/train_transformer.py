@@ -3,9 +3,16 @@
   python examples/train_transformer.py                      # mesh 2,4 on 8 logical CPUs
   python examples/train_transformer.py --plan               # the plan for 2048 devices (32 x 64), no devices
   python examples/train_transformer.py --resume             # continue from the latest checkpoint
+  python examples/train_transformer.py --layers=8 --pipeline_stages=4 --microbatches=8 --mesh=4,2
+                                           # GSPMD pipeline: 4 stages over `stage`, batch over `data`
+  python examples/train_transformer.py --layers=8 --pipeline_stages=4 --circular_repeats=2 --mesh=2,2,2
+                                           # circular (8 stage slots), stage x data x model (Megatron in stages)
 
 Keras 3 model (embedding, causal multi-head attention, GELU MLP, layer norms) and Keras Adam; attention heads
-and the MLP hidden dim split over `model`, the batch over `data`. Data: token sequences with structure
+and the MLP hidden dim split over `model`, the batch over `data`. With --pipeline_stages=S the same decoder (in
+plain TF, `transformer_model.PipelinedLM`, Adam) runs its layers as a GSPMD pipeline (`gs.pipeline`): the mesh's
+first axis is `stage` (then `data`, then `model`), each device stores only its stages' weights and Adam state,
+and --plan shows the weight bytes per device, the bytes of each stage shift and the bubble fraction. Data: token sequences with structure
 (each sequence counts up from a random start by a random stride), so the loss falls as the model learns it.
 """
 
@@ -27,6 +34,10 @@ flags.DEFINE_integer("d_ff", 256, "MLP hidden width.")
 flags.DEFINE_integer("vocab", 128, "Vocabulary size.")
 flags.DEFINE_integer("seq_len", 32, "Sequence length.")
 flags.DEFINE_integer("batch", 16, "Global batch size.")
+flags.DEFINE_integer("pipeline_stages", 0, "Pipeline stages S (0: no pipeline); the layers are split into S (x R) "
+                     "stage slots over the mesh's first axis, `stage`.")
+flags.DEFINE_integer("microbatches", 8, "Microbatches M of the pipeline (the batch must be a multiple).")
+flags.DEFINE_integer("circular_repeats", 1, "Circular repeats R: each device runs R non-adjacent stage slots.")
 FLAGS = flags.FLAGS
 
 
@@ -51,8 +62,28 @@ def task():
       in_specs=lambda mesh: (P("data", None), P("data", None)), unit="tokens", per_step=cfg.batch * cfg.seq)
 
 
+def pipelined_task():
+  """The pipelined model: mesh axes (stage, data[, model]), the layers stacked per stage slot."""
+  import transformer_model as tm  # pylint: disable=g-import-not-at-top
+  from tf_gspmd import P  # pylint: disable=g-import-not-at-top
+  cfg = tm.Config(layers=FLAGS.layers, d_model=FLAGS.d_model, heads=FLAGS.heads, d_ff=FLAGS.d_ff,
+                  vocab=FLAGS.vocab, seq=FLAGS.seq_len, batch=FLAGS.batch, lr=FLAGS.lr)
+  shape = (FLAGS.plan_mesh or (16, 16, 8)) if FLAGS.plan else (FLAGS.mesh or (4, 2))
+  axes = ("stage", "data", "model")[:len(shape)]
+
+  def build(mesh, plan_only=False):  # pylint: disable=unused-argument
+    lm = tm.PipelinedLM(cfg, FLAGS.pipeline_stages, FLAGS.microbatches, FLAGS.circular_repeats,
+                        megatron="model" in axes, seed=FLAGS.seed)
+    return training.Model(step=lm.train_step, trackables={"model": lm})
+
+  return training.Task(
+      name="transformer_pipeline", axes=axes, default_mesh=(4, 2), default_plan_mesh=(16, 16, 8), build=build,
+      batch=lambda k: tm.synthetic_batch(cfg, seed=FLAGS.seed * 1_000_003 + k),
+      in_specs=lambda mesh: (P("data", None), P("data", None)), unit="tokens", per_step=cfg.batch * cfg.seq)
+
+
 def main(_):
-  training.run(task())
+  training.run(pipelined_task() if FLAGS.pipeline_stages else task())
 
 
 if __name__ == "__main__":

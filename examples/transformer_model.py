@@ -220,3 +220,104 @@ def make_keras_train_step(model, optimizer):
     return loss
 
   return train_step
+
+
+# ---- pipelined (GSPMD pipeline over a `stage` mesh axis) ---------------------------------------------------------
+
+LAYER_LEAVES = ("ln1/scale", "ln1/bias", "wq", "wk", "wv", "wo", "ln2/scale", "ln2/bias", "w1", "b1", "w2", "b2")
+GLOBAL_LEAVES = ("embed", "pos", "ln_f/scale", "ln_f/bias")
+
+
+def decoder_layer(p, x, cfg, causal=None):
+  """One decoder layer on x [batch, seq, d] with the layer's weights `p` (leaf name -> tensor), as in `forward`."""
+  hd = cfg.d_model // cfg.heads
+  if causal is None:
+    causal = tf.constant(np.triu(np.full((cfg.seq, cfg.seq), -1e9, np.float32), 1))
+  h = layer_norm(x, p["ln1/scale"], p["ln1/bias"])
+  q = tf.einsum("bsd,dhk->bhsk", h, p["wq"])
+  k = tf.einsum("bsd,dhk->bhsk", h, p["wk"])
+  v = tf.einsum("bsd,dhk->bhsk", h, p["wv"])
+  att = tf.nn.softmax(tf.einsum("bhqk,bhsk->bhqs", q, k) / math.sqrt(hd) + causal)
+  x = x + tf.einsum("bhqk,hkd->bqd", tf.einsum("bhqs,bhsk->bhqk", att, v), p["wo"])
+  h = layer_norm(x, p["ln2/scale"], p["ln2/bias"])
+  return x + tf.nn.gelu(h @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+
+def pipelined_specs(cfg, repeats=1, megatron=False):
+  """Layouts of the pipelined parameters: stage weights [S, (R,) layers per slot, ...] split over `stage` (and
+  Megatron's `model` split inside each stage when `megatron`); the embedding and final norm replicated."""
+  lead = (("stage",) + (None,) * (2 if repeats > 1 else 1))
+  specs = {k: P() for k in GLOBAL_LEAVES}
+  inner = megatron_specs(cfg) if megatron else {}
+  for leaf in LAYER_LEAVES:
+    own = inner.get(f"l0/{leaf}", P())
+    rank = len(param_shapes(cfg)[f"l0/{leaf}"])
+    specs[f"layers/{leaf}"] = P(*lead, *(tuple(own) + (None,) * (rank - len(own))))
+  return specs
+
+
+def init_pipelined_params(cfg, stages, repeats=1, seed=0):
+  """The parameters of `init_params` (same values), the layers' stacked as stage weights (`gs.stack_stages`)."""
+  import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
+  flat = init_params(cfg, seed)
+  params = {k: flat[k] for k in GLOBAL_LEAVES}
+  for leaf in LAYER_LEAVES:
+    stacked = np.stack([flat[f"l{l}/{leaf}"] for l in range(cfg.layers)])
+    params[f"layers/{leaf}"] = gs.stack_stages(stacked, stages, repeats, what=f"layers/{leaf}")
+  return params
+
+
+def pipelined_loss(params, tokens, targets, cfg, microbatches, repeats=1):
+  """The loss of `loss_fn`, the layers run as a GSPMD pipeline (`gs.pipeline`, stage fn vectorized over stages)."""
+  import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
+  x = tf.gather(params["embed"], tokens) + params["pos"]
+  causal = tf.constant(np.triu(np.full((cfg.seq, cfg.seq), -1e9, np.float32), 1))
+  stage = {leaf: params[f"layers/{leaf}"] for leaf in LAYER_LEAVES}
+
+  def stage_fn(w, h):   # one stage slot: its layers in order
+    for l in range(w["wq"].shape[0]):
+      h = decoder_layer({k: v[l] for k, v in w.items()}, h, cfg, causal)
+    return h
+
+  x = gs.pipeline(stage_fn, stage, x, microbatches=microbatches, circular_repeats=repeats, stage_axis="stage")
+  x = layer_norm(x, params["ln_f/scale"], params["ln_f/bias"])
+  logits = tf.einsum("bsd,vd->bsv", x, params["embed"])
+  return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets, logits=logits))
+
+
+class PipelinedLM(tf.Module):
+  """The pipelined language model with Adam: variables (parameters, Adam moments, step), and `train_step`.
+
+  Built from the same seed, it holds `init_params`' values, so its losses are the unpipelined model's. Each
+  stage weight and its Adam moments are annotated split over `stage`: a device stores only its stages'.
+  """
+
+  def __init__(self, cfg, stages, microbatches, repeats=1, megatron=False, seed=0):
+    super().__init__(name="pipelined_lm")
+    self.cfg, self.microbatches, self.repeats = cfg, microbatches, repeats
+    values = init_pipelined_params(cfg, stages, repeats, seed)
+    self.specs = pipelined_specs(cfg, repeats, megatron)
+    self.names = sorted(values)
+    self.params = {k: tf.Variable(values[k], name=k.replace("/", "_")) for k in self.names}
+    self.m = {k: tf.Variable(np.zeros_like(values[k]), name=k.replace("/", "_") + "_m") for k in self.names}
+    self.v = {k: tf.Variable(np.zeros_like(values[k]), name=k.replace("/", "_") + "_v") for k in self.names}
+    self.step = tf.Variable(0, dtype=tf.int64, name="adam_step")
+
+  def train_step(self, tokens, targets):
+    import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
+    b1, b2, eps = 0.9, 0.999, 1e-7
+    params = {k: gs.shard(self.params[k], self.specs[k]) for k in self.names}
+    with tf.GradientTape() as tape:
+      tape.watch(list(params.values()))
+      loss = pipelined_loss(params, tokens, targets, self.cfg, self.microbatches, self.repeats)
+    grads = tape.gradient(loss, [params[k] for k in self.names])
+    t = tf.cast(self.step, tf.float32) + 1.0
+    lr = self.cfg.lr * tf.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t)
+    for k, g in zip(self.names, grads):
+      m = gs.shard(b1 * self.m[k] + (1.0 - b1) * g, self.specs[k])
+      v = gs.shard(b2 * self.v[k] + (1.0 - b2) * g * g, self.specs[k])
+      self.m[k].assign(m)
+      self.v[k].assign(v)
+      self.params[k].assign(params[k] - lr * m / (tf.sqrt(v) + eps))
+    self.step.assign_add(1)
+    return loss

@@ -1,10 +1,16 @@
-"""Joining and splitting along one dim: ConcatV2, Pack (stack), Unpack (unstack), Split, SplitV.
+"""Joining and splitting along one dim: ConcatV2, Pack (stack), Unpack (unstack), Split, SplitV, and Roll
+(a rotation: the concatenation of a dim's two ends swapped).
 
 The dim an op joins or splits along carries no factor: it is whole on every device, so the op runs
 unchanged on the local shards while every other dim passes its split through. A concatenation whose result
 is split along the concat dim instead assembles each device's window from its neighbours (halo exchange).
 Split pieces of an operand split along the split dim are narrowings of it: only the pieces read move.
+A rotation along an evenly split dim moves whole shards between devices: each device's result shard is made of
+at most two other devices' shards (exactly one when the shift is a multiple of the shard size, as a pipeline's
+stage shift is), so it is one or two exact collective-permutes, never a gather.
 """
+
+import math
 
 import numpy as np
 import tensorflow as tf
@@ -138,3 +144,86 @@ class SplitV(_SplitAlong):
 
   def fixed_dims(self, node):
     return {const_axis(node, 2, len(node.outputs[0].shape))}
+
+
+@register("Roll")
+class Roll(FactorRule):
+  """tf.roll: every dim keeps its split. A rolled dim split evenly over mesh axes rotates by collective-permutes
+  of whole shards (the GSPMD pipeline's stage shift: with one row per device and shift 1, each device sends its
+  shard to the next one along the axes, the last to the first, and nothing else moves). Rolled dims that are
+  whole roll locally; a rotation read at run time, or along an unevenly split dim, rolls whole dims."""
+
+  priority = 0
+
+  def data_inputs(self, node):
+    return [0]
+
+  def shifts(self, node):
+    """{dim: shift in [0, size)} (repeated axes add up, as in tf.roll), or None when not constant."""
+    shift, axis = node.const_input(1), node.const_input(2)
+    if shift is None or axis is None:
+      return None
+    shape = node.input_shape(0)
+    out = {}
+    for s, a in zip(np.broadcast_to(np.asarray(shift).reshape(-1), np.asarray(axis).reshape(-1).shape),
+                    np.asarray(axis).reshape(-1)):
+      d = int(a) % len(shape)
+      out[d] = (out.get(d, 0) + int(s)) % max(shape[d], 1)
+    return out
+
+  def factors(self, node, rotatable=True):
+    rank = len(node.input_shape(0))
+    shifts = self.shifts(node)
+    if rotatable:
+      labels = dim_labels(rank)
+    else:
+      labels = unsplit(dim_labels(rank), set(range(rank)) if shifts is None else set(shifts))
+    return Factors((labels,), (labels,))
+
+  def partition(self, ctx, node):
+    target = ctx.target(0)
+    shape = node.input_shape(0)
+    shifts = self.shifts(node)
+    if target.is_maximal or shifts is None:
+      return self.partition_with(ctx, node, self.factors(node, rotatable=False))
+    target = target.with_rank(len(shape))
+    split = {d: s for d, s in shifts.items() if target.dims[d] and s}
+    if any(shape[d] % target.tiles(d) for d in split):
+      return self.partition_with(ctx, node, self.factors(node, rotatable=False))
+    x = ctx.operand(0, target)
+    local = {d: s for d, s in shifts.items() if not target.dims[d] and s}
+    with ctx.helper_scope():
+      if local:
+        x = tf.roll(x, list(local.values()), list(local))
+      for d, s in split.items():
+        x = _rotate_shards(ctx, node, x, d, s, shape[d] // target.tiles(d), target.dims[d])
+    ctx.set_output(0, ctx.identity(x), target)
+
+
+def _rotate_shards(ctx, node, x, dim, shift, c, axes):
+  """Local shards (`c` rows of `dim`, split over `axes`) of the rotation by `shift` rows of the whole dim.
+
+  With shift = q*c + r, shard t of the result is the last r rows of shard t-q-1 followed by the first c-r rows
+  of shard t-q (cyclically): one collective-permute of whole shards when r = 0, else two, each moving only the
+  rows it serves; a permute by a multiple of the group size is local."""
+  q, r = divmod(shift, c)
+  reason = f"{node.name} (Roll) rotates dim {dim} by {shift} row(s) over {','.join(axes)}"
+  tiles = math.prod(ctx.mesh.axis_size(a) for a in axes)
+
+  def moved(part, by, what):
+    if by % tiles == 0:
+      return part
+    return ctx.backend.collective_permute(part, axes, shift=by % tiles, cyclic=True, source=node.name,
+                                          reason=f"{reason} ({what})")
+
+  if not r:
+    return moved(x, q, f"each shard to the one {q} further")
+  rank = x.shape.rank
+  begin = [0] * rank
+  head = [-1] * rank
+  head[dim] = c - r
+  tail_begin = list(begin)
+  tail_begin[dim] = c - r
+  tail = moved(tf.slice(x, tail_begin, [-1] * rank), q + 1, f"last {r} row(s) of each shard")
+  front = moved(tf.slice(x, begin, head), q, f"first {c - r} row(s) of each shard")
+  return tf.concat([tail, front], axis=dim)

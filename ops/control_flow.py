@@ -35,6 +35,13 @@ def _body_results(ctx, fname, shapes, params):
   return list(ctx.complete_function(fname, shapes, params).output_shardings)
 
 
+def _refines(s, base):
+  """Whether `s` splits every dim `base` splits the same way, and splits more."""
+  if s is None or base is None or s.is_maximal or base.is_maximal or s.rank != base.rank:
+    return False
+  return all(not b or a == b for a, b in zip(s.dims, base.dims)) and s.num_tiles > base.num_tiles
+
+
 @register("While", "StatelessWhile")
 class While(Rule):
   """Loop variables keep one layout through the loop."""
@@ -43,9 +50,13 @@ class While(Rule):
   forward_without_operands = True   # annotations inside the body speak even when nothing outside does
 
   def forward(self, ctx, node, operands):
+    """The initial values' layouts, and what the body makes of them where it splits more: a loop variable the
+    body splits further (a buffer initialised with zeros that the body fills from a split input) is carried in
+    the body's layout, the initial value then sliced locally, instead of the body's result gathered back to the
+    initial layout on every iteration."""
     cands = [[s] if s is not None else [] for s in operands]
     for i, s in enumerate(_body_results(ctx, node.attr("body").name, _shapes(node), operands)):
-      if operands[i] is None or s == operands[i]:
+      if operands[i] is None or s == operands[i] or _refines(s, operands[i]):
         cands[i].append(s)
     return cands
 

@@ -15,7 +15,7 @@ from typing import Any, Optional, Tuple
 
 from tf_gspmd.errors import PartitionError, ShardingError
 from tf_gspmd.rewriter import (cleanup, combine, completion, grappler, import_annotations, jit, memory, partition,
-                               trace, weight_update)
+                               report, trace, weight_update)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,7 @@ class Program:
   variable_names: Tuple[str, ...] = ()   # Placeholders of captured variables (resource handles)
   variables: Tuple[Any, ...] = ()        # the captured tf.Variables, in the same order
   variable_pins: Tuple[Any, ...] = ()    # the stored layout of each captured variable when lowered (or None)
+  pipelines: Tuple[Any, ...] = ()        # the `gs.pipeline` schedules built while tracing (_annotations.PipelineSpec)
   # import_annotations / complete
   ir: Any = None
   annotations: Any = None                # ref -> Sharding, pinned
@@ -93,6 +94,7 @@ PASSES = (
     ("verify", cleanup.verify),                    # invariants of the per-device program
     ("memory", memory.run),                        # estimated peak bytes per device (report.memory)
     ("compile", jit.run),                          # XLA: segments between collectives (CPU) or whole (GPU, TPU)
+    ("schedules", report.pipeline_schedules),      # gs.pipeline schedules stated in the report
 )
 
 

@@ -141,6 +141,40 @@ class MemoryEstimate:
             + (f"; largest: {largest}" if largest else ""))
 
 
+@dataclasses.dataclass(frozen=True)
+class PipelineSchedule:
+  """A `gs.pipeline`'s schedule as partitioned: S stage slots per repeat over `stage_axis`, M microbatches, R
+  circular repeats, S*R... run in R*M + S - 1 loop iterations of which (S-1)/(R*M+S-1) is bubble; what one shift
+  sends per device (the loop's collective-permutes of the stage buffer) and the activation buffers a device
+  holds (the stage buffer, the stage-0 collection buffer, the microbatched input)."""
+
+  name: str
+  stage_axis: str
+  stages: int
+  microbatches: int
+  repeats: int
+  iterations: int
+  bubble_fraction: float
+  shift_bytes: int                  # bytes per device of one iteration's shift (forward loop)
+  shift_permutes: int               # collective-permutes per forward iteration (1 for one stage per device)
+  loop_stage_collectives: Tuple[str, ...]   # every collective over the stage axis inside the pipeline's loops
+  buffer_bytes: Tuple[Tuple[str, int], ...]   # (buffer, bytes per device)
+
+  @property
+  def activation_bytes(self):
+    """Peak bytes per device of the pipeline's activation buffers (all live across the loop)."""
+    return sum(b for _, b in self.buffer_bytes)
+
+  def __str__(self):
+    bufs = ", ".join(f"{n} {b:,} B" for n, b in self.buffer_bytes)
+    return (f"pipeline {self.name} over {self.stage_axis}: S={self.stages} stages, M={self.microbatches} "
+            f"microbatches, R={self.repeats} circular repeat(s), {self.iterations} iterations, bubble fraction "
+            f"{self.stages - 1}/{self.iterations} = {self.bubble_fraction:.3f}; shift: {self.shift_permutes} "
+            f"collective-permute(s), {self.shift_bytes:,} B/device per iteration; activation buffers "
+            f"{self.activation_bytes:,} B/device ({bufs}); collectives over {self.stage_axis} inside its loops: "
+            f"{len(self.loop_stage_collectives)}")
+
+
 @dataclasses.dataclass
 class Report:
   collectives: List[CollectiveRecord] = dataclasses.field(default_factory=list)
@@ -172,6 +206,7 @@ class Report:
       yield
     finally:
       self.resharding = previous
+  pipelines: List[PipelineSchedule] = dataclasses.field(default_factory=list)
 
   def add(self, record):
     """Record a collective. An all-gather of more than LARGE_GATHER_BYTES per device that no pinned sharding asked
@@ -284,7 +319,47 @@ class Report:
         lines.append(f"{role} variables: {local:,} B per device of {total:,} B")
     if self.memory is not None:
       lines.append(str(self.memory))
+    lines += [str(p) for p in self.pipelines]
     if self.fallbacks:
       lines.append("replicated fallback for: " + ", ".join(f"{n} ({op})" for n, op in self.fallbacks))
     lines += ["warning: " + w for w in self.warnings]
     return "\n".join(lines)
+
+
+def pipeline_schedules(program):
+  """The pass that states each `gs.pipeline` of the program (`program.pipelines`) in its report: the schedule,
+  the bytes of one shift (the loop's collective-permutes from the pipeline's Roll), the collectives over the
+  stage axis inside its loops (forward and gradient), and its buffers' bytes per device from their layouts."""
+  rep = program.report
+  for spec in program.pipelines:
+    loop = f"{spec.name}_loop/"
+    shifts = [c for c in rep.collectives if c.kind == "collective-permute" and c.source.endswith(loop + spec.shift)]
+    in_loops = tuple(f"{c.kind} {c.bytes:,} B ({c.source})" for c in rep.collectives
+                     if loop in c.source and spec.stage_axis in c.axes)
+    buffers = []
+    for tensor, shape, itemsize in spec.buffers:
+      sharding = _sharding_of(program, tensor)
+      local = shape if sharding is None or sharding.is_maximal else sharding.with_rank(len(shape)).shard_shape(shape)
+      buffers.append((tensor[len(spec.name) + 1:], int(_prod(local)) * itemsize))
+    rep.pipelines.append(PipelineSchedule(
+        name=spec.name, stage_axis=spec.stage_axis, stages=spec.stages, microbatches=spec.microbatches,
+        repeats=spec.repeats, iterations=spec.iterations, bubble_fraction=spec.bubble_fraction,
+        shift_bytes=sum(c.bytes for c in shifts), shift_permutes=len(shifts), loop_stage_collectives=in_loops,
+        buffer_bytes=tuple(buffers)))
+  return program
+
+
+def _sharding_of(program, tensor):
+  """The completed sharding of the op named `tensor` (or ending in /`tensor`: it may sit in a name scope)."""
+  for r, s in (program.shardings or {}).items():
+    op = r.split(":")[0]
+    if op == tensor or op.endswith("/" + tensor):
+      return s
+  return None
+
+
+def _prod(shape):
+  out = 1
+  for d in shape:
+    out *= int(d)
+  return out

@@ -9,7 +9,7 @@ results (SparseTensor, RaggedTensor, ...) are refused with the conversion that m
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd._annotations import mesh_scope
+from tf_gspmd._annotations import mesh_scope, recording_schedules
 from tf_gspmd.errors import InputError, ShapeError
 from tf_gspmd.rewriter.graph_view import node_def, ref, split_ref
 
@@ -23,7 +23,7 @@ def run(program):
   fn = program.fn
   if not hasattr(fn, "get_concrete_function"):
     fn = tf.function(fn)
-  with mesh_scope(program.mesh):
+  with mesh_scope(program.mesh), recording_schedules() as schedules:
     cf = fn.get_concrete_function(*program.arg_specs)
   graph = cf.graph
   gd = graph.as_graph_def(add_shapes=True)   # static shapes survive re-import (e.g. of variable reads)
@@ -38,7 +38,7 @@ def run(program):
   gd, outputs, structure = _dense_results(gd, cf, getattr(program.fn, "__name__", "the function"))
   return program.replace(graph_def=gd, input_names=tuple(inputs), output_refs=tuple(outputs),
                          output_structure=structure, variable_names=tuple(n for n, _ in variables),
-                         variables=tuple(v for _, v in variables))
+                         variables=tuple(v for _, v in variables), pipelines=tuple(schedules))
 
 
 def _dense_results(gd, cf, fname):

@@ -8,8 +8,10 @@ the annotations check their arguments and return the tensor unchanged.
 """
 
 import contextlib
+import dataclasses
 import json
 import threading
+from typing import Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -172,3 +174,47 @@ def replicate(tensor, mesh=None, name=None):
   t = tf.convert_to_tensor(tensor)
   mesh = mesh or current_mesh() or Mesh((1,), ("_",))
   return _annotate(t, Sharding(mesh), name)
+
+
+# ---- pipeline schedules --------------------------------------------------------------------------------------
+# `gs.pipeline` describes the schedule it builds here while a gs.function traces; the trace pass keeps the
+# descriptions with the program, and the report states them (the partitioner itself only sees ops).
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSpec:
+  """A pipeline as `gs.pipeline` built it: its schedule and the names of the ops and tensors that carry it."""
+
+  name: str
+  stage_axis: str
+  stages: int                 # S, stage slots per repeat (the buffer's stage dim)
+  microbatches: int           # M
+  repeats: int                # R, circular repeats
+  shift: str                  # the loop body's Roll node (the stage shift)
+  buffers: Tuple[Tuple[str, Tuple[int, ...], int], ...]   # (tensor name, global shape, dtype bytes) per buffer
+
+  @property
+  def iterations(self):
+    return self.repeats * self.microbatches + self.stages - 1
+
+  @property
+  def bubble_fraction(self):
+    """The share of stage-iterations that compute nothing useful: (S-1)/(R*M+S-1)."""
+    return (self.stages - 1) / self.iterations
+
+
+@contextlib.contextmanager
+def recording_schedules():
+  """Collects the `PipelineSpec`s built while the block runs (a trace); yields the list."""
+  prev = getattr(_state, "schedules", None)
+  _state.schedules = []
+  try:
+    yield _state.schedules
+  finally:
+    _state.schedules = prev
+
+
+def record_schedule(spec):
+  """Called by `gs.pipeline` for each pipeline it builds (a no-op outside a gs.function's trace)."""
+  schedules = getattr(_state, "schedules", None)
+  if schedules is not None:
+    schedules.append(spec)

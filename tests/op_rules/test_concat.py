@@ -56,3 +56,68 @@ def test_concat_along_a_split_dim_keeps_signed_zeros_and_nans():
   got, want = f(a, b).numpy(), fn(a, b).numpy()
   np.testing.assert_array_equal(got, want)
   np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+def _permutes(low):
+  return [c for c in low.report.collectives if c.kind == "collective-permute"]
+
+
+@pytest.mark.parametrize("mesh_shape,spec,shape,shift,axis", [
+    ((4, 2), P("a", "b"), (4, 6, 3), 1, 0),        # one row per device: the pipeline's stage shift
+    ((4, 2), P("a", "b"), (4, 6, 3), -1, 0),
+    ((4, 2), P("a", "b"), (8, 6, 3), 2, 0),        # a whole shard of 2 rows
+    ((4, 2), P("a", "b"), (8, 6, 3), 3, 0),        # shard boundaries move: two permutes
+    ((4, 2), P("a", "b"), (8, 6, 3), [1, 2], [0, 1]),
+    ((8,), P("a", None), (8, 5), 9, 0),
+    ((2, 4), P(("a", "b"), None), (8, 5), 1, 0),   # a dim split over two axes
+    ((4, 2), P("a", "b"), (4, 6, 3), 1, 2),        # a whole dim rolls locally
+], ids=str)
+def test_roll_along_a_split_dim_is_exact_permutes(rng, mesh_shape, spec, shape, shift, axis):
+  """A rotation along a split dim moves whole shards (or the two parts of them each device needs) by
+  collective-permutes: never a gather, and one permute of the local buffer when the shift is one shard."""
+  mesh = gs.Mesh(mesh_shape, ("a", "b")[:len(mesh_shape)])
+  x = rng.standard_normal(shape).astype(np.float32)
+
+  def fn(t):
+    return tf.roll(t * 2.0, shift, axis)
+
+  low = check_partitioned(fn, [x], spec, mesh, out=spec, tol=0)
+  counts = low.report.counts()
+  assert set(counts) <= {"collective-permute"}, counts
+  tiles = np.prod([mesh.axis_size(a) for d in spec for a in ((d,) if isinstance(d, str) else d or ())])
+  shard = x.nbytes // tiles
+  permutes = _permutes(low)
+  if shape == (8, 6, 3) and shift == 3:
+    assert len(permutes) == 2 and sum(p.bytes for p in permutes) == shard
+  elif axis == 2:
+    assert not permutes
+  elif isinstance(shift, int):
+    assert len(permutes) == 1 and permutes[0].bytes == shard
+
+
+def test_roll_stage_shift_sends_the_local_buffer_once(rng):
+  """The GSPMD pipeline's shift: buffer [stages, microbatch, d] split over `stage`, one stage per device:
+  exactly one collective-permute, whose bytes (logical and on the wire) are one stage's buffer."""
+  mesh = gs.Mesh((4, 2), ("stage", "data"))
+  buf = rng.standard_normal((4, 6, 8)).astype(np.float32)
+  low = check_partitioned(lambda b: tf.roll(b, 1, 0), [buf], P("stage", "data"), mesh, out=P("stage", "data"), tol=0)
+  (p,) = low.report.collectives
+  local = 1 * 3 * 8 * 4
+  assert p.kind == "collective-permute" and p.axes == ("stage",) and p.bytes == local
+  assert low.report.bytes_per_device() == local
+
+
+def test_roll_gradient_is_the_opposite_rotation(rng):
+  mesh = gs.Mesh((4, 2), ("stage", "data"))
+  x = rng.standard_normal((4, 6)).astype(np.float32)
+
+  def fn(t):
+    with tf.GradientTape() as tape:
+      tape.watch(t)
+      y = tf.roll(tf.sin(t), 1, 0)
+      loss = tf.reduce_sum(y * tf.range(4, dtype=tf.float32)[:, None])
+    return tape.gradient(loss, t)
+
+  low = check_partitioned(fn, [x], P("stage", "data"), mesh, out=P("stage", "data"))
+  assert set(low.report.counts()) <= {"collective-permute", "all-reduce"}, low.report.counts()
+  assert "all-gather" not in low.report.counts()
