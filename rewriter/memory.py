@@ -117,8 +117,10 @@ class _Program:
         continue
       n = len(names[fname].signature.input_arg)
       arg_shapes = tuple(tuple(s.as_list()) if s.is_fully_defined() else None for s in shapes[len(shapes) - n:])
-      carried = tuple(self.handles.get(self.buffer[normalize(i)])
-                      for i in [i for i in nd.input if not is_control(i)][len(shapes) - n:])
+      # (a handle's reads alias its buffer: only an argument that is itself a handle carries one into the body)
+      carried = tuple(self.handles.get(self.buffer[normalize(i)]) if t.dtype == tf.resource else None
+                      for i, t in zip([i for i in nd.input if not is_control(i)][len(shapes) - n:],
+                                      op.inputs[len(shapes) - n:]))
       key = (fname, arg_shapes, carried)
       if key not in cache:
         gd, params, results = functions.body_graph_def(self.library, fname, arg_shapes)

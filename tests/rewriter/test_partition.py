@@ -49,7 +49,7 @@ def test_local_program_nodes_and_shapes():
 def test_pipeline_is_one_list_and_times_every_pass():
   names = [name for name, _ in pipeline.PASSES]
   assert names == ["trace", "grappler", "import_annotations", "complete", "weight_update_sharding", "partition",
-                   "combine", "cleanup", "verify", "memory", "compile"]
+                   "combine", "cleanup", "verify", "memory", "compile", "schedules"]
   assert set(_megatron().report.pass_times) == set(names)
 
 
