@@ -17,8 +17,8 @@ import threading
 from tf_gspmd import _compat
 from tf_gspmd.errors import MeshError
 
-JOB_ORDER = ("chief", "worker")
-DEVICES_ENV = "TF_GSPMD_CPU_DEVICES_PER_PROCESS"   # logical CPUs per process, from the launcher   # the jobs whose tasks drive devices, in process order
+JOB_ORDER = ("chief", "worker")   # the jobs whose tasks drive devices, in process order
+DEVICES_ENV = "TF_GSPMD_CPU_DEVICES_PER_PROCESS"   # logical CPUs per process, from the launcher
 _lock = threading.Lock()
 _state = {"job": None, "task": None, "tasks": None}
 
@@ -121,12 +121,6 @@ def device_order(device):
   spec = tf.DeviceSpec.from_string(device)
   job = JOB_ORDER.index(spec.job) if spec.job in JOB_ORDER else -1
   return (job, spec.replica or 0, spec.task or 0, spec.device_type or "", spec.device_index or 0)
-
-
-def barrier(name, timeout=300.0):
-  """Every process waits here until all have arrived (no-op for a single process)."""
-  if is_multi_process():
-    _compat.coordination_barrier(name, timeout)
 
 
 def split_cpu_devices(n):

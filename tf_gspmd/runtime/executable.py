@@ -31,17 +31,16 @@ def _function_from_graph_def(graph_def, inputs, outputs):
   return wrapped.prune([graph.as_graph_element(n) for n in inputs], [graph.as_graph_element(n) for n in outputs])
 
 
-_TASK = re.compile(r"/job:([A-Za-z0-9_]+)/replica:\d+/task:(\d+)")
+_TASK = re.compile(r"/job:[A-Za-z0-9_]+/replica:\d+/task:\d+")
 
 
-def _process_lost(error, devices, timeout):
+def _process_lost(error, timeout):
   """A step error of a mesh that spans processes, as the process that stopped answering (named by TF's message
   when it says so)."""
-  ours = {(m.group(1), int(m.group(2))) for m in map(_TASK.search, devices) if m and _cluster.is_local(m.group(0))}
-  named = [m for m in _TASK.finditer(error.message) if (m.group(1), int(m.group(2))) not in ours]
+  named = [m.group(0) for m in _TASK.finditer(error.message) if not _cluster.is_local(m.group(0))]
   if named:
-    task = named[0].group(0)
-    who = f"task {task} (process {_cluster.process_of(task + '/device:CPU:0')})"
+    task = named[0]
+    who = f"task {task} (process {_cluster.process_of(task)})"
     what = f"{who} stopped answering during the step"
   else:
     what = (f"a process of the mesh stopped answering during the step (no collective finished within "
@@ -121,7 +120,7 @@ class Executable:
     except tf.errors.OpError as e:
       if self.local.fully_local:
         raise
-      raise _process_lost(e, self.devices, timeout) from e
+      raise _process_lost(e, timeout) from e
     finally:
       done.set()
 

@@ -38,20 +38,20 @@ class Local:
       raise InputError(f"none of the mesh devices {self.devices} belongs to this process; a mesh must include "
                        "devices of every process that runs the program")
     self.pd = _new_parallel_device([self.devices[p] for p in self.positions])
-    pids = []
-    for p in self.positions:
-      with tf.device(self.devices[p]):
-        pids.append(tf.identity(tf.constant(p, tf.int32)))
-    self.pid = self.pd.pack(pids)
+    self.pid = self.constants(self.positions)
     self.name = _compat.parallel_device_name(self.pd)
 
-  def broadcast(self, value, dtype=tf.int32):
-    """A scalar as a parallel tensor (the same value on every local device)."""
+  def constants(self, values, dtype=tf.int32):
+    """A parallel tensor holding `values[k]` on the k-th local device."""
     comps = []
-    for p in self.positions:
+    for p, v in zip(self.positions, values):
       with tf.device(self.devices[p]):
-        comps.append(tf.constant(value, dtype))
+        comps.append(tf.identity(tf.constant(v, dtype)))
     return self.pd.pack(comps)
+
+  def broadcast(self, value, dtype=tf.int32):
+    """A value as a parallel tensor (the same on every local device)."""
+    return self.constants([value] * len(self.positions), dtype)
 
   @property
   def fully_local(self):
@@ -96,16 +96,16 @@ def gather_to_host(devices, components):
     raise InputError(f"a {dtype.name} value split across processes cannot be fetched to the host (TF collectives "
                      "cannot carry it); return it replicated or as numbers")
   shape = components[0].shape.as_list()
-  flat, ids = [], []
+  flat = []
   for p, c in zip(where.positions, components):
     with tf.device(where.devices[p]):
       flat.append(tf.reshape(tf.cast(c, carried), [1, -1]))
-      ids.append(tf.constant([p], tf.int32))
+  ids = where.constants([[p] for p in where.positions])
   key = _HOST_GATHER_GROUPS + (zlib.crc32("|".join(where.devices).encode()) & 0x3FFFFFF)
   consts = [where.broadcast(v) for v in (len(where.devices), key, next(_host_instances), next(_host_instances))]
   with tf.device(where.name):
     rows = where.pd.unpack(_all_gather(where.pd.pack(flat), *consts[:3]))[0]
-    order = where.pd.unpack(_all_gather(where.pd.pack(ids), consts[0], consts[1], consts[3]))[0]
+    order = where.pd.unpack(_all_gather(ids, consts[0], consts[1], consts[3]))[0]
   rows = tf.cast(rows, dtype).numpy()
   return {int(p): rows[k].reshape(shape) for k, p in enumerate(order.numpy())}
 
