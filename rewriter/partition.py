@@ -488,7 +488,11 @@ def run(program):
   stored layout and whether the program may write it (any use of its handle but a read), per output its
   sharding, global shape and dtype. Later passes keep these boundary nodes in place.
   """
-  report = Report(completion_iterations=program.completion_iterations, strict=program.options.strict)
+  weights = {tuple(program.ir.info(ref(name)).value_shape): (var.name if var is not None else name)
+             for name, var in zip(program.variable_names, program.variables)
+             if not program.shardings[ref(name)].is_replicated}
+  report = Report(completion_iterations=program.completion_iterations, strict=program.options.strict,
+                  weight_shapes=weights)
   graph = tf.Graph()
   with graph.as_default():
     _import_library(program)

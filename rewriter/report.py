@@ -187,6 +187,11 @@ class Report:
   combined: List[Tuple[int, int]] = dataclasses.field(default_factory=list)  # (all-reduces merged, bytes) each
   memory: Optional[MemoryEstimate] = None   # the per-device program's estimated peak (the memory pass)
   strict: bool = False   # gs.function(strict=True): an involuntary full rematerialization is an error
+  # global shape -> name of a captured variable stored split: an all-gather to that shape rematerialises a
+  # weight-sized tensor (the weight, its gradient or an optimizer slot) whatever its size
+  weight_shapes: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+  # the all-gathers flagged as involuntary full rematerializations (each also has a line in `warnings`)
+  rematerializations: List[CollectiveRecord] = dataclasses.field(default_factory=list)
   # (tensor, its layout, the layout wanted, whether a sharding the user pinned asked for it) while a reshard emits
   resharding: Optional[Tuple[str, str, str, bool]] = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -209,11 +214,13 @@ class Report:
   pipelines: List[PipelineSchedule] = dataclasses.field(default_factory=list)
 
   def add(self, record):
-    """Record a collective. An all-gather of more than LARGE_GATHER_BYTES per device that no pinned sharding asked
-    for is an *involuntary full rematerialization* (an op's rule could not use the layout its operand has, or
-    completion chose a layout the value then has to be gathered into): a warning, or with strict=True a
-    PartitionError naming the tensor, its layout and the fix."""
-    if record.kind == "all-gather" and record.bytes > LARGE_GATHER_BYTES:
+    """Record a collective. An all-gather that no pinned sharding asked for, of more than LARGE_GATHER_BYTES per
+    device or to the full shape of a split variable (a weight, its gradient or slot gathered whole on every
+    device, however small), is an *involuntary full rematerialization* (an op's rule could not use the layout
+    its operand has, or completion chose a layout the value then has to be gathered into): a warning, or with
+    strict=True a PartitionError naming the tensor, its layout and the fix."""
+    weight = self.weight_shapes.get(tuple(record.shape)) if record.kind == "all-gather" else None
+    if record.kind == "all-gather" and (record.bytes > LARGE_GATHER_BYTES or weight is not None):
       tensor, have, want, requested = self.resharding or (None, None, None, False)
       if requested:
         self.collectives.append(record)
@@ -222,6 +229,7 @@ class Report:
         value = f"{record.dtype}[{_shape_str(record.shape)}]"
         what = f"{tensor} ({value}), laid out as {have}, is gathered whole into {want}" if tensor else (
             f"{value} is gathered whole")
+        what += f", weight-sized (the shape of split variable {weight})" if weight is not None else ""
         raise PartitionError(
             f"strict=True forbids an involuntary full rematerialization: {what} ({record.bytes:,} B per device "
             f"over {axes_text(record.axes)}) because {record.reason}. Fix: annotate the tensor (gs.shard, "
@@ -229,7 +237,9 @@ class Report:
             "values it is computed from so that the op's split dimensions agree, or pass strict=False to accept the "
             "gather",
             node=record.source)
-      self.warnings.append(f"involuntary full rematerialization: {record}")
+      sized = f" of a weight-sized tensor (the shape of split variable {weight})" if weight is not None else ""
+      self.warnings.append(f"involuntary full rematerialization{sized}: {record}")
+      self.rematerializations.append(record)
     self.collectives.append(record)
 
   def counts(self):

@@ -29,6 +29,18 @@ def test_same_values_on_every_mesh_and_unsharded(init):
   assert_close(b.numpy(), whole, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("init", [gi.Normal(1.0, 0.5, seed=3), gi.he_normal(seed=2), gi.Constant(2.5)])
+@pytest.mark.parametrize("shape,starts,lengths,chunk", [((9, 7, 5), (2, 1, 0), (6, 5, 5), 30),   # rows of 25
+                                                        ((9, 7, 5), (0, 3, 1), (3, 4, 4), 7),     # a row > chunk
+                                                        ((40,), (3,), (35,), 8)])
+def test_chunked_block_is_the_block(init, shape, starts, lengths, chunk):
+  # A large shard is generated a piece at a time to bound its temporaries; the pieces are exactly the block.
+  want = init.block(shape, starts, lengths, tf.float32).numpy()
+  got = init.chunked(shape, starts, lengths, tf.float32, chunk_elements=chunk).numpy()
+  assert got.shape == tuple(lengths)
+  assert_close(got, want, rtol=0, atol=0)
+
+
 def test_distributions_and_seeds():
   shape = (256, 512)
   n = gi.Normal(0.5, 2.0, seed=1)(shape).numpy()

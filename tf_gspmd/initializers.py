@@ -14,6 +14,8 @@ Keras initializers (`GlorotUniform`, `HeNormal`, `RandomNormal`, `Zeros`, ...) a
 `from_keras`, keeping their distribution and scale (computed from the global shape).
 """
 
+import ctypes
+import ctypes.util
 import dataclasses
 import math
 
@@ -54,11 +56,57 @@ def _uniform01(shape, starts, lengths, seed):
   return (bits + 0.5) / float(1 << 24)
 
 
+# Elements generated at once by `Initializer.chunked`: a random block's temporaries (int64 indices, uint32 hash
+# words, float64 values) are ~40 bytes per element, so 1M elements keep them near 40 MiB whatever the shard size.
+CHUNK_ELEMENTS = 1 << 20
+
+
+def _load_trim():
+  try:
+    return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+  except (OSError, AttributeError, TypeError):   # not glibc: nothing to hand back
+    return None
+
+
+_MALLOC_TRIM = _load_trim()
+
+
+def _release_freed():
+  """Hands freed heap pages back to the OS (glibc keeps freed blocks under its mmap threshold, up to 32 MiB, in
+  its arenas, so a chunked block's temporaries would otherwise stay resident after they are freed)."""
+  if _MALLOC_TRIM is not None:
+    _MALLOC_TRIM(0)
+
+
 class Initializer:
-  """Base: `init(shape, dtype)` gives the whole tensor; `block(shape, starts, lengths, dtype)` one block of it."""
+  """Base: `init(shape, dtype)` gives the whole tensor; `block(shape, starts, lengths, dtype)` one block of it;
+  `chunked(...)` the same block generated a piece at a time (temporaries of one piece, not of the block)."""
 
   def block(self, shape, starts, lengths, dtype):
     raise NotImplementedError
+
+  def chunked(self, shape, starts, lengths, dtype, chunk_elements=CHUNK_ELEMENTS):
+    """`block(...)` built from pieces of at most ~`chunk_elements` along its outer dims, then concatenated.
+
+    Values depend only on the global index, so the pieces are exactly the block's; the peak is the block, its
+    pieces and one piece's temporaries (a random block alone holds ~10x its size in temporaries)."""
+    def at(k, r, n, st, ln):
+      return st[:k] + (st[k] + r,) + st[k + 1:], ln[:k] + (n,) + ln[k + 1:]
+
+    def build(k, st, ln):   # dims before k have length 1 here, or the block is small enough
+      if math.prod(ln[k:]) <= chunk_elements or k == len(ln):
+        return self.block(shape, st, ln, dtype)
+      inner = math.prod(ln[k + 1:])
+      if inner > chunk_elements:   # one index of dim k is itself too big: split the next dim too
+        pieces = [build(k + 1, *at(k, r, 1, st, ln)) for r in range(ln[k])]
+      else:
+        step, pieces = max(1, chunk_elements // inner), []
+        for r in range(0, ln[k], step):
+          pieces.append(self.block(shape, *at(k, r, min(step, ln[k] - r), st, ln), dtype))
+          _release_freed()
+      return tf.concat(pieces, axis=k)
+
+    return build(0, tuple(int(s) for s in starts), tuple(int(n) for n in lengths))
 
   def __call__(self, shape, dtype=tf.float32):
     shape = tuple(int(s) for s in shape)
@@ -71,6 +119,9 @@ class Constant(Initializer):
 
   def block(self, shape, starts, lengths, dtype):
     return tf.fill(lengths, tf.cast(self.value, dtype))
+
+  def chunked(self, shape, starts, lengths, dtype, chunk_elements=CHUNK_ELEMENTS):
+    return self.block(shape, starts, lengths, dtype)   # no temporaries
 
 
 def zeros():

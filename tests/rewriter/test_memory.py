@@ -115,3 +115,22 @@ def test_a_gather_the_user_asked_for_is_not_involuntary(strict):
     assert low.report.counts() == {"all-gather": 1} and not low.report.warnings
     # The gathered value is live at the peak, sized from what the gather carries.
     assert any(b.op_type == "CollectiveGatherV2" and b.bytes == 1024 * 512 * 4 for b in low.report.memory.largest)
+
+
+def test_a_small_weight_gathered_whole_is_involuntary():
+  """Under 1 MiB, an all-gather is still flagged when it rebuilds the full shape of a split variable (a weight or
+  its gradient on every device): cumsum along the weight's split dim. The same shape as an argument is not."""
+  w = gs.variable(gs.initializers.Normal(seed=1), [64, 24], mesh=M8, spec=P("d", None), name="w")
+
+  def step():
+    return tf.reduce_sum(tf.math.cumsum(w, axis=0) * 2.0)
+
+  low = gs.function(step, mesh=M8).lower()
+  assert [x for x in low.report.warnings if "weight-sized tensor (the shape of split variable w" in x], low.report
+  assert [c.shape for c in low.report.rematerializations] == [(64, 24)]
+  with pytest.raises(gs.PartitionError, match=r"full rematerialization.*weight-sized \(the shape of split variable w"):
+    gs.function(step, mesh=M8, strict=True).lower()
+  x = tf.TensorSpec([64, 24])
+  low = gs.function(lambda a: tf.math.cumsum(a, axis=0), mesh=M8, in_shardings=(P("d", None),),
+                    out_shardings=P("d", None)).lower(x)
+  assert low.report.counts().get("all-gather") and not low.report.warnings and not low.report.rematerializations

@@ -383,6 +383,6 @@ def variable(initializer, shape, dtype=tf.float32, *, mesh, spec, name=None, tra
   sharding = to_sharding(spec, mesh, rank=len(shape), what=name or "variable")
   v = _compat.uninitialized_variable(shape, dtype, name=name, trainable=trainable)
   # pylint: disable-next=protected-access
-  v._gspmd_init = lambda p, starts, lengths: init.block(shape, starts, lengths, dtype)
+  v._gspmd_init = lambda p, starts, lengths: init.chunked(shape, starts, lengths, dtype)
   manage(v, sharding, mesh.resolve_devices(), what=name)
   return v
