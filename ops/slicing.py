@@ -346,6 +346,22 @@ class StridedSliceGrad(FactorRule):
     return ctx.clone(node, {0: self.local_shape_input(ctx, node, axes_of, 0), 4: local_inputs[0]})
 
 
+@register("XlaDynamicUpdateSlice")
+class DynamicUpdateSlice(FactorRule):
+  """update written into operand at start indices read at run time (Keras's `ops.slice_update`, a KV cache's
+  write): dims the update covers whole pass their split (their start is clamped to 0), written-into dims are
+  whole on every device, so the same start is right everywhere."""
+
+  def data_inputs(self, node):
+    return [0, 1]
+
+  def factors(self, node):
+    shape, update = node.input_shape(0), node.input_shape(1)
+    whole = {d for d in range(len(shape)) if shape[d] is None or update[d] != shape[d]}
+    labels = unsplit(dim_labels(len(shape)), whole)
+    return Factors((labels, labels), (labels,))
+
+
 @register("Pad", "PadV2", "MirrorPad")
 class Pad(FactorRule):
   """Unpadded dims pass their split. A padded dim may stay split too (constant padding): each device takes

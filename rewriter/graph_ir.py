@@ -202,6 +202,7 @@ def _attach_variable_shapes(tf_graph, infos):
 
 
 _PASS_THROUGH = ("Identity", "While", "StatelessWhile")
+_HANDLES = (tf.variant, tf.resource)   # carry their lists' elements' or variables' value shape through loops
 
 
 def _list_element_shape(op):
@@ -227,7 +228,7 @@ def _attach_list_element_shapes(tf_graph, infos):
   def give(t, shape, dtype):
     outs = infos[t.op.name]
     old = outs[t.value_index]
-    if old.dtype == tf.variant and old.value_shape is None:
+    if old.dtype in _HANDLES and old.value_shape is None:
       outs[t.value_index] = TensorInfo(old.shape, old.dtype, shape, dtype)
       return True
     return False
@@ -250,7 +251,7 @@ def _attach_list_element_shapes(tf_graph, infos):
       elif op.type in _PASS_THROUGH:
         for t_in, t_out in zip(op.inputs, op.outputs):
           a, b = infos[t_in.op.name][t_in.value_index], infos[op.name][t_out.value_index]
-          if a.value_shape is not None and a.dtype == tf.variant:
+          if a.value_shape is not None and a.dtype in _HANDLES:
             changed |= give(t_out, a.value_shape, a.value_dtype)
-          elif b.value_shape is not None and b.dtype == tf.variant:
+          elif b.value_shape is not None and b.dtype in _HANDLES:
             changed |= give(t_in, b.value_shape, b.value_dtype)

@@ -98,8 +98,8 @@ def run(program):
   pinned, opened = {}, {}
   for r, s in annotations.items():
     info = ir.info(r)
-    if info.sharding_rank is None and info.dtype == tf.variant and program.fn is None:
-      pinned[r] = s   # a loop body's TensorList parameter it never opens: it just carries the list along
+    if info.sharding_rank is None and info.dtype in (tf.variant, tf.resource) and program.fn is None:
+      pinned[r] = s   # a loop body's TensorList or variable parameter it never opens: it just carries it along
       continue
     if info.sharding_rank is None and not s.is_maximal and not s.is_replicated:
       raise SpecError(f"{public_key(r)} is a {info.dtype.name} tensor, which cannot be split ({s}): TF collectives "

@@ -254,6 +254,14 @@ def test_keras_variable_initializer_is_the_creation_hook():
   assert _compat.keras_variable_initializer() is installed
 
 
+def test_keras_hub_causal_lm_class_and_its_generate_hooks():
+  keras_hub = pytest.importorskip("keras_hub")
+  base = _compat.keras_hub_causal_lm_class()
+  assert base is keras_hub.models.CausalLM and issubclass(keras_hub.models.GemmaCausalLM, base)
+  assert _params(keras_hub.models.GemmaCausalLM.generate_step)[:3] == ["self", "inputs", "stop_token_ids"]
+  assert _params(base.make_generate_function) == ["self"]
+
+
 def test_keras_distribution_class_and_backend_module(monkeypatch):
   keras = pytest.importorskip("keras")
   base = _compat.keras_distribution_class()

@@ -2,7 +2,7 @@
 downloaded), distributed with their own `get_layout_map` under `keras.distribution.ModelParallel` on mesh (2, 4).
 
 Each trains as plain Keras does (per-step losses), gathers no split weight or gradient to full size, and after the
-distributed fit, `generate()` and a plain `tf.function` see the trained weights.
+distributed fit, `generate()` (partitioned, its KV cache split) and a plain `tf.function` see the trained weights.
 """
 
 import math
@@ -22,7 +22,7 @@ VOCAB, SEQ = 96, 12   # sizes chosen apart from the hidden sizes, so a full weig
 
 def _gemma(lora=False):
   backbone = keras_hub.models.GemmaBackbone(vocabulary_size=VOCAB, num_layers=2, num_query_heads=4,
-                                            num_key_value_heads=1, hidden_dim=40, intermediate_dim=56, head_dim=12)
+                                            num_key_value_heads=4, hidden_dim=40, intermediate_dim=56, head_dim=12)
   if lora:
     backbone.enable_lora(4)
   return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
@@ -77,7 +77,8 @@ def test_model_parallel_fit_matches_plain_keras_without_full_weight_gathers(name
   want = _fit(ref)
   mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], keras.distribution.list_devices("cpu")[:8])
   layout_map = backbone_cls.get_layout_map(mesh)
-  with keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch").scope():
+  distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+  with distribution.scope():
     model = _built(build)
     got = _fit(model)
   assert len(got) == 6
@@ -95,11 +96,24 @@ def test_model_parallel_fit_matches_plain_keras_without_full_weight_gathers(name
       assert not full, full
       # The report flags every gather of a weight-sized tensor; here only those over "batch" remain.
       assert all(c.axes == ("batch",) for c in lowered.report.rematerializations), lowered.report.warnings
-  if name == "gemma":   # after the distributed fit, programs outside it see the trained weights
+  if name == "gemma":
     prompt = {"token_ids": _data()[0]["token_ids"][:2],
               "padding_mask": np.concatenate([np.ones((2, 6), bool), np.zeros((2, SEQ - 6), bool)], 1)}
+    want_tokens = ref.generate(prompt, max_length=SEQ, stop_token_ids=None)["token_ids"]
+    with distribution.scope():   # partitioned generation gives plain Keras's tokens
+      np.testing.assert_array_equal(model.generate(prompt, max_length=SEQ, stop_token_ids=None)["token_ids"],
+                                    want_tokens)
+    # It ran partitioned: its KV cache [batch, layers, key|value, SEQ, kv heads, head dim] is carried through the
+    # sampling loop split over "model" on the heads, like the attention weights.
+    (gen,) = [low for f in model.generate_function.functions.values()
+              for low in f._cache.values()]  # pylint: disable=protected-access
+    caches = {str(s) for r, s in gen.program.shardings.items()
+              if gen.program.ir.info(r).shape == (2, 2, 2, SEQ, 4, 12)}
+    assert caches == {"P(None, None, None, None, 'model', None)"}, caches
+    # After the distributed fit, programs outside the distribution see the trained weights.
+    model.generate_function = None
     np.testing.assert_array_equal(model.generate(prompt, max_length=SEQ, stop_token_ids=None)["token_ids"],
-                                  ref.generate(prompt, max_length=SEQ, stop_token_ids=None)["token_ids"])
+                                  want_tokens)
     forward = tf.function(lambda t: model.backbone({"token_ids": t, "padding_mask": tf.ones_like(t, tf.bool)}))
     np.testing.assert_allclose(forward(prompt["token_ids"]).numpy(),
                                ref.backbone({"token_ids": prompt["token_ids"],

@@ -8,6 +8,7 @@ signature and behaviour used), so an upgrade that changes one fails there, by na
 Core layer: imports only tensorflow, keras (lazily: the core does not need Keras) and numpy.
 """
 
+import sys
 import threading
 
 import tensorflow as tf
@@ -243,6 +244,14 @@ def set_keras_variable_initializer(fn):
 # ---- Keras distribution (Keras 3.15, TensorFlow backend) ---------------------------------------------------------
 # `keras.distribution` exports DataParallel and ModelParallel but not their base class; the TF backend's
 # distribution_lib is the module whose functions Keras's distribution API calls (a stub that tf_gspmd fills in).
+
+def keras_hub_causal_lm_class():
+  """keras-hub's CausalLM base class (its `make_generate_function` builds the `generate()` step), or None while
+  keras_hub is not loaded (it is never imported from here)."""
+  if "keras_hub" not in sys.modules:
+    return None
+  return sys.modules["keras_hub"].models.CausalLM
+
 
 def keras_distribution_class():
   """The base class of Keras distributions (`keras.distribution.DataParallel`, `ModelParallel`, ...)."""

@@ -132,6 +132,7 @@ def _plan_of(source):
 
 
 def _active_plan():
+  _partition_generate()   # keras_hub may have been imported after this module
   plan = getattr(_local, "plan", None)
   if plan is not None:
     return plan
@@ -162,20 +163,22 @@ def _eager(value):
 
 
 class _Partitioned:
-  """One of Keras's step functions (train, test, predict) as gs.functions, one per batch signature."""
+  """One of Keras's step functions (train, test, predict, a causal LM's generate) as gs.functions, one per batch
+  signature."""
 
   def __init__(self, model, kind, plan):
     self.model = model
     self.kind = kind
     self.plan = plan
-    self.step = {"train": model.train_step, "test": model.test_step, "predict": model.predict_step}[kind]
+    self.step = {"train": model.train_step, "test": model.test_step, "predict": model.predict_step,
+                 "generate": getattr(model, "generate_step", None)}[kind]
     self.functions = {}
 
-  def _function(self, data):
+  def _function(self, data, **options):
     leaves = tf.nest.flatten(data)
     flat = [tf.convert_to_tensor(t) for t in leaves if t is not None]   # e.g. no sample weights
     key = (tf.nest.map_structure(lambda t: t is None, data).__repr__(),
-           tuple((tuple(t.shape.as_list()), t.dtype) for t in flat))
+           tuple((tuple(t.shape.as_list()), t.dtype) for t in flat), repr(sorted(options.items())))
     if key not in self.functions:
       model, plan, structure = self.model, self.plan, data
       present = [t is not None for t in leaves]
@@ -186,18 +189,21 @@ class _Partitioned:
           if spec is not None:
             shard(v, spec)
         it = iter(xs)
-        return self.step(tf.nest.pack_sequence_as(structure, [next(it) if p else None for p in present]))
+        return self.step(tf.nest.pack_sequence_as(structure, [next(it) if p else None for p in present]), **options)
 
       batch = plan.batch_axis
       ins = tuple(P(batch) if t.shape.rank and batch else P() for t in flat)
       self.functions[key] = gs_function(step, mesh=plan.mesh, in_shardings=ins)
     return self.functions[key], flat
 
-  def run(self, data):
-    f, flat = self._function(data)
+  def run(self, data, **options):
+    f, flat = self._function(data, **options)
     return tf.nest.map_structure(_eager, f(*flat))
 
-  def __call__(self, iterator_or_data):
+  def __call__(self, iterator_or_data, stop_token_ids=None):
+    if self.kind == "generate":   # keras-hub's CausalLM: one batch of prompts, the sampling loop inside
+      stop = None if stop_token_ids is None else tuple(int(t) for t in np.asarray(stop_token_ids).reshape(-1))
+      return self.run(iterator_or_data, stop_token_ids=stop)
     if self.kind == "predict":   # Keras passes a list of steps_per_execution batches
       outs = [self.run(batch) for batch in iterator_or_data]
       if len(outs) == 1:
@@ -265,6 +271,28 @@ def _list_devices(device_type=None):
   return names
 
 
+def _partition_generate():
+  """Under a distribution, a keras-hub CausalLM's `generate()` runs its `generate_step` (prompt processing,
+  the sampling loop and the KV cache) as a gs.function over the mesh, the cache laid out as completion derives
+  it from the attention weights' layouts. Installed once keras_hub is loaded (it is when such a model exists)."""
+  hub = _compat.keras_hub_causal_lm_class()
+  if hub is None or getattr(hub, "_gspmd_installed", False):
+    return
+  original = hub.make_generate_function
+
+  def make_generate_function(self):
+    plan = _active_plan()
+    if plan is None:
+      return original(self)
+    current = getattr(self, "generate_function", None)
+    if not (isinstance(current, _Partitioned) and current.plan is plan):
+      self.generate_function = _Partitioned(self, "generate", plan)
+    return self.generate_function
+
+  hub.make_generate_function = make_generate_function
+  hub._gspmd_installed = True  # pylint: disable=protected-access
+
+
 def _install():
   backend_dl = _compat.keras_backend_distribution_lib()
   cls = keras.Model   # on the TF backend, its make_*_function are the TF trainer's
@@ -289,6 +317,7 @@ def _install():
 
   for kind in originals:
     setattr(cls, f"make_{kind}_function", make(kind))
+  _partition_generate()
 
   def distribute_tensor(tensor, layout):
     """Keras's hook for `"<layer path>/output"` layouts: an annotation inside a partitioned function."""

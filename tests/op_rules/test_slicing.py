@@ -201,3 +201,20 @@ def test_gradient_of_a_slice_with_new_axes_keeps_the_split(rng):
   w = rng.standard_normal((16, 4, 3, 2)).astype(np.float32)
   low = check_partitioned(fn, [x, w], (P("d", None), P("d", None, None, None)), mesh, out=P("d", None))
   assert "all-gather" not in low.report.counts()
+
+
+@pytest.mark.parametrize("spec", [P("m", None, None), P(None, None, "m"), P(None, "m", None)])
+def test_dynamic_update_slice_writes_where_the_data_lives(rng, spec):
+  """XlaDynamicUpdateSlice (Keras's ops.slice_update, a KV cache's write at a step read at run time): dims the
+  update covers whole keep their split, the written dim is whole everywhere."""
+  from tensorflow.compiler.tf2xla.python import xla  # pylint: disable=g-import-not-at-top
+
+  def fn(cache, update, step):
+    return xla.dynamic_update_slice(cache, update, tf.stack([0, step[0], 0]))
+
+  cache = rng.standard_normal((8, 6, 16)).astype(np.float32)
+  update = rng.standard_normal((8, 1, 16)).astype(np.float32)
+  upd_spec = P(*[None if d == 1 else a for d, a in enumerate(spec)])
+  low = check_partitioned(fn, [cache, update, np.array([4], np.int32)], (spec, upd_spec, P()), M8)
+  if spec != P(None, "m", None):   # splitting the written dim is not kept: resharded around the write
+    assert low.report.collectives == [], str(low.report)
