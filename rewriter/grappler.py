@@ -12,6 +12,11 @@ from tf_gspmd._annotations import SHARDING_ATTR, SPEC_ATTR
 from tf_gspmd.rewriter.graph_view import prune, side_effect_nodes, split_ref
 
 OPTIMIZERS = ("function", "constfold", "shape", "arithmetic")
+# What TF's runtime would run on the per-device program when it instantiates it on each device; run once here
+# instead (TF then instantiates it without its optimizer: 8 devices meant 8 identical optimizations). Remapper
+# fusions are CPU kernels, so they run only for CPU meshes; other meshes keep TF's runtime optimizer.
+LOCAL_OPTIMIZERS = ("pruning", "function", "common_subgraph_elimination", "debug_stripper", "constfold", "shape",
+                    "arithmetic", "loop", "dependency", "remapper")
 
 
 def run(program):
@@ -38,6 +43,29 @@ def run(program):
   # Drop what no output, annotation or side effect needs (Grappler leaves rewritten nodes behind).
   optimized = prune(optimized, sorted(keep) + side_effect_nodes(optimized))
   return program.replace(graph_def=optimized)
+
+
+def run_local(program):
+  """Pass: TF's graph optimizer on the per-device program, once at lowering (CPU meshes, no XLA, not plan-only); the runtime
+  then instantiates the program on every device without optimizing it again (`program.locally_optimized`)."""
+  if program.jit is not None or not program.devices or not all("CPU" in tf.DeviceSpec.from_string(d).device_type.upper()
+                                        for d in program.devices):
+    return program
+  gd = program.local_graph_def
+  keep = set(program.local_inputs) | set(program.local_variables) | set(program.local_outputs) | set(
+      program.side_effects) | {program.partition_id} | set(program.collective_ops or ())
+  meta = tf.compat.v1.MetaGraphDef()
+  meta.graph_def.CopyFrom(gd)
+  meta.collection_def["train_op"].node_list.value.extend(sorted(keep))
+  config = tf.compat.v1.ConfigProto()
+  rewrite = config.graph_options.rewrite_options
+  rewrite.min_graph_nodes = -1
+  rewrite.meta_optimizer_iterations = rewrite.ONE
+  rewrite.optimizers.extend(LOCAL_OPTIMIZERS)
+  optimized = _compat.optimize_graph(config, meta, _compat.grappler_cluster())
+  if keep - {n.name for n in optimized.node}:   # it dropped a node the program needs: keep TF's runtime pass
+    return program
+  return program.replace(local_graph_def=optimized, locally_optimized=True)
 
 
 def _functional_control_flow(gd):

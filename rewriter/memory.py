@@ -219,10 +219,12 @@ def estimate(graph_def, arguments=(), variables=None, outputs=(), known=None):
 
 
 def run(program):
-  """Pass: the per-device program's estimated peak memory, into `report.memory`."""
+  """Pass: the per-device program's estimated peak memory, as `report.memory` (computed when first read: a
+  step that only runs never pays for the simulation)."""
   variables = {name: variable_shard(program, name) for name in program.local_variables}
   variables = {name: shard for name, shard in variables.items() if shard is not None}
   arguments = list(program.local_inputs) + ([program.partition_id] if program.partition_id else [])
   known = {ref(name): e.shape for name, e in (program.collective_ops or {}).items()}   # what a collective carries
-  program.report.memory = estimate(program.local_graph_def, arguments, variables, program.local_outputs, known)
+  graph_def, outputs = program.local_graph_def, program.local_outputs
+  program.report.estimate_memory(lambda: estimate(graph_def, arguments, variables, outputs, known))
   return program

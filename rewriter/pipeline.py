@@ -72,6 +72,7 @@ class Program:
   output_specs: Tuple[Any, ...] = ()     # per flattened output: (Sharding, global shape tuple, tf.DType)
   report: Any = None
   jit: Optional[str] = None              # None (not compiled), "segments" (CPU) or "whole" (GPU, TPU)
+  locally_optimized: bool = False        # TF's graph optimizer already ran on local_graph_def (the runtime skips it)
   function_cache: Any = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   def replace(self, **changes):
@@ -94,6 +95,7 @@ PASSES = (
     ("verify", cleanup.verify),                    # invariants of the per-device program
     ("memory", memory.run),                        # estimated peak bytes per device (report.memory)
     ("compile", jit.run),                          # XLA: segments between collectives (CPU) or whole (GPU, TPU)
+    ("optimize", grappler.run_local),              # TF's graph optimizer on the per-device program, once
     ("schedules", report.pipeline_schedules),      # gs.pipeline schedules stated in the report
 )
 

@@ -14,7 +14,7 @@ emitted ops (what the program sends), `logical_bytes_per_device()` the logical c
 import collections
 import contextlib
 import dataclasses
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from tf_gspmd._mesh import axes_text
 from tf_gspmd.errors import PartitionError
@@ -185,7 +185,8 @@ class Report:
   pass_times: dict = dataclasses.field(default_factory=dict)
   state: List[StateRecord] = dataclasses.field(default_factory=list)
   combined: List[Tuple[int, int]] = dataclasses.field(default_factory=list)  # (all-reduces merged, bytes) each
-  memory: Optional[MemoryEstimate] = None   # the per-device program's estimated peak (the memory pass)
+  _memory: Optional[MemoryEstimate] = dataclasses.field(default=None, repr=False, compare=False)
+  _memory_fn: Optional[Callable[[], MemoryEstimate]] = dataclasses.field(default=None, repr=False, compare=False)
   strict: bool = False   # gs.function(strict=True): an involuntary full rematerialization is an error
   # global shape -> name of a captured variable stored split: an all-gather to that shape rematerialises a
   # weight-sized tensor (the weight, its gradient or an optimizer slot) whatever its size
@@ -194,6 +195,17 @@ class Report:
   rematerializations: List[CollectiveRecord] = dataclasses.field(default_factory=list)
   # (tensor, its layout, the layout wanted, whether a sharding the user pinned asked for it) while a reshard emits
   resharding: Optional[Tuple[str, str, str, bool]] = dataclasses.field(default=None, repr=False, compare=False)
+
+  def estimate_memory(self, fn):
+    """Sets how `memory` is computed (the memory pass): on first read."""
+    self._memory, self._memory_fn = None, fn
+
+  @property
+  def memory(self):
+    """The per-device program's estimated peak (the memory pass; None when it did not run)."""
+    if self._memory is None and self._memory_fn is not None:
+      self._memory = self._memory_fn()
+    return self._memory
 
   @property
   def peak_bytes_per_device(self):

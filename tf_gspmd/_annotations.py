@@ -134,6 +134,7 @@ def mesh_split(tensor, device_mesh, dims_mapping, name=None, unspecified_dims=No
   return _annotate(t, sharding, name, unspecified_dims or ())
 
 
+@tf.autograph.experimental.do_not_convert   # library code: converting it only costs tracing time
 def shard(tensor, spec, mesh=None, name=None):
   """Annotates `tensor` with a named-axis partition spec, e.g. ``shard(x, P("data", None))``.
 

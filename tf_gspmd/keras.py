@@ -191,6 +191,9 @@ class _Partitioned:
         it = iter(xs)
         return self.step(tf.nest.pack_sequence_as(structure, [next(it) if p else None for p in present]), **options)
 
+      if self.kind != "generate":   # Keras's own step functions are not autograph-converted either
+        step = tf.autograph.experimental.do_not_convert(step)
+
       batch = plan.batch_axis
       ins = tuple(P(batch) if t.shape.rank and batch else P() for t in flat)
       self.functions[key] = gs_function(step, mesh=plan.mesh, in_shardings=ins)

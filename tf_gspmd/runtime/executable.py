@@ -6,6 +6,7 @@ is what an SPMD program needs. The per-device GraphDef becomes one concrete func
 partition id is a packed per-device input.
 """
 
+import contextlib
 import re
 import threading
 
@@ -73,6 +74,7 @@ class Executable:
     else:   # flat call: binding hundreds of arguments to a structured signature costs more than the step
       self._call = lambda pid, packed: _compat.call_flat(self.fn, [pid] + list(packed))
     self.n_outputs = len(outputs)
+    self._instantiated = False
 
   def place(self, value, sharding, spec, what):
     """An argument as one packed parallel tensor: in place for a matching ShardedTensor, else scattered (each
@@ -97,6 +99,21 @@ class Executable:
         comps.append(tf.identity(tf.constant(shard)))
     return self.pd.pack(comps)
 
+  @contextlib.contextmanager
+  def _instantiation(self):
+    """The first call instantiates the program on every device; when the lowering already ran TF's graph
+    optimizer on it, TF's runtime does not run it again for each device."""
+    if not self.program.locally_optimized or self._instantiated:
+      yield
+      return
+    before = tf.config.optimizer.get_experimental_options()
+    tf.config.optimizer.set_experimental_options({**before, "disable_meta_optimizer": True})
+    try:
+      yield
+    finally:
+      tf.config.optimizer.set_experimental_options(before)
+      self._instantiated = True
+
   def run_packed(self, pd, pid, packed):
     """Run the per-device program on the parallel device `pd`, aborting its collectives past the deadline.
 
@@ -115,7 +132,7 @@ class Executable:
     guard = threading.Thread(target=watchdog, name="tf_gspmd_collective_deadline", daemon=True)
     guard.start()
     try:
-      with tf.device(_compat.parallel_device_name(pd)):
+      with tf.device(_compat.parallel_device_name(pd)), self._instantiation():
         return self._call(pid, packed)[:self.n_outputs]
     except tf.errors.OpError as e:
       if self.local.fully_local:
