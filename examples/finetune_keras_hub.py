@@ -163,9 +163,10 @@ def backbone_class(model_name):
 
 
 def train(lm, x, y, verbose):
-  """`fit` one batch per epoch (steps_per_epoch=1 walks through the data), so that each epoch's logged loss is
-  that step's loss rather than a running mean. Returns the per-step losses."""
+  """`fit` over the batches, one per epoch: with steps_per_epoch=1 Keras keeps one iterator across epochs, so epoch
+  k trains on batch k and logs that batch's loss (not a running mean over several). Returns the per-step losses."""
   import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   losses = []
 
   class Log(keras.callbacks.Callback):
@@ -179,8 +180,8 @@ def train(lm, x, y, verbose):
               flush=True)
 
   steps = len(y) // FLAGS.batch_size
-  lm.fit(x, y, batch_size=FLAGS.batch_size, epochs=steps, steps_per_epoch=1, shuffle=False, verbose=0,
-         callbacks=[Log()])
+  data = tf.data.Dataset.from_tensor_slices((x, y)).batch(FLAGS.batch_size)
+  lm.fit(data, epochs=steps, steps_per_epoch=1, shuffle=False, verbose=0, callbacks=[Log()])
   return losses
 
 
