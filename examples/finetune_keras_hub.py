@@ -250,11 +250,11 @@ def main(_):
   import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
   gs.initialize(cpu_devices=math.prod(shape))   # logical CPU devices, before TensorFlow runs anything
   import keras  # pylint: disable=g-import-not-at-top
+  if keras.backend.backend() != "tensorflow":
+    raise SystemExit(f"this binary runs Keras on the TensorFlow backend (KERAS_BACKEND=tensorflow); the backend is "
+                     f"{keras.backend.backend()!r}")
   import tf_gspmd.keras  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
 
-  if keras.backend.backend() != "tensorflow":
-    raise app.UsageError(f"this binary runs Keras on the TensorFlow backend; KERAS_BACKEND is "
-                         f"{keras.backend.backend()!r}")
   n = math.prod(shape)
   devices = keras.distribution.list_devices("gpu")
   devices = devices[:n] if len(devices) >= n else keras.distribution.list_devices("cpu")[:n]
@@ -279,6 +279,7 @@ def main(_):
 
   if FLAGS.check:
     check(lm, losses, ids, x, y)
+
 
 if __name__ == "__main__":
   app.run(main)
