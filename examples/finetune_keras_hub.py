@@ -13,7 +13,7 @@ layout map says (attention heads, MLP hidden and vocabulary over `model`; the ot
 The model is built from its backbone's constructor at a small size with random weights (nothing is downloaded) and
 learns a short built-in English text, character by character (token 0 pads, 1..N are the text's characters).
 Each step prints `step K loss X` (the loss of that step's batch); after training the model continues --prompt
-greedily with `generate()`. With --check (the default) the same model is then built again from the same seed
+greedily with `generate()`, partitioned under the same distribution (the KV cache split like the attention). With --check (the default) the same model is then built again from the same seed
 without a distribution and trained on the same first --check_steps batches; the binary fails unless each of those
 steps' losses agrees to --check_rtol, and unless, given the weights the partitioned fit trained, plain Keras
 generates the same text.
@@ -274,7 +274,8 @@ def main(_):
   print(f"fit: {len(losses)} steps in {time.perf_counter() - start:.1f} s (the first traces and partitions the "
         f"step)")
   print_collectives(lm, x, y)
-  ids, text = generate(lm)
+  with distribution.scope():   # partitioned: the sampling loop runs on the mesh, its KV cache split
+    ids, text = generate(lm)
   print(f"generate: {text!r}")
 
   if FLAGS.check:
