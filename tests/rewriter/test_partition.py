@@ -49,8 +49,11 @@ def test_local_program_nodes_and_shapes():
 def test_pipeline_is_one_list_and_times_every_pass():
   names = [name for name, _ in pipeline.PASSES]
   assert names == ["trace", "grappler", "import_annotations", "complete", "weight_update_sharding", "partition",
-                   "combine", "cleanup", "verify", "memory", "compile", "schedules"]
-  assert set(_megatron().report.pass_times) == set(names)
+                   "combine", "cleanup", "verify", "memory", "compile", "optimize", "schedules"]
+  low = _megatron()
+  assert set(low.report.pass_times) == set(names)
+  # On CPU devices TF's graph optimizer ran once on the per-device program; the runtime does not run it again.
+  assert low.program.locally_optimized
 
 
 def test_dump_dir(tmp_path, monkeypatch):

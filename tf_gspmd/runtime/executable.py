@@ -21,15 +21,42 @@ from tf_gspmd.runtime import state as _state
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor, shard_host_value
 
 def _function_from_graph_def(graph_def, inputs, outputs):
-  """A concrete function of `graph_def` from tensors `inputs` to `outputs` (tensor names; op names are run as
-  control outputs), imported once: no Python tracing of the program."""
+  """A concrete function of `graph_def` from tensors `inputs` (its Placeholders) to `outputs` (tensor names; op
+  names are side effects that must run: the function returns one extra scalar that depends on them), imported
+  once into the function's graph: no Python tracing of the program and no copy of it op by op."""
+  nodes = {n.name: n for n in graph_def.node}
+  specs = []
+  for name in inputs:
+    attr = nodes[name.split(":")[0]].attr
+    shape = tf.TensorShape(attr["shape"].shape) if "shape" in attr else tf.TensorShape(None)
+    specs.append(tf.TensorSpec(shape, tf.as_dtype(attr["dtype"].type)))
+  tensors = [n for n in outputs if ":" in n]
+  side_effects = [n for n in outputs if ":" not in n]
+  fed = {"^" + name.split(":")[0] for name in inputs}
+  if any(i in fed for n in graph_def.node for i in n.input):   # control edges from inputs: the argument is there
+    graph_def = _without_control_inputs(graph_def, fed)
 
-  def import_graph():
-    tf.graph_util.import_graph_def(graph_def, name="")
+  def body(*args):
+    got = tf.graph_util.import_graph_def(graph_def, input_map=dict(zip(inputs, args)),
+                                         return_elements=tensors + side_effects, name="program")
+    results = list(got[:len(tensors)])
+    if side_effects:
+      with tf.control_dependencies(got[len(tensors):]):
+        results.append(tf.constant(0, name="side_effects_done"))
+    return results
 
-  wrapped = tf.compat.v1.wrap_function(import_graph, [])
-  graph = wrapped.graph
-  return wrapped.prune([graph.as_graph_element(n) for n in inputs], [graph.as_graph_element(n) for n in outputs])
+  return tf.compat.v1.wrap_function(body, specs)
+
+
+def _without_control_inputs(graph_def, control):
+  out = tf.compat.v1.GraphDef()
+  out.CopyFrom(graph_def)
+  for n in out.node:
+    if any(i in control for i in n.input):
+      kept = [i for i in n.input if i not in control]
+      del n.input[:]
+      n.input.extend(kept)
+  return out
 
 
 _TASK = re.compile(r"/job:[A-Za-z0-9_]+/replica:\d+/task:\d+")
