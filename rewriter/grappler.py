@@ -3,6 +3,8 @@
 Only folding optimizers run (function inlining, constant folding, shape, arithmetic); the function's
 inputs, outputs and every annotated node are preserved, so names users query survive. Nodes that nothing
 needs afterwards are pruned, so no dead computation reaches completion or the report.
+
+The optimize pass (`run_local`) runs TF's full graph optimizer once on the finished per-device program.
 """
 
 import tensorflow as tf
@@ -25,17 +27,8 @@ def run(program):
   # Annotations, and Identity nodes: the names users give tensors (tf.identity(x, name="h")) must survive.
   keep |= {n.name for n in gd.node if SHARDING_ATTR in n.attr or SPEC_ATTR in n.attr or
            n.op in ("XlaSharding", "Identity")}
-  meta = tf.compat.v1.MetaGraphDef()
-  meta.graph_def.CopyFrom(_functional_control_flow(gd))
-  meta.collection_def["train_op"].node_list.value.extend(sorted(keep))
-  config = tf.compat.v1.ConfigProto()
-  rewrite = config.graph_options.rewrite_options
-  rewrite.min_graph_nodes = -1
-  rewrite.meta_optimizer_iterations = rewrite.ONE
-  rewrite.optimizers.extend(OPTIMIZERS)
-  optimized = _compat.optimize_graph(config, meta, _compat.grappler_cluster())
-  missing = keep - {n.name for n in optimized.node}
-  if missing:  # Grappler dropped a node we must keep: fall back to the unoptimized graph.
+  optimized = _optimized(_functional_control_flow(gd), keep, OPTIMIZERS)
+  if optimized is None:  # Grappler dropped a node we must keep: fall back to the unoptimized graph.
     optimized = tf.compat.v1.GraphDef()
     optimized.CopyFrom(gd)
   _drop_colocation(optimized)
@@ -46,26 +39,34 @@ def run(program):
 
 
 def run_local(program):
-  """Pass: TF's graph optimizer on the per-device program, once at lowering (CPU meshes, no XLA, not plan-only); the runtime
-  then instantiates the program on every device without optimizing it again (`program.locally_optimized`)."""
-  if program.jit is not None or not program.devices or not all("CPU" in tf.DeviceSpec.from_string(d).device_type.upper()
-                                        for d in program.devices):
+  """Pass: TF's graph optimizer on the per-device program, once at lowering (CPU meshes without XLA segments,
+  not plan-only); the runtime then instantiates the program on every device without optimizing it again
+  (`program.locally_optimized`)."""
+  on_cpu = program.devices and all(tf.DeviceSpec.from_string(d).device_type.upper() == "CPU"
+                                   for d in program.devices)
+  if program.jit is not None or not on_cpu:
     return program
   gd = program.local_graph_def
   keep = set(program.local_inputs) | set(program.local_variables) | set(program.local_outputs) | set(
       program.side_effects) | {program.partition_id} | set(program.collective_ops or ())
+  optimized = _optimized(gd, keep, LOCAL_OPTIMIZERS)
+  if optimized is None:   # it dropped a node the program needs: leave the optimizing to TF's runtime
+    return program
+  return program.replace(local_graph_def=optimized, locally_optimized=True)
+
+
+def _optimized(graph_def, keep, optimizers):
+  """`graph_def` through Grappler's `optimizers` (one round), nodes in `keep` preserved; None if one was not."""
   meta = tf.compat.v1.MetaGraphDef()
-  meta.graph_def.CopyFrom(gd)
+  meta.graph_def.CopyFrom(graph_def)
   meta.collection_def["train_op"].node_list.value.extend(sorted(keep))
   config = tf.compat.v1.ConfigProto()
   rewrite = config.graph_options.rewrite_options
   rewrite.min_graph_nodes = -1
   rewrite.meta_optimizer_iterations = rewrite.ONE
-  rewrite.optimizers.extend(LOCAL_OPTIMIZERS)
+  rewrite.optimizers.extend(optimizers)
   optimized = _compat.optimize_graph(config, meta, _compat.grappler_cluster())
-  if keep - {n.name for n in optimized.node}:   # it dropped a node the program needs: keep TF's runtime pass
-    return program
-  return program.replace(local_graph_def=optimized, locally_optimized=True)
+  return None if keep - {n.name for n in optimized.node} else optimized
 
 
 def _functional_control_flow(gd):
