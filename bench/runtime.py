@@ -9,7 +9,8 @@ decoder-only transformer with Adam (examples/transformer_model.py, Megatron layo
 
 with XLA off and on (tf_gspmd on CPU: XLA-compiled segments between collectives; DTensor: jit_compile=True where
 it compiles). Times are medians of --steps calls after warm-up, all measured in one run; ratios are to the
-unpartitioned program with XLA off. Every partitioned result is checked against the unpartitioned one.
+unpartitioned program with XLA off. Every partitioned result is checked against the unpartitioned one. A second
+table counts the ops of the unpartitioned and the per-device program and the collectives of one step.
 
   python bench/runtime.py [--steps=10] [--layers=12] [--only=mlp_train_step] [--profile=/tmp/prof]
 """
@@ -96,6 +97,10 @@ def main(_):
           tf.nest.flatten(f(*placed))[-1].numpy()
         tf.profiler.experimental.stop()
       times[("DTensor", jit)] = _dtensor_time(tf, dtensor, dmesh, fn, args, specs, jit, want, name)
+      if not jit:
+        low = f.lower(*[tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in args])
+        times["ops"] = (_op_count(single.get_concrete_function(*consts).graph.as_graph_def()),
+                        _op_count(low.graph_def), low.report)
     rows.append((name, times))
   base = "unpartitioned, XLA off"
   head = ("program", "XLA", "unpartitioned ms", "tf_gspmd ms", "DTensor ms", "tf_gspmd / unpart.", "DTensor / unpart.",
@@ -112,6 +117,24 @@ def main(_):
         "the single-device reference)")
   for row in [head] + table:
     print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+  print()
+  print("ops (graph nodes, function bodies included) of the unpartitioned program and of the per-device program "
+        "(after the optimize pass), and the collectives one step runs (XLA off)")
+  head = ("program", "unpartitioned ops", "per-device ops", "logical collectives", "collective ops emitted",
+          "bytes sent / device")
+  table = []
+  for name, times in rows:
+    whole, local, report = times["ops"]
+    logical = ", ".join(f"{n} {k}" for k, n in sorted(report.counts().items()))
+    table.append((name, str(whole), str(local), logical or "none", str(len(report.emitted_ops())),
+                  f"{report.bytes_per_device():,}"))
+  widths = [max(len(x) for x in col) for col in zip(head, *table)]
+  for row in [head] + table:
+    print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+
+
+def _op_count(graph_def):
+  return len(graph_def.node) + sum(len(f.node_def) for f in graph_def.library.function)
 
 
 def _dtensor_time(tf, dtensor, dmesh, fn, args, specs, jit, want, name):
