@@ -22,6 +22,10 @@ def _xla_data_pb2():
   return _compat.xla_data_pb2()
 
 
+# (axis names, mesh shape, dims, maximal) of the shardings already validated (validation depends on nothing else)
+_VALID = set()
+
+
 @dataclasses.dataclass(frozen=True)
 class Sharding:
   """The layout of one tensor over a `Mesh`.
@@ -44,8 +48,22 @@ class Sharding:
   maximal: Optional[int] = None
 
   def __post_init__(self):
-    dims = tuple(tuple(d) for d in self.dims)
-    object.__setattr__(self, "dims", dims)
+    dims = self.dims
+    if type(dims) is not tuple or any(type(d) is not tuple for d in dims):  # pylint: disable=unidiomatic-typecheck
+      dims = tuple(tuple(d) for d in dims)
+      object.__setattr__(self, "dims", dims)
+    if self.maximal is not None and type(self.maximal) is not int:  # pylint: disable=unidiomatic-typecheck
+      object.__setattr__(self, "maximal", int(self.maximal))
+    key = (self.mesh.axis_names, self.mesh.shape, dims, self.maximal)
+    try:
+      if key in _VALID:   # completion builds tens of thousands of the same few shardings
+        return
+    except TypeError:   # an unhashable axis: validation says what is wrong
+      self._validate(dims)
+    self._validate(dims)
+    _VALID.add(key)
+
+  def _validate(self, dims):
     seen = {}
     for i, axes in enumerate(dims):
       for a in axes:
@@ -59,9 +77,8 @@ class Sharding:
     if self.maximal is not None:
       if dims:
         raise SpecError("a maximal sharding has no tiled dimensions")
-      if not 0 <= int(self.maximal) < self.mesh.size:
+      if not 0 <= self.maximal < self.mesh.size:
         raise SpecError(f"maximal device {self.maximal} is outside the mesh of {self.mesh.size} devices")
-      object.__setattr__(self, "maximal", int(self.maximal))
 
   # ---- constructors -------------------------------------------------------------------------------------
   @classmethod
