@@ -51,11 +51,7 @@ class ReadVariable(FactorRule):
 
   def partition(self, ctx, node):
     (value,) = ctx.clone(node, {0: ctx.operand(0, None)})
-    layout = handle_sharding(ctx, node)
-    shape = node.input_info(0).value_shape
-    if value.shape.rank is None and shape is not None:   # a handle passed into a loop body has no shape data
-      value.set_shape(layout.shard_shape(shape))
-    ctx.set_output(0, value, layout)
+    ctx.set_output(0, value, handle_sharding(ctx, node))
 
 
 @register("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")

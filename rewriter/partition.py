@@ -314,9 +314,7 @@ class PartitionContext:
     if node.name in self.program.variable_names:   # a variable handle: one shard of the variable per device
       info = node.outputs[0]
       ph = tf.compat.v1.placeholder(tf.resource, [], name=node.name)
-      if info.value_shape is not None:   # local reads get the shard's static shape
-        local = self.program.shardings[node.ref(0)].shard_shape(info.value_shape)
-        _compat.set_resource_shape(ph, tf.TensorShape(local), info.value_dtype)
+      _give_shard_shape(ph, info, self.program.shardings[node.ref(0)])
       self.ops[node.name] = ph.op
       self.local_variables.append(ph.op.name)
       self._store(node.ref(0), ph, self.program.shardings[node.ref(0)])
@@ -326,6 +324,8 @@ class PartitionContext:
     info = node.outputs[0]
     local = arriving.shard_shape(info.shape) if info.partitionable else info.shape
     ph = tf.compat.v1.placeholder(info.dtype, local, name=node.name)
+    if info.dtype == tf.resource:   # a variable handle passed into a loop or branch body
+      _give_shard_shape(ph, info, arriving)
     self.ops[node.name] = ph.op
     self.local_inputs.append(ph.op.name)
     self._store(node.ref(0), ph, arriving)
@@ -360,6 +360,13 @@ class PartitionContext:
         raise PartitionError(f"local shape of {public_key(r)} is {got} but {sharding} needs {want}",
                              node=split_ref(r)[0], op_type=self.ir.producer(r).op)
     self.values[r] = (value, sharding)
+
+
+def _give_shard_shape(handle, info, sharding):
+  """Reads of the variable handle `handle` get its shard's static shape (when its value's shape is known)."""
+  if info.value_shape is not None:
+    local = sharding.with_rank(len(info.value_shape)).shard_shape(info.value_shape)
+    _compat.set_resource_shape(handle, tf.TensorShape(local), info.value_dtype)
 
 
 def rows_read_by(in_size, n, out_size, start, stride=1, size=1):
