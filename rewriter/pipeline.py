@@ -14,7 +14,7 @@ import time
 from typing import Any, Optional, Tuple
 
 from tf_gspmd.errors import PartitionError, ShardingError
-from tf_gspmd.rewriter import (cleanup, combine, completion, grappler, import_annotations, jit, memory, partition,
+from tf_gspmd.rewriter import (auto, cleanup, combine, completion, grappler, import_annotations, jit, memory, partition,
                                report, trace, weight_update)
 
 
@@ -24,6 +24,7 @@ class Options:
   collective_timeout: float = 300.0  # seconds before a stuck program's collectives are aborted
   weight_update_sharding: Any = None  # None/False, True (the "data" axis, else the first), or a mesh axis name
   jit_compile: Any = "auto"          # "auto" (GPU/TPU), True (every backend; CPU in segments), False
+  auto: Any = None                   # auto.AutoOptions: layouts chosen by the auto_shard pass, or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Program:
   explanations: Any = None               # ref -> why completion chose it
   param_shardings: Tuple[Any, ...] = ()
   completion_iterations: int = 0
+  auto_plan: Any = None                  # auto.AutoPlan: what the auto_shard pass chose (None without it)
   update_state: Tuple[str, ...] = ()     # handles of variables read only to compute updates (optimizer state)
   # partition / cleanup
   local_graph_def: Any = None
@@ -87,6 +89,7 @@ PASSES = (
     ("trace", trace.run),                          # Python fn -> global GraphDef with static shapes
     ("grappler", grappler.run),                    # shape/constant folding, function inlining
     ("import_annotations", import_annotations.run),  # _XlaSharding / XlaSharding / boundaries -> pinned shardings
+    ("auto_shard", auto.run),                      # layouts left "auto" chosen by an integer program
     ("complete", completion.run),                  # a sharding for every tensor
     ("weight_update_sharding", weight_update.run),  # optimizer state and updates split over the data axis
     ("partition", partition.run),                  # one per-device GraphDef + collective report

@@ -169,30 +169,41 @@ def _valid(steps, shape, mesh, src):
 
 def plan_bytes(shape, itemsize, src, dst, partial=None):
   """Bytes per device the reshard `src` -> `dst` puts on the wire (the report's convention)."""
+  return plan_cost(shape, itemsize, src, dst, partial)[0]
+
+
+def plan_cost(shape, itemsize, src, dst, partial=None, axis_cost=None):
+  """(bytes per device, the same weighted per step by the costliest mesh axis it crosses in `axis_cost`,
+  {axis: relative time per byte}, default 1.0) of the reshard `src` -> `dst`."""
   mesh = dst.mesh
   rank = len(shape)
   cur = list((Sharding(mesh, ((),) * rank) if src.is_maximal else src.with_rank(rank)).dims)
+  axis_cost = axis_cost or {}
 
   def local():
     return math.prod(_ceil(shape[d], _tiles(mesh, cur[d])) for d in range(rank)) * itemsize
 
-  total = 0
+  total = weighted = 0
   for step in plan_reshard(shape, src, dst, partial):
+    moved = 0
     if isinstance(step, AllReduce):
-      total += local()
+      moved = local()
     elif isinstance(step, AllGather):
       cur[step.dim] = cur[step.dim][:len(cur[step.dim]) - len(step.axes)]
-      total += local()
+      moved = local()
     elif isinstance(step, LocalSlice):
       cur[step.dim] = cur[step.dim] + step.axes
     elif isinstance(step, AllToAll):
-      total += local()
+      moved = local()
       cur[step.src] = cur[step.src][:len(cur[step.src]) - len(step.axes)]
       cur[step.dst] = cur[step.dst] + step.axes
     elif isinstance(step, ReduceScatter):
-      total += local()
+      moved = local()
       cur[step.dim] = cur[step.dim] + step.axes
-  return total
+    if moved:
+      total += moved
+      weighted += moved * max(axis_cost.get(a, 1.0) for a in step.axes)
+  return total, weighted
 
 
 def emit_reshard(ctx, x, shape, src, dst, partial, source, reason):

@@ -1,5 +1,6 @@
 """`gs.function`: the decorator that partitions a TF function over a mesh and runs it SPMD."""
 
+import dataclasses
 import functools
 import threading
 
@@ -11,6 +12,7 @@ from tf_gspmd._mesh import Mesh, P
 from tf_gspmd._sharding import Sharding, to_annotation
 from tf_gspmd._visualize import visualize_sharding
 from tf_gspmd.errors import InputError, MeshError, ShapeError
+from tf_gspmd.rewriter import auto as auto_pass
 from tf_gspmd.rewriter import pipeline
 from tf_gspmd.rewriter.graph_view import public_key
 from tf_gspmd.runtime import state as _state
@@ -47,6 +49,11 @@ class Lowered:
   @property
   def global_graph_def(self):
     return self.program.graph_def
+
+  @property
+  def auto_plan(self):
+    """What automatic sharding chose (`rewriter.auto.AutoPlan`), or None when nothing was "auto"."""
+    return self.program.auto_plan
 
   @property
   def in_shardings(self):
@@ -90,7 +97,7 @@ class ShardedFunction:
   """A TF function partitioned over a mesh. Create with `gs.function`."""
 
   def __init__(self, fn, mesh, in_shardings, out_shardings, strict, collective_timeout, weight_update_sharding=None,
-               jit_compile="auto"):
+               jit_compile="auto", memory_budget=None, axis_cost=None, flops_per_byte=1000.0):
     if not isinstance(mesh, Mesh):
       raise MeshError(f"gs.function needs mesh=gs.Mesh(...); got {mesh!r}")
     self.fn = fn
@@ -104,22 +111,33 @@ class ShardedFunction:
                       f"'data' axis) or one of {mesh.axis_names}")
     self.options = pipeline.Options(strict=strict, collective_timeout=collective_timeout,
                                     weight_update_sharding=weight_update_sharding, jit_compile=jit_compile)
+    self._auto = _auto_options(mesh, in_shardings, memory_budget, axis_cost, flops_per_byte)
     self._cache = {}
     self._lock = threading.Lock()
     functools.update_wrapper(self, fn)
 
-  def _declared_in(self, specs):
-    n = len(specs)
+  def _raw_in(self, n):
     raw = self._in
     if raw is None:
-      raw = (None,) * n
-    elif isinstance(raw, (P, Sharding)):
-      raw = (raw,) * n
-    elif not isinstance(raw, (tuple, list)) or len(raw) != n:
+      return (None,) * n
+    if isinstance(raw, (P, Sharding)) or _is_auto(raw):
+      return (raw,) * n
+    if not isinstance(raw, (tuple, list)) or len(raw) != n:
       raise InputError(f"in_shardings has {len(raw) if isinstance(raw, (tuple, list)) else 1} entries but the "
                        f"function was called with {n} arguments; give one spec per argument")
-    return tuple(to_annotation(s, self.mesh, rank=spec.shape.rank, what=f"argument {k}")
+    return tuple(raw)
+
+  def _declared_in(self, specs):
+    raw = self._raw_in(len(specs))
+    return tuple((None, ()) if _is_auto(s) else to_annotation(s, self.mesh, rank=spec.shape.rank,
+                                                              what=f"argument {k}")
                  for k, (s, spec) in enumerate(zip(raw, specs)))
+
+  def _options(self, n):
+    if self._auto is None:
+      return self.options
+    auto = dataclasses.replace(self._auto, arguments=tuple(_is_auto(s) for s in self._raw_in(n)))
+    return dataclasses.replace(self.options, auto=auto)
 
   def _declared_out(self):
     raw = self._out
@@ -170,7 +188,7 @@ class ShardedFunction:
         logging.info("tf_gspmd: retracing %s: %s", getattr(self.fn, "__name__", self.fn),
                      _retrace_reason(previous[-1], key))
     declared_in = self._declared_in(specs)
-    program = pipeline.Program(fn=self.fn, mesh=self.mesh, options=self.options, arg_specs=specs,
+    program = pipeline.Program(fn=self.fn, mesh=self.mesh, options=self._options(len(specs)), arg_specs=specs,
                                declared_in=tuple(s for s, _ in declared_in),
                                open_in=tuple(o for _, o in declared_in), arriving_in=arriving, devices=devices,
                                processes=processes,
@@ -199,6 +217,36 @@ class ShardedFunction:
     return tf.nest.map_structure(lambda k: None if k is None else flat[k], lowered.program.output_structure)
 
 
+def _is_auto(s):
+  return isinstance(s, str) and s == auto_pass.AUTO
+
+
+def _auto_options(mesh, in_shardings, memory_budget, axis_cost, flops_per_byte):
+  """AutoOptions when some in_shardings entry is "auto" (None otherwise); the other arguments checked."""
+  entries = in_shardings if isinstance(in_shardings, (tuple, list)) else (in_shardings,)
+  for k, s in enumerate(entries):
+    if isinstance(s, str) and not _is_auto(s):
+      raise InputError(f"in_shardings entry {k} is the string {s!r}; the only string accepted is \"auto\" (the "
+                       "layout is chosen by the auto-sharding solver)")
+  if not any(_is_auto(s) for s in entries):
+    if memory_budget is not None or axis_cost is not None:
+      raise InputError("memory_budget and axis_cost apply to automatic sharding: give in_shardings=\"auto\" (or "
+                       "\"auto\" for some arguments)")
+    return None
+  axis_cost = dict(axis_cost or {})
+  for a, c in axis_cost.items():
+    if a not in mesh.axis_names:
+      raise MeshError(f"axis_cost names {a!r}, which is not an axis of {mesh}; give costs for {mesh.axis_names}")
+    if not c > 0:
+      raise InputError(f"axis_cost[{a!r}] = {c!r}: give a positive relative time per byte (1.0 = the default)")
+  if memory_budget is not None and not memory_budget > 0:
+    raise InputError(f"memory_budget={memory_budget!r}: give bytes per device (a positive number) or None")
+  if not flops_per_byte > 0:
+    raise InputError(f"flops_per_byte={flops_per_byte!r}: give a positive number")
+  return auto_pass.AutoOptions(memory_budget=None if memory_budget is None else int(memory_budget),
+                               axis_cost=tuple(sorted(axis_cost.items())), flops_per_byte=float(flops_per_byte))
+
+
 def _retrace_reason(old, new):
   """Why signature `new` (specs, arriving layouts, devices) needed its own lowering, compared with `old`."""
   if len(old[0]) != len(new[0]):
@@ -225,7 +273,8 @@ def _as_spec(s, k):
 
 
 def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=False, collective_timeout=300.0,
-             weight_update_sharding=None, jit_compile="auto"):
+             weight_update_sharding=None, jit_compile="auto", memory_budget=None, axis_cost=None,
+             flops_per_byte=1000.0):
   """Partitions `fn` over `mesh` and runs it as one SPMD program on every mesh device.
 
   Args:
@@ -244,6 +293,10 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=Fal
       the shard, weights are all-gathered; optimizer-state memory is divided by the axis size.
     jit_compile: "auto" (XLA on GPU and TPU), True (also on CPU, where the compute between collectives runs as
       XLA-compiled segments), or False.
+    memory_budget: with "auto": bytes per device the arguments and variables (weights, optimizer state) may take.
+    axis_cost: with "auto": {mesh axis: relative time per byte} (default 1.0; e.g. 8.0 for an axis across hosts).
+    flops_per_byte: with "auto": arithmetic a device does in the time a link moves one byte (weighs splitting the
+      work against the bytes it costs).
 
   Example:
     >>> @gs.function(mesh=mesh, in_shardings=(P("data", None), P(None, "model")))
@@ -252,6 +305,6 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=Fal
   """
   def wrap(f):
     return ShardedFunction(f, mesh, in_shardings, out_shardings, strict, collective_timeout, weight_update_sharding,
-                           jit_compile)
+                           jit_compile, memory_budget, axis_cost, flops_per_byte)
 
   return wrap(fn) if fn is not None else wrap
