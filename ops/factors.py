@@ -127,6 +127,11 @@ class FactorRule(Rule):
     """Whether reduced factors may stay split (partial results + all-reduce)."""
     return True
 
+  def internal_bytes(self, node, axes_of, mesh):  # pylint: disable=unused-argument
+    """Bytes per device of the collectives `partition` emits inside the op for the split `axes_of` (beyond the
+    reshards of its operands and the partial sums of reduced factors): what automatic sharding prices."""
+    return 0
+
   def local_shape_input(self, ctx, node, axes_of, index):
     """The per-device shape of output 0, as a constant for the op's shape input `index` (ops like
     Conv2DBackpropInput or ScatterNd take their output shape as an input, which must become local)."""
@@ -183,6 +188,11 @@ class FactorRule(Rule):
     # Two strategies, GSPMD's choice by estimated bytes: split as the output wants (operands follow), or
     # compute where the operands already are (the result follows). Ties keep the output-driven one.
     plans = [self._axes_from_target(ctx, node, f, data), self._axes_from_operands(ctx, node, f, data)]
+    planned = ctx.planned_axes()   # the strategy automatic sharding chose for this node, when it did
+    labels = {l for ls in f.operands + f.outputs for l in ls if l}
+    if planned is not None and set(planned) <= labels and (self.split_reduced(node) or
+                                                           not any(planned.get(l) for l in f.reduced)):
+      plans.append(planned)
     axes_of = min(plans, key=lambda p: self._cost(ctx, f, data, p))
     mesh = ctx.mesh
     reduced_split = [l for l in f.reduced if axes_of.get(l)]

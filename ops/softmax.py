@@ -4,6 +4,8 @@ With the class dim split, each device reduces its slice and a few small all-redu
 label logit) replace gathering the logits: the way GSPMD partitions an expanded softmax.
 """
 
+import math
+
 import numpy as np
 import tensorflow as tf
 
@@ -11,6 +13,10 @@ from tf_gspmd._mesh import axes_text
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.ops.factors import Factors, FactorRule
 from tf_gspmd.ops.registry import register
+
+
+def _tiles(mesh, axes):
+  return math.prod(mesh.axis_size(a) for a in axes)
 
 
 def _class_stats(ctx, x, shape, sharding, source):
@@ -41,6 +47,15 @@ class Softmax(FactorRule):
     labels = tuple(f"d{i}" for i in range(len(node.outputs[0].shape)))
     return Factors((labels,), (labels,))
 
+  def internal_bytes(self, node, axes_of, mesh):
+    """The class dim split: max and sum of exp all-reduced, one value per row."""
+    shape = node.outputs[0].shape
+    labels = self.factors(node).outputs[0]
+    if not axes_of.get(labels[-1]):
+      return 0
+    rows = math.prod(-(-shape[d] // _tiles(mesh, axes_of.get(l, ()))) for d, l in enumerate(labels[:-1]))
+    return 2 * rows * node.outputs[0].dtype.size
+
   def partition(self, ctx, node):
     target = ctx.target(0)
     if target.is_maximal or not target.dims[-1]:
@@ -61,11 +76,21 @@ class SoftmaxCrossEntropy(FactorRule):
     sparse = node.op.startswith("Sparse")
     return Factors((("b", "c"), ("b",) if sparse else ("b", "c")), (("b",), ("b", "c")))
 
+  def internal_bytes(self, node, axes_of, mesh):
+    """The class dim split: max, sum of exp and the label term all-reduced, one value per row."""
+    b, c = axes_of.get("b", ()), axes_of.get("c", ())
+    if not c or set(b) & set(c):
+      return 0
+    return 3 * -(-node.outputs[0].shape[0] // _tiles(mesh, b)) * node.outputs[0].dtype.size
+
   def partition(self, ctx, node):
     loss_t = ctx.target(0)
     b_axes = () if loss_t.is_maximal else loss_t.dims[0]
     cur = ctx.current(0)
     c_axes = () if cur is None or cur.is_maximal else cur.with_rank(2).dims[1]
+    planned = ctx.planned_axes()   # automatic sharding's choice, when it priced this op
+    if planned is not None:
+      b_axes, c_axes = tuple(planned.get("b", ())), tuple(planned.get("c", ()))
     mesh = ctx.mesh
     sparse = node.op.startswith("Sparse")
     if not c_axes or set(c_axes) & set(b_axes):   # class dim whole on every device: the op runs locally

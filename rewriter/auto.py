@@ -61,7 +61,9 @@ class AutoOptions:
   axis_cost: Tuple[Tuple[str, float], ...] = ()    # time per byte over a mesh axis, relative (default 1.0)
   flops_per_byte: float = 1000.0                   # device arithmetic per link byte
   time_limit: float = 120.0                        # seconds the solver may take
-  pin_intermediates: bool = True                   # pin contraction results too (not only arguments, variables)
+  pin_intermediates: bool = True                   # pin every modelled tensor and op strategy, not only the
+                                                   # arguments and variables (the partitioner then does what the
+                                                   # program priced)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +102,7 @@ class AutoPlan:
   build_seconds: float
   solve_seconds: float
   status: str
+  planned: Any = dataclasses.field(default=None, repr=False, compare=False)  # node name -> {factor: axes}
 
   def __str__(self):
     budget = f" (budget {self.memory_budget:,} B)" if self.memory_budget else ""
@@ -196,8 +199,10 @@ class _Model:
     self.pairs = {}          # (block u, block v) -> (cost matrix, bytes matrix)
     self.memory = {}         # block -> np.array of state bytes per choice
     self.labels = []         # block -> description
+    self.signatures = []     # block -> what it is, without names (repeated layers share signatures)
 
-  def block(self, n, label):
+  def block(self, n, label, signature=None):
+    self.signatures.append(signature)
     self.sizes.append(n)
     self.linear.append(np.zeros(n))
     self.linear_bytes.append(np.zeros(n))
@@ -226,6 +231,43 @@ class _Model:
     self.pairs[(u, v)] = (cost, nbytes) if old is None else (old[0] + cost, old[1] + nbytes)
 
 
+def fold(model, rounds=4):
+  """Blocks of repeated layers merged: (folded model, block -> folded block).
+
+  Blocks whose neighbourhoods look the same `rounds` edges deep (Weisfeiler-Lehman colours over what each
+  block is, its costs and the cost matrices of its edges) take one shared choice; their costs are summed, and an
+  edge between two blocks of one class becomes its diagonal. Twelve identical layers then cost one layer's
+  program (Alpa reuses the solution of repeated layers the same way); a shared choice is always feasible.
+  """
+  n = len(model.sizes)
+
+  def digest(a):
+    return hash(np.round(np.asarray(a, dtype=float), 3).tobytes())
+
+  color = [hash((model.signatures[b], model.sizes[b], digest(model.linear[b]), digest(model.linear_bytes[b]),
+                 digest(model.memory[b]) if b in model.memory else 0)) for b in range(n)]
+  nbrs = [[] for _ in range(n)]
+  for (u, v), (c, nb) in model.pairs.items():
+    h = hash((digest(c), digest(nb)))
+    nbrs[u].append((0, v, h))
+    nbrs[v].append((1, u, h))
+  for _ in range(rounds):
+    color = [hash((color[b], tuple(sorted((d, color[o], h) for d, o, h in nbrs[b])))) for b in range(n)]
+  index = {}
+  of = [index.setdefault(c, len(index)) for c in color]
+  folded = _Model()
+  for k in range(len(index)):
+    b = of.index(k)
+    folded.block(model.sizes[b], model.labels[b], model.signatures[b])
+  for b in range(n):
+    folded.add_linear(of[b], model.linear[b], model.linear_bytes[b])
+    if b in model.memory:
+      folded.memory[of[b]] = folded.memory.get(of[b], 0) + model.memory[b]
+  for (u, v), (c, nb) in model.pairs.items():
+    folded.add_pair(of[u], of[v], c, nb)
+  return folded, of
+
+
 class _Builder:
   """Walks the IR once and states the program (see the module docstring)."""
 
@@ -239,7 +281,8 @@ class _Builder:
     self.model = _Model()
     self.parent = {}
     self.groups = {}
-    self.strategies = []     # (node, assignments, block)
+    self.strategies = []     # (node, assignments, block, outputs)
+    self.unary = []          # (node, rows, operand block, result block, best strategy per pair)
     self.pinned = {r: s for r, s in (program.annotations or {}).items() if r not in (program.open_dims or {})}
     self.const = set()
     for n in self.ir.nodes:
@@ -322,7 +365,8 @@ class _Builder:
         g.cands = [Sharding(self.mesh, ((),) * len(shape))] if pin.is_maximal else [g.pinned]
       else:
         g.cands = candidates(self.mesh, shape)
-      g.id = self.model.block(len(g.cands), f"group {public_key(root)}")
+      g.id = self.model.block(len(g.cands), f"group {public_key(root)}", ("group", shape, g.itemsize,
+                                                                             tuple(g.cands)))
       self.groups[root] = g
     if r not in g.members:
       g.members.append(r)
@@ -367,10 +411,9 @@ class _Builder:
     if len(outs) == 1 and not f.reduced:
       same = [(j, r) for j, r in ops if f.operands[j] == out_labels and self.shape(r) == self.shape(out)]
       if same:
-        j0, r0 = same[0]
-        merged = self.union(r0, out)
-        rest = [(j, r) for j, r in ops if r != r0 or not merged]
-        rest = [x for x in rest if x != (j0, r0)] if merged else rest
+        # The result and every operand of its shape share one layout (Alpa's "follow"); operands of other
+        # shapes (broadcast) arrive in it.
+        rest = [(j, r) for j, r in ops if (j, r) not in same or not self.union(out, r)]
 
         def plan():
           g = self._group(out)
@@ -419,12 +462,14 @@ class _Builder:
     labels = sorted({l for ls in f.operands + f.outputs for l in ls if l})
     assigns = _assignments(self.mesh, labels, sizes)
     total = math.prod(sizes[l] for l in labels) if labels else 1
+    rule = op_rules.lookup(node.op)
     rows = []
     for axes_of in assigns:
       req = [Sharding(self.mesh, _dims_from(f.operands[j], axes_of)) for j, _ in ops]
       made = [Sharding(self.mesh, _dims_from(f.outputs[o], axes_of)) for o, _ in outs]
       split = math.prod(self.mesh.axis_size(a) for ax in axes_of.values() for a in ax)
-      rows.append((axes_of, req, made, _partial(f, axes_of), total / split))
+      inside = rule.internal_bytes(node, axes_of, self.mesh)
+      rows.append((axes_of, req, made, _partial(f, axes_of), total / split, inside))
     return rows
 
   def _edge_unary(self, node, f, op, outs):
@@ -432,20 +477,23 @@ class _Builder:
     rows = self._op_terms(node, f, [op], outs)
     gi = self._group(op[1])
     fpb = self.options.flops_per_byte
-    p = np.array([[self.costs.reshard(gi.shape, gi.itemsize, s, req[0])[1] for (_, req, _, _, _) in rows]
+    p = np.array([[self.costs.reshard(gi.shape, gi.itemsize, s, req[0])[1] for (_, req, _, _, _, _) in rows]
                   for s in gi.cands])
-    pb = np.array([[self.costs.reshard(gi.shape, gi.itemsize, s, req[0])[0] for (_, req, _, _, _) in rows]
+    pb = np.array([[self.costs.reshard(gi.shape, gi.itemsize, s, req[0])[0] for (_, req, _, _, _, _) in rows]
                    for s in gi.cands])
     for k, (o, out) in enumerate(outs):
       go = self._group(out)
+      inner = np.array([(inside if k == 0 else 0) for (*_, inside) in rows], dtype=float)[:, None]
       q = np.array([[self.costs.reshard(go.shape, go.itemsize, made[k], c, partial)[1] + work / fpb
-                     for c in go.cands] for (_, _, made, partial, work) in rows])
+                     for c in go.cands] for (_, _, made, partial, work, _) in rows]) + inner
       qb = np.array([[self.costs.reshard(go.shape, go.itemsize, made[k], c, partial)[0] for c in go.cands]
-                     for (_, _, made, partial, _) in rows])
+                     for (_, _, made, partial, _, _) in rows]) + inner
       # (the operand's reshard is counted with the first result only)
       tot = (p if k == 0 else 0 * p)[:, :, None] + q[None, :, :]
       totb = (pb if k == 0 else 0 * pb)[:, :, None] + qb[None, :, :]
       best = tot.argmin(axis=1)[:, None, :]
+      if k == 0:
+        self.unary.append((node, rows, gi.id, go.id, best[:, 0, :]))
       cost = np.take_along_axis(tot, best, axis=1)[:, 0, :]
       nbytes = np.take_along_axis(totb, best, axis=1)[:, 0, :]
       self.model.add_pair(gi.id, go.id, cost, nbytes)
@@ -453,14 +501,16 @@ class _Builder:
   def _strategy(self, node, f, ops, outs):
     """Several operands of different factors: a block of its own, one choice per axis assignment."""
     rows = self._op_terms(node, f, ops, outs)
-    b = self.model.block(len(rows), f"op {node.name} ({node.op})")
+    b = self.model.block(len(rows), f"op {node.name} ({node.op})", ("op", node.op, len(rows)))
     self.strategies.append((node, rows, b, outs))
-    self.model.add_linear(b, np.array([work / self.options.flops_per_byte for (*_, work) in rows]))
+    inside = np.array([inside for (*_, inside) in rows], dtype=float)
+    self.model.add_linear(b, np.array([work / self.options.flops_per_byte for (*_, work, _) in rows]) + inside,
+                          inside)
     for k, (j, r) in enumerate(ops):
       g = self._group(r)
       cost = np.zeros((len(g.cands), len(rows)))
       nbytes = np.zeros_like(cost)
-      for a, (_, req, _, _, _) in enumerate(rows):
+      for a, (_, req, *_) in enumerate(rows):
         for i, s in enumerate(g.cands):
           nbytes[i, a], cost[i, a] = self.costs.reshard(g.shape, g.itemsize, s, req[k])
       self.model.add_pair(g.id, b, cost, nbytes)
@@ -468,7 +518,7 @@ class _Builder:
       g = self._group(r)
       cost = np.zeros((len(rows), len(g.cands)))
       nbytes = np.zeros_like(cost)
-      for a, (_, _, made, partial, _) in enumerate(rows):
+      for a, (_, _, made, partial, *_) in enumerate(rows):
         for t, c in enumerate(g.cands):
           nbytes[a, t], cost[a, t] = self.costs.reshard(g.shape, g.itemsize, made[k], c, partial)
       self.model.add_pair(b, g.id, cost, nbytes)
@@ -638,7 +688,10 @@ def run(program):
   built = time.perf_counter() - t0
   fixed_memory = 0
   budget = options.memory_budget
-  choice, status, ncol, nrow, took = _solve(model, budget, options.time_limit)
+  folded, of = fold(model)
+  choice, status, ncol, nrow, took = _solve(folded, budget, options.time_limit)
+  if choice is not None:
+    choice = [choice[of[b]] for b in range(len(model.sizes))]
   if choice is None:
     need = sum(float(m.min()) for m in model.memory.values())
     raise AutoShardingError(
@@ -676,14 +729,20 @@ def run(program):
             runner_up_extra=float(delta[alt] - delta[choice[g.id]]) if alt is not None else 0.0,
             runner_up_bytes_per_device=_local_elements(g.shape, g.cands[alt]) * g.itemsize if alt is not None
             else None))
+  strategies = {}
   if options.pin_intermediates:
-    for node, rows, b, outs in builder.strategies:
-      for o, r in outs:
+    for root, g in builder.groups.items():
+      for r in g.members:
         if r not in annotations:
-          annotations[r] = builder._group(r).cands[choice[builder._group(r).id]]  # pylint: disable=protected-access
+          annotations[r] = g.cands[choice[g.id]]
+    for node, rows, b, _ in builder.strategies:
+      strategies[node.name] = rows[choice[b]][0]
+    for node, rows, u, v, best in builder.unary:
+      strategies[node.name] = rows[int(best[choice[u], choice[v]])][0]
   choices.sort(key=lambda c: (c.kind != "argument", c.name))
   plan = AutoPlan(choices=tuple(choices), predicted_bytes=int(round(predicted_bytes)),
                   predicted_cost=predicted_cost, state_bytes_per_device=int(state_bytes + fixed_memory),
                   memory_budget=budget, groups=len(builder.groups), strategies=len(builder.strategies),
-                  variables=ncol, constraints=nrow, build_seconds=built, solve_seconds=took, status=status)
+                  variables=ncol, constraints=nrow, build_seconds=built, solve_seconds=took, status=status,
+                  planned=strategies)
   return program.replace(annotations=annotations, auto_plan=plan)

@@ -51,6 +51,11 @@ class PartitionContext:
     self.functions = [] if functions is None else functions   # per-device FunctionDefs of partitioned bodies
 
   # ---- helpers for rules ------------------------------------------------------------------------------------
+  def planned_axes(self):
+    """{factor label: mesh axes} automatic sharding priced for this node (rewriter/auto.py), or None."""
+    plan = self.program.auto_plan
+    return None if plan is None or not plan.planned else plan.planned.get(self.node.name)
+
   def target(self, o):
     return self.program.shardings[self.node.ref(o)]
 
