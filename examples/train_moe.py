@@ -63,6 +63,11 @@ def _initializer(kind, seed):
           "ln": gi.Constant(0.0)}[kind]
 
 
+def annotate(gs, x, spec):
+  """gs.shard(x, spec), unless --auto chooses every layout."""
+  return x if FLAGS.auto else gs.shard(x, spec)
+
+
 def moe_block(x, gate_w, w1, w2, gs, P):
   """GShard top-2 mixture of experts on x [groups, tokens, d]; returns (y, load-balancing loss)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -88,9 +93,9 @@ def moe_block(x, gate_w, w1, w2, gs, P):
   combine = ((g1 / norm)[..., None, None] * mask1[..., None] * slot1[:, :, None, :] +
              (g2 / norm)[..., None, None] * mask2[..., None] * slot2[:, :, None, :])      # [g, s, e, c]
   dispatch = tf.cast(combine > 0.0, x.dtype)
-  expert_in = gs.shard(tf.einsum("gsec,gsm->egcm", dispatch, x), P("expert", None, None, None))  # all-to-all
+  expert_in = annotate(gs, tf.einsum("gsec,gsm->egcm", dispatch, x), P("expert", None, None, None))  # all-to-all
   h = tf.nn.gelu(tf.einsum("egcm,emh->egch", expert_in, w1))
-  expert_out = gs.shard(tf.einsum("egch,ehm->egcm", h, w2), P("expert", None, None, None))
+  expert_out = annotate(gs, tf.einsum("egch,ehm->egcm", h, w2), P("expert", None, None, None))
   y = tf.einsum("gsec,egcm->gsm", combine, expert_out)                                         # all-to-all
   return y, aux
 
@@ -102,7 +107,7 @@ def forward(params, tokens, gs, P):
   import transformer_model as tm  # pylint: disable=g-import-not-at-top
   d, h = FLAGS.d_model, FLAGS.heads
   s = tokens.shape[1]
-  x = gs.shard(tf.gather(params["embed"], tokens) + params["pos"], P("expert", None, None))
+  x = annotate(gs, tf.gather(params["embed"], tokens) + params["pos"], P("expert", None, None))
   mask = tf.constant(np.triu(np.full((s, s), -1e9, np.float32), 1))
   aux = 0.0
   for l in range(FLAGS.layers):
@@ -136,7 +141,7 @@ def task():
       for slot in ("", "/m", "/v"):
         what = name + slot
         use = init if not slot else _initializer("ln", 0)
-        if mesh is not None and not plan_only:
+        if mesh is not None and not plan_only and not FLAGS.auto:
           variables[what] = gs.variable(use, shape, mesh=mesh, spec=spec, name=what.replace("/", "_"))
         else:
           variables[what] = tf.Variable(use(shape), name=what.replace("/", "_"))
@@ -147,7 +152,7 @@ def task():
       with tf.GradientTape() as tape:
         params = {n: variables[n] for n in names}
         for n in names:
-          params[n] = gs.shard(params[n], specs[n][1])
+          params[n] = annotate(gs, params[n], specs[n][1])
         logits, aux = forward(params, tokens, gs, P)
         lm = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets, logits=logits))
         loss = lm + FLAGS.aux_weight * aux

@@ -53,7 +53,7 @@ def task():
     model = tm.keras_model(cfg)
     optimizer = keras.optimizers.Adam(cfg.lr)
     optimizer.build(model.trainable_variables)
-    return training.Model(step=tm.make_keras_train_step(model, optimizer),
+    return training.Model(step=tm.make_keras_train_step(model, optimizer, annotate=not FLAGS.auto),
                           trackables={"model": model, "optimizer": optimizer})
 
   return training.Task(

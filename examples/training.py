@@ -36,6 +36,9 @@ flags.DEFINE_list("plan_mesh", None, "Mesh shape for --plan (default: 2048 devic
 flags.DEFINE_integer("plan_hosts", None, "For --plan: the mesh's devices spread over this many hosts (processes), "
                      "an equal number each, hosts major; the plan then tells which collectives cross hosts.")
 flags.DEFINE_integer("check_steps", 3, "Steps re-run unpartitioned at the end to check the losses (0: skip).")
+flags.DEFINE_bool("auto", False, "Choose the layouts of the batch, the weights and the optimizer state automatically "
+                  "(in_shardings=\"auto\": an integer program over the whole step) instead of the model's annotations.")
+flags.DEFINE_float("memory_budget_mib", None, "With --auto: MiB per device the weights and optimizer state may take.")
 flags.DEFINE_bool("jit", False, "Compile the compute between collectives with XLA (jit_compile=True).")
 flags.DEFINE_list("profile", [], "Steps FIRST,LAST (e.g. 3,5) to trace with the TensorFlow profiler into "
                   "<logdir>/<task>/profile (open in TensorBoard's Profile tab); empty: no trace.")
@@ -72,7 +75,7 @@ def plan(task):
   import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
   mesh = _mesh(task, FLAGS.plan_mesh or task.default_plan_mesh)
   model = task.build(mesh, plan_only=True)
-  f = gs.function(model.step, mesh=mesh, in_shardings=task.in_specs(mesh))
+  f = gs.function(model.step, mesh=mesh, **_shardings(task, mesh))
   start = time.perf_counter()
   low = f.lower(*[tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in task.batch(0)], processes=FLAGS.plan_hosts)
   took = time.perf_counter() - start
@@ -84,11 +87,21 @@ def plan(task):
         f"{memory.state_bytes:,}, arguments {memory.argument_bytes:,}, constants {memory.constant_bytes:,}, "
         f"activations {memory.activation_bytes:,} at the peak; estimated in "
         f"{low.report.pass_times.get('memory', 0.0):.2f} s)")
+  if low.auto_plan is not None:
+    print(low.auto_plan)
   print("variables:")
   for r in low.report.state:
     print(f"  {r.name:48s} {str(list(r.shape)):18s} {r.sharding:32s} {r.bytes_per_device:>12,} B/device")
   print(low.report)
   return low
+
+
+def _shardings(task, mesh):
+  """gs.function's in_shardings (and memory budget) per the flags: the task's specs, or "auto"."""
+  if not FLAGS.auto:
+    return {"in_shardings": task.in_specs(mesh)}
+  budget = None if FLAGS.memory_budget_mib is None else int(FLAGS.memory_budget_mib * 2**20)
+  return {"in_shardings": "auto", "memory_budget": budget}
 
 
 def _summary(writer, step, values):
@@ -124,7 +137,7 @@ def run(task):
   if FLAGS.resume and latest:
     ckpt.restore(latest).assert_existing_objects_matched()
     print(f"resumed from {latest} at step {int(step_var.numpy())}")
-  train = gs.function(model.step, mesh=mesh, in_shardings=task.in_specs(mesh), jit_compile=FLAGS.jit)
+  train = gs.function(model.step, mesh=mesh, jit_compile=FLAGS.jit, **_shardings(task, mesh))
   writer = tf.summary.create_file_writer(directory) if chief else tf.summary.create_noop_writer()
   first = int(step_var.numpy())
   bar = keras.utils.Progbar(FLAGS.steps, verbose=1 if sys.stdout.isatty() else 0)
@@ -153,6 +166,8 @@ def run(task):
     crossing = (f", {low.report.cross_process_bytes_per_device():,} B/device across processes"
                 if gs.process_count() > 1 else "")
     print(f"collectives per step: {low.report.counts()}, {low.report.bytes_per_device():,} B/device{crossing}")
+    if low.auto_plan is not None:
+      print(low.auto_plan)
   if FLAGS.check_steps and first == 0 and losses:
     check(task, [l for _, l in losses[:FLAGS.check_steps]])
   return losses

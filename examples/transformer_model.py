@@ -203,14 +203,15 @@ def keras_megatron_spec(path, shape):
   return P(*([None] * len(shape)))
 
 
-def make_keras_train_step(model, optimizer):
-  """A Keras training step: forward, cross-entropy, GradientTape, optimizer.apply (the variables annotated)."""
+def make_keras_train_step(model, optimizer, annotate=True):
+  """A Keras training step: forward, cross-entropy, GradientTape, optimizer.apply (the variables annotated with
+  the Megatron layout, unless `annotate` is False: automatic sharding chooses it)."""
   import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
   loss_obj = None
 
   def train_step(tokens, targets):
     nonlocal loss_obj
-    for v in model.trainable_variables:
+    for v in model.trainable_variables if annotate else ():
       gs.shard(v, keras_megatron_spec(v.path, v.shape))
     with tf.GradientTape() as tape:
       logits = model(tokens, training=True)

@@ -344,7 +344,7 @@ class _Builder:
       elif rule is not None and node.outputs:
         plans.append(self._plan_other(node, rule))
     # Groups: one block each.
-    for r in list(self.parent) + [ref(n) for n in ir.inputs]:
+    for r in list(self.parent) + [ref(n) for n in ir.inputs + tuple(self.program.variable_names)]:
       if self.usable(r):
         self._group(r)
     self._state()
@@ -376,7 +376,8 @@ class _Builder:
     """Arguments and captured variables: memory per choice."""
     program = self.program
     variables = set(program.variable_names)
-    for k, name in enumerate(self.ir.inputs):
+    names = list(self.ir.inputs) + [n for n in program.variable_names if n not in self.ir.inputs]
+    for k, name in enumerate(names):
       r = ref(name)
       if self.shape(r) is None:
         continue
