@@ -31,6 +31,8 @@ emits and the report counts it.
 import dataclasses
 import itertools
 import math
+import os
+import sys
 import time
 from typing import Any, Optional, Tuple
 
@@ -561,6 +563,21 @@ class _Builder:
 # The program and its solution
 
 
+def _highs():
+  """A HiGHS instance, its start-up banner (printed by the C++ library on stdout) kept off the program's output."""
+  import highspy  # pylint: disable=g-import-not-at-top
+  sys.stdout.flush()
+  saved = os.dup(1)
+  try:
+    with open(os.devnull, "w") as null:
+      os.dup2(null.fileno(), 1)
+      h = highspy.Highs()
+  finally:
+    os.dup2(saved, 1)
+    os.close(saved)
+  return h
+
+
 def _solve(model, budget, time_limit):
   """Minimise the model's cost with HiGHS; returns (choice per block, status, columns, rows, seconds)."""
   import highspy  # pylint: disable=g-import-not-at-top
@@ -639,10 +656,10 @@ def _solve(model, budget, time_limit):
   lp.a_matrix_.index_ = rows.astype(np.int32)
   lp.a_matrix_.value_ = vals
   lp.integrality_ = [highspy.HighsVarType.kInteger] * ny + [highspy.HighsVarType.kContinuous] * (ncol - ny)
-  h = highspy.Highs()
+  h = _highs()
   h.setOptionValue("output_flag", False)
   h.setOptionValue("time_limit", float(time_limit))
-  h.setOptionValue("mip_rel_gap", 1e-4)
+  h.setOptionValue("mip_rel_gap", 1e-3)
   h.setOptionValue("threads", 1)
   t0 = time.perf_counter()
   h.passModel(lp)
