@@ -99,6 +99,8 @@ class AutoPlan:
   memory_budget: Optional[int]
   groups: int
   strategies: int
+  blocks: int                      # one-hot blocks (groups and op strategies) before repeated layers are folded
+  folded_blocks: int               # ... and after
   variables: int                   # columns of the program
   constraints: int                 # rows of the program
   build_seconds: float
@@ -110,7 +112,8 @@ class AutoPlan:
     budget = f" (budget {self.memory_budget:,} B)" if self.memory_budget else ""
     lines = [f"auto sharding: predicted {self.predicted_bytes:,} B/device per step, arguments and variables "
              f"{self.state_bytes_per_device:,} B/device{budget}; {self.groups} groups, {self.strategies} op "
-             f"strategies, program {self.variables} columns x {self.constraints} rows, built in "
+             f"strategies ({self.blocks} blocks, {self.folded_blocks} after folding repeated layers), program "
+             f"{self.variables} columns x {self.constraints} rows, built in "
              f"{self.build_seconds:.1f} s, solved in {self.solve_seconds:.1f} s ({self.status})"]
     lines += [f"  {c}" for c in self.choices]
     return "\n".join(lines)
@@ -761,6 +764,7 @@ def run(program):
   plan = AutoPlan(choices=tuple(choices), predicted_bytes=int(round(predicted_bytes)),
                   predicted_cost=predicted_cost, state_bytes_per_device=int(state_bytes + fixed_memory),
                   memory_budget=budget, groups=len(builder.groups), strategies=len(builder.strategies),
+                  blocks=len(model.sizes), folded_blocks=len(folded.sizes),
                   variables=ncol, constraints=nrow, build_seconds=built, solve_seconds=took, status=status,
                   planned=strategies)
   return program.replace(annotations=annotations, auto_plan=plan)
