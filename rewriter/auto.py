@@ -40,7 +40,7 @@ import numpy as np
 
 from tf_gspmd import ops as op_rules
 from tf_gspmd._sharding import Sharding
-from tf_gspmd.errors import ShardingError
+from tf_gspmd.errors import AutoShardingError
 from tf_gspmd.ops.factors import FactorRule, _dims_from, _partial
 from tf_gspmd.rewriter import reshard
 from tf_gspmd.rewriter.completion import CompletionContext
@@ -48,10 +48,6 @@ from tf_gspmd.rewriter.graph_view import public_key, ref
 
 AUTO = "auto"
 _FREE_OPS = ("Const", "NoOp")
-
-
-class AutoShardingError(ShardingError):
-  """The sharding program has no solution (e.g. the memory budget is below what any layout needs)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -568,7 +564,11 @@ class _Builder:
 
 def _highs():
   """A HiGHS instance, its start-up banner (printed by the C++ library on stdout) kept off the program's output."""
-  import highspy  # pylint: disable=g-import-not-at-top
+  try:
+    import highspy  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise AutoShardingError("in_shardings=\"auto\" needs the HiGHS solver, which is not installed: pip install "
+                            "highspy (a dependency of tf_gspmd)") from e
   sys.stdout.flush()
   saved = os.dup(1)
   try:
@@ -583,6 +583,7 @@ def _highs():
 
 def _solve(model, budget, time_limit):
   """Minimise the model's cost with HiGHS; returns (choice per block, status, columns, rows, seconds)."""
+  h = _highs()
   import highspy  # pylint: disable=g-import-not-at-top
   start_col = np.zeros(len(model.sizes) + 1, dtype=np.int64)
   start_col[1:] = np.cumsum(model.sizes)
@@ -659,7 +660,6 @@ def _solve(model, budget, time_limit):
   lp.a_matrix_.index_ = rows.astype(np.int32)
   lp.a_matrix_.value_ = vals
   lp.integrality_ = [highspy.HighsVarType.kInteger] * ny + [highspy.HighsVarType.kContinuous] * (ncol - ny)
-  h = _highs()
   h.setOptionValue("output_flag", False)
   h.setOptionValue("time_limit", float(time_limit))
   h.setOptionValue("mip_rel_gap", 1e-3)

@@ -20,8 +20,8 @@ from tf_gspmd._mesh import Mesh, P
 from tf_gspmd._pipeline import pipeline, stack_stages, unstack_stages
 from tf_gspmd._sharding import Sharding
 from tf_gspmd._visualize import visualize_sharding
-from tf_gspmd.errors import (InputError, MeshError, PartitionError, ProcessLostError, ShapeError, ShardingError,
-                             SpecError, UnsupportedOpError)
+from tf_gspmd.errors import (AutoShardingError, InputError, MeshError, PartitionError, ProcessLostError, ShapeError,
+                             ShardingError, SpecError, UnsupportedOpError)
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor, from_process_local_data
 from tf_gspmd.runtime.state import sharding_of, variable
 
@@ -30,6 +30,7 @@ __all__ = [
     "Lowered", "ShardedTensor", "pipeline", "stack_stages", "unstack_stages",
     "from_process_local_data", "sharding_of", "variable", "initializers", "visualize_sharding", "ShardingError",
     "MeshError", "SpecError", "ShapeError", "PartitionError", "UnsupportedOpError", "InputError", "ProcessLostError",
+    "AutoShardingError",
 ]
 __version__ = "0.1.0"
 

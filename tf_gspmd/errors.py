@@ -54,3 +54,7 @@ class InputError(ShardingError):
 class ProcessLostError(ShardingError):
   """Another process of a mesh that spans several processes stopped answering during a step (it died, hung or
   lost its network); the step's collectives were aborted. Restart every process (e.g. with --resume)."""
+
+
+class AutoShardingError(ShardingError):
+  """Automatic sharding found no plan: the memory budget is below what any layout needs, or no solver."""

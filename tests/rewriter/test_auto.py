@@ -11,8 +11,7 @@ import tensorflow as tf
 
 import tf_gspmd as gs
 from tf_gspmd import P
-from tf_gspmd.errors import InputError, MeshError
-from tf_gspmd.rewriter.auto import AutoShardingError
+from tf_gspmd.errors import AutoShardingError, InputError, MeshError
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 import transformer_model as tm  # noqa: E402  pylint: disable=g-import-not-at-top
