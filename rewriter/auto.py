@@ -22,10 +22,11 @@ Alpa's intra-operator formulation, on the TF graph and with this library's own r
 
 HiGHS (`highspy`) solves the program: an open-source MILP solver, a 3 MiB wheel with only numpy as a
 dependency, fast on these sparse assignment-style programs (SciPy's `milp` wraps the same solver but brings
-SciPy; OR-Tools brings a second protobuf runtime next to TensorFlow's). The chosen layouts of the arguments
-marked "auto", of the captured variables not yet stored sharded, and of every contraction's result are pinned;
-completion and partitioning then run as for hand-written annotations, so the plan is what the partitioner
-emits and the report counts it.
+SciPy; OR-Tools brings a second protobuf runtime next to TensorFlow's). Repeated layers are folded first (`fold`).
+The chosen layouts are pinned -- those of the arguments marked "auto", of the captured variables not yet stored
+sharded and of every tensor the program priced -- and each op's chosen strategy is handed to its rule
+(`PartitionContext.planned_axes`); completion and partitioning then run as for hand-written annotations, so the
+plan is what the partitioner emits and the report counts it (predicted and measured bytes agree).
 """
 
 import dataclasses
@@ -177,7 +178,7 @@ def _local_elements(shape, sharding):
 
 
 class _Group:
-  __slots__ = ("id", "shape", "itemsize", "cands", "work", "state", "members", "pinned")
+  __slots__ = ("id", "shape", "itemsize", "cands", "work", "state", "members")
 
   def __init__(self, gid, shape, itemsize):
     self.id = gid
@@ -187,7 +188,6 @@ class _Group:
     self.work = 0            # elements computed by the group's element-wise ops
     self.state = []          # (name, kind, ref) of the arguments and variables in the group
     self.members = []
-    self.pinned = None
 
 
 class _Model:
@@ -319,14 +319,10 @@ class _Builder:
     ra, rb = self.find(a), self.find(b)
     if ra == rb:
       return True
-    pa, pb = self._pin_of(ra), self._pin_of(rb)
-    if pa is not None or pb is not None:
+    if ra in self.pinned or rb in self.pinned:
       return False
     self.parent[rb] = ra
     return True
-
-  def _pin_of(self, root):
-    return self.pinned.get(root)
 
   def usable(self, r):
     return r not in self.const and self.shape(r) is not None
@@ -352,6 +348,10 @@ class _Builder:
     for p in plans:
       if p is not None:
         p()
+    fpb = self.options.flops_per_byte
+    for g in self.groups.values():   # element-wise arithmetic, divided among the devices a layout splits it over
+      if g.work:
+        self.model.add_linear(g.id, np.array([g.work / c.num_tiles / fpb for c in g.cands]))
     return self.model
 
   def _group(self, r):
@@ -361,9 +361,8 @@ class _Builder:
       shape = self.shape(root)
       g = _Group(len(self.groups), shape, self.itemsize(root))
       pin = self.pinned.get(root)
-      if pin is not None:
-        g.pinned = pin if pin.is_maximal else pin.with_rank(len(shape))
-        g.cands = [Sharding(self.mesh, ((),) * len(shape))] if pin.is_maximal else [g.pinned]
+      if pin is not None:   # (a maximal layout is priced as replicated)
+        g.cands = [Sharding(self.mesh, ((),) * len(shape)) if pin.is_maximal else pin.with_rank(len(shape))]
       else:
         g.cands = candidates(self.mesh, shape)
       g.id = self.model.block(len(g.cands), f"group {public_key(root)}", ("group", shape, g.itemsize,
@@ -427,22 +426,15 @@ class _Builder:
       return lambda: self._edge_unary(node, f, ops[0], outs)
     return lambda: self._strategy(node, f, ops, outs)
 
-  def _size_of(self, node, f):
+  def _size_of(self, node, f, rule):
+    """Size of every factor label, from the shapes of the data inputs and outputs that carry it."""
     sizes = {}
-    for labels, i in zip(f.operands, range(len(f.operands))):
-      shape = self.shape(node.inputs[i]) if i < len(node.inputs) else None
-      if shape is None:
-        continue
-      for l, s in zip(labels, shape):
+    shapes = [self.shape(node.inputs[i]) for i in rule.data_inputs(node)][:len(f.operands)]
+    shapes += [self.shape(node.ref(o)) for o in range(min(len(node.outputs), len(f.outputs)))]
+    for labels, shape in zip(tuple(f.operands[:len(shapes)]) + tuple(f.outputs), shapes):
+      for l, n in zip(labels, shape or ()):
         if l:
-          sizes[l] = max(sizes.get(l, 1), s)
-    for o, labels in enumerate(f.outputs):
-      shape = self.shape(node.ref(o)) if o < len(node.outputs) else None
-      if shape is None:
-        continue
-      for l, s in zip(labels, shape):
-        if l:
-          sizes[l] = max(sizes.get(l, 1), s)
+          sizes[l] = max(sizes.get(l, 1), n)
     return sizes
 
   def _edge_mapped(self, src, src_labels, dst, dst_labels, node):  # pylint: disable=unused-argument
@@ -460,17 +452,17 @@ class _Builder:
 
   def _op_terms(self, node, f, ops, outs):
     """Per strategy: required layout per operand, made layout (and partial sums) per output, arithmetic."""
-    sizes = self._size_of(node, f)
+    rule = op_rules.lookup(node.op)
+    sizes = self._size_of(node, f, rule)
     labels = sorted({l for ls in f.operands + f.outputs for l in ls if l})
     assigns = _assignments(self.mesh, labels, sizes)
     total = math.prod(sizes[l] for l in labels) if labels else 1
-    rule = op_rules.lookup(node.op)
     rows = []
     for axes_of in assigns:
       req = [Sharding(self.mesh, _dims_from(f.operands[j], axes_of)) for j, _ in ops]
       made = [Sharding(self.mesh, _dims_from(f.outputs[o], axes_of)) for o, _ in outs]
       split = math.prod(self.mesh.axis_size(a) for ax in axes_of.values() for a in ax)
-      inside = rule.internal_bytes(node, axes_of, self.mesh)
+      inside = rule.internal_bytes(node, axes_of, self.mesh)  # pylint: disable=assignment-from-no-return
       rows.append((axes_of, req, made, _partial(f, axes_of), total / split, inside))
     return rows
 
@@ -707,7 +699,6 @@ def run(program):
   builder = _Builder(program, options)
   model = builder.build()
   built = time.perf_counter() - t0
-  fixed_memory = 0
   budget = options.memory_budget
   folded, of = fold(model)
   choice, status, ncol, nrow, took = _solve(folded, budget, options.time_limit)
@@ -762,7 +753,7 @@ def run(program):
       strategies[node.name] = rows[int(best[choice[u], choice[v]])][0]
   choices.sort(key=lambda c: (c.kind != "argument", c.name))
   plan = AutoPlan(choices=tuple(choices), predicted_bytes=int(round(predicted_bytes)),
-                  predicted_cost=predicted_cost, state_bytes_per_device=int(state_bytes + fixed_memory),
+                  predicted_cost=predicted_cost, state_bytes_per_device=int(state_bytes),
                   memory_budget=budget, groups=len(builder.groups), strategies=len(builder.strategies),
                   blocks=len(model.sizes), folded_blocks=len(folded.sizes),
                   variables=ncol, constraints=nrow, build_seconds=built, solve_seconds=took, status=status,
