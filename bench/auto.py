@@ -1,9 +1,11 @@
-"""Automatic sharding against the hand plans: bytes per device, weight memory per device and solve time.
+"""Automatic sharding against the hand plans: bytes per device, memory per device and solve time.
 
 Six programs, each lowered in plan mode (no devices; any mesh size) on meshes (8,), (2,4) and (32,64), once
 with its hand plan and once with `in_shardings="auto"` (every argument, data batches included, and every
 captured variable chosen by the integer program of rewriter/auto.py) under a memory budget equal to the hand
-plan's state per device (arguments + captured variables per device, padding included):
+plan's memory per device: its arguments + captured variables (padding included) + the activations live at the
+unpartitioned program's peak at its layouts (`rewriter.auto.plan_memory`, what the budget constrains);
+`--budget=state` gives the arguments + variables only.
 
   mlp             reference workload 1: gelu(x @ w1) @ w2, x[64,1024], w1[1024,4096], w2[4096,1024]; Megatron
   mlp_train_step  reference workload 2: one SGD step of that MLP (examples/transformer_model.py); Megatron
@@ -23,10 +25,12 @@ mesh the hand plan uses its model axis only: Megatron over "model", GShard over 
 only considers layouts that divide evenly. Both plans leave the result layouts free (out_shardings=None).
 
 Columns: bytes per device the per-device program's collectives send (low.report.bytes_per_device()), state
-per device (arguments + variables), the auto plan's predicted bytes, the auto pass's seconds (the whole
-auto_shard pass; in brackets building and solving the program) and the program size (columns x rows).
+(arguments + variables) and live activations per device, the auto plan's predicted bytes, the auto pass's
+seconds (the whole auto_shard pass; in brackets building and solving the program) and the program size
+(columns x rows). Notes after the table: every row where auto sends more than the hand plan, or where the
+measured bytes or state differ from the plan's prediction.
 
-  .venv/bin/python bench/auto.py [--only=mlp,transformer] [--meshes=8,2x4,32x64] [--image_size=64]
+  .venv/bin/python bench/auto.py [--only=mlp,transformer] [--meshes=8,2x4,32x64] [--budget=state] [--verbose]
 """
 
 import math
@@ -47,6 +51,10 @@ import train_convnet  # noqa: E402  (defines --image_size, --width, --batch, --s
 WORKLOADS = ("mlp", "mlp_train_step", "attention", "transformer", "moe", "unet")
 flags.DEFINE_list("only", [], f"Run only these workloads ({', '.join(WORKLOADS)}).")
 flags.DEFINE_list("meshes", ["8", "2x4", "32x64"], "Mesh shapes, axis sizes joined by x (one or two axes).")
+flags.DEFINE_enum("budget", "memory", ["memory", "state"],
+                  "The auto plan's memory_budget: the hand plan's arguments + variables + activations live at the "
+                  "peak per device (memory; where the library prices activations, rewriter.auto.plan_memory), or "
+                  "its arguments + variables only (state).")
 flags.DEFINE_bool("verbose", False, "Print each auto plan's choices (str(low.auto_plan)).")
 FLAGS = flags.FLAGS
 
@@ -140,6 +148,14 @@ def state_bytes(low, specs):
   return args + sum(r.bytes_per_device for r in low.report.state)
 
 
+def activation_bytes(low):
+  """The activations live at the unpartitioned program's peak, per device at the plan's layouts, measured as the
+  auto pass prices them (rewriter.auto.plan_memory); None when the library does not price activations."""
+  from tf_gspmd.rewriter import auto as auto_pass  # pylint: disable=g-import-not-at-top
+  plan_memory = getattr(auto_pass, "plan_memory", None)
+  return None if plan_memory is None else plan_memory(low.program)[1]
+
+
 def lower(build, mesh, hand, budget=None):
   import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
   fn, specs, ins = build(mesh, hand)
@@ -163,55 +179,67 @@ def main(_):
     raise SystemExit(f"--meshes: one or two axes per mesh, got {FLAGS.meshes}")
   begin = time.perf_counter()
   rows, notes = [], []
+  with_activations = None
   for name, (model_axis, build) in workloads().items():
     if FLAGS.only and name not in FLAGS.only:
       continue
     for shape in shapes:
       mesh = gs.Mesh(shape, (model_axis,) if len(shape) == 1 else ("data", model_axis))
       where = f"{name} {shape}"
+      hand_bytes = hand_state = hand_act = budget = None
       try:
         hand, hand_state, hand_s = lower(build, mesh, hand=True)
-        hand_bytes = hand.report.bytes_per_device()
-        hand_cells = [f"{hand_bytes:,}", f"{hand_state:,}"]
+        hand_bytes, hand_act = hand.report.bytes_per_device(), activation_bytes(hand)
+        with_activations = hand_act is not None and FLAGS.budget == "memory"
+        budget = hand_state + (hand_act if with_activations else 0)
+        hand_cells = [f"{hand_bytes:,}", f"{hand_state:,}", "-" if hand_act is None else f"{hand_act:,}"]
       except Exception as e:  # pylint: disable=broad-except
-        hand, hand_state, hand_bytes = None, None, None
-        hand_cells = [f"hand plan fails ({_short(e)})", "-"]
+        hand_s = math.nan
+        hand_cells = [f"hand plan fails ({_short(e)})", "-", "-"]
         notes.append(f"{where}: the hand plan does not lower:\n{traceback.format_exc()}")
       try:
-        auto, auto_state, auto_s = lower(build, mesh, hand=False, budget=hand_state)
+        auto, auto_state, auto_s = lower(build, mesh, hand=False, budget=budget)
       except Exception as e:  # pylint: disable=broad-except
-        rows.append((name, str(shape), *hand_cells, f"auto fails ({_short(e)})", "-", "-", "-", "-", "-"))
-        notes.append(f"{where}: the auto pass fails (budget {hand_state}):\n{traceback.format_exc()}")
+        rows.append((name, str(shape), *hand_cells, f"auto fails ({_short(e)})", *["-"] * 6))
+        notes.append(f"{where}: the auto pass fails (budget {budget}):\n{traceback.format_exc()}")
         print(f"{where}: auto FAILS: {_short(e)}", flush=True)
         continue
       plan, r = auto.auto_plan, auto.report
-      auto_bytes = r.bytes_per_device()
-      ratio = (f"{auto_bytes / hand_bytes:.2f}" if hand_bytes else ("1.00" if hand_bytes == 0 and not auto_bytes
-                                                                     else "-"))
+      auto_bytes, auto_act = r.bytes_per_device(), activation_bytes(auto)
+      if hand_bytes:
+        ratio = f"{auto_bytes / hand_bytes:.2f}"
+      else:
+        ratio = "1.00" if hand_bytes == 0 and auto_bytes == 0 else "-"
       rows.append((name, str(shape), *hand_cells, f"{auto_bytes:,}", f"{plan.predicted_bytes:,}", f"{auto_state:,}",
-                   ratio, f"{r.pass_times.get('auto_shard', math.nan):.2f} ({plan.build_seconds:.2f}+"
+                   "-" if auto_act is None else f"{auto_act:,}", ratio,
+                   f"{r.pass_times.get('auto_shard', math.nan):.2f} ({plan.build_seconds:.2f}+"
                    f"{plan.solve_seconds:.2f})", f"{plan.variables:,} x {plan.constraints:,}"))
-      print(f"{where}: lowered in {hand_s if hand else math.nan:.1f} s (hand), {auto_s:.1f} s (auto, {plan.status})",
-            flush=True)
+      print(f"{where}: lowered in {hand_s:.1f} s (hand), {auto_s:.1f} s (auto, {plan.status}), budget "
+            f"{budget if budget is None else format(budget, ',')} B", flush=True)
       if FLAGS.verbose:
         print(plan)
       if hand_bytes is not None and auto_bytes > hand_bytes:
         notes.append(f"{where}: auto sends more than the hand plan: {auto_bytes:,} vs {hand_bytes:,} B/device "
-                     f"(auto state {auto_state:,} B/device under a budget of {hand_state:,})")
+                     f"(state {auto_state:,} vs {hand_state:,} B/device, activations {auto_act} vs {hand_act}; "
+                     f"budget {budget:,})")
       if auto_state != plan.state_bytes_per_device:
         notes.append(f"{where}: auto state measured {auto_state:,} B/device, the plan says "
                      f"{plan.state_bytes_per_device:,}")
-      if hand_state is not None and auto_state > hand_state:
-        notes.append(f"{where}: auto state {auto_state:,} B/device is over the budget {hand_state:,}")
+      used = auto_state + (auto_act if with_activations else 0)
+      if budget is not None and used > budget:
+        notes.append(f"{where}: auto memory {used:,} B/device is over the budget {budget:,}")
       if auto_bytes != plan.predicted_bytes:
         notes.append(f"{where}: auto measured {auto_bytes:,} B/device, predicted {plan.predicted_bytes:,}")
   print()
-  head = ("workload", "mesh", "hand B/dev", "hand state B/dev", "auto B/dev", "auto predicted", "auto state B/dev",
-          "auto/hand", "auto pass s (build+solve)", "program (cols x rows)")
+  head = ("workload", "mesh", "hand B/dev", "hand state B/dev", "hand act. B/dev", "auto B/dev", "auto predicted",
+          "auto state B/dev", "auto act. B/dev", "auto/hand", "auto pass s (build+solve)", "program (cols x rows)")
   widths = [max(len(x) for x in col) for col in zip(head, *rows)]
   for row in [head] + rows:
     print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
-  print(f"\n{len(rows)} rows in {time.perf_counter() - begin:.0f} s (plan mode, no devices)")
+  what = ("arguments + variables + activations live at the peak" if with_activations else
+          "arguments + variables")
+  print(f"\n{len(rows)} rows in {time.perf_counter() - begin:.0f} s (plan mode, no devices); memory_budget of the "
+        f"auto plan: the hand plan's {what} per device")
   for n in notes:
     print(f"- {n}")
 

@@ -16,6 +16,7 @@ tf.train.CheckpointManager), and with --resume continues from the latest one. At
 """
 
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -38,7 +39,8 @@ flags.DEFINE_integer("plan_hosts", None, "For --plan: the mesh's devices spread 
 flags.DEFINE_integer("check_steps", 3, "Steps re-run unpartitioned at the end to check the losses (0: skip).")
 flags.DEFINE_bool("auto", False, "Choose the layouts of the batch, the weights and the optimizer state automatically "
                   "(in_shardings=\"auto\": an integer program over the whole step) instead of the model's annotations.")
-flags.DEFINE_float("memory_budget_mib", None, "With --auto: MiB per device the weights and optimizer state may take.")
+flags.DEFINE_float("memory_budget_mib", None, "With --auto: MiB per device the arguments, weights, optimizer state and "
+                   "the activations live at the peak may take (--plan prints what a plan takes, counted this way).")
 flags.DEFINE_bool("jit", False, "Compile the compute between collectives with XLA (jit_compile=True).")
 flags.DEFINE_list("profile", [], "Steps FIRST,LAST (e.g. 3,5) to trace with the TensorFlow profiler into "
                   "<logdir>/<task>/profile (open in TensorBoard's Profile tab); empty: no trace.")
@@ -87,6 +89,10 @@ def plan(task):
         f"{memory.state_bytes:,}, arguments {memory.argument_bytes:,}, constants {memory.constant_bytes:,}, "
         f"activations {memory.activation_bytes:,} at the peak; estimated in "
         f"{low.report.pass_times.get('memory', 0.0):.2f} s)")
+  from tf_gspmd.rewriter.auto import plan_memory  # pylint: disable=g-import-not-at-top
+  state, activations = plan_memory(low.program)
+  print(f"memory as --memory_budget_mib counts it: {(state + activations) / 2**20:.9f} MiB per device (arguments and "
+        f"variables {state:,} B, activations live at the peak {activations:,} B)")
   if low.auto_plan is not None:
     print(low.auto_plan)
   print("variables:")
@@ -100,7 +106,7 @@ def _shardings(task, mesh):
   """gs.function's in_shardings (and memory budget) per the flags: the task's specs, or "auto"."""
   if not FLAGS.auto:
     return {"in_shardings": task.in_specs(mesh)}
-  budget = None if FLAGS.memory_budget_mib is None else int(FLAGS.memory_budget_mib * 2**20)
+  budget = None if FLAGS.memory_budget_mib is None else math.ceil(FLAGS.memory_budget_mib * 2**20)
   return {"in_shardings": "auto", "memory_budget": budget}
 
 

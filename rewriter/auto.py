@@ -17,8 +17,10 @@ Alpa's intra-operator formulation, on the TF graph and with this library's own r
 - **Compute.** Each strategy and group also costs its arithmetic per device divided by `flops_per_byte` (how
   many operations a device does in the time a link moves a byte), so splitting work pays against the bytes
   it costs; replicating everything is what a tiny model on fast devices should do, and does.
-- **Memory.** Arguments and captured variables (weights, optimizer state) cost their bytes per device; their
-  sum is kept under `memory_budget`.
+- **Memory.** Arguments and captured variables (weights, optimizer state) cost their bytes per device, and so
+  do the activations live where the unpartitioned program peaks (the memory pass's simulation of the global
+  graph), at their layouts; the sum is kept under `memory_budget` (`plan_memory` measures any lowered plan the
+  same way, so a hand plan and an automatic one compare at the same memory).
 
 HiGHS (`highspy`) solves the program: an open-source MILP solver, a 3 MiB wheel with only numpy as a
 dependency, fast on these sparse assignment-style programs (SciPy's `milp` wraps the same solver but brings
@@ -43,7 +45,7 @@ from tf_gspmd import ops as op_rules
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.errors import AutoShardingError
 from tf_gspmd.ops.factors import FactorRule, _dims_from, _partial
-from tf_gspmd.rewriter import reshard
+from tf_gspmd.rewriter import memory, reshard
 from tf_gspmd.rewriter.completion import CompletionContext
 from tf_gspmd.rewriter.graph_view import public_key, ref
 
@@ -56,7 +58,7 @@ class AutoOptions:
   """What `in_shardings="auto"` asks for (see `gs.function`)."""
 
   arguments: Tuple[bool, ...] = ()                 # per argument: its layout is chosen here
-  memory_budget: Optional[int] = None              # bytes per device for arguments and variables
+  memory_budget: Optional[int] = None              # bytes per device: arguments, variables, live activations
   axis_cost: Tuple[Tuple[str, float], ...] = ()    # time per byte over a mesh axis, relative (default 1.0)
   flops_per_byte: float = 1000.0                   # device arithmetic per link byte
   time_limit: float = 120.0                        # seconds the solver may take
@@ -93,6 +95,7 @@ class AutoPlan:
   predicted_bytes: int             # bytes per device of the reshards and partial sums the plan implies
   predicted_cost: float            # the objective: weighted bytes + arithmetic / flops_per_byte
   state_bytes_per_device: int      # arguments and variables per device
+  activation_bytes_per_device: int  # activations live at the peak (estimated), per device
   memory_budget: Optional[int]
   groups: int
   strategies: int
@@ -107,8 +110,9 @@ class AutoPlan:
 
   def __str__(self):
     budget = f" (budget {self.memory_budget:,} B)" if self.memory_budget else ""
-    lines = [f"auto sharding: predicted {self.predicted_bytes:,} B/device per step, arguments and variables "
-             f"{self.state_bytes_per_device:,} B/device{budget}; {self.groups} groups, {self.strategies} op "
+    lines = [f"auto sharding: predicted {self.predicted_bytes:,} B/device per step; memory per device: arguments "
+             f"and variables {self.state_bytes_per_device:,} B + activations live at the peak (estimated) "
+             f"{self.activation_bytes_per_device:,} B{budget}; {self.groups} groups, {self.strategies} op "
              f"strategies ({self.blocks} blocks, {self.folded_blocks} after folding repeated layers), program "
              f"{self.variables} columns x {self.constraints} rows, built in "
              f"{self.build_seconds:.1f} s, solved in {self.solve_seconds:.1f} s ({self.status})"]
@@ -198,7 +202,9 @@ class _Model:
     self.linear = []         # block -> np.array of costs (weighted) per choice
     self.linear_bytes = []   # block -> np.array of bytes per choice
     self.pairs = {}          # (block u, block v) -> (cost matrix, bytes matrix)
-    self.memory = {}         # block -> np.array of state bytes per choice
+    self.memory = {}         # block -> np.array of bytes per device per choice (state and live activations)
+    self.activations = {}    # block -> np.array of the live-activation part of it
+    self.fixed_memory = 0    # bytes per device no choice changes (what is live and not priced: replicated)
     self.labels = []         # block -> description
     self.signatures = []     # block -> what it is, without names (repeated layers share signatures)
 
@@ -260,6 +266,7 @@ def fold(model, rounds=4):
   for k in range(len(index)):
     b = of.index(k)
     folded.block(model.sizes[b], model.labels[b], model.signatures[b])
+  folded.fixed_memory = model.fixed_memory
   for b in range(n):
     folded.add_linear(of[b], model.linear[b], model.linear_bytes[b])
     if b in model.memory:
@@ -345,6 +352,7 @@ class _Builder:
       if self.usable(r):
         self._group(r)
     self._state()
+    self._activations()
     for p in plans:
       if p is not None:
         p()
@@ -393,6 +401,28 @@ class _Builder:
       nbytes = np.array([_local_elements(g.shape, c) * g.itemsize for c in g.cands], dtype=float)
       self.model.memory[g.id] = self.model.memory.get(g.id, 0) + nbytes
 
+  def _activations(self):
+    """The activations live where the unpartitioned program peaks (the memory pass's simulation of the global
+    graph), priced at each candidate layout of their groups; what no group holds counts whole."""
+    program = self.program
+    variables = {}
+    for name in program.variable_names:
+      info = self.ir.info(ref(name))
+      if info.value_shape is not None:
+        variables[name] = (tuple(info.value_shape), info.value_dtype)
+    live, extra = memory.live_at_peak(program.graph_def, program.input_names, variables, program.output_refs)
+    self.model.fixed_memory += extra
+    for r, nbytes in live.items():
+      g = self.groups.get(self.find(r)) if self.usable(r) else None
+      if g is None:
+        g = self._group(r) if self.usable(r) else None
+      if g is None:
+        self.model.fixed_memory += nbytes
+        continue
+      per = np.array([_local_elements(g.shape, c) * g.itemsize for c in g.cands], dtype=float)
+      self.model.memory[g.id] = self.model.memory.get(g.id, 0) + per
+      self.model.activations[g.id] = self.model.activations.get(g.id, 0) + per
+
   # -- factor ops
   def _plan_factor(self, node, rule):
     f = rule.cached_factors(node)
@@ -407,6 +437,21 @@ class _Builder:
       # A write (AssignVariableOp, ResourceApply*): every operand to operand 0's layout.
       (j0, r0), rest = ops[0], ops[1:]
       return lambda: [self._edge_mapped(r, f.operands[j], r0, f.operands[j0], node) for j, r in rest]
+    if len(outs) > 1 and not f.reduced and len(outs) == len(node.outputs):
+      # One result per operand, each with that operand's own factors (IdentityN): pairs share a layout.
+      pairs = []
+      for o, out in outs:
+        match = [r for j, r in ops if f.operands[j] == f.outputs[o] and self.shape(r) == self.shape(out)]
+        pairs.append((o, match[0], out) if match else None)
+      label_sets = [set(l for l in labels if l) for labels in f.outputs]
+      disjoint = sum(len(x) for x in label_sets) == len(set().union(*label_sets))
+      if all(pairs) and disjoint and len(pairs) == len(ops):
+        apart = [(o, r, out) for o, r, out in pairs if not self.union(out, r)]
+
+        def plan_pairs():
+          for o, r, out in apart:   # (a pinned result stays apart: its operand arrives in its layout)
+            self._edge_mapped(r, f.outputs[o], out, f.outputs[o], node)
+        return plan_pairs
     o0, out = outs[0]
     out_labels = f.outputs[o0]
     if len(outs) == 1 and not f.reduced:
@@ -629,7 +674,7 @@ def _solve(model, budget, time_limit):
       cols.append(np.arange(start_col[b], start_col[b + 1]))
       vals.append(np.asarray(mem, dtype=float))
     lo.append(-highspy.kHighsInf)
-    hi.append(float(budget))
+    hi.append(float(budget) - model.fixed_memory)
     r += 1
   rows = np.concatenate(rows)
   cols = np.concatenate(cols)
@@ -690,6 +735,34 @@ def _local_delta(model, choice, b):
   return out
 
 
+def plan_memory(program):
+  """(arguments and variables, live activations) in bytes per device of a lowered program's layouts, measured as
+  the memory_budget is: what the unpartitioned program holds at its peak, each tensor at its layout."""
+  ir = program.ir
+  variables, state = {}, 0
+  for name in list(program.input_names) + [n for n in program.variable_names if n not in program.input_names]:
+    info = ir.info(ref(name))
+    shape = info.shape if info.partitionable else info.value_shape
+    if shape is None:
+      continue
+    dtype = info.dtype if info.partitionable else info.value_dtype
+    if name in program.variable_names:
+      variables[name] = (tuple(shape), dtype)
+    state += _local_elements(tuple(shape), _layout(program.shardings[ref(name)], shape)) * dtype.size
+  live, extra = memory.live_at_peak(program.graph_def, program.input_names, variables, program.output_refs)
+  activations = extra
+  for r, nbytes in live.items():
+    info = ir.info(r)
+    s = program.shardings.get(r)
+    activations += nbytes if s is None or not info.partitionable else (
+        _local_elements(tuple(info.shape), _layout(s, info.shape)) * info.dtype.size)
+  return int(state), int(activations)
+
+
+def _layout(s, shape):
+  return Sharding(s.mesh, ((),) * len(shape)) if s.is_maximal else s.with_rank(len(shape))
+
+
 def run(program):
   """Pass: choose the layouts left to it (AutoOptions in program.options.auto) and pin them."""
   options = program.options.auto
@@ -705,11 +778,12 @@ def run(program):
   if choice is not None:
     choice = [choice[of[b]] for b in range(len(model.sizes))]
   if choice is None:
-    need = sum(float(m.min()) for m in model.memory.values())
+    need = sum(float(m.min()) for m in model.memory.values()) + model.fixed_memory
     raise AutoShardingError(
-        f"no layout of the arguments and variables fits memory_budget={budget:,} B per device (the smallest "
-        f"possible is {need:,.0f} B, every weight split over the whole mesh; solver status: {status}): raise "
-        "the budget, use a larger mesh, or pin some layouts by hand" if budget is not None else
+        f"no layout fits memory_budget={budget:,} B per device (arguments, variables and the activations live at "
+        f"the peak: the smallest possible is {need:,.0f} B, each split over the whole mesh as far as it divides; "
+        f"solver status: {status}): raise the budget, use a larger mesh, or pin some layouts by hand"
+        if budget is not None else
         f"the sharding program could not be solved (solver status: {status})")
   predicted_cost, predicted_bytes = _evaluate(model, choice)
   annotations = dict(program.annotations)
@@ -731,7 +805,7 @@ def run(program):
         delta = _local_delta(model, choice, g.id)
         order = [i for i in np.argsort(delta, kind="stable") if i != choice[g.id]]
         if budget is not None:
-          used = sum(float(m[choice[b]]) for b, m in mem_of.items())
+          used = sum(float(m[choice[b]]) for b, m in mem_of.items()) + model.fixed_memory
           order = [i for i in order if used - mem_of[g.id][choice[g.id]] + mem_of[g.id][i] <= budget]
         alt = order[0] if order else None
         choices.append(Choice(
@@ -752,8 +826,10 @@ def run(program):
     for node, rows, u, v, best in builder.unary:
       strategies[node.name] = rows[int(best[choice[u], choice[v]])][0]
   choices.sort(key=lambda c: (c.kind != "argument", c.name))
+  activations = sum(float(a[choice[b]]) for b, a in model.activations.items()) + model.fixed_memory
   plan = AutoPlan(choices=tuple(choices), predicted_bytes=int(round(predicted_bytes)),
                   predicted_cost=predicted_cost, state_bytes_per_device=int(state_bytes),
+                  activation_bytes_per_device=int(round(activations)),
                   memory_budget=budget, groups=len(builder.groups), strategies=len(builder.strategies),
                   blocks=len(model.sizes), folded_blocks=len(folded.sizes),
                   variables=ncol, constraints=nrow, build_seconds=built, solve_seconds=took, status=status,

@@ -138,8 +138,14 @@ class _Program:
     stop = self._walk(inner, None)
     return self._walk(inner, stop), stop
 
-  def _walk(self, inner, stop):
-    """Without `stop`: the index of the op at which the activations peak. With it: the estimate at that op."""
+  def live_at_peak(self, cache):
+    """({buffer ref: bytes} of the activations live at the peak, bytes of control-flow bodies there)."""
+    inner = {nd.name: self._inner(nd, cache) for nd in self.order if nd.op in CALL_OPS}
+    return self._walk(inner, self._walk(inner, None), raw=True)
+
+  def _walk(self, inner, stop, raw=False):
+    """Without `stop`: the index of the op at which the activations peak. With it: the estimate at that op
+    (`raw`: what is live there and the bodies' bytes)."""
     left = dict(self.reads)
     live, live_bytes, best, best_at = {}, 0, -1, 0
     for step, nd in enumerate(self.order):
@@ -152,7 +158,7 @@ class _Program:
       if stop is None and live_bytes + extra > best:
         best, best_at = live_bytes + extra, step
       if step == stop:
-        return self._estimate(nd, live, extra)
+        return (dict(live), extra) if raw else self._estimate(nd, live, extra)
       for i in nd.input:
         if is_control(i):
           continue
@@ -216,6 +222,15 @@ def estimate(graph_def, arguments=(), variables=None, outputs=(), known=None):
   variables = dict(variables or {})
   return _Program(graph_def, set(arguments), variables, [normalize(r) for r in outputs], known,
                   variables).simulate({})[0]
+
+
+def live_at_peak(graph_def, arguments=(), variables=None, outputs=()):
+  """({tensor ref: bytes}, bodies' bytes): the activations live where `graph_def` peaks (`estimate`'s arguments)."""
+  if not graph_def.node:
+    return {}, 0
+  variables = dict(variables or {})
+  return _Program(graph_def, set(arguments), variables, [normalize(r) for r in outputs], None,
+                  variables).live_at_peak({})
 
 
 def run(program):

@@ -155,12 +155,12 @@ def test_a_lost_worker_stops_the_others_by_name_and_resume_continues(tmp_path, t
 
 
 def test_auto_sharded_moe_finds_expert_sharding_within_the_gshard_memory(tmp_path):
-  """--auto with the GShard plan's weight memory as the budget: experts split over `expert`, no more bytes than
+  """--auto with the GShard plan's memory as the budget: experts split over `expert`, no more bytes than
   the GShard plan, and the first losses of the unpartitioned program."""
   hand = _run("train_moe.py", "--plan", "--plan_mesh=8")
-  state = int(re.search(r"variables ([\d,]+)", hand).group(1).replace(",", ""))
+  budget = re.search(r"memory as --memory_budget_mib counts it: ([\d.]+) MiB", hand).group(1)
   hand_bytes = int(re.search(r"collective\(s\), ([\d,]+) bytes per device", hand).group(1).replace(",", ""))
-  out = _run("train_moe.py", "--auto", f"--memory_budget_mib={state / 2**20:.6f}", "--steps=3", "--check_steps=3",
+  out = _run("train_moe.py", "--auto", f"--memory_budget_mib={budget}", "--steps=3", "--check_steps=3",
              "--ckpt_every=0", f"--logdir={tmp_path}")
   assert "check: first 3 losses match the unpartitioned program" in out
   assert re.search(r"variable l0_w1 +\[8, 32, 32\] +P\('expert', None, None\)", out), out[-3000:]

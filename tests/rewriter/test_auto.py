@@ -1,7 +1,6 @@
 """Automatic sharding (the auto_shard pass): plans no worse than the hand-written ones, results unchanged."""
 
 import collections
-import math
 import os
 import sys
 
@@ -12,6 +11,7 @@ import tensorflow as tf
 import tf_gspmd as gs
 from tf_gspmd import P
 from tf_gspmd.errors import AutoShardingError, InputError, MeshError
+from tf_gspmd.rewriter.auto import plan_memory
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 import transformer_model as tm  # noqa: E402  pylint: disable=g-import-not-at-top
@@ -24,11 +24,14 @@ def _specs(args):
   return [tf.TensorSpec(np.shape(a), tf.as_dtype(np.asarray(a).dtype)) for a in args]
 
 
-def _state_bytes(low, args):
-  """Arguments and captured variables per device, as the lowered plan lays them out."""
-  arguments = sum(math.prod(s.shard_shape(np.shape(a))) * np.asarray(a).itemsize
-                  for s, a in zip(low.in_shardings, args))
-  return arguments + sum(r.bytes_per_device for r in low.report.state)
+def _memory(low):
+  """Bytes per device of a lowered plan as memory_budget counts them: arguments, variables and the activations
+  live at the peak, at the plan's layouts."""
+  return sum(plan_memory(low.program))
+
+
+def _replicated_memory(fn, args):
+  return _memory(gs.function(fn, mesh=M24, in_shardings=P()).lower(*_specs(args)))
 
 
 def _mlp_args(rng, batch=64, d=256, h=1024):
@@ -60,12 +63,13 @@ def test_no_annotations_at_most_the_data_parallel_bytes_and_same_results(rng):
 
 def test_budget_below_the_replicated_weights_splits_them_and_meets_it(rng):
   args = _mlp_args(rng)
-  replicated = sum(a.nbytes for a in args)
-  budget = replicated // 4
+  budget = _replicated_memory(tm.mlp_train_step, args) // 4
   auto = gs.function(tm.mlp_train_step, mesh=M24, in_shardings="auto", memory_budget=budget)
   low = auto.lower(*_specs(args))
-  assert _state_bytes(low, args) <= budget
-  assert low.auto_plan.state_bytes_per_device == _state_bytes(low, args)
+  plan = low.auto_plan
+  assert _memory(low) <= budget
+  assert (plan.state_bytes_per_device, plan.activation_bytes_per_device) == plan_memory(low.program)
+  assert low.report.peak_bytes_per_device < 2 * budget   # (the memory pass's own estimate of the step)
   w1, w2 = low.in_shardings[2:]
   assert w1.num_tiles > 1 and w2.num_tiles > 1
   _assert_same_results(auto, tm.mlp_train_step, args)
@@ -74,10 +78,10 @@ def test_budget_below_the_replicated_weights_splits_them_and_meets_it(rng):
 def test_megatron_mlp_step_no_more_bytes_than_megatron_at_its_memory(rng):
   args = _mlp_args(rng)
   hand = gs.function(tm.mlp_train_step, mesh=M24, in_shardings=MEGATRON_MLP).lower(*_specs(args))
-  budget = _state_bytes(hand, args)
+  budget = _memory(hand)
   f = gs.function(tm.mlp_train_step, mesh=M24, in_shardings="auto", memory_budget=budget)
   low = f.lower(*_specs(args))
-  assert _state_bytes(low, args) <= budget
+  assert _memory(low) <= budget
   assert low.auto_plan.predicted_bytes <= hand.report.bytes_per_device()
   assert low.report.bytes_per_device() <= hand.report.bytes_per_device()
   _assert_same_results(f, tm.mlp_train_step, args)
@@ -87,11 +91,12 @@ def test_transformer_step_no_more_bytes_than_megatron_at_its_memory():
   """The 12-layer Adam step with every weight and slot an argument; the batch arguments left to the solver."""
   step, args, specs = tm.megatron_train_args(tm.Config())
   hand = gs.function(step, mesh=M24, in_shardings=specs).lower(*_specs(args))
-  budget = _state_bytes(hand, args)
+  budget = _memory(hand)
   f = gs.function(step, mesh=M24, in_shardings=[P()] + ["auto"] * (len(args) - 1), memory_budget=budget)
   low = f.lower(*_specs(args))
   plan = low.auto_plan
-  assert _state_bytes(low, args) <= budget
+  assert _memory(low) <= budget
+  assert low.report.peak_bytes_per_device <= hand.report.peak_bytes_per_device   # (the memory pass agrees)
   assert plan.predicted_bytes <= hand.report.bytes_per_device()
   assert low.report.bytes_per_device() <= hand.report.bytes_per_device()
   assert plan.folded_blocks < plan.blocks / 4    # twelve identical layers priced as one
@@ -124,20 +129,21 @@ def test_training_with_auto_sharded_variables_gives_the_unpartitioned_losses(rng
 
   plain, _ = make()
   want = [float(tf.function(plain)(*b)) for b in batches]
+  probe, _ = make()
+  budget = _replicated_memory(probe, batches[0]) // 3
   step, variables = make()
-  replicated = sum(w.nbytes for w in init) * 2
-  f = gs.function(step, mesh=M24, in_shardings="auto", memory_budget=replicated // 3)
+  f = gs.function(step, mesh=M24, in_shardings="auto", memory_budget=budget)
   got = [float(f(*b)) for b in batches]
   np.testing.assert_allclose(got, want, rtol=1e-4)
   low = f.lower(*_specs(batches[0]))
-  assert low.auto_plan.state_bytes_per_device <= replicated // 3
+  assert _memory(low) <= budget
   assert any(not gs.sharding_of(v).is_replicated for v in variables)   # stored split, as chosen
 
 
 def test_fixed_entries_are_kept_and_the_plan_explains_every_choice(rng):
   args = _mlp_args(rng)
   f = gs.function(tm.mlp_train_step, mesh=M24, in_shardings=[P("data", None), "auto", "auto", "auto"],
-                  memory_budget=sum(a.nbytes for a in args) // 2)
+                  memory_budget=_replicated_memory(tm.mlp_train_step, args) // 2)
   low = f.lower(*_specs(args))
   assert low.in_shardings[0] == gs.Sharding(M24, (("data",), ()))
   plan = low.auto_plan
@@ -160,18 +166,19 @@ def test_a_costly_axis_carries_fewer_bytes(rng):
         out[a] += c.bytes
     return out
 
-  budget = sum(a.nbytes for a in args) // 4
+  budget = _replicated_memory(tm.mlp_train_step, args) // 4
   even = gs.function(tm.mlp_train_step, mesh=M24, in_shardings="auto", memory_budget=budget).lower(*_specs(args))
   slow = gs.function(tm.mlp_train_step, mesh=M24, in_shardings="auto", memory_budget=budget,
                      axis_cost={"data": 50.0}).lower(*_specs(args))
   assert bytes_by_axis(slow)["data"] < bytes_by_axis(even)["data"] or bytes_by_axis(even)["data"] == 0
-  assert _state_bytes(slow, args) <= budget
+  assert _memory(slow) <= budget
 
 
 def test_a_budget_nothing_fits_is_a_typed_error(rng):
   args = _mlp_args(rng)
   f = gs.function(tm.mlp_train_step, mesh=M24, in_shardings="auto", memory_budget=1024)
-  with pytest.raises(AutoShardingError, match=r"memory_budget=1,024 B.*smallest possible is"):
+  with pytest.raises(AutoShardingError, match=r"memory_budget=1,024 B per device \(arguments, variables and the "
+                     r"activations live at the peak: the smallest possible is"):
     f.lower(*_specs(args))
 
 
