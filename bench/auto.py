@@ -195,22 +195,33 @@ def main(_):
         hand_cells = [f"{hand_bytes:,}", f"{hand_state:,}", "-" if hand_act is None else f"{hand_act:,}"]
       except Exception as e:  # pylint: disable=broad-except
         hand_s = math.nan
-        hand_cells = [f"hand plan fails ({_short(e)})", "-", "-"]
+        hand_cells = [f"hand plan fails ({type(e).__name__})", "-", "-"]
         notes.append(f"{where}: the hand plan does not lower:\n{traceback.format_exc()}")
+      label = str(shape)
       try:
         auto, auto_state, auto_s = lower(build, mesh, hand=False, budget=budget)
       except Exception as e:  # pylint: disable=broad-except
-        rows.append((name, str(shape), *hand_cells, f"auto fails ({_short(e)})", *["-"] * 6))
-        notes.append(f"{where}: the auto pass fails (budget {budget}):\n{traceback.format_exc()}")
         print(f"{where}: auto FAILS: {_short(e)}", flush=True)
-        continue
+        budget_text = "no budget" if budget is None else f"the budget {budget:,}"
+        if budget is None or type(e).__name__ != "AutoShardingError":
+          notes.append(f"{where}: the auto pass fails under {budget_text}:\n{traceback.format_exc()}")
+          rows.append((name, label, *hand_cells, f"auto fails ({type(e).__name__})", *["-"] * 6))
+          continue
+        notes.append(f"{where}: AutoShardingError under {budget_text} (the row: auto without a budget): {e}")
+        try:   # the hand plan's memory is out of the auto plan's reach: the row without a budget
+          auto, auto_state, auto_s = lower(build, mesh, hand=False)
+          label, budget = f"{shape} no budget", None
+        except Exception:  # pylint: disable=broad-except
+          rows.append((name, label, *hand_cells, f"auto fails ({type(e).__name__})", *["-"] * 6))
+          notes.append(f"{where}: the auto pass fails without a budget too:\n{traceback.format_exc()}")
+          continue
       plan, r = auto.auto_plan, auto.report
       auto_bytes, auto_act = r.bytes_per_device(), activation_bytes(auto)
       if hand_bytes:
         ratio = f"{auto_bytes / hand_bytes:.2f}"
       else:
         ratio = "1.00" if hand_bytes == 0 and auto_bytes == 0 else "-"
-      rows.append((name, str(shape), *hand_cells, f"{auto_bytes:,}", f"{plan.predicted_bytes:,}", f"{auto_state:,}",
+      rows.append((name, label, *hand_cells, f"{auto_bytes:,}", f"{plan.predicted_bytes:,}", f"{auto_state:,}",
                    "-" if auto_act is None else f"{auto_act:,}", ratio,
                    f"{r.pass_times.get('auto_shard', math.nan):.2f} ({plan.build_seconds:.2f}+"
                    f"{plan.solve_seconds:.2f})", f"{plan.variables:,} x {plan.constraints:,}"))
@@ -221,7 +232,7 @@ def main(_):
       if hand_bytes is not None and auto_bytes > hand_bytes:
         notes.append(f"{where}: auto sends more than the hand plan: {auto_bytes:,} vs {hand_bytes:,} B/device "
                      f"(state {auto_state:,} vs {hand_state:,} B/device, activations {auto_act} vs {hand_act}; "
-                     f"budget {budget:,})")
+                     f"budget {budget if budget is None else format(budget, ',')})")
       if auto_state != plan.state_bytes_per_device:
         notes.append(f"{where}: auto state measured {auto_state:,} B/device, the plan says "
                      f"{plan.state_bytes_per_device:,}")

@@ -61,7 +61,7 @@ class AutoOptions:
   memory_budget: Optional[int] = None              # bytes per device: arguments, variables, live activations
   axis_cost: Tuple[Tuple[str, float], ...] = ()    # time per byte over a mesh axis, relative (default 1.0)
   flops_per_byte: float = 1000.0                   # device arithmetic per link byte
-  time_limit: float = 120.0                        # seconds the solver may take
+  time_limit: float = 60.0                         # seconds the solver may take (then its best plan so far)
   pin_intermediates: bool = True                   # pin every modelled tensor and op strategy, not only the
                                                    # arguments and variables (the partitioner then does what the
                                                    # program priced)
