@@ -74,9 +74,9 @@ def workloads():
   def data(mesh):
     return "data" if "data" in mesh.axis_names else None
 
-  def respec(spec, mesh):
-    keep = lambda d: d if d is None or all(a in mesh.axis_names for a in ((d,) if isinstance(d, str) else d)) \
-        else None  # noqa: E731
+  def respec(spec, mesh):   # the hand spec with the axes this mesh lacks dropped
+    def keep(d):
+      return d if d is None or all(a in mesh.axis_names for a in ((d,) if isinstance(d, str) else d)) else None
     return P(*[keep(d) for d in spec])
 
   def mlp(x, w1, w2):
@@ -225,8 +225,8 @@ def main(_):
                    "-" if auto_act is None else f"{auto_act:,}", ratio,
                    f"{r.pass_times.get('auto_shard', math.nan):.2f} ({plan.build_seconds:.2f}+"
                    f"{plan.solve_seconds:.2f})", f"{plan.variables:,} x {plan.constraints:,}"))
-      print(f"{where}: lowered in {hand_s:.1f} s (hand), {auto_s:.1f} s (auto, {plan.status}), budget "
-            f"{budget if budget is None else format(budget, ',')} B", flush=True)
+      print(f"{where}: lowered in {hand_s:.1f} s (hand), {auto_s:.1f} s (auto, {plan.status}), "
+            f"{'no budget' if budget is None else f'budget {budget:,} B'}", flush=True)
       if FLAGS.verbose:
         print(plan)
       if hand_bytes is not None and auto_bytes > hand_bytes:

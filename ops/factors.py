@@ -127,6 +127,10 @@ class FactorRule(Rule):
     """Whether reduced factors may stay split (partial results + all-reduce)."""
     return True
 
+  def exclusive_factors(self, node):  # pylint: disable=unused-argument
+    """Groups of factor labels of which `partition` can keep at most one split (automatic sharding keeps to it)."""
+    return ()
+
   def internal_bytes(self, node, axes_of, mesh):  # pylint: disable=unused-argument
     """Bytes per device of the collectives `partition` emits inside the op for the split `axes_of` (beyond the
     reshards of its operands and the partial sums of reduced factors): what automatic sharding prices."""

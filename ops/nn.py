@@ -14,6 +14,7 @@ channels split (inference-mode batch norm is element-wise per channel and passes
 """
 
 import dataclasses
+import math
 
 import numpy as np
 import tensorflow as tf
@@ -219,8 +220,31 @@ def _avg_scale(ctx, layout, dims, d, first, count):
   return scale
 
 
+class _Windowed(FactorRule):
+  """What automatic sharding needs to price a 2-D NHWC windowed op: one spatial dim split at a time (halo
+  exchange handles one), and the halo rows that split exchanges."""
+
+  def exclusive_factors(self, node):
+    return (("s0", "s1"),) if _geometry(node) is not None else ()
+
+  def internal_bytes(self, node, axes_of, mesh):
+    dims = _geometry(node)
+    if dims is None:
+      return 0
+    image = node.outputs[0].shape if node.op in ("Conv2DBackpropInput", "AvgPoolGrad") else node.input_shape(0)
+    total = 0
+    for k in (1, 2):
+      axes = axes_of.get(f"s{k - 1}", ())
+      if not axes:
+        continue
+      halo = max(dims[k].window - dims[k].stride, 0)
+      batch = -(-image[0] // math.prod(mesh.axis_size(a) for a in axes_of.get("b", ())))
+      total += halo * batch * image[3 - k] * image[3] * node.outputs[0].dtype.size
+    return total
+
+
 @register("Conv2D", "Conv3D")
-class Conv(FactorRule):
+class Conv(_Windowed):
   """out[b, ..., co] = sum over window and ci of in[b, ..., ci] * filter[..., ci, co].
 
   A split spatial dim of a 2-D NHWC convolution stays split: each device convolves its window of input rows
@@ -256,7 +280,7 @@ class Conv(FactorRule):
 
 
 @register("Conv2DBackpropInput", "Conv3DBackpropInputV2")
-class ConvBackpropInput(FactorRule):
+class ConvBackpropInput(_Windowed):
   """d_in[b, ..., ci] = sum over co of filter[..., ci, co] * d_out[b, ..., co].
 
   A split spatial dim of a 2-D NHWC convolution stays split: each device takes the rows of d_out whose
@@ -309,7 +333,7 @@ class ConvBackpropInput(FactorRule):
 
 
 @register("Conv2DBackpropFilter", "Conv3DBackpropFilterV2")
-class ConvBackpropFilter(FactorRule):
+class ConvBackpropFilter(_Windowed):
   """d_filter[..., ci, co] = sum over b and space of in[b, ..., ci] * d_out[b, ..., co].
 
   With a spatial dim of a 2-D NHWC convolution split, each device correlates its rows of d_out with its
@@ -376,7 +400,7 @@ def _tiled_windows(node):
   return strides
 
 
-class _PoolRule(FactorRule):
+class _PoolRule(_Windowed):
   """Batch and channels pass their split; space too for 2-D NHWC pooling (halo exchange, see the module
   docstring), or for other pooling when windows tile it and every shard holds whole ones."""
 

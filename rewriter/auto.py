@@ -501,6 +501,8 @@ class _Builder:
     sizes = self._size_of(node, f, rule)
     labels = sorted({l for ls in f.operands + f.outputs for l in ls if l})
     assigns = _assignments(self.mesh, labels, sizes)
+    for group in rule.exclusive_factors(node):
+      assigns = [a for a in assigns if sum(1 for l in group if a.get(l)) <= 1]
     total = math.prod(sizes[l] for l in labels) if labels else 1
     rows = []
     for axes_of in assigns:

@@ -186,7 +186,7 @@ def test_bad_auto_arguments_are_typed_errors():
   with pytest.raises(InputError, match="only string accepted is \"auto\""):
     gs.function(tm.mlp_train_step, mesh=M24, in_shardings="atuo")
   with pytest.raises(InputError, match="apply to automatic sharding"):
-    gs.function(tm.mlp_train_step, mesh=M24, in_shardings=P(), memory_budget=1 << 20)
+    gs.function(tm.mlp_train_step, mesh=M24, in_shardings=P("data", None), memory_budget=1 << 20)
   with pytest.raises(MeshError, match="'host', which is not an axis"):
     gs.function(tm.mlp_train_step, mesh=M24, in_shardings="auto", axis_cost={"host": 8.0})
   with pytest.raises(InputError, match="positive"):
