@@ -650,26 +650,16 @@ def _solve(model, budget, time_limit):
     c = model.pairs[key][0]
     cost[s:s + nu * nv] = c.reshape(-1)
     z = s + np.arange(nu * nv).reshape(nu, nv)
-    # sum_j z[i, j] = y_u[i]
-    rows.append(np.repeat(np.arange(r, r + nu), nv))
-    cols.append(z.reshape(-1))
-    vals.append(np.ones(nu * nv))
-    rows.append(np.arange(r, r + nu))
-    cols.append(start_col[u] + np.arange(nu))
-    vals.append(-np.ones(nu))
-    lo += [0.0] * nu
-    hi += [0.0] * nu
-    r += nu
-    # sum_i z[i, j] = y_v[j]
-    rows.append(np.tile(np.arange(r, r + nv), nu))
-    cols.append(z.reshape(-1))
-    vals.append(np.ones(nu * nv))
-    rows.append(np.arange(r, r + nv))
-    cols.append(start_col[v] + np.arange(nv))
-    vals.append(-np.ones(nv))
-    lo += [0.0] * nv
-    hi += [0.0] * nv
-    r += nv
+    for block, n, members in ((u, nu, z), (v, nv, z.T)):   # sum_j z[i, j] = y_u[i]; sum_i z[i, j] = y_v[j]
+      rows.append(np.repeat(np.arange(r, r + n), members.shape[1]))
+      cols.append(members.reshape(-1))
+      vals.append(np.ones(members.size))
+      rows.append(np.arange(r, r + n))
+      cols.append(start_col[block] + np.arange(n))
+      vals.append(-np.ones(n))
+      lo += [0.0] * n
+      hi += [0.0] * n
+      r += n
   if budget is not None and model.memory:
     for b, mem in model.memory.items():
       rows.append(np.full(len(mem), r))
