@@ -127,18 +127,10 @@ class AutoPlan:
 def candidates(mesh, shape):
   """Every layout of a tensor of `shape`: each mesh axis (size > 1) on one dim or none, dims divided evenly.
   The replicated layout comes first."""
-  axes = [a for a in mesh.axis_names if mesh.axis_size(a) > 1]
-  rank = len(shape)
-  out = []
-  for assign in itertools.product(range(rank + 1), repeat=len(axes)):
-    dims = [() for _ in range(rank)]
-    for a, d in zip(axes, assign):
-      if d < rank:
-        dims[d] = dims[d] + (a,)
-    if all(shape[d] % math.prod(mesh.axis_size(a) for a in dims[d]) == 0 for d in range(rank)):
-      out.append(Sharding(mesh, tuple(dims)))
-  out.sort(key=lambda s: s.num_tiles)
-  return out
+  dims = list(range(len(shape)))
+  out = [Sharding(mesh, tuple(axes_of.get(d, ()) for d in dims))
+         for axes_of in _assignments(mesh, dims, dict(enumerate(shape)))]
+  return sorted(out, key=lambda s: s.num_tiles)
 
 
 def _assignments(mesh, labels, size_of):
