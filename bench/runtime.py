@@ -10,7 +10,9 @@ decoder-only transformer with Adam (examples/transformer_model.py, Megatron layo
 with XLA off and on (tf_gspmd on CPU: XLA-compiled segments between collectives; DTensor: jit_compile=True where
 it compiles). Times are medians of --steps calls after warm-up, all measured in one run; ratios are to the
 unpartitioned program with XLA off. Every partitioned result is checked against the unpartitioned one. A second
-table counts the ops of the unpartitioned and the per-device program and the collectives of one step.
+table counts the ops of the unpartitioned and the per-device program and the collectives of one step. With
+--profile, a third splits the time the devices' ops ran (from the profiler trace) into collectives, the copies
+that combined collectives make (concatenating and splitting their members) and the rest (compute).
 
   python bench/runtime.py [--steps=10] [--layers=12] [--only=mlp_train_step] [--profile=/tmp/prof]
 """
@@ -92,10 +94,12 @@ def main(_):
       _check([t.numpy() for t in tf.nest.flatten(f(*placed))], want, f"tf_gspmd {name} jit={jit}")
       times[("tf_gspmd", jit)] = _median_time(lambda: tf.nest.flatten(f(*placed))[-1].numpy(), FLAGS.steps)
       if FLAGS.profile:
-        tf.profiler.experimental.start(os.path.join(FLAGS.profile, f"{name}_xla_{'on' if jit else 'off'}"))
+        trace = os.path.join(FLAGS.profile, f"{name}_xla_{'on' if jit else 'off'}")
+        tf.profiler.experimental.start(trace)
         for _ in range(3):
           tf.nest.flatten(f(*placed))[-1].numpy()
         tf.profiler.experimental.stop()
+        times[("split", jit)] = _time_split(trace, 3, mesh.size)
       times[("DTensor", jit)] = _dtensor_time(tf, dtensor, dmesh, fn, args, specs, jit, want, name)
       if not jit:
         low = f.lower(*[tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in args])
@@ -131,6 +135,50 @@ def main(_):
   widths = [max(len(x) for x in col) for col in zip(head, *table)]
   for row in [head] + table:
     print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+  if FLAGS.profile:
+    print()
+    print("where a device's step time goes (profiler trace of 3 steps: ms per device per step the per-device "
+          "program's ops ran; on 2 cores 8 devices share the CPU, so these add up to more than the wall time)")
+    head = ("program", "XLA", "collectives ms", "combine copies ms", "compute ms", "collectives share")
+    table = []
+    for name, times in rows:
+      for jit in (False, True):
+        t = times[("split", jit)]
+        total = sum(t.values()) or 1.0
+        table.append((name, "on" if jit else "off", f"{t['collectives']:.1f}", f"{t['combine copies']:.1f}",
+                      f"{t['compute']:.1f}", f"{t['collectives'] / total:.0%}"))
+    widths = [max(len(x) for x in col) for col in zip(head, *table)]
+    for row in [head] + table:
+      print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+
+
+def _time_split(directory, calls, devices):
+  """{"collectives", "combine copies", "compute"}: ms per device per step the ops of the traces under `directory`
+  ran (the per-device program's ops are traced as "<name>:<op type>", XLA-compiled segments as their executable's
+  run, counted as compute)."""
+  import glob  # pylint: disable=g-import-not-at-top
+  from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.rewriter.collectives import TF_COLLECTIVE_OPS  # pylint: disable=g-import-not-at-top
+  split = {"collectives": 0.0, "combine copies": 0.0, "compute": 0.0}
+  for path in glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True):
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+      space.ParseFromString(f.read())
+    for plane in space.planes:
+      names = {k: m.name for k, m in plane.event_metadata.items()}
+      for line in plane.lines:
+        for e in line.events:
+          name = names.get(e.metadata_id, "")
+          if name.endswith("Executable::ExecuteAsyncOnStream"):   # an XLA-compiled segment runs
+            split["compute"] += e.duration_ps / 1e9
+            continue
+          if not name.startswith("program/") or ":" not in name:
+            continue
+          node, op = name.rsplit(":", 1)
+          kind = ("collectives" if op in TF_COLLECTIVE_OPS else
+                  "combine copies" if "combined_" in node and op in ("ConcatV2", "SplitV", "Split") else "compute")
+          split[kind] += e.duration_ps / 1e9
+  return {k: v / (calls * devices) for k, v in split.items()}
 
 
 def _op_count(graph_def):
