@@ -223,7 +223,8 @@ def _is_auto(s):
 
 def _auto_options(mesh, in_shardings, memory_budget, axis_cost, flops_per_byte):
   """AutoOptions when some in_shardings entry is "auto" (None otherwise); the other arguments checked."""
-  entries = in_shardings if isinstance(in_shardings, (tuple, list)) else (in_shardings,)
+  entries = (in_shardings if isinstance(in_shardings, (tuple, list)) and not isinstance(in_shardings, P)
+             else (in_shardings,))
   for k, s in enumerate(entries):
     if isinstance(s, str) and not _is_auto(s):
       raise InputError(f"in_shardings entry {k} is the string {s!r}; the only string accepted is \"auto\" (the "
