@@ -23,17 +23,25 @@ does not take, the carrier's); the combined op sends the sum of its members' byt
 device do not change.
 
 Independence is data dependence: two collectives may share an op when neither depends on the other (no path
-between them in the per-device program, through data or control edges), wherever they are in the program.
-Merging must not create a cycle, also not across combinations: a1 -> b1 and b2 -> a2 make {a1, a2} and
-{b1, b2} each independent, yet merging both would make each merged op wait for the other. So collectives are
-binned greedily in topological order: each carries the set (a bitset) of collectives it depends on; when one
-is placed, its ancestors *in the program as merged so far* are that set closed under the bins formed (a bin
-that holds an ancestor merges its members, so their ancestors become ancestors too). It joins the first bin
-of its kind, axes and dtype that holds none of those and stays within MAX_BYTES, else opens one. A
-collective placed later never has a descendant placed before it, so the merged program stays acyclic at
-every step. The report keeps the logical collectives, points each at the op that carries it, and records
-each combination (`report.combined`); the members are left without consumers for cleanup to remove.
+between them in the per-device program, through data or control edges), wherever they are in the program
+(an all-reduce of the first layer's gradient with one of the last layer's). Merging must not create a cycle,
+also not across combinations: with a1 -> b1 and b2 -> a2, {a1, a2} and {b1, b2} are each independent, yet
+merging both pairs makes each merged op wait for the other. So collectives are binned greedily in a
+topological order of the program. Each carries the bitset (a Python int) of the collectives it depends on.
+When collective c is placed, its ancestors *in the program as merged so far* are that set closed under the
+bins formed: a bin holding an ancestor is one op, so all its members and their ancestors are ancestors too.
+c has no descendant placed yet, so putting it in bin B only adds edges from its ancestors' bins into B, and
+that closes a cycle exactly when B holds one of those closed ancestors. c joins the first bin of its kind,
+axes, dtype (and reduction) that holds none and stays within MAX_BYTES with it, else opens a bin; the merged
+program is acyclic after every step. The merged op starts when its last operand is ready, so a member may run
+later than it would alone; MAX_BYTES bounds the buffers a combination holds at once.
+
+The report keeps the logical collectives, points each at the op that carries it (`replace_ops`), and records
+each combination (`report.combined`, `Combination`); the members are left without consumers for cleanup to
+remove.
 """
+
+import math
 
 import tensorflow as tf
 
@@ -118,9 +126,10 @@ def combine(program):
       op = graph.get_operation_by_name(name)
       x = op.inputs[0]
       if x.shape.is_fully_defined() and (e.kind != "all-to-all" or x.shape[0] == e.group_size):
-        candidates[name] = (op, (e.kind, e.axes, e.reduction, x.dtype))
+        # its key, and the bytes of its result (an all-gather's: gathered), which the cap applies to
+        candidates[name] = (op, (e.kind, e.axes, e.reduction, x.dtype), math.prod(e.shape) * x.dtype.size)
   order, ancestors = _ancestors(view, candidates)
-  bins = plan(order, ancestors, lambda n: candidates[n][1], lambda n: emitted[n].bytes)
+  bins = plan(order, ancestors, lambda n: candidates[n][1], lambda n: candidates[n][2])
   pid = graph.get_tensor_by_name(ref(program.partition_id))
   backend = Backend(program.mesh, program.devices, pid,
                     lambda table, name: tf.gather(tf.constant(table, name=name), pid), program.report,
