@@ -80,8 +80,8 @@ def test_zero_style_weight_gathers_are_combined(rng):
 
 
 def test_all_gathers_along_other_dims_and_of_packed_dtypes_are_exact(rng):
-  """Gathers along dims 0, 1 and 2, of uneven sizes, over both axes; bool and int8 travel packed into int32 (and
-  combine with each other there), float32 apart: each result equals the unpartitioned program's."""
+  """float32 gathers over model along dims 0 and 1 share an op; bool and int8 travel packed into int32 and share
+  another; a gather over (data, model) stays alone: each result equals the unpartitioned program's."""
   def f(a, b, c, d, e):
     return tf.identity(a), tf.identity(b), tf.identity(c), tf.logical_not(d), e + 1
 
