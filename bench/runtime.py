@@ -15,6 +15,7 @@ table counts the ops of the unpartitioned and the per-device program and the col
 that combined collectives make (concatenating and splitting their members) and the rest (compute).
 
   python bench/runtime.py [--steps=10] [--layers=12] [--only=mlp_train_step] [--profile=/tmp/prof]
+                          [--collective_timeout=1800]
 """
 
 import os
@@ -32,6 +33,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 flags.DEFINE_integer("steps", 10, "Timed calls per configuration (after two warm-up calls).")
 flags.DEFINE_integer("layers", 12, "Transformer layers.")
 flags.DEFINE_list("only", [], "Run only these programs (mlp_train_step, transformer_train_step).")
+flags.DEFINE_float("collective_timeout", 1800.0, "gs.function's collective_timeout: the first XLA-on call compiles the "
+                   "segments inside the call (the 12-layer transformer's took 398 s on 2 busy cores, past the 300 s "
+                   "default).")
 flags.DEFINE_string("profile", "", "Directory for TensorFlow profiler traces of 3 tf_gspmd steps per program and "
                     "XLA setting (<dir>/<program>_xla_<on|off>; TensorBoard's Profile tab); empty: none.")
 FLAGS = flags.FLAGS
@@ -89,7 +93,8 @@ def main(_):
         single = tf.function(fn, jit_compile=jit)
         times[("unpartitioned", jit)] = _median_time(lambda: tf.nest.flatten(single(*consts))[-1].numpy(),
                                                      FLAGS.steps)
-      f = gs.function(fn, mesh=mesh, in_shardings=tuple(specs), jit_compile=jit)
+      f = gs.function(fn, mesh=mesh, in_shardings=tuple(specs), jit_compile=jit,
+                      collective_timeout=FLAGS.collective_timeout)
       placed = [gs.function(lambda a: a, mesh=mesh, in_shardings=s, out_shardings=s)(a) for a, s in zip(args, specs)]
       _check([t.numpy() for t in tf.nest.flatten(f(*placed))], want, f"tf_gspmd {name} jit={jit}")
       times[("tf_gspmd", jit)] = _median_time(lambda: tf.nest.flatten(f(*placed))[-1].numpy(), FLAGS.steps)

@@ -254,33 +254,76 @@ class Backend:
     self.emitted[e.name] = e
     return e
 
+  # ---- the ops ------------------------------------------------------------------------------------------------
+  def _emit(self, kind, y, axes, reduction=None, name=None):
+    """The TF op of `kind` on `y` (a dtype the op takes) over the groups of `axes`, recorded in `self.emitted`.
+
+    Returns (its result with a static shape, its Emitted). An all-reduce merges `y` with `reduction`; an
+    all-gather concatenates every member's `y` along dim 0 and an all-to-all sends row block k of `y` (dim 0
+    cut into group-size blocks) to the member of runtime rank k, both in *runtime rank* order (the callers
+    put it in mesh order where the two differ).
+    """
+    size, key = self._keys(axes)
+    common = dict(input=y, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[])
+    if kind == "all-reduce":
+      out = tf.raw_ops.CollectiveReduceV2(**common, merge_op=reduction, final_op="Id", name=name or "all_reduce")
+      return out, self._describe(out, kind, axes, y, size, reduction=reduction)
+    if kind == "all-gather":
+      out = tf.raw_ops.CollectiveGatherV2(**common, name=name or "all_gather")
+      e = self._describe(out, kind, axes, y, size, gathered=True)
+      return tf.reshape(out, [size * y.shape[0]] + y.shape.as_list()[1:]), e   # the op leaves dim 0 unknown
+    if kind == "all-to-all":
+      out = tf.raw_ops.CollectiveAllToAllV2(**common, name=name or "all_to_all")
+      return tf.reshape(out, y.shape), self._describe(out, kind, axes, y, size)
+    raise ValueError(f"no collective op of kind {kind!r}")
+
+  def combined(self, kind, operands, axes, reduction=None):
+    """One op of `kind` over the groups of `axes` that does the work of several ops of that kind (the combine pass).
+
+    `operands` are the tensors the ops were given (one dtype, static shapes); the result has, per operand, what its
+    own op returned, exactly: each device sends its operands flattened side by side, so the op moves their bytes
+    and no more. An all-reduce sums [total]; an all-gather gathers [total] into [group, total], whose columns
+    per operand, reshaped to [group * rows, ...], are what gathering that operand's rows gives; an all-to-all
+    exchanges [group, total], whose row k is every operand's row block k (dim 0 of an all-to-all's operand is
+    cut into group-size blocks), so what arrives from each member splits the same way. The collective is not
+    recorded in the report (its members' records are pointed at it). Returns ([per operand], its Emitted).
+    """
+    size = len(self.groups(axes)[1][0])
+    if kind == "all-to-all":
+      if any(x.shape[0] != size for x in operands):
+        raise ValueError(f"an all-to-all's operand must have {size} rows (the group size) to be combined")
+      y = tf.concat([tf.reshape(x, [size, -1]) for x in operands], 1)
+    else:
+      y = tf.concat([tf.reshape(x, [-1]) for x in operands], 0)
+    out, e = self._emit(kind, y, axes, reduction=reduction)
+    widths = [x.shape.num_elements() // (size if kind == "all-to-all" else 1) for x in operands]
+    if kind == "all-reduce":
+      return [tf.reshape(p, x.shape) for x, p in zip(operands, tf.split(out, widths))], e
+    parts = tf.split(tf.reshape(out, [size, -1]), widths, axis=1)
+    if kind == "all-gather":
+      return [tf.reshape(p, [size * x.shape[0]] + x.shape.as_list()[1:]) for x, p in zip(operands, parts)], e
+    return [tf.reshape(p, x.shape) for x, p in zip(operands, parts)], e
+
   # ---- collectives ----------------------------------------------------------------------------------------
   def all_reduce(self, x, axes, op, source, reason, record=True):
-    size, key = self._keys(axes)
     carrier, how = _summing(x.dtype, op, source)
     y = tf.bitcast(x, carrier) if how == "bitcast" else tf.cast(x, carrier) if how else x
-    out = tf.raw_ops.CollectiveReduceV2(
-        input=y, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
-        merge_op=op, final_op="Id", name="all_reduce")
-    e = self._describe(out, "all-reduce", axes, y, size, reduction=op)
+    out, e = self._emit("all-reduce", y, axes, reduction=op)
+    size = e.group_size
     if record:
       self._record("all-reduce", x, x.shape, size, axes, source, reason, (e,), _summing_note(x.dtype, carrier, how))
     return tf.bitcast(out, x.dtype) if how == "bitcast" else tf.cast(out, x.dtype) if how else out
 
   def all_gather(self, x, dim, axes, source, reason):
     """Concatenate the shards of the group along `dim`, in mesh order."""
-    size, key = self._keys(axes)
     rank = x.shape.rank
     perm = [dim] + [d for d in range(rank) if d != dim]
     y = tf.transpose(x, perm) if dim else x
     shape = y.shape.as_list()
     carrier, per = _moving(x.dtype, "CollectiveGatherV2", source)
     y = _to_carrier(y[None] if per > 1 else y, carrier, per, 1)   # packed: each member's shard is one row
-    g = tf.raw_ops.CollectiveGatherV2(
-        input=y, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
-        name="all_gather")
-    e = self._describe(g, "all-gather", axes, y, size, gathered=True)
-    g = tf.reshape(g, [size * y.shape[0]] + y.shape.as_list()[1:])   # CollectiveGatherV2 leaves dim 0 unknown
+    g, e = self._emit("all-gather", y, axes)
+    size = e.group_size
     gathered = [size * shape[0]] + shape[1:]
     g = tf.reshape(_from_carrier(g, x.dtype, per, [math.prod(shape)]), gathered)
     rank_perm = self._rank_permutation(axes)
@@ -298,7 +341,7 @@ class Backend:
 
     Returns ([sender, ..., chunk, ...]: what arrived, in the senders' mesh order, the op's description, note).
     """
-    size, key = self._keys(axes)
+    size = len(self.groups(axes)[1][0])
     shape = x.shape.as_list()
     c = shape[dim] // size
     # [.., dim, ..] -> [chunk, .., c, ..]: TF's CPU all-to-all exchanges slices of dim 0.
@@ -310,11 +353,8 @@ class Backend:
       parts = tf.gather(parts, self.lookup(np.argsort(rank_perm, axis=1).astype(np.int32), f"rank_inv_{tag}"))
     carrier, per = _moving(x.dtype, "CollectiveAllToAllV2", source)
     y = _to_carrier(parts, carrier, per, 1)
-    got = tf.raw_ops.CollectiveAllToAllV2(
-        input=y, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
-        name=name)
-    e = self._describe(got, "all-to-all", axes, y, size)
-    got = _from_carrier(tf.reshape(got, y.shape), x.dtype, per, parts.shape.as_list()[1:])
+    got, e = self._emit("all-to-all", y, axes, name=name)
+    got = _from_carrier(got, x.dtype, per, parts.shape.as_list()[1:])
     if rank_perm is not None:   # slot r came from rank r: back to the senders' mesh order
       got = tf.gather(got, self.lookup(rank_perm, f"rank_perm_{tag}"))
     return got, e, _moving_note(x.dtype, carrier, per, "CollectiveAllToAllV2")

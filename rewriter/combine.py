@@ -1,70 +1,148 @@
-"""The combine pass: independent all-reduces over the same devices become one (XLA's all-reduce combiner).
+"""The combine pass: independent collectives over the same devices become one (XLA's collective combiners).
 
-A training step issues one all-reduce per gradient; each costs a rendezvous of every device, which on
-CPUs and for small tensors costs more than the bytes. All-reduces that do not depend on each other and
-share mesh axes, reduction and dtype are concatenated into one collective (built by the collectives
-backend), then split back.
+Every collective costs a rendezvous of its group, which on CPUs and for small tensors costs more than the
+bytes: a training step's gradient all-reduces, the all-gathers of weights stored split (ZeRO-style), the
+exchanges of a step's reduce-scatters. Collectives that do not depend on each other, of one kind over the same
+mesh axes (the same groups of devices) with the same dtype (and reduction), are concatenated into one op built
+by the collectives backend (`Backend.combined`), then split back; every member's result is exactly what its
+own op returned:
 
-Independence: every all-reduce gets a *depth*, the largest number of all-reduces on a path from the
-program's inputs to it (itself included). An all-reduce that depends on another has a larger depth, so
-all-reduces of equal depth are independent, and combining within depths cannot create a cycle. Combined
-collectives are capped at MAX_BYTES each. The report keeps the logical collectives and records each
-combination (`report.combined`); the members are left without consumers for cleanup to remove.
+  * all-reduce: the members' operands flattened side by side, summed (max, ...) at once, split;
+  * all-gather: each device contributes its members' operands flattened side by side; the gathered [group,
+    total] is split by columns, and each member's columns, reshaped to [group * rows, ...], are what its own
+    gather returned (the op gathers dim 0; the member's own code then restores mesh order and moves the group
+    into the dim it gathers, unchanged);
+  * reduce-scatter: TF's CollectiveReduceScatterV2 has no CPU kernel, so the backend emits a reduce-scatter as
+    an all-to-all of the chunks followed by a local reduction. What combines exactly is the all-to-all: the
+    exchanges of independent reduce-scatters (and plain all-to-alls) over the same axes and of one dtype travel
+    as one all-to-all of [group, total] (row k is every member's chunk for member k, flattened side by side);
+    each member's local reduction stays its own. Collective-permutes are not combined.
+
+Ops are combined as emitted, at the dtype they carry (where the backend packs or bitcasts a dtype that TF's op
+does not take, the carrier's); the combined op sends the sum of its members' bytes, so the report's bytes per
+device do not change.
+
+Independence is data dependence: two collectives may share an op when neither depends on the other (no path
+between them in the per-device program, through data or control edges), wherever they are in the program
+(an all-reduce of the first layer's gradient with one of the last layer's). Merging must not create a cycle,
+also not across combinations: with a1 -> b1 and b2 -> a2, {a1, a2} and {b1, b2} are each independent, yet
+merging both pairs makes each merged op wait for the other. So collectives are binned greedily in a
+topological order of the program. Each carries the bitset (a Python int) of the collectives it depends on.
+When collective c is placed, its ancestors *in the program as merged so far* are that set closed under the
+bins formed: a bin holding an ancestor is one op, so all its members and their ancestors are ancestors too.
+c has no descendant placed yet, so putting it in bin B only adds edges from its ancestors' bins into B, and
+that closes a cycle exactly when B holds one of those closed ancestors. c joins the first bin of its kind,
+axes, dtype (and reduction) that holds none and stays within MAX_BYTES with it, else opens a bin; the merged
+program is acyclic after every step. The merged op starts when its last operand is ready, so a member may run
+later than it would alone; MAX_BYTES bounds the buffers a combination holds at once.
+
+The report keeps the logical collectives, points each at the op that carries it (`replace_ops`), and records
+each combination (`report.combined`, `Combination`); the members are left without consumers for cleanup to
+remove.
 """
 
-import collections
+import math
 
 import tensorflow as tf
 
 from tf_gspmd.rewriter.collectives import Backend
 from tf_gspmd.rewriter.graph_view import GraphView, node_of, ref
 from tf_gspmd.rewriter.partition import HELPER_SCOPE
+from tf_gspmd.rewriter.report import Combination
 
 MAX_BYTES = 32 << 20
+COMBINED = {"CollectiveReduceV2": "all-reduce", "CollectiveGatherV2": "all-gather",
+            "CollectiveAllToAllV2": "all-to-all"}   # the op types combined, and their kinds
 
 
-def _depths(view, all_reduces):
-  depth = {}
+class _Bin:
+  """Collectives to merge: their ops, the bitset of them, the bitset of what they depend on, their bytes."""
+
+  def __init__(self, key):
+    self.key, self.ops, self.mask, self.up, self.bytes = key, [], 0, 0, 0
+
+
+def _ancestors(view, names):
+  """(`names` in topological order, {name: bitset of the collectives among `names` it depends on, data or
+  control, transitively}); bit k stands for the k-th name in that order."""
+  names = set(names)
+  below, out, order = {}, {}, []
   for nd in view.order():
-    d = max([depth[node_of(i)] for i in nd.input if node_of(i) in depth] + [0])
-    depth[nd.name] = d + (1 if nd.name in all_reduces else 0)
-  return depth
+    a = 0
+    for i in nd.input:
+      a |= below.get(node_of(i), 0)
+    if nd.name in names:
+      out[nd.name] = a
+      a |= 1 << len(order)
+      order.append(nd.name)
+    if a:
+      below[nd.name] = a
+  return order, out
+
+
+def plan(order, ancestors, key_of, nbytes_of, max_bytes=MAX_BYTES):
+  """Bins of collectives to merge, [[name, ...], ...] (single members included), each in `order`.
+
+  `order`: the collectives in a topological order of the program; `ancestors[name]`: the bitset (bit k: the
+  k-th of `order`) of the collectives `name` depends on; `key_of(name)`: what must agree to merge (None: never
+  merged); `nbytes_of(name)`: what it sends.
+  """
+  bins, merged = [], []   # merged: the bins of two or more (the only ones that add dependences)
+  for k, name in enumerate(order):
+    key, nbytes, reach = key_of(name), nbytes_of(name), ancestors[name]
+    grown = True
+    while grown:   # close under the bins formed: a bin holding an ancestor brings its members' ancestors
+      grown = False
+      for b in merged:
+        if b.mask & reach and (b.mask | b.up) & ~reach:
+          reach |= b.mask | b.up
+          grown = True
+    home = None
+    if key is not None:
+      home = next((b for b in bins if b.key == key and not b.mask & reach and b.bytes + nbytes <= max_bytes), None)
+    if home is None:
+      home = _Bin(key)
+      bins.append(home)
+    elif len(home.ops) == 1:
+      merged.append(home)
+    home.ops.append(name)
+    home.mask |= 1 << k
+    home.up |= ancestors[name]
+    home.bytes += nbytes
+  return [b.ops for b in bins]
 
 
 def combine(program):
-  """(new GraphDef, {op name: Emitted} of its collectives, [(members, bytes)] per combined collective,
-  {member op name: Emitted of the combined op carrying it})."""
+  """(new GraphDef, {op name: Emitted} of its collectives, [Combination] per combined op, {member op name:
+  Emitted of the combined op carrying it})."""
   emitted = dict(program.collective_ops or {})
-  reduces = {name: e for name, e in emitted.items() if e.kind == "all-reduce"}
   view = GraphView(program.local_graph_def)
-  depth = _depths(view, reduces)
   graph = tf.Graph()
   with graph.as_default():
     tf.graph_util.import_graph_def(program.local_graph_def, name="")
-  bins = collections.defaultdict(list)
-  for name in sorted(reduces):
-    op = graph.get_operation_by_name(name)
-    if op.outputs[0].shape.is_fully_defined():
-      e = reduces[name]
-      bins[(depth[name], e.axes, e.reduction, op.inputs[0].dtype)].append(op)
+  candidates = {}
+  for name, e in emitted.items():
+    if e.op in COMBINED and e.kind == COMBINED[e.op] and name in view:
+      op = graph.get_operation_by_name(name)
+      x = op.inputs[0]
+      if x.shape.is_fully_defined() and (e.kind != "all-to-all" or x.shape[0] == e.group_size):
+        # its key, and the bytes of its result (an all-gather's: gathered), which the cap applies to
+        candidates[name] = (op, (e.kind, e.axes, e.reduction, x.dtype), math.prod(e.shape) * x.dtype.size)
+  order, ancestors = _ancestors(view, candidates)
+  bins = plan(order, ancestors, lambda n: candidates[n][1], lambda n: candidates[n][2])
   pid = graph.get_tensor_by_name(ref(program.partition_id))
   backend = Backend(program.mesh, program.devices, pid,
                     lambda table, name: tf.gather(tf.constant(table, name=name), pid), program.report,
                     program.processes)
   combined, rewires, carriers = [], [], {}
-  for (_, axes, reduction, _), members in bins.items():
-    chunk, size = [], 0
-    for op in members + [None]:
-      nbytes = 0 if op is None else op.outputs[0].shape.num_elements() * op.outputs[0].dtype.size
-      if op is None or (chunk and size + nbytes > MAX_BYTES):
-        if len(chunk) > 1:
-          merged = _build(graph, backend, chunk, axes, reduction, len(combined), rewires)
-          carriers.update((m.name, backend.emitted[merged.op.name]) for m in chunk)
-          combined.append((len(chunk), size))
-        chunk, size = [], 0
-      if op is not None:
-        chunk.append(op)
-        size += nbytes
+  for names in bins:
+    if len(names) < 2:
+      continue
+    members = [candidates[n][0] for n in names]
+    kind, axes, reduction, _ = candidates[names[0]][1]
+    e = _build(graph, backend, members, kind, axes, reduction, len(combined), rewires)
+    carriers.update((n, e) for n in names)
+    combined.append(Combination(kind, len(names), e.bytes, _logical_kinds(program.report, names)))
   out = GraphView(graph.as_graph_def())
   for old, new in rewires:
     out.rewire(old, new)
@@ -72,22 +150,27 @@ def combine(program):
   return out.graph_def, emitted, combined, carriers
 
 
-def _build(graph, backend, members, axes, reduction, k, rewires):
-  """The combined all-reduce of `members` in `graph` (returned); adds (old reference, new one) to `rewires`."""
-  with graph.as_default(), tf.name_scope(f"combined_all_reduce_{k}{HELPER_SCOPE}"):
+def _logical_kinds(report, names):
+  """The kinds of the logical collectives the ops `names` carry (a reduce-scatter's exchange is an all-to-all)."""
+  names = set(names)
+  return tuple(sorted({c.kind for c in report.collectives if any(op.name in names for op in c.ops)}))
+
+
+def _build(graph, backend, members, kind, axes, reduction, k, rewires):
+  """The combined collective of the ops `members` in `graph` (its Emitted); adds (old reference, new one) to
+  `rewires` for each member's result and control edges."""
+  with graph.as_default(), tf.name_scope(f"combined_{kind.replace('-', '_')}_{k}{HELPER_SCOPE}"):
     controls = {c for m in members for c in m.control_inputs}
     with tf.control_dependencies(sorted(controls, key=lambda o: o.name)):
-      flat = tf.concat([tf.reshape(m.inputs[0], [-1]) for m in members], 0)
-      out = backend.all_reduce(flat, axes, reduction, members[0].name, "combined", record=False)
-    parts = tf.split(out, [m.outputs[0].shape.num_elements() for m in members])
+      parts, e = backend.combined(kind, [m.inputs[0] for m in members], axes, reduction)
     for m, part in zip(members, parts):
-      rewires.append((m.outputs[0].name, tf.reshape(part, m.outputs[0].shape).name))
-      rewires.append(("^" + m.name, "^" + out.op.name))
-    return out
+      rewires.append((m.outputs[0].name, part.name))
+      rewires.append(("^" + m.name, "^" + e.name))
+    return e
 
 
 def run(program):
-  """Pass: combine independent all-reduces of the per-device program (dropped ones are pruned by cleanup)."""
+  """Pass: combine independent collectives of the per-device program (dropped ones are pruned by cleanup)."""
   gd, emitted, combined, carriers = combine(program)
   program.report.combined.extend(combined)
   program.report.replace_ops(carriers)

@@ -4,7 +4,8 @@ Each record is one *logical* collective (what the partitioner needed: kind, dtyp
 together with the ops the collectives backend emitted for it, described from the tensors they were built on:
 their op type, the dtype and per-device shape they carry, and the bytes they send. The two differ where TF's
 collectives cannot carry a dtype at its width, where a collective is emulated (reduce-scatter as all-to-all),
-and where the combine pass merged several all-reduces into one op (the records then share it).
+and where the combine pass merged several independent collectives into one op (the records then share it;
+`combined` lists each merged op).
 
 Bytes are per device (`shared` convention): the per-device *result* of an all-gather; the per-device
 *operand* of all-reduce, reduce-scatter, all-to-all and collective-permute. `bytes_per_device()` counts the
@@ -87,6 +88,18 @@ class CollectiveRecord:
     where = ", across processes" if self.cross_process else ""
     return (f"{self.kind} {self.dtype}[{_shape_str(self.shape)}] over {axes_text(self.axes) or '-'} "
             f"(group {self.group_size}{where}), {self.bytes:,} B/device - {self.source}: {self.reason}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Combination:
+  """Independent collectives that the combine pass merged into one op: the op's kind, how many ops it replaces,
+  the bytes it sends per device (the sum of theirs) and the kinds of the logical collectives it carries (an
+  all-to-all also carries reduce-scatters, which are emitted as all-to-alls)."""
+
+  kind: str
+  members: int
+  bytes: int
+  carries: Tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +197,7 @@ class Report:
   warnings: List[str] = dataclasses.field(default_factory=list)
   pass_times: dict = dataclasses.field(default_factory=dict)
   state: List[StateRecord] = dataclasses.field(default_factory=list)
-  combined: List[Tuple[int, int]] = dataclasses.field(default_factory=list)  # (all-reduces merged, bytes) each
+  combined: List[Combination] = dataclasses.field(default_factory=list)   # the combine pass's merged ops
   _memory: Optional[MemoryEstimate] = dataclasses.field(default=None, repr=False, compare=False)
   _memory_fn: Optional[Callable[[], MemoryEstimate]] = dataclasses.field(default=None, repr=False, compare=False)
   strict: bool = False   # gs.function(strict=True): an involuntary full rematerialization is an error
@@ -313,6 +326,20 @@ class Report:
             ops.append(new)
         self.collectives[k] = dataclasses.replace(c, ops=tuple(ops))
 
+  def combined_text(self):
+    """Per kind of op, how many independent ops the combine pass merged into how many."""
+    by_kind = collections.defaultdict(list)
+    for c in self.combined:
+      by_kind[c.kind].append(c)
+    lines = []
+    for kind in KINDS:
+      if by_kind[kind]:
+        carries = sorted({k for c in by_kind[kind] for k in c.carries} - {kind})
+        what = f" ({' and '.join(k + 's' for k in carries)}' exchanges among them)" if carries else ""
+        lines.append(f"{sum(c.members for c in by_kind[kind])} independent {kind}s{what} combined into "
+                     f"{len(by_kind[kind])} collective(s)")
+    return lines
+
   def state_bytes(self, role=None):
     """(bytes per device, global bytes) of the variables kept on the devices ("weight", "update state" or all)."""
     rows = [r for r in self.state if role is None or r.role == role]
@@ -333,8 +360,7 @@ class Report:
       elif c.differs:
         lines.append("    emitted: " + "; ".join(str(op) for op in c.ops) + (f" - {c.note}" if c.note else ""))
     if self.combined:
-      merged = sum(n for n, _ in self.combined)
-      lines.append(f"emitted: {merged} independent all-reduces combined into {len(self.combined)} collectives")
+      lines.append("emitted: " + "; ".join(self.combined_text()))
     for role in ("weight", "update state"):
       if any(r.role == role for r in self.state):
         local, total = self.state_bytes(role)
