@@ -46,6 +46,7 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 import numpy as np  # noqa: E402
 
+from programs import attention  # noqa: E402
 import train_convnet  # noqa: E402  (defines --image_size, --width, --batch, --seed, --lr of the U-Net)
 
 WORKLOADS = ("mlp", "mlp_train_step", "attention", "transformer", "moe", "unet")
@@ -90,14 +91,6 @@ def workloads():
     specs = [_spec((64, 1024)), _spec((64, 1024)), _spec((1024, 4096)), _spec((4096, 1024))]
     ins = (P(data(mesh), None), P(data(mesh), None), P(None, "model"), P("model", None))
     return tm.mlp_train_step, specs, ins if hand else "auto"
-
-  def attention(x, wq, wk, wv, wo):
-    b, s, _ = x.shape
-    split = lambda t: tf.reshape(t, [b, s, 8, 64])  # noqa: E731
-    q, k, v = split(x @ wq), split(x @ wk), split(x @ wv)
-    att = tf.nn.softmax(tf.einsum("bqhd,bkhd->bhqk", q, k) / 8.0, axis=-1)
-    o = tf.reshape(tf.einsum("bhqk,bkhd->bqhd", att, v), [b, s, 512])
-    return o @ wo
 
   def build_attention(mesh, hand):
     specs = [_spec((8, 128, 512))] + [_spec((512, 512)) for _ in range(4)]

@@ -17,6 +17,8 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 import numpy as np  # noqa: E402
 
+from programs import attention  # noqa: E402
+
 flags.DEFINE_list("only", [], "Run only these workloads.")
 FLAGS = flags.FLAGS
 
@@ -41,14 +43,6 @@ def workloads():
       loss = tf.reduce_mean(tf.square(mlp(x, w1, w2) - t))
     g1, g2 = tape.gradient(loss, [w1, w2])
     return w1 - 0.1 * g1, w2 - 0.1 * g2, loss
-
-  def attention(x, wq, wk, wv, wo):
-    b, s, _ = x.shape
-    split = lambda t: tf.reshape(t, [b, s, 8, 64])  # noqa: E731
-    q, k, v = split(x @ wq), split(x @ wk), split(x @ wv)
-    att = tf.nn.softmax(tf.einsum("bqhd,bkhd->bhqk", q, k) / 8.0, axis=-1)
-    o = tf.reshape(tf.einsum("bhqk,bkhd->bqhd", att, v), [b, s, 512])
-    return o @ wo
 
   def moe(x, mask, w1, w2):
     xg = tf.reshape(x, [8, 256, 512])

@@ -22,7 +22,7 @@ def handle_sharding(ctx, node):
   """The layout of the variable behind input 0 (replicated when it has none, or a maximal one)."""
   s = ctx.current(0)
   rank = len(node.input_info(0).value_shape or ())
-  return Sharding(ctx.mesh, ((),) * rank) if s is None or s.is_maximal else s.with_rank(rank)
+  return Sharding(ctx.mesh, ((),) * rank) if s is None else s.tiled(rank)
 
 
 @register("VarHandleOp")

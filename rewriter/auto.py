@@ -362,7 +362,7 @@ class _Builder:
       g = _Group(len(self.groups), shape, self.itemsize(root))
       pin = self.pinned.get(root)
       if pin is not None:   # (a maximal layout is priced as replicated)
-        g.cands = [Sharding(self.mesh, ((),) * len(shape)) if pin.is_maximal else pin.with_rank(len(shape))]
+        g.cands = [pin.tiled(len(shape))]
       else:
         g.cands = candidates(self.mesh, shape)
       g.id = self.model.block(len(g.cands), f"group {public_key(root)}", ("group", shape, g.itemsize,
@@ -396,13 +396,7 @@ class _Builder:
   def _activations(self):
     """The activations live where the unpartitioned program peaks (the memory pass's simulation of the global
     graph), priced at each candidate layout of their groups; what no group holds counts whole."""
-    program = self.program
-    variables = {}
-    for name in program.variable_names:
-      info = self.ir.info(ref(name))
-      if info.value_shape is not None:
-        variables[name] = (tuple(info.value_shape), info.value_dtype)
-    live, extra = memory.live_at_peak(program.graph_def, program.input_names, variables, program.output_refs)
+    live, extra = _live_at_peak(self.program, self.ir)
     self.model.fixed_memory += extra
     for r, nbytes in live.items():
       g = self.groups.get(self.find(r)) if self.usable(r) else None
@@ -560,8 +554,7 @@ class _Builder:
   def _plan_other(self, node, rule):
     data = [i for i in rule.data_inputs(node) if self.usable(node.inputs[i])]
     outs = [o for o in range(len(node.outputs)) if self.usable(node.ref(o))]
-    if len(data) != 1 or len(outs) != 1 or node.op in ("While", "StatelessWhile", "If", "StatelessIf",
-                                                        "PartitionedCall", "StatefulPartitionedCall"):
+    if len(data) != 1 or len(outs) != 1 or node.op in memory.CALL_OPS:
       return None
     i, o = data[0], outs[0]
     return lambda: self._edge_rule(node, rule, i, o)
@@ -575,7 +568,7 @@ class _Builder:
       back = rule.backward(self.ctx, node, [c if k == o else None for k in range(len(node.outputs))],
                            [None] * len(node.inputs))
       need = next(iter(back[i]), None) if i < len(back) else None
-      need = repl_in if need is None or need.is_maximal else need.with_rank(len(gi.shape))
+      need = repl_in if need is None else need.tiled(len(gi.shape))
       fwd = rule.forward(self.ctx, node, [need if k == i else None for k in range(len(node.inputs))])
       made = next(iter(fwd[o]), None) if o < len(fwd) else None
       if made is None or made.is_maximal or (math.prod(made.with_rank(len(go.shape)).shard_shape(go.shape))
@@ -719,32 +712,36 @@ def _local_delta(model, choice, b):
   return out
 
 
+def _live_at_peak(program, ir):
+  """({ref: bytes} of the tensors live where the unpartitioned program peaks, bytes live there that no tensor of
+  the graph holds), the captured variables counted at their value shapes."""
+  variables = {}
+  for name in program.variable_names:
+    info = ir.info(ref(name))
+    if info.value_shape is not None:
+      variables[name] = (tuple(info.value_shape), info.value_dtype)
+  return memory.live_at_peak(program.graph_def, program.input_names, variables, program.output_refs)
+
+
 def plan_memory(program):
   """(arguments and variables, live activations) in bytes per device of a lowered program's layouts, measured as
   the memory_budget is: what the unpartitioned program holds at its peak, each tensor at its layout."""
   ir = program.ir
-  variables, state = {}, 0
+  state = 0
   for name in list(program.input_names) + [n for n in program.variable_names if n not in program.input_names]:
     info = ir.info(ref(name))
     shape = info.shape if info.partitionable else info.value_shape
     if shape is None:
       continue
     dtype = info.dtype if info.partitionable else info.value_dtype
-    if name in program.variable_names:
-      variables[name] = (tuple(shape), dtype)
-    state += _local_elements(tuple(shape), _layout(program.shardings[ref(name)], shape)) * dtype.size
-  live, extra = memory.live_at_peak(program.graph_def, program.input_names, variables, program.output_refs)
-  activations = extra
+    state += _local_elements(tuple(shape), program.shardings[ref(name)].tiled(len(shape))) * dtype.size
+  live, activations = _live_at_peak(program, ir)
   for r, nbytes in live.items():
     info = ir.info(r)
     s = program.shardings.get(r)
     activations += nbytes if s is None or not info.partitionable else (
-        _local_elements(tuple(info.shape), _layout(s, info.shape)) * info.dtype.size)
+        _local_elements(tuple(info.shape), s.tiled(len(info.shape))) * info.dtype.size)
   return int(state), int(activations)
-
-
-def _layout(s, shape):
-  return Sharding(s.mesh, ((),) * len(shape)) if s.is_maximal else s.with_rank(len(shape))
 
 
 def run(program):

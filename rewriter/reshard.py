@@ -74,8 +74,8 @@ def plan_reshard(shape, src, dst, partial=None):
   """Steps that turn a value laid out as `src` (plus pending `partial` = (axes, op)) into `dst`."""
   mesh = dst.mesh
   rank = len(shape)
-  src = Sharding(mesh, ((),) * rank) if src.is_maximal else src.with_rank(rank)
-  dst = Sharding(mesh, ((),) * rank) if dst.is_maximal else dst.with_rank(rank)
+  src = src.tiled(rank)
+  dst = dst.tiled(rank)
   steps = []
   if partial:
     steps.append(AllReduce(tuple(partial[0]), partial[1]))
@@ -177,7 +177,7 @@ def plan_cost(shape, itemsize, src, dst, partial=None, axis_cost=None):
   {axis: relative time per byte}, default 1.0) of the reshard `src` -> `dst`."""
   mesh = dst.mesh
   rank = len(shape)
-  cur = list((Sharding(mesh, ((),) * rank) if src.is_maximal else src.with_rank(rank)).dims)
+  cur = list(src.tiled(rank).dims)
   axis_cost = axis_cost or {}
 
   def local():
@@ -210,7 +210,7 @@ def emit_reshard(ctx, x, shape, src, dst, partial, source, reason):
   """Emit the planned steps on local value `x` (global shape `shape`); returns the local value in `dst`."""
   mesh = dst.mesh
   rank = len(shape)
-  cur = list((Sharding(mesh, ((),) * rank) if src.is_maximal else src.with_rank(rank)).dims)
+  cur = list(src.tiled(rank).dims)
   steps = plan_reshard(shape, src, dst, partial)
   if steps:
     ctx.report.reshards.append((source, str(src), str(dst), tuple(type(s).__name__ for s in steps)))

@@ -165,6 +165,11 @@ class Sharding:
     raise SpecError(f"sharding {self} has {len(self.dims)} dimensions but {what or 'the tensor'} has rank {rank}",
                     node=what)
 
+  def tiled(self, rank, what=None):
+    """This sharding as a tiling of a rank-`rank` tensor; a maximal sharding counts as replicated (its device
+    holds the whole value, as every device of a replicated one does)."""
+    return Sharding(self.mesh, ((),) * rank) if self.maximal is not None else self.with_rank(rank, what)
+
   def shard_shape(self, shape):
     """Per-device (padded) shape: ceil(S/T) in every sharded dimension."""
     return tuple(-(-int(s) // self.tiles(i)) for i, s in enumerate(shape))
