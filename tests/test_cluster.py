@@ -56,6 +56,21 @@ def test_one_process_is_a_cluster_of_one():
   assert MESH.local_devices == MESH.resolve_devices()
 
 
+def test_split_cpu_devices_sizes_the_intra_op_pool_to_the_cores_per_device():
+  cores = len(os.sched_getaffinity(0))
+  assert tf.config.threading.get_intra_op_parallelism_threads() == max(1, cores // len(MESH.local_devices))
+  # A size the process chose itself is kept; an explicit one is applied.
+  code = ("import tensorflow as tf, tf_gspmd as gs; tf.config.threading.set_intra_op_parallelism_threads(3); "
+          "gs.split_cpu_devices(4); print('CHOSEN', tf.config.threading.get_intra_op_parallelism_threads())")
+  explicit = ("import tensorflow as tf, tf_gspmd as gs; gs.split_cpu_devices(4, intra_op_threads=2); "
+              "print('CHOSEN', len(tf.config.list_logical_devices('CPU')), "
+              "tf.config.threading.get_intra_op_parallelism_threads())")
+  for snippet, want in ((code, "CHOSEN 3"), (explicit, "CHOSEN 4 2")):
+    out = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120, env=_env(),
+                         cwd=ROOT, check=False)
+    assert want in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+
+
 def test_jobs_other_than_chief_and_worker_are_refused():
   spec = tf.train.ClusterSpec({"worker": ["127.0.0.1:1", "127.0.0.1:2"], "ps": ["127.0.0.1:3"]})
   resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(spec, task_type="worker", task_id=0)

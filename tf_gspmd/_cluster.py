@@ -12,6 +12,7 @@ exchanging any Python state.
 A process that never calls `initialize` (or whose resolver describes no cluster) is a cluster of one.
 """
 
+import os
 import threading
 
 from tf_gspmd import _compat
@@ -123,14 +124,19 @@ def device_order(device):
   return (job, spec.replica or 0, spec.task or 0, spec.device_type or "", spec.device_index or 0)
 
 
-def split_cpu_devices(n):
+def split_cpu_devices(n, intra_op_threads=None):
   """Splits the host CPU into `n` logical devices (call before TensorFlow runs anything).
 
   Lets a mesh of `n` devices run on one machine without accelerators. Returns the logical CPU names.
+  The devices' programs run concurrently, one thread each, and share TF's pool of intra-op threads (the
+  threads one op splits its work over); unless the process already chose its size
+  (`tf.config.threading.set_intra_op_parallelism_threads`), it is set to `intra_op_threads`, by default the
+  cores per device (at least 1): with more devices than cores, an op that splits its work over the pool only
+  waits for threads the other devices keep busy.
   Raises MeshError when TensorFlow has already initialised with a different number of devices.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  _configure_cpu_devices(n)
+  _configure_cpu_devices(n, intra_op_threads)
   names = [d.name for d in tf.config.list_logical_devices("CPU") if is_local(d.name)]
   if len(names) < n:
     raise MeshError(f"TensorFlow already started with {len(names)} CPU device(s); call split_cpu_devices({n}) "
@@ -138,11 +144,19 @@ def split_cpu_devices(n):
   return names
 
 
-def _configure_cpu_devices(n):
-  """Asks for `n` logical CPUs (without starting TF; ignored once it has started)."""
+def _configure_cpu_devices(n, intra_op_threads=None):
+  """Asks for `n` logical CPUs and sizes the intra-op pool (without starting TF; ignored once it has started)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   cpu = tf.config.list_physical_devices("CPU")[0]
   try:
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+  except RuntimeError:
+    pass
+  if intra_op_threads is None:
+    if tf.config.threading.get_intra_op_parallelism_threads():
+      return   # the process chose it
+    intra_op_threads = max(1, len(os.sched_getaffinity(0)) // max(n, 1))
+  try:
+    tf.config.threading.set_intra_op_parallelism_threads(int(intra_op_threads))
   except RuntimeError:
     pass
