@@ -93,10 +93,10 @@ def main(_):
         single = tf.function(fn, jit_compile=jit)
         times[("unpartitioned", jit)] = _median_time(lambda: tf.nest.flatten(single(*consts))[-1].numpy(),
                                                      FLAGS.steps)
-      f = gs.function(fn, mesh=mesh, in_shardings=tuple(specs), jit_compile=jit,
-                      collective_timeout=FLAGS.collective_timeout)
-      placed = [gs.function(lambda a: a, mesh=mesh, in_shardings=s, out_shardings=s)(a) for a, s in zip(args, specs)]
-      _check([t.numpy() for t in tf.nest.flatten(f(*placed))], want, f"tf_gspmd {name} jit={jit}")
+      f, placed, first = _first_call(tf, gs, fn, mesh, args, specs, jit, want, name)
+      if jit:   # the same program on a one-device mesh: one segment, compiled once
+        one = gs.Mesh((1,) * len(mesh.shape), mesh.axis_names)
+        times["first call"] = (_first_call(tf, gs, fn, one, args, specs, jit, want, name)[2], first)
       times[("tf_gspmd", jit)] = _median_time(lambda: tf.nest.flatten(f(*placed))[-1].numpy(), FLAGS.steps)
       if FLAGS.profile:
         trace = os.path.join(FLAGS.profile, f"{name}_xla_{'on' if jit else 'off'}")
@@ -140,6 +140,18 @@ def main(_):
   widths = [max(len(x) for x in col) for col in zip(head, *table)]
   for row in [head] + table:
     print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+  print()
+  print("first call with XLA on (after lowering): the per-device program instantiated on every device and its "
+        "segments XLA-compiled on each, plus one step; on a one-device mesh the program is one segment")
+  head = ("program", "lowering 1 device s", "first call 1 device s", "lowering 8 devices s", "first call 8 devices s",
+          "first call 8 / 1")
+  table = []
+  for name, times in rows:
+    (l1, c1), (l8, c8) = times["first call"]
+    table.append((name, f"{l1:.1f}", f"{c1:.1f}", f"{l8:.1f}", f"{c8:.1f}", f"{c8 / c1:.2f}"))
+  widths = [max(len(x) for x in col) for col in zip(head, *table)]
+  for row in [head] + table:
+    print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
   if FLAGS.profile:
     print()
     print("where a device's step time goes (profiler trace of 3 steps: ms per device per step the per-device "
@@ -155,6 +167,21 @@ def main(_):
     widths = [max(len(x) for x in col) for col in zip(head, *table)]
     for row in [head] + table:
       print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+
+
+def _first_call(tf, gs, fn, mesh, args, specs, jit, want, name):
+  """(gs.function of `fn` on `mesh`, its placed arguments, (seconds to lower it, seconds of its first call:
+  instantiating the per-device program on every device, XLA compiling its segments, one step)); the result is
+  checked against the unpartitioned one."""
+  f = gs.function(fn, mesh=mesh, in_shardings=tuple(specs), jit_compile=jit, collective_timeout=FLAGS.collective_timeout)
+  placed = [gs.function(lambda a: a, mesh=mesh, in_shardings=s, out_shardings=s)(a) for a, s in zip(args, specs)]
+  start = time.perf_counter()
+  arriving = [p.sharding if p.sharding.is_maximal else p.sharding.with_rank(p.shape.rank) for p in placed]
+  f.lower(*[tf.TensorSpec(p.shape, p.dtype) for p in placed], arg_shardings=arriving)   # what the call looks up
+  lowered = time.perf_counter() - start
+  start = time.perf_counter()
+  _check([t.numpy() for t in tf.nest.flatten(f(*placed))], want, f"tf_gspmd {name} jit={jit} on {mesh}")
+  return f, placed, (lowered, time.perf_counter() - start)
 
 
 def _time_split(directory, calls, devices):

@@ -7,8 +7,10 @@ partition id is a packed per-device input.
 """
 
 import contextlib
+import itertools
 import re
 import threading
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -78,6 +80,49 @@ def _process_lost(error, timeout):
                           f"{type(error).__name__}: {error.message.splitlines()[0][:300]}")
 
 
+class _Deadlines:
+  """One daemon thread for the process that aborts every pending collective when a running step passes its
+  deadline (started on first use; a step arms a deadline and disarms it when it returns)."""
+
+  def __init__(self):
+    self._cv = threading.Condition()
+    self._due = {}        # token -> (monotonic deadline, timeout)
+    self._tokens = itertools.count()
+    self._thread = None
+
+  def arm(self, timeout):
+    with self._cv:
+      token = next(self._tokens)
+      self._due[token] = (time.monotonic() + timeout, timeout)
+      if self._thread is None:
+        self._thread = threading.Thread(target=self._watch, name="tf_gspmd_collective_deadline", daemon=True)
+        self._thread.start()
+      self._cv.notify()
+      return token
+
+  def disarm(self, token):
+    with self._cv:
+      self._due.pop(token, None)
+
+  def _watch(self):
+    while True:
+      with self._cv:
+        while not self._due:
+          self._cv.wait()
+        token, (due, timeout) = min(self._due.items(), key=lambda kv: kv[1][0])
+        left = due - time.monotonic()
+        if left > 0:
+          self._cv.wait(left)
+          continue
+        del self._due[token]
+      _compat.abort_collectives(
+          tf.errors.DEADLINE_EXCEEDED, f"tf_gspmd: the per-device program did not finish within {timeout} s "
+          "(collective_timeout): its collectives were aborted; restart the process to run collectives again")
+
+
+_DEADLINES = _Deadlines()
+
+
 class Executable:
   """The imported per-device program of one lowering, bound to the mesh's devices."""
 
@@ -144,20 +189,11 @@ class Executable:
   def run_packed(self, pd, pid, packed):
     """Run the per-device program on the parallel device `pd`, aborting its collectives past the deadline.
 
-    The deadline is kept here rather than in each collective's own timeout, which costs a timer thread per
-    collective per device (thousands per second in a training loop).
+    The deadline is kept by one watchdog thread of the process rather than in each collective's own timeout,
+    which costs a timer thread per collective per device (thousands per second in a training loop).
     """
     timeout = self.program.options.collective_timeout
-    done = threading.Event()
-
-    def watchdog():
-      if not done.wait(timeout):
-        _compat.abort_collectives(
-            tf.errors.DEADLINE_EXCEEDED, f"tf_gspmd: the per-device program did not finish within {timeout} s "
-            "(collective_timeout): its collectives were aborted; restart the process to run collectives again")
-
-    guard = threading.Thread(target=watchdog, name="tf_gspmd_collective_deadline", daemon=True)
-    guard.start()
+    token = _DEADLINES.arm(timeout)
     try:
       with tf.device(_compat.parallel_device_name(pd)), self._instantiation():
         return self._call(pid, packed)[:self.n_outputs]
@@ -166,7 +202,7 @@ class Executable:
         raise
       raise _process_lost(e, timeout) from e
     finally:
-      done.set()
+      _DEADLINES.disarm(token)
 
   def storages(self):
     """The sharded storage of every captured variable (created on first use, in the completed layout)."""
