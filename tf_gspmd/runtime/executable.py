@@ -147,6 +147,10 @@ class Executable:
       self._call = lambda pid, packed: _compat.call_flat(self.fn, [pid] + list(packed))
     self.n_outputs = len(outputs)
     self._instantiated = False
+    # What each call's results are made of, built once (a training step has hundreds of results).
+    self._results = [(sharding, tf.TensorShape(shape), tf.as_dtype(dtype))
+                     for sharding, shape, dtype in program.output_specs]
+    self._devices = tuple(self.devices)
 
   def place(self, value, sharding, spec, what):
     """An argument as one packed parallel tensor: in place for a matching ShardedTensor, else scattered (each
@@ -222,7 +226,7 @@ class Executable:
     outs = self.run_packed(self.pd, self.pid, packed)
     for st, written in zip(storages, self.written):
       st.after_step(written)
-    results = []
-    for (sharding, shape, dtype), out in zip(program.output_specs, outs):
-      results.append(ShardedTensor(None, sharding, shape, dtype, packed=(self.pd, out), devices=self.devices))
-    return results
+    positions = self.local.positions
+    return [ShardedTensor(None, sharding, shape, dtype, packed=(self.pd, out), devices=self._devices,
+                          positions=positions)
+            for (sharding, shape, dtype), out in zip(self._results, outs)]

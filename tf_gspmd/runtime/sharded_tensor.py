@@ -25,15 +25,16 @@ class ShardedTensor:
   replicated value (a loss) is read locally in every process.
   """
 
-  def __init__(self, components, sharding, shape, dtype, packed=None, devices=None):
+  def __init__(self, components, sharding, shape, dtype, packed=None, devices=None, positions=None):
     self._components = tuple(components) if components is not None else None
     self._packed = packed    # (parallel device, packed tensor): how a gs.function result arrives
     self.sharding = sharding
-    self.shape = tf.TensorShape(shape)
-    self.dtype = tf.as_dtype(dtype)
+    self.shape = shape if isinstance(shape, tf.TensorShape) else tf.TensorShape(shape)
+    self.dtype = dtype if isinstance(dtype, tf.DType) else tf.as_dtype(dtype)
     self._mesh_devices = tuple(devices) if devices is not None else None
-    n = sharding.mesh.size
-    self.positions = parallel.local(devices).positions if devices is not None else tuple(range(n))
+    if positions is None:   # `positions`: this process's mesh positions, where the caller knows them
+      positions = parallel.local(devices).positions if devices is not None else tuple(range(sharding.mesh.size))
+    self.positions = positions
 
   @property
   def components(self):
