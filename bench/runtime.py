@@ -121,11 +121,9 @@ def main(_):
       table.append((name, "on" if jit else "off", f"{u * 1e3:.1f}", f"{g * 1e3:.1f}",
                     f"{d * 1e3:.1f}" if d else "fails", f"{g / u:.2f}", f"{d / u:.2f}" if d else "-",
                     f"{g / d:.2f}" if d else "-"))
-  widths = [max(len(x) for x in col) for col in zip(head, *table)]
   print(f"median step time over {FLAGS.steps} calls, 8 logical CPU devices on {os.cpu_count()} cores ({base} is "
         "the single-device reference)")
-  for row in [head] + table:
-    print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+  _print_table(head, table)
   print()
   print("ops (graph nodes, function bodies included) of the unpartitioned program and of the per-device program "
         "(after the optimize pass), and the collectives one step runs (XLA off)")
@@ -137,9 +135,7 @@ def main(_):
     logical = ", ".join(f"{n} {k}" for k, n in sorted(report.counts().items()))
     table.append((name, str(whole), str(local), logical or "none", str(len(report.emitted_ops())),
                   f"{report.bytes_per_device():,}"))
-  widths = [max(len(x) for x in col) for col in zip(head, *table)]
-  for row in [head] + table:
-    print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+  _print_table(head, table)
   print()
   print("first call with XLA on (after lowering): the per-device program instantiated on every device and its "
         "segments XLA-compiled on each, plus one step; on a one-device mesh the program is one segment")
@@ -149,9 +145,7 @@ def main(_):
   for name, times in rows:
     (l1, c1), (l8, c8) = times["first call"]
     table.append((name, f"{l1:.1f}", f"{c1:.1f}", f"{l8:.1f}", f"{c8:.1f}", f"{c8 / c1:.2f}"))
-  widths = [max(len(x) for x in col) for col in zip(head, *table)]
-  for row in [head] + table:
-    print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+  _print_table(head, table)
   if FLAGS.profile:
     print()
     print("where a device's step time goes (profiler trace of 3 steps: ms per device per step the per-device "
@@ -164,9 +158,13 @@ def main(_):
         total = sum(t.values()) or 1.0
         table.append((name, "on" if jit else "off", f"{t['collectives']:.1f}", f"{t['combine copies']:.1f}",
                       f"{t['compute']:.1f}", f"{t['collectives'] / total:.0%}"))
-    widths = [max(len(x) for x in col) for col in zip(head, *table)]
-    for row in [head] + table:
-      print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    _print_table(head, table)
+
+
+def _print_table(head, table):
+  widths = [max(len(x) for x in col) for col in zip(head, *table)]
+  for row in [head] + table:
+    print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
 
 
 def _first_call(tf, gs, fn, mesh, args, specs, jit, want, name):
