@@ -174,8 +174,7 @@ def _first_call(tf, gs, fn, mesh, args, specs, jit, want, name):
   f = gs.function(fn, mesh=mesh, in_shardings=tuple(specs), jit_compile=jit, collective_timeout=FLAGS.collective_timeout)
   placed = [gs.function(lambda a: a, mesh=mesh, in_shardings=s, out_shardings=s)(a) for a, s in zip(args, specs)]
   start = time.perf_counter()
-  arriving = [p.sharding if p.sharding.is_maximal else p.sharding.with_rank(p.shape.rank) for p in placed]
-  f.lower(*[tf.TensorSpec(p.shape, p.dtype) for p in placed], arg_shardings=arriving)   # what the call looks up
+  f.lower(*placed)   # the lowering the call below runs (the arguments arrive in their layouts)
   lowered = time.perf_counter() - start
   start = time.perf_counter()
   _check([t.numpy() for t in tf.nest.flatten(f(*placed))], want, f"tf_gspmd {name} jit={jit} on {mesh}")

@@ -241,6 +241,19 @@ def test_wrong_number_of_in_shardings():
     f.lower(tf.TensorSpec([8]), tf.TensorSpec([8]))
 
 
+def test_lower_of_sharded_tensors_is_the_lowering_their_call_runs(rng):
+  spec = P("data", None)
+  x = gs.function(lambda a: a, mesh=MESH24, in_shardings=spec, out_shardings=spec)(
+      rng.standard_normal((8, 16)).astype(np.float32))
+  f = gs.function(lambda a: tf.nn.relu(a) * 2.0, mesh=MESH24, in_shardings=P(None, "model"))
+  low = f.lower(x)
+  assert low.program.arriving_in == (x.sharding.with_rank(2),)
+  got = f(x)
+  assert len(f._cache) == 1 and f.lower(x) is low   # the call lowered nothing more  # pylint: disable=protected-access
+  assert f.lower(tf.TensorSpec(x.shape, x.dtype)).program.arriving_in == (None,)   # a spec arrives whole
+  assert_close(got.numpy(), np.maximum(x.numpy(), 0) * 2.0)
+
+
 def test_lowered_inspection(rng):
   f = gs.function(mlp, mesh=MESH24, in_shardings=(P("data", None), P(None, "model"), P("model", None)))
   args = _mlp_inputs(rng)

@@ -151,12 +151,13 @@ class ShardedFunction:
   def lower(self, *specs, arg_shardings=None, processes=None):
     """Completes and partitions the function for `specs` (TensorSpecs); needs no devices.
 
-    `processes`: plan for the mesh's devices spread over this many processes (hosts), an equal number each,
+    A ShardedTensor among `specs` arrives in its layout, as in a call (so a call with it runs this lowering),
+    unless `arg_shardings` gives the arriving layouts. `processes`: plan for the mesh's devices spread over this many processes (hosts), an equal number each,
     processes major (as `gs.initialize` orders them); the report then tells which collectives cross processes
     and how many bytes per device do. Default: the processes that drive the mesh's devices now.
     """
+    arriving = tuple(arg_shardings) if arg_shardings else tuple(_arriving(s) for s in specs)
     specs = tuple(_as_spec(s, k) for k, s in enumerate(specs))
-    arriving = tuple(arg_shardings) if arg_shardings else (None,) * len(specs)
     try:
       devices = self.mesh.resolve_devices()
     except MeshError:
@@ -221,7 +222,7 @@ class ShardedFunction:
         if a.sharding.mesh != self.mesh:
           raise InputError(f"argument {k} is sharded over {a.sharding.mesh}, but this function runs on {self.mesh}")
         specs.append(tf.TensorSpec(a.shape, a.dtype))
-        arriving.append(a.sharding.with_rank(a.shape.rank) if not a.sharding.is_maximal else a.sharding)
+        arriving.append(_arriving(a))
       else:
         t = a if isinstance(a, tf.Tensor) else tf.convert_to_tensor(a)
         specs.append(tf.TensorSpec(t.shape, t.dtype))
@@ -279,6 +280,13 @@ def _retrace_reason(old, new):
     if a != b:
       return f"argument {k} arrives laid out as {b} (was {a})"
   return "new devices"
+
+
+def _arriving(a):
+  """The layout argument `a` arrives in: a ShardedTensor's (at its rank), else None (a whole value)."""
+  if not isinstance(a, ShardedTensor):
+    return None
+  return a.sharding if a.sharding.is_maximal else a.sharding.with_rank(a.shape.rank)
 
 
 def _as_spec(s, k):

@@ -150,7 +150,6 @@ class Executable:
     # What each call's results are made of, built once (a training step has hundreds of results).
     self._results = [(sharding, tf.TensorShape(shape), tf.as_dtype(dtype))
                      for sharding, shape, dtype in program.output_specs]
-    self._devices = tuple(self.devices)
 
   def place(self, value, sharding, spec, what):
     """An argument as one packed parallel tensor: in place for a matching ShardedTensor, else scattered (each
@@ -227,6 +226,6 @@ class Executable:
     for st, written in zip(storages, self.written):
       st.after_step(written)
     positions = self.local.positions
-    return [ShardedTensor(None, sharding, shape, dtype, packed=(self.pd, out), devices=self._devices,
+    return [ShardedTensor(None, sharding, shape, dtype, packed=(self.pd, out), devices=self.devices,
                           positions=positions)
             for (sharding, shape, dtype), out in zip(self._results, outs)]
