@@ -57,6 +57,12 @@ def group_key(members):
     return key
 
 
+def group_members(key):
+  """The member device names of the group with `key`, in the order they were given to `group_key`."""
+  with _lock:
+    return _group_keys[key]
+
+
 def lowered_by_xla(node):
   """Whether XLA compiles the collective NodeDef `node`: a type tf2xla lowers, with a merge its kernel takes."""
   return node.op in XLA_LOWERED and node.attr["merge_op"].s in (b"Add", b"Mul")
@@ -67,7 +73,8 @@ def next_instance_key():
     return next(_instance_counter)
 
 
-def _rank_key(name):
+def rank_key(name):
+  """The order of TF's collective runtime among group members (their runtime ranks)."""
   spec = tf.DeviceSpec.from_string(name)
   return (spec.job or "", spec.replica or 0, spec.task or 0, spec.device_type or "", spec.device_index or 0)
 
@@ -231,7 +238,7 @@ class Backend:
     of, members = self.groups(axes)
     perms = []
     for m in members:
-      ranked = sorted(m, key=lambda p: _rank_key(self.devices[p]))
+      ranked = sorted(m, key=lambda p: rank_key(self.devices[p]))
       perms.append([ranked.index(p) for p in m])
     if all(p == sorted(p) for p in perms):
       return None

@@ -14,8 +14,8 @@ import time
 from typing import Any, Optional, Tuple
 
 from tf_gspmd.errors import PartitionError, ShardingError
-from tf_gspmd.rewriter import (auto, cleanup, combine, completion, grappler, import_annotations, jit, memory, partition,
-                               report, trace, weight_update)
+from tf_gspmd.rewriter import (auto, cleanup, combine, completion, grappler, import_annotations, in_process, jit, memory,
+                               partition, report, trace, weight_update)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +25,7 @@ class Options:
   weight_update_sharding: Any = None  # None/False, True (the "data" axis, else the first), or a mesh axis name
   jit_compile: Any = "auto"          # "auto" (GPU/TPU), True (every backend; CPU in segments), False
   auto: Any = None                   # auto.AutoOptions: layouts chosen by the auto_shard pass, or None
+  exchange: str = "auto"             # "auto": in-process edges on CPUs of one process (in_process pass); "collectives"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,8 @@ class Program:
   report: Any = None
   jit: Optional[str] = None              # None (not compiled), "segments" (CPU) or "whole" (GPU, TPU)
   locally_optimized: bool = False        # TF's graph optimizer already ran on local_graph_def (the runtime skips it)
+  collective_keys: Any = None            # per device: {collective op name: (group key, instance key)} (in_process)
+  in_process: Any = None                 # in_process.InProcess: every device's program as one graph, or None
   function_cache: Any = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   def replace(self, **changes):
@@ -97,8 +100,10 @@ PASSES = (
     ("cleanup", cleanup.run),                      # dead nodes removed
     ("verify", cleanup.verify),                    # invariants of the per-device program
     ("memory", memory.run),                        # estimated peak bytes per device (report.memory)
+    ("collective_keys", in_process.keys),          # CPUs of one process: each device's collective keys
     ("compile", jit.run),                          # XLA: segments between collectives (CPU) or whole (GPU, TPU)
     ("optimize", grappler.run_local),              # TF's graph optimizer on the per-device program, once
+    ("in_process", in_process.run),                # CPUs of one process: one graph, collectives as device edges
     ("schedules", report.pipeline_schedules),      # gs.pipeline schedules stated in the report
 )
 

@@ -163,16 +163,20 @@ def test_inf_and_nan_in_padding_never_leak(rng, mesh_shape):
     assert_close(got.numpy(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_sharded_tensor_passes_back_without_moving_data(rng):
-  f = gs.function(lambda x: x * 2.0, mesh=MESH24, in_shardings=P("data", "model"))
+@pytest.mark.parametrize("exchange", ["auto", "collectives"])
+def test_sharded_tensor_passes_back_without_moving_data(rng, exchange):
+  f = gs.function(lambda x: x * 2.0, mesh=MESH24, in_shardings=P("data", "model"), exchange=exchange)
   x = rng.standard_normal((8, 8), np.float32)
   y = f(x)
-  g = gs.function(lambda x: x + 1.0, mesh=MESH24)
+  g = gs.function(lambda x: x + 1.0, mesh=MESH24, exchange=exchange)
   low = g.lower(tf.TensorSpec([8, 8]), arg_shardings=[y.sharding])
   assert low.report.collectives == [] and low.in_shardings[0] == y.sharding
   exe = low.executable()
-  packed = y._packed[1]  # pylint: disable=protected-access
-  assert exe.place(y, y.sharding, tf.TensorSpec([8, 8]), "x") is packed   # the result's own parallel tensor
+  if exchange == "auto":   # one graph for all devices: the result's own per-device tensors go in
+    assert exe.components(y, y.sharding, tf.TensorSpec([8, 8]), "x") is y.components
+  else:
+    packed = y._packed[1]  # pylint: disable=protected-access
+    assert exe.place(y, y.sharding, tf.TensorSpec([8, 8]), "x") is packed   # the result's own parallel tensor
   z = g(y)
   assert z.sharding == y.sharding
   assert_close(z.numpy(), x * 2 + 1)

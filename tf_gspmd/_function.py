@@ -97,7 +97,7 @@ class ShardedFunction:
   """A TF function partitioned over a mesh. Create with `gs.function`."""
 
   def __init__(self, fn, mesh, in_shardings, out_shardings, strict, collective_timeout, weight_update_sharding=None,
-               jit_compile="auto", memory_budget=None, axis_cost=None, flops_per_byte=1000.0):
+               jit_compile="auto", memory_budget=None, axis_cost=None, flops_per_byte=1000.0, exchange="auto"):
     if not isinstance(mesh, Mesh):
       raise MeshError(f"gs.function needs mesh=gs.Mesh(...); got {mesh!r}")
     self.fn = fn
@@ -106,11 +106,14 @@ class ShardedFunction:
     self._out = out_shardings
     if jit_compile not in ("auto", True, False):
       raise InputError(f"jit_compile must be 'auto', True or False; got {jit_compile!r}")
+    if exchange not in ("auto", "collectives"):
+      raise InputError(f"exchange must be 'auto' or 'collectives'; got {exchange!r}")
     if weight_update_sharding not in (None, False, True) and weight_update_sharding not in mesh.axis_names:
       raise MeshError(f"weight_update_sharding={weight_update_sharding!r} is not an axis of {mesh}; give True (the "
                       f"'data' axis) or one of {mesh.axis_names}")
     self.options = pipeline.Options(strict=strict, collective_timeout=collective_timeout,
-                                    weight_update_sharding=weight_update_sharding, jit_compile=jit_compile)
+                                    weight_update_sharding=weight_update_sharding, jit_compile=jit_compile,
+                                    exchange=exchange)
     self._auto = _auto_options(mesh, in_shardings, memory_budget, axis_cost, flops_per_byte)
     self._cache = {}
     self._last = None      # (per argument (shape, sharding, dtype) objects, Lowered) of the last call
@@ -303,7 +306,7 @@ def _as_spec(s, k):
 
 def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=False, collective_timeout=300.0,
              weight_update_sharding=None, jit_compile="auto", memory_budget=None, axis_cost=None,
-             flops_per_byte=1000.0):
+             flops_per_byte=1000.0, exchange="auto"):
   """Partitions `fn` over `mesh` and runs it as one SPMD program on every mesh device.
 
   Args:
@@ -326,6 +329,10 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=Fal
     axis_cost: with "auto": {mesh axis: relative time per byte} (default 1.0; e.g. 8.0 for an axis across hosts).
     flops_per_byte: with "auto": arithmetic a device does in the time a link moves one byte (weighs splitting the
       work against the bytes it costs).
+    exchange: "auto": on CPU devices of one process, every device's program runs as one TF graph in which
+      each collective is the ops that compute its result from the members' tensors, passed between the devices
+      by reference (no collective runtime; the same results and the same report); elsewhere TF's collectives.
+      "collectives": TF's collective ops always.
 
   Example:
     >>> @gs.function(mesh=mesh, in_shardings=(P("data", None), P(None, "model")))
@@ -334,6 +341,6 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=Fal
   """
   def wrap(f):
     return ShardedFunction(f, mesh, in_shardings, out_shardings, strict, collective_timeout, weight_update_sharding,
-                           jit_compile, memory_budget, axis_cost, flops_per_byte)
+                           jit_compile, memory_budget, axis_cost, flops_per_byte, exchange)
 
   return wrap(fn) if fn is not None else wrap

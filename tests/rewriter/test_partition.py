@@ -49,7 +49,8 @@ def test_local_program_nodes_and_shapes():
 def test_pipeline_is_one_list_and_times_every_pass():
   names = [name for name, _ in pipeline.PASSES]
   assert names == ["trace", "grappler", "import_annotations", "auto_shard", "complete", "weight_update_sharding",
-                   "partition", "combine", "cleanup", "verify", "memory", "compile", "optimize", "schedules"]
+                   "partition", "combine", "cleanup", "verify", "memory", "collective_keys", "compile", "optimize",
+                   "in_process", "schedules"]
   low = _megatron()
   assert set(low.report.pass_times) == set(names)
   # On CPU devices TF's graph optimizer ran once on the per-device program; the runtime does not run it again.
@@ -60,7 +61,7 @@ def test_dump_dir(tmp_path, monkeypatch):
   monkeypatch.setenv("TF_GSPMD_DUMP_DIR", str(tmp_path))
   _megatron()
   files = sorted(os.listdir(tmp_path))
-  assert files[0] == "00_trace.pbtxt" and "06_partition.pbtxt" in files and "11_compile.pbtxt" in files
+  assert files[0] == "00_trace.pbtxt" and "06_partition.pbtxt" in files and "12_compile.pbtxt" in files
 
 
 def test_verify_rejects_foreign_collective():

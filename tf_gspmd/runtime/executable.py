@@ -136,43 +136,63 @@ class Executable:
         raise InputError("the function captures a resource that is not a tf.Variable (or Keras variable); "
                          "tf_gspmd stores only variables sharded", node=name)
     self.written = program.variables_written
-    inputs = [program.partition_id + ":0"] + [n + ":0" for n in program.local_inputs + program.local_variables]
-    outputs = [n + ":0" for n in program.local_outputs]
-    # A concrete function straight from the GraphDef (no Python tracing); side-effect ops are control outputs.
-    self.fn = _function_from_graph_def(program.local_graph_def, inputs, outputs + list(program.side_effects))
-    if program.jit == "whole":   # GPU: the per-device program, collectives included, compiled by XLA
-      self.fn = tf.function(self.fn, jit_compile=True, autograph=False)
-      self._call = lambda pid, packed: self.fn(pid, *packed)
-    else:   # flat call: binding hundreds of arguments to a structured signature costs more than the step
-      self._call = lambda pid, packed: _compat.call_flat(self.fn, [pid] + list(packed))
-    self.n_outputs = len(outputs)
+    self._fn = None
+    self._in_process = None
+    self.n_outputs = len(program.local_outputs)
     self._instantiated = False
     # What each call's results are made of, built once (a training step has hundreds of results).
     self._results = [(sharding, tf.TensorShape(shape), tf.as_dtype(dtype))
                      for sharding, shape, dtype in program.output_specs]
 
+  @property
+  def fn(self):
+    """The per-device program as a concrete function (imported on first use)."""
+    if self._fn is None:
+      program = self.program
+      inputs = [program.partition_id + ":0"] + [n + ":0" for n in program.local_inputs + program.local_variables]
+      outputs = [n + ":0" for n in program.local_outputs]
+      # A concrete function straight from the GraphDef (no Python tracing); side-effect ops are control outputs.
+      fn = _function_from_graph_def(program.local_graph_def, inputs, outputs + list(program.side_effects))
+      if program.jit == "whole":   # GPU: the per-device program, collectives included, compiled by XLA
+        fn = tf.function(fn, jit_compile=True, autograph=False)
+      self._fn = fn
+    return self._fn
+
+  def _call(self, pid, packed):
+    if self.program.jit == "whole":
+      return self.fn(pid, *packed)
+    # flat call: binding hundreds of arguments to a structured signature costs more than the step
+    return _compat.call_flat(self.fn, [pid] + list(packed))
+
   def place(self, value, sharding, spec, what):
     """An argument as one packed parallel tensor: in place for a matching ShardedTensor, else scattered (each
     process takes its devices' shards of the global value)."""
-    shape = tuple(spec.shape.as_list())
+    if (isinstance(value, ShardedTensor) and value.sharding == sharding and value._packed is not None and  # pylint: disable=protected-access
+        value._packed[0] is self.pd):  # pylint: disable=protected-access
+      return value.packed_for(self.pd)
+    return self.pd.pack(self.components(value, sharding, spec, what))
+
+  def components(self, value, sharding, spec, what):
+    """An argument as this process's per-device tensors (mesh order): a matching ShardedTensor's own, else the
+    shards of the global value."""
     if isinstance(value, ShardedTensor):
       if value.sharding != sharding:
         raise InputError(f"ShardedTensor {value} is not laid out as {sharding}", node=what)
-      if value._packed is not None and value._packed[0] is self.pd:  # pylint: disable=protected-access
-        return value.packed_for(self.pd)
-      if value.positions != self.local.positions or tuple(
-          tf.DeviceSpec.from_string(d).to_string() for d in value.devices) != tuple(
-              self.devices[p] for p in self.local.positions):
+      if value.positions != self.local.positions or (
+          value._mesh_devices != self.devices and tuple(  # pylint: disable=protected-access
+              tf.DeviceSpec.from_string(d).to_string() for d in value.devices) != tuple(
+                  self.devices[p] for p in self.local.positions)):
         raise InputError(f"ShardedTensor {value} lives on other devices than this mesh's", node=what)
-      return value.packed_for(self.pd)
+      return value.components
     if isinstance(value, tf.Tensor):
       value = value.numpy()
     host = np.asarray(value, dtype=spec.dtype.as_numpy_dtype)
     comps = []
-    for p, shard in zip(self.local.positions, shard_host_value(host, sharding, shape, self.local.positions)):
+    for p, shard in zip(self.local.positions, shard_host_value(host, sharding, tuple(spec.shape.as_list()),
+                                                               self.local.positions)):
       with tf.device(self.devices[p]):
         comps.append(tf.identity(tf.constant(shard)))
-    return self.pd.pack(comps)
+    return comps
 
   @contextlib.contextmanager
   def _instantiation(self):
@@ -213,19 +233,34 @@ class Executable:
     return [_state.manage(v, sharding, self.devices, what=name)
             for v, sharding, name in zip(program.variables, program.variable_shardings, program.variable_names)]
 
+  def _in_process_fn(self):
+    """Every device's program as one multi-device function (program.in_process), imported on first use."""
+    if self._in_process is None:
+      ip = self.program.in_process
+      self._in_process = _function_from_graph_def(ip.graph_def, list(ip.inputs),
+                                                  list(ip.outputs) + list(ip.side_effects))
+    return self._in_process
+
   def __call__(self, args):
     program = self.program
-    packed = []
-    for k, (value, sharding, spec) in enumerate(zip(args, program.param_shardings, program.arg_specs)):
-      packed.append(self.place(value, sharding, spec, program.input_names[k]))
+    in_process = program.in_process is not None   # one graph for every device: no collectives to time out
+    take = self.components if in_process else self.place
+    flat = [take(value, sharding, spec, program.input_names[k])
+            for k, (value, sharding, spec) in enumerate(zip(args, program.param_shardings, program.arg_specs))]
     storages = self.storages()
     for st in storages:
       st.before_step()
-    packed.extend(st.packed(self.pd) for st in storages)
-    outs = self.run_packed(self.pd, self.pid, packed)
+    positions = self.local.positions
+    if in_process:
+      flat = [c for comps in flat for c in comps] + [c.handle for st in storages for c in st.components]
+      with self._instantiation():
+        outs = _compat.call_flat(self._in_process_fn(), flat)
+      n = len(positions)
+      outs = [dict(components=outs[k * n:(k + 1) * n]) for k in range(self.n_outputs)]
+    else:
+      flat.extend(st.packed(self.pd) for st in storages)
+      outs = [dict(components=None, packed=(self.pd, out)) for out in self.run_packed(self.pd, self.pid, flat)]
     for st, written in zip(storages, self.written):
       st.after_step(written)
-    positions = self.local.positions
-    return [ShardedTensor(None, sharding, shape, dtype, packed=(self.pd, out), devices=self.devices,
-                          positions=positions)
+    return [ShardedTensor(sharding=sharding, shape=shape, dtype=dtype, devices=self.devices, positions=positions, **out)
             for (sharding, shape, dtype), out in zip(self._results, outs)]

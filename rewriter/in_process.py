@@ -1,0 +1,214 @@
+"""In-process pass: on CPU devices of one process, the per-device programs become one multi-device graph.
+
+Every mesh device runs the same per-device program; TF's collective executor joins their collectives. On
+logical CPUs of one process that costs more than the data it moves: a small all-reduce over 4 logical CPUs
+takes ~400 us beyond its arithmetic (ring steps, callbacks, thread wake-ups), and a transformer step runs
+hundreds. The devices share memory, so this pass instead copies the per-device program once per device into one
+GraphDef (node `d<p>/<name>` on device p, the partition id a constant) and replaces each collective by the
+ordinary ops that compute its result from the members' tensors, across device edges that TF's executor hands
+over by reference:
+
+  * all-reduce: the group's first member (runtime rank order) merges every member's operand (AddN for a sum;
+    Mul/Maximum/Minimum in rank order); the others read its result, so every member holds the same bits;
+  * all-gather: every member's operand concatenated along dim 0 in rank order;
+  * all-to-all: block r of every member's operand (dim 0 cut into group-size blocks) to the member of rank r;
+  * collective-permute (broadcast send/receive pairs): the receiver reads what its sender sends.
+
+These are the semantics of TF's ops as the partitioner uses them; the per-device program, its report and the
+bytes it counts are unchanged (`program.in_process` is an alternative way to run them). Nothing can hang: there
+are no collectives left to wait for. The runtime calls the graph once per step with every device's arguments.
+
+The pass leaves the program alone (`in_process` None: TF's collectives run) when the mesh spans processes or
+non-CPU devices, when devices are not known (plan mode), when a collective sits inside a function body, or when
+the caller chose `exchange="collectives"`.
+"""
+
+import dataclasses
+from typing import Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gspmd import _compat
+from tf_gspmd.rewriter import collectives
+from tf_gspmd.rewriter.graph_view import prune
+
+_MERGE = {b"Add": "AddN", b"Mul": "Mul", b"Max": "Maximum", b"Min": "Minimum"}
+_KINDS = frozenset({"CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2", "CollectiveBcastSendV2",
+                    "CollectiveBcastRecvV2"})
+
+
+@dataclasses.dataclass(frozen=True)
+class InProcess:
+  """The multi-device graph of one step: `inputs` and `outputs` are tensor names, argument-major (argument k of
+  device p at k * devices + p); `side_effects` op names of every device's side effects."""
+  graph_def: tf.compat.v1.GraphDef
+  inputs: Tuple[str, ...]
+  outputs: Tuple[str, ...]
+  side_effects: Tuple[str, ...]
+
+
+def _one_process_of_cpus(program):
+  return (program.options.exchange == "auto" and program.devices is not None and program.processes is None and
+          all(tf.DeviceSpec.from_string(d).device_type.upper() == "CPU" for d in program.devices))
+
+
+def applies(program):
+  """Whether the program's collectives can run as in-process edges (see the module docstring)."""
+  if not _one_process_of_cpus(program) or program.jit == "whole" or program.collective_keys is None:
+    return False
+  gd = program.local_graph_def
+  if any(n.op in collectives.TF_COLLECTIVE_OPS for f in gd.library.function for n in f.node_def):
+    return False
+  return all(n.op in _KINDS and (n.op != "CollectiveReduceV2" or (n.attr["merge_op"].s in _MERGE and
+                                                                   n.attr["final_op"].s == b"Id"))
+             for n in gd.node if n.op in collectives.TF_COLLECTIVE_OPS)
+
+
+def keys(program):
+  """Pass (before XLA segments can hide them): program.collective_keys, per device {collective op name: (group
+  key, instance key)}, evaluated from the per-device program's tables at each partition id."""
+  if not _one_process_of_cpus(program):
+    return program
+  colls = [c for c in program.local_graph_def.node if c.op in collectives.TF_COLLECTIVE_OPS]
+  return program.replace(collective_keys=_keys(program, colls) if colls else [{}] * len(program.devices))
+
+
+def run(program):
+  """Pass: program.in_process, the per-device programs of every mesh device as one graph without collectives."""
+  if not applies(program):
+    return program
+  return program.replace(in_process=_build(program))
+
+
+def _tensor(name):
+  return name if ":" in name else name + ":0"
+
+
+def _keys(program, colls):
+  """Per device: {collective node name: (group key, instance key)}, evaluated from the program's tables."""
+  gd = program.local_graph_def
+  fetch = []
+  for c in colls:
+    args = [a.name for a in _compat.op_def(c.op).input_arg]
+    fetch += [_tensor(c.input[args.index("group_key")]), _tensor(c.input[args.index("instance_key")])]
+  sub = prune(gd, sorted({t.split(":")[0] for t in fetch}))
+  graph = tf.Graph()
+  with graph.as_default():
+    tf.graph_util.import_graph_def(sub, name="")
+  pid = _tensor(program.partition_id)
+  per_device = []
+  with tf.compat.v1.Session(graph=graph) as sess:
+    for p in range(len(program.devices)):
+      values = sess.run(fetch, {pid: np.int32(p)}) if pid.split(":")[0] in {n.name for n in sub.node} else \
+          sess.run(fetch)
+      per_device.append({c.name: (int(values[2 * k]), int(values[2 * k + 1])) for k, c in enumerate(colls)})
+  return per_device
+
+
+def _build(program):
+  gd = program.local_graph_def
+  devices = program.devices
+  n = len(devices)
+  position = {tf.DeviceSpec.from_string(d).to_string(): p for p, d in enumerate(devices)}
+  colls = [c for c in gd.node if c.op in collectives.TF_COLLECTIVE_OPS]
+  keys = program.collective_keys
+
+  def members(group_key):
+    """The group's mesh positions in runtime rank order (the order TF's collectives use)."""
+    names = sorted(collectives.group_members(group_key), key=collectives.rank_key)
+    return [position[tf.DeviceSpec.from_string(d).to_string()] for d in names]
+
+  def ref(p, name):
+    return f"^d{p}/{name[1:]}" if name.startswith("^") else f"d{p}/{name}"
+
+  senders = {}    # (instance key, sender position) -> send node name (a broadcast pair's group: sender, receiver)
+  for c in colls:
+    if c.op == "CollectiveBcastSendV2":
+      for p in range(n):
+        senders[(keys[p][c.name][1], p)] = c.name
+
+  out = tf.compat.v1.GraphDef()
+  out.versions.CopyFrom(gd.versions)
+  out.library.CopyFrom(gd.library)
+
+  def const(name, value, p):
+    node = out.node.add()
+    node.name, node.op, node.device = name, "Const", devices[p]
+    value = np.asarray(value)
+    node.attr["dtype"].type = tf.as_dtype(value.dtype).as_datatype_enum
+    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
+    return name
+
+  def become(node, op, inputs, dtype, **attrs):
+    node.op = op
+    node.ClearField("attr")
+    node.attr["T"].CopyFrom(dtype)
+    for k, v in attrs.items():   # an int, a tf.DType or an AttrValue
+      if isinstance(v, tf.DType):
+        node.attr[k].type = v.as_datatype_enum
+      elif isinstance(v, int):
+        node.attr[k].i = v
+      else:
+        node.attr[k].CopyFrom(v)
+    del node.input[:]
+    node.input.extend(inputs)
+
+  for p in range(n):
+    for x in gd.node:
+      node = out.node.add()
+      node.CopyFrom(x)
+      node.name, node.device = f"d{p}/{x.name}", devices[p]
+      del node.input[:]
+      node.input.extend(ref(p, i) for i in x.input)
+      if x.name == program.partition_id:
+        node.op = "Const"
+        node.ClearField("attr")
+        node.attr["dtype"].type = tf.int32.as_datatype_enum
+        node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.int32(p)))
+        continue
+      if x.op not in collectives.TF_COLLECTIVE_OPS:
+        continue
+      group, instance = keys[p][x.name]
+      control = [ref(p, i) for i in x.input if i.startswith("^")]
+      dtype = x.attr["T"]
+      if x.op == "CollectiveReduceV2":
+        ranked = members(group)
+        if p != ranked[0]:
+          become(node, "Identity", [ref(ranked[0], x.name)] + control, dtype)
+        elif x.attr["merge_op"].s == b"Add":
+          become(node, "AddN", [ref(q, x.input[0]) for q in ranked] + control, dtype, N=len(ranked))
+        else:   # a chain of the binary merge in rank order
+          acc = ref(ranked[0], x.input[0])
+          for k, q in enumerate(ranked[1:-1]):
+            step = out.node.add()
+            step.name, step.device = f"{node.name}/merge_{k}", devices[p]
+            become(step, _MERGE[x.attr["merge_op"].s], [acc, ref(q, x.input[0])], dtype)
+            acc = step.name
+          become(node, _MERGE[x.attr["merge_op"].s], [acc, ref(ranked[-1], x.input[0])] + control, dtype)
+      elif x.op == "CollectiveGatherV2":
+        ranked = members(group)
+        become(node, "ConcatV2", [ref(q, x.input[0]) for q in ranked] + [const(f"{node.name}/axis", np.int32(0), p)]
+               + control, dtype, N=len(ranked), Tidx=tf.int32)
+      elif x.op == "CollectiveAllToAllV2":
+        ranked = members(group)
+        axis = const(f"{node.name}/axis", np.int32(0), p)
+        blocks = []
+        for q in ranked:
+          split = out.node.add()
+          split.name, split.device = f"{node.name}/blocks_of_{q}", devices[p]
+          become(split, "Split", [axis, ref(q, x.input[0])], dtype, num_split=len(ranked))
+          blocks.append(f"{split.name}:{ranked.index(p)}")
+        become(node, "ConcatV2", blocks + [axis] + control, dtype, N=len(ranked), Tidx=tf.int32)
+      elif x.op == "CollectiveBcastSendV2":
+        become(node, "Identity", [ref(p, x.input[0])] + control, dtype)
+      else:   # CollectiveBcastRecvV2: what the group's other member sends, in the shape this one expects
+        sender = position[tf.DeviceSpec.from_string(collectives.group_members(group)[0]).to_string()]
+        args = [a.name for a in _compat.op_def(x.op).input_arg]
+        become(node, "Reshape", [ref(sender, senders[(instance, sender)]), ref(p, x.input[args.index("shape")])] +
+               control, dtype, Tshape=x.attr["Tshape"])
+  everywhere = lambda names: tuple(ref(p, _tensor(t)) for t in names for p in range(n))  # noqa: E731
+  return InProcess(out, everywhere(list(program.local_inputs) + list(program.local_variables)),
+                   everywhere(program.local_outputs),
+                   tuple(ref(p, s) for s in program.side_effects for p in range(n)))
+
