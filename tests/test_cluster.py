@@ -158,4 +158,6 @@ def test_keras_fit_with_model_parallel_over_two_processes_matches_one():
     assert r["processes"] == 2 and len(r["losses"]) == 8
     np.testing.assert_allclose(r["losses"], want["losses"], rtol=1e-5)
     np.testing.assert_allclose(r["evaluate"], want["evaluate"], rtol=1e-5)
-    np.testing.assert_allclose(r["weights"], want["weights"], rtol=1e-5)
+    # One process sums in one order (in-process), two in the ring's: near-zero weights differ at float32 rounding
+    # of the largest ones.
+    np.testing.assert_allclose(r["weights"], want["weights"], rtol=1e-5, atol=1e-6 * np.abs(want["weights"]).max())
