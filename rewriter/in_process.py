@@ -106,6 +106,19 @@ def _keys(program, colls):
   return per_device
 
 
+def _shared_segments(gd):
+  """{call node: 0} for the program's stateless XLA segments: every device's copy runs on the first device, whose
+  XLA compilation cache then compiles each segment once for all of them (the devices share the host's cores)."""
+  functions = {f.signature.name: f for f in gd.library.function}
+  shared = {}
+  for x in gd.node:
+    f = functions.get(x.attr["f"].func.name) if "f" in x.attr else None
+    if (f is not None and x.attr["_XlaMustCompile"].b and not f.signature.is_stateful and
+        all(a.type != tf.resource.as_datatype_enum for a in f.signature.input_arg)):
+      shared[x.name] = 0
+  return shared
+
+
 def _build(program):
   gd = program.local_graph_def
   devices = program.devices
@@ -154,11 +167,12 @@ def _build(program):
     del node.input[:]
     node.input.extend(inputs)
 
+  shared = _shared_segments(gd)
   for p in range(n):
     for x in gd.node:
       node = out.node.add()
       node.CopyFrom(x)
-      node.name, node.device = f"d{p}/{x.name}", devices[p]
+      node.name, node.device = f"d{p}/{x.name}", devices[shared.get(x.name, p)]
       del node.input[:]
       node.input.extend(ref(p, i) for i in x.input)
       if x.name == program.partition_id:
