@@ -186,8 +186,10 @@ def _build(program):
       group, instance = keys[p][x.name]
       control = [ref(p, i) for i in x.input if i.startswith("^")]
       dtype = x.attr["T"]
-      if x.op == "CollectiveReduceV2":
-        ranked = members(group)
+      ranked = members(group) if x.op != "CollectiveBcastRecvV2" else None
+      if ranked is not None and len(ranked) == 1:   # a group of one: its own operand
+        become(node, "Identity", [ref(p, x.input[0])] + control, dtype)
+      elif x.op == "CollectiveReduceV2":
         if p != ranked[0]:
           become(node, "Identity", [ref(ranked[0], x.name)] + control, dtype)
         elif x.attr["merge_op"].s == b"Add":
@@ -201,11 +203,9 @@ def _build(program):
             acc = step.name
           become(node, _MERGE[x.attr["merge_op"].s], [acc, ref(ranked[-1], x.input[0])] + control, dtype)
       elif x.op == "CollectiveGatherV2":
-        ranked = members(group)
         become(node, "ConcatV2", [ref(q, x.input[0]) for q in ranked] + [const(f"{node.name}/axis", np.int32(0), p)]
                + control, dtype, N=len(ranked), Tidx=tf.int32)
       elif x.op == "CollectiveAllToAllV2":
-        ranked = members(group)
         axis = const(f"{node.name}/axis", np.int32(0), p)
         blocks = []
         for q in ranked:

@@ -40,6 +40,8 @@ PROGRAMS = [
     ("all-to-all", lambda x: x + 1.0, M24, [_normal(8, 16)], P("b", None), P(None, "b"), {"all-to-all"}),
     ("reduce-scatter", lambda x, w: x @ w, M24, [_normal(8, 64), _normal(64, 16)],
      (P(None, "b"), P("b", None)), P(None, "b"), {"reduce-scatter"}),
+    ("group of one", lambda x: x * 2.0, gs.Mesh((1, 8), ("a", "b")), [_normal(8, 16)], P("a", "b"), P(None, "b"),
+     {"all-gather"}),
     ("halo exchange", _conv, M8, [_normal(2, 64, 3), _normal(3, 3, 4)], (P(None, "d", None), P()),
      P(None, "d", None), {"collective-permute"}),
 ]
