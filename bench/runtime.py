@@ -4,12 +4,13 @@ Two training steps: workload 2 of the reference set (mlp_train_step on mesh (2,4
 decoder-only transformer with Adam (examples/transformer_model.py, Megatron layout on (2,4)). Each is run
 
   * unpartitioned: one tf.function on one device;
-  * tf_gspmd: the partitioned program on the 8 devices (arguments already laid out, results kept sharded);
+  * tf_gspmd: the partitioned program on the 8 devices (arguments already laid out, results kept sharded), the
+    devices' programs run as one in-process graph (exchange="auto"; a further table compares TF's collectives);
   * DTensor: `tf.experimental.dtensor` with the same layouts on the same 8 devices;
 
 with XLA off and on (tf_gspmd on CPU: XLA-compiled segments between collectives; DTensor: jit_compile=True where
 it compiles). Times are medians of --steps calls after warm-up, all measured in one run; ratios are to the
-unpartitioned program with XLA off. Every partitioned result is checked against the unpartitioned one. A second
+unpartitioned program with the same XLA setting. Every partitioned result is checked against the unpartitioned one. A second
 table counts the ops of the unpartitioned and the per-device program and the collectives of one step. With
 --profile, a third splits the time the devices' ops ran (from the profiler trace) into collectives, the copies
 that combined collectives make (concatenating and splitting their members) and the rest (compute).
@@ -106,7 +107,9 @@ def main(_):
         tf.profiler.experimental.stop()
         times[("split", jit)] = _time_split(trace, 3, mesh.size)
       times[("DTensor", jit)] = _dtensor_time(tf, dtensor, dmesh, fn, args, specs, jit, want, name)
-      if not jit:
+      if not jit:   # the same program with TF's collective ops between the devices (exchange="collectives")
+        fc, placed_c, _ = _first_call(tf, gs, fn, mesh, args, specs, jit, want, name, exchange="collectives")
+        times["collectives"] = _median_time(lambda: tf.nest.flatten(fc(*placed_c))[-1].numpy(), FLAGS.steps)
         low = f.lower(*[tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in args])
         times["ops"] = (_op_count(single.get_concrete_function(*consts).graph.as_graph_def()),
                         _op_count(low.graph_def), low.report)
@@ -135,6 +138,13 @@ def main(_):
     logical = ", ".join(f"{n} {k}" for k, n in sorted(report.counts().items()))
     table.append((name, str(whole), str(local), logical or "none", str(len(report.emitted_ops())),
                   f"{report.bytes_per_device():,}"))
+  _print_table(head, table)
+  print()
+  print("XLA off: the devices' programs as one in-process graph (exchange=\"auto\", the rows above) vs each "
+        "device's program on its own thread joined by TF's collective ops (exchange=\"collectives\")")
+  head = ("program", "in-process ms", "TF collectives ms", "in-process / collectives")
+  table = [(name, f"{times[('tf_gspmd', False)] * 1e3:.1f}", f"{times['collectives'] * 1e3:.1f}",
+            f"{times[('tf_gspmd', False)] / times['collectives']:.2f}") for name, times in rows]
   _print_table(head, table)
   print()
   print("first call with XLA on (after lowering): the per-device program instantiated on every device and its "
@@ -167,11 +177,12 @@ def _print_table(head, table):
     print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
 
 
-def _first_call(tf, gs, fn, mesh, args, specs, jit, want, name):
+def _first_call(tf, gs, fn, mesh, args, specs, jit, want, name, exchange="auto"):
   """(gs.function of `fn` on `mesh`, its placed arguments, (seconds to lower it, seconds of its first call:
   instantiating the per-device program on every device, XLA compiling its segments, one step)); the result is
   checked against the unpartitioned one."""
-  f = gs.function(fn, mesh=mesh, in_shardings=tuple(specs), jit_compile=jit, collective_timeout=FLAGS.collective_timeout)
+  f = gs.function(fn, mesh=mesh, in_shardings=tuple(specs), jit_compile=jit, collective_timeout=FLAGS.collective_timeout,
+                  exchange=exchange)
   placed = [gs.function(lambda a: a, mesh=mesh, in_shardings=s, out_shardings=s)(a) for a, s in zip(args, specs)]
   start = time.perf_counter()
   f.lower(*placed)   # the lowering the call below runs (the arguments arrive in their layouts)
