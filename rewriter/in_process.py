@@ -1,12 +1,11 @@
-"""In-process pass: on CPU devices of one process, the per-device programs become one multi-device graph.
+"""In-process pass: on CPU devices of one process, the per-device programs become one graph.
 
 Every mesh device runs the same per-device program; TF's collective executor joins their collectives. On
 logical CPUs of one process that costs more than the data it moves: a small all-reduce over 4 logical CPUs
 takes ~400 us beyond its arithmetic (ring steps, callbacks, thread wake-ups), and a transformer step runs
-hundreds. The devices share memory, so this pass instead copies the per-device program once per device into one
-GraphDef (node `d<p>/<name>` on device p, the partition id a constant) and replaces each collective by the
-ordinary ops that compute its result from the members' tensors, across device edges that TF's executor hands
-over by reference:
+dozens. The devices share the host's memory and cores, so this pass instead copies the per-device program once
+per device into one GraphDef (node `d<p>/<name>`, the partition id a constant) and replaces each collective by
+the ordinary ops that compute its result from the members' tensors:
 
   * all-reduce: the group's first member (runtime rank order) merges every member's operand (AddN for a sum;
     Mul/Maximum/Minimum in rank order); the others read its result, so every member holds the same bits;
@@ -14,9 +13,21 @@ over by reference:
   * all-to-all: block r of every member's operand (dim 0 cut into group-size blocks) to the member of rank r;
   * collective-permute (broadcast send/receive pairs): the receiver reads what its sender sends.
 
+Then:
+
+  * placement: what touches a device's variables (their reads, writes and the handles) runs on that device;
+    everything else on the first mesh device. A logical CPU is a label on the same cores, and one executor
+    needs no send/receive pair for each edge between devices; XLA segments then compile once for the mesh
+    (TF keeps an XLA cache per device);
+  * deduplication: copies of an argument that hold the same tile are read from the first device holding it (a
+    replicated argument is the same everywhere), and a stateless node that repeats an earlier one (same op,
+    attributes and inputs) is left out and its uses read the earlier one. What the devices compute alike -- a
+    replicated weight's update, the layer norm of an all-reduced activation -- runs once.
+
 These are the semantics of TF's ops as the partitioner uses them; the per-device program, its report and the
-bytes it counts are unchanged (`program.in_process` is an alternative way to run them). Nothing can hang: there
-are no collectives left to wait for. The runtime calls the graph once per step with every device's arguments.
+bytes it counts are unchanged (`program.in_process` is another way to run them). Nothing can hang: there are no
+collectives left to wait for. The runtime calls the graph once per step with every device's arguments; a
+result's per-device tensors may live in the first device's memory (the host's, as for every logical CPU).
 
 The pass leaves the program alone (`in_process` None: TF's collectives run) when the mesh spans processes or
 non-CPU devices, when devices are not known (plan mode), when a collective sits inside a function body, or when
@@ -31,6 +42,7 @@ import tensorflow as tf
 
 from tf_gspmd import _compat
 from tf_gspmd.rewriter import collectives
+from tf_gspmd.rewriter import graph_view
 from tf_gspmd.rewriter.graph_view import prune
 
 _MERGE = {b"Add": "AddN", b"Mul": "Mul", b"Max": "Maximum", b"Min": "Minimum"}
@@ -106,19 +118,6 @@ def _keys(program, colls):
   return per_device
 
 
-def _shared_segments(gd):
-  """{call node: 0} for the program's stateless XLA segments: every device's copy runs on the first device, whose
-  XLA compilation cache then compiles each segment once for all of them (the devices share the host's cores)."""
-  functions = {f.signature.name: f for f in gd.library.function}
-  shared = {}
-  for x in gd.node:
-    f = functions.get(x.attr["f"].func.name) if "f" in x.attr else None
-    if (f is not None and x.attr["_XlaMustCompile"].b and not f.signature.is_stateful and
-        all(a.type != tf.resource.as_datatype_enum for a in f.signature.input_arg)):
-      shared[x.name] = 0
-  return shared
-
-
 def _build(program):
   gd = program.local_graph_def
   devices = program.devices
@@ -167,12 +166,17 @@ def _build(program):
     del node.input[:]
     node.input.extend(inputs)
 
-  shared = _shared_segments(gd)
+  handles = set(program.local_variables)   # variable handles, and identities of them
+  for x in graph_view.GraphView(gd).order():
+    if x.op in ("Identity", "IdentityN") and any(graph_view.node_of(i) in handles for i in x.input):
+      handles.add(x.name)
   for p in range(n):
     for x in gd.node:
       node = out.node.add()
       node.CopyFrom(x)
-      node.name, node.device = f"d{p}/{x.name}", devices[shared.get(x.name, p)]
+      # What touches a device's variables runs on that device, everything else on the first (see the docstring).
+      touches = x.name in handles or any(graph_view.node_of(i) in handles for i in x.input)
+      node.name, node.device = f"d{p}/{x.name}", devices[p if touches else 0]
       del node.input[:]
       node.input.extend(ref(p, i) for i in x.input)
       if x.name == program.partition_id:
@@ -221,8 +225,78 @@ def _build(program):
         args = [a.name for a in _compat.op_def(x.op).input_arg]
         become(node, "Reshape", [ref(sender, senders[(instance, sender)]), ref(p, x.input[args.index("shape")])] +
                control, dtype, Tshape=x.attr["Tshape"])
-  everywhere = lambda names: tuple(ref(p, _tensor(t)) for t in names for p in range(n))  # noqa: E731
-  return InProcess(out, everywhere(list(program.local_inputs) + list(program.local_variables)),
-                   everywhere(program.local_outputs),
+  graph, same = _deduplicated(out, _same_tiles(program, ref), {ref(p, h) for h in handles for p in range(n)})
+
+  def canonical(t):
+    name, _, index = t.partition(":")
+    return f"{same.get(name, name)}:{index}"
+
+  return InProcess(graph, tuple(ref(p, _tensor(t)) for t in list(program.local_inputs) + list(program.local_variables)
+                                for p in range(n)),
+                   tuple(canonical(ref(p, _tensor(t))) for t in program.local_outputs for p in range(n)),
                    tuple(ref(p, s) for s in program.side_effects for p in range(n)))
 
+
+def _same_tiles(program, ref):
+  """{argument Placeholder of device p: that of the first device holding the same tile}: equal tiles hold equal
+  values (a replicated argument is the same on every device), so the copies can read one."""
+  same = {}
+  for name, sharding, spec in zip(program.local_inputs, program.param_shardings, program.arg_specs):
+    if sharding is None or sharding.is_maximal:
+      continue
+    rank = spec.shape.rank
+    s = sharding.with_rank(rank)
+    first = {}
+    for p in range(len(program.devices)):
+      q = first.setdefault(tuple(s.tile_index(p, d) for d in range(rank)), p)
+      if q != p:
+        same[ref(p, name)] = ref(q, name)
+  return same
+
+
+def _deduplicated(gd, same, keep):
+  """(`gd` with every stateless node that repeats an earlier one -- same op, attributes and inputs once `same`
+  maps node names to the nodes they equal -- left out, {left-out node: the node it equals}).
+
+  The devices' copies of the program compute many values alike (a replicated weight's update, a layer norm of
+  an all-reduced activation, every member of a group after an all-reduce); in one graph each runs once. Stateful
+  ops (variable reads and writes, stateful calls) and the nodes in `keep` are never merged.
+  """
+  functions = {f.signature.name: f for f in gd.library.function}
+  same = dict(same)
+
+  def mapped(i):
+    control = i.startswith("^")
+    name, colon, index = i.lstrip("^").partition(":")
+    name = same.get(name, name)
+    return f"^{name}" if control else f"{name}{colon}{index}"
+
+  seen, kept = {}, []
+  for node in graph_view.GraphView(gd).order():
+    new = tf.compat.v1.NodeDef()
+    new.CopyFrom(node)
+    del new.input[:]
+    new.input.extend(graph_view.dedupe_controls([mapped(i) for i in node.input]))
+    called = functions.get(node.op) or (functions.get(node.attr["f"].func.name) if "f" in node.attr else None)
+    stateful = called.signature.is_stateful if called is not None else graph_view.is_stateful(node.op)
+    if stateful or node.op == "Placeholder" or node.name in keep or node.name in same:
+      kept.append(new)
+      continue
+    if node.op == "Identity" and len(new.input) == 1 and graph_view.split_ref(new.input[0])[1] == 0 and \
+        not graph_view.is_control(new.input[0]):   # (an all-reduce member reading the group's result)
+      same[node.name] = graph_view.node_of(new.input[0])
+      continue
+    key = tf.compat.v1.NodeDef()
+    key.CopyFrom(new)
+    key.name, key.device = "", ""
+    key = key.SerializeToString(deterministic=True)
+    if key in seen:
+      same[node.name] = seen[key]
+    else:
+      seen[key] = node.name
+      kept.append(new)
+  out = tf.compat.v1.GraphDef()
+  out.versions.CopyFrom(gd.versions)
+  out.library.CopyFrom(gd.library)
+  out.node.extend(kept)
+  return out, same

@@ -58,7 +58,8 @@ def test_each_collective_runs_in_process_with_the_collectives_results(name, fn, 
     if exchange == "auto":
       graph = low.program.in_process.graph_def
       assert not [n.name for n in graph.node if n.op in TF_COLLECTIVE_OPS]
-      assert len({n.device for n in graph.node}) == mesh.size
+      # No variables: every node runs on the first device (the logical CPUs share the host).
+      assert {n.device for n in graph.node} == {low.program.devices[0]}
     else:
       assert low.program.in_process is None
     got[exchange] = f(*args).numpy()
@@ -104,12 +105,34 @@ def test_variables_are_read_and_written_in_process():
     return y
 
   f = gs.function(step, mesh=M8, in_shardings=P(None, "d"))
-  assert f.lower(tf.TensorSpec(x.shape)).program.in_process is not None
+  program = f.lower(tf.TensorSpec(x.shape)).program
+  graph = program.in_process.graph_def
+  touching = [n for n in graph.node if n.op in ("ReadVariableOp", "AssignVariableOp", "AssignSubVariableOp")]
+  assert len(touching) >= 16   # a read and a write per device, each on its variable's device
+  for n in touching:
+    assert n.device == program.devices[int(n.name.split("/")[0][1:])], n
   y = f(x).numpy()
   np.testing.assert_allclose(y, np.sum(x @ v0), rtol=1e-4)
   np.testing.assert_allclose(v.numpy(), v0 - 0.1 * y, rtol=1e-4, atol=1e-4)
   y2 = f(x).numpy()   # reads the written shards
   np.testing.assert_allclose(y2, np.sum(x @ (v0 - 0.1 * y)), rtol=1e-4)
+
+
+def test_what_every_device_computes_alike_runs_once():
+  """A replicated argument's copies are read from one device, so work on it (and on all-reduced values) is one
+  node in the graph; split work stays one node per device."""
+  def fn(x, w):
+    h = tf.nn.relu(x) @ w
+    return tf.math.tanh(tf.reduce_sum(h, axis=1))
+  x, w = _normal(4, 16), _normal(16, 32)
+  f = gs.function(fn, mesh=M8, in_shardings=(P(), P(None, "d")), out_shardings=P())
+  graph = f.lower(tf.TensorSpec(x.shape), tf.TensorSpec(w.shape)).program.in_process.graph_def
+  ops = [n.op for n in graph.node]
+  assert ops.count("Relu") == 1 and ops.count("Tanh") == 1 and ops.count("MatMul") == 8
+  out = f(x, w)
+  np.testing.assert_allclose(out.numpy(), np.tanh(np.sum(np.maximum(x, 0) @ w, axis=1)), rtol=1e-5, atol=1e-5)
+  for c in out.components:
+    np.testing.assert_array_equal(c.numpy(), out.components[0].numpy())
 
 
 def test_in_process_applies_only_to_cpus_of_one_process():
