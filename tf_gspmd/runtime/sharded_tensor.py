@@ -13,7 +13,9 @@ class ShardedTensor:
 
   Attributes:
     components: this process's per-device tf.Tensors (mesh row-major order), each of the sharding's shard
-      shape: one per mesh device, unless the mesh spans several processes.
+      shape: one per mesh device, unless the mesh spans several processes. On logical CPUs of one process a
+      result's components may all be held by the first device (the same host memory; see gs.function's
+      `exchange`), and devices holding the same tile may share one tensor.
     positions: the mesh positions of `components`.
     sharding: the `Sharding` of the global value.
     shape: the global shape; dtype: the element type.
