@@ -112,7 +112,8 @@ def main(_):
         times["collectives"] = _median_time(lambda: tf.nest.flatten(fc(*placed_c))[-1].numpy(), FLAGS.steps)
         low = f.lower(*[tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in args])
         times["ops"] = (_op_count(single.get_concrete_function(*consts).graph.as_graph_def()),
-                        _op_count(low.graph_def), low.report)
+                        _op_count(low.graph_def), low.report,
+                        _op_count(low.program.in_process.graph_def) if low.program.in_process else None)
     rows.append((name, times))
   base = "unpartitioned, XLA off"
   head = ("program", "XLA", "unpartitioned ms", "tf_gspmd ms", "DTensor ms", "tf_gspmd / unpart.", "DTensor / unpart.",
@@ -128,16 +129,17 @@ def main(_):
         "the single-device reference)")
   _print_table(head, table)
   print()
-  print("ops (graph nodes, function bodies included) of the unpartitioned program and of the per-device program "
-        "(after the optimize pass), and the collectives one step runs (XLA off)")
-  head = ("program", "unpartitioned ops", "per-device ops", "logical collectives", "collective ops emitted",
-          "bytes sent / device")
+  print("ops (graph nodes, function bodies included) of the unpartitioned program, of the per-device program "
+        "(after the optimize pass) and of the in-process graph of all 8 devices (deduplicated), and the collectives "
+        "one step runs (XLA off)")
+  head = ("program", "unpartitioned ops", "per-device ops", "in-process graph ops", "logical collectives",
+          "collective ops emitted", "bytes sent / device")
   table = []
   for name, times in rows:
-    whole, local, report = times["ops"]
+    whole, local, report, together = times["ops"]
     logical = ", ".join(f"{n} {k}" for k, n in sorted(report.counts().items()))
-    table.append((name, str(whole), str(local), logical or "none", str(len(report.emitted_ops())),
-                  f"{report.bytes_per_device():,}"))
+    table.append((name, str(whole), str(local), str(together or "-"), logical or "none",
+                  str(len(report.emitted_ops())), f"{report.bytes_per_device():,}"))
   _print_table(head, table)
   print()
   print("XLA off: the devices' programs as one in-process graph (exchange=\"auto\", the rows above) vs each "
@@ -147,8 +149,9 @@ def main(_):
             f"{times[('tf_gspmd', False)] / times['collectives']:.2f}") for name, times in rows]
   _print_table(head, table)
   print()
-  print("first call with XLA on (after lowering): the per-device program instantiated on every device and its "
-        "segments XLA-compiled on each, plus one step; on a one-device mesh the program is one segment")
+  print("first call with XLA on (after lowering): the program instantiated (in-process: one graph for all devices, "
+        "each XLA segment compiled once, on the first device) plus one step; on a one-device mesh the program is "
+        "one segment")
   head = ("program", "lowering 1 device s", "first call 1 device s", "lowering 8 devices s", "first call 8 devices s",
           "first call 8 / 1")
   table = []
