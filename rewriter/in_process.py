@@ -72,8 +72,8 @@ def applies(program):
   gd = program.local_graph_def
   if any(n.op in collectives.TF_COLLECTIVE_OPS for f in gd.library.function for n in f.node_def):
     return False
-  return all(n.op in _KINDS and (n.op != "CollectiveReduceV2" or (n.attr["merge_op"].s in _MERGE and
-                                                                   n.attr["final_op"].s == b"Id"))
+  return all(n.op in _KINDS and n.name in program.collective_keys[0] and (
+      n.op != "CollectiveReduceV2" or (n.attr["merge_op"].s in _MERGE and n.attr["final_op"].s == b"Id"))
              for n in gd.node if n.op in collectives.TF_COLLECTIVE_OPS)
 
 
