@@ -242,9 +242,9 @@ def _same_tiles(program, ref):
   values (a replicated argument is the same on every device), so the copies can read one."""
   same = {}
   for name, sharding, spec in zip(program.local_inputs, program.param_shardings, program.arg_specs):
-    if sharding is None or sharding.is_maximal:
-      continue
     rank = spec.shape.rank
+    if sharding is None or sharding.is_maximal or rank is None:
+      continue
     s = sharding.with_rank(rank)
     first = {}
     for p in range(len(program.devices)):
