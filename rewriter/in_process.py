@@ -93,27 +93,23 @@ def run(program):
   return program.replace(in_process=_build(program))
 
 
-def _tensor(name):
-  return name if ":" in name else name + ":0"
-
-
 def _keys(program, colls):
   """Per device: {collective node name: (group key, instance key)}, evaluated from the program's tables."""
   gd = program.local_graph_def
   fetch = []
   for c in colls:
     args = [a.name for a in _compat.op_def(c.op).input_arg]
-    fetch += [_tensor(c.input[args.index("group_key")]), _tensor(c.input[args.index("instance_key")])]
+    fetch += [graph_view.normalize(c.input[args.index("group_key")]), graph_view.normalize(c.input[args.index("instance_key")])]
   sub = prune(gd, sorted({t.split(":")[0] for t in fetch}))
   graph = tf.Graph()
   with graph.as_default():
     tf.graph_util.import_graph_def(sub, name="")
-  pid = _tensor(program.partition_id)
+  pid = graph_view.normalize(program.partition_id)
+  reads_pid = any(n.name == program.partition_id for n in sub.node)
   per_device = []
   with tf.compat.v1.Session(graph=graph) as sess:
     for p in range(len(program.devices)):
-      values = sess.run(fetch, {pid: np.int32(p)}) if pid.split(":")[0] in {n.name for n in sub.node} else \
-          sess.run(fetch)
+      values = sess.run(fetch, {pid: np.int32(p)} if reads_pid else None)
       per_device.append({c.name: (int(values[2 * k]), int(values[2 * k + 1])) for k, c in enumerate(colls)})
   return per_device
 
@@ -134,11 +130,8 @@ def _build(program):
   def ref(p, name):
     return f"^d{p}/{name[1:]}" if name.startswith("^") else f"d{p}/{name}"
 
-  senders = {}    # (instance key, sender position) -> send node name (a broadcast pair's group: sender, receiver)
-  for c in colls:
-    if c.op == "CollectiveBcastSendV2":
-      for p in range(n):
-        senders[(keys[p][c.name][1], p)] = c.name
+  # instance key -> its send node (one instance key per op, the same on every device)
+  senders = {keys[0][c.name][1]: c.name for c in colls if c.op == "CollectiveBcastSendV2"}
 
   out = tf.compat.v1.GraphDef()
   out.versions.CopyFrom(gd.versions)
@@ -146,10 +139,8 @@ def _build(program):
 
   def const(name, value, p):
     node = out.node.add()
-    node.name, node.op, node.device = name, "Const", devices[p]
-    value = np.asarray(value)
-    node.attr["dtype"].type = tf.as_dtype(value.dtype).as_datatype_enum
-    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
+    node.name, node.device = name, devices[p]
+    _become_const(node, value)
     return name
 
   def become(node, op, inputs, dtype, **attrs):
@@ -180,10 +171,7 @@ def _build(program):
       del node.input[:]
       node.input.extend(ref(p, i) for i in x.input)
       if x.name == program.partition_id:
-        node.op = "Const"
-        node.ClearField("attr")
-        node.attr["dtype"].type = tf.int32.as_datatype_enum
-        node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.int32(p)))
+        _become_const(node, np.int32(p))
         continue
       if x.op not in collectives.TF_COLLECTIVE_OPS:
         continue
@@ -223,18 +211,33 @@ def _build(program):
       else:   # CollectiveBcastRecvV2: what the group's other member sends, in the shape this one expects
         sender = position[tf.DeviceSpec.from_string(collectives.group_members(group)[0]).to_string()]
         args = [a.name for a in _compat.op_def(x.op).input_arg]
-        become(node, "Reshape", [ref(sender, senders[(instance, sender)]), ref(p, x.input[args.index("shape")])] +
+        become(node, "Reshape", [ref(sender, senders[instance]), ref(p, x.input[args.index("shape")])] +
                control, dtype, Tshape=x.attr["Tshape"])
   graph, same = _deduplicated(out, _same_tiles(program, ref), {ref(p, h) for h in handles for p in range(n)})
-
-  def canonical(t):
-    name, _, index = t.partition(":")
-    return f"{same.get(name, name)}:{index}"
-
-  return InProcess(graph, tuple(ref(p, _tensor(t)) for t in list(program.local_inputs) + list(program.local_variables)
+  return InProcess(graph, tuple(ref(p, graph_view.normalize(t)) for t in list(program.local_inputs) + list(program.local_variables)
                                 for p in range(n)),
-                   tuple(canonical(ref(p, _tensor(t))) for t in program.local_outputs for p in range(n)),
+                   tuple(_renamed(ref(p, graph_view.normalize(t)), same) for t in program.local_outputs for p in range(n)),
                    tuple(ref(p, s) for s in program.side_effects for p in range(n)))
+
+
+def _become_const(node, value):
+  """Turn NodeDef `node` into a Const holding `value` (its name and device kept)."""
+  value = np.asarray(value)
+  node.op = "Const"
+  node.ClearField("attr")
+  del node.input[:]
+  node.attr["dtype"].type = tf.as_dtype(value.dtype).as_datatype_enum
+  node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
+
+
+def _renamed(i, same):
+  """Input string `i` with its node replaced by the node it equals under `same` (a left-out node's)."""
+  name = graph_view.node_of(i)
+  name = same.get(name, name)
+  if graph_view.is_control(i):
+    return f"^{name}"
+  index = graph_view.split_ref(i)[1]
+  return name if ":" not in i else f"{name}:{index}"
 
 
 def _same_tiles(program, ref):
@@ -264,19 +267,12 @@ def _deduplicated(gd, same, keep):
   """
   functions = {f.signature.name: f for f in gd.library.function}
   same = dict(same)
-
-  def mapped(i):
-    control = i.startswith("^")
-    name, colon, index = i.lstrip("^").partition(":")
-    name = same.get(name, name)
-    return f"^{name}" if control else f"{name}{colon}{index}"
-
   seen, kept = {}, []
   for node in graph_view.GraphView(gd).order():
     new = tf.compat.v1.NodeDef()
     new.CopyFrom(node)
     del new.input[:]
-    new.input.extend(graph_view.dedupe_controls([mapped(i) for i in node.input]))
+    new.input.extend(graph_view.dedupe_controls([_renamed(i, same) for i in node.input]))
     called = functions.get(node.op) or (functions.get(node.attr["f"].func.name) if "f" in node.attr else None)
     stateful = called.signature.is_stateful if called is not None else graph_view.is_stateful(node.op)
     if stateful or node.op == "Placeholder" or node.name in keep or node.name in same:
