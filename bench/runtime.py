@@ -12,8 +12,9 @@ with XLA off and on (tf_gspmd on CPU: XLA-compiled segments between collectives;
 it compiles). Times are medians of --steps calls after warm-up, all measured in one run; ratios are to the
 unpartitioned program with the same XLA setting. Every partitioned result is checked against the unpartitioned one. A second
 table counts the ops of the unpartitioned and the per-device program and the collectives of one step. With
---profile, a third splits the time the devices' ops ran (from the profiler trace) into collectives, the copies
-that combined collectives make (concatenating and splitting their members) and the rest (compute).
+--profile, a third splits the time the devices' ops ran (from the profiler trace) into collectives (in the
+in-process graph: the ops that replace them), the copies that combined collectives make (concatenating and
+splitting their members) and the rest (compute).
 
   python bench/runtime.py [--steps=10] [--layers=12] [--only=mlp_train_step] [--profile=/tmp/prof]
                           [--collective_timeout=1800]
@@ -105,7 +106,8 @@ def main(_):
         for _ in range(3):
           tf.nest.flatten(f(*placed))[-1].numpy()
         tf.profiler.experimental.stop()
-        times[("split", jit)] = _time_split(trace, 3, mesh.size)
+        exchange = set(f.lower(*placed).program.collective_ops or ())
+        times[("split", jit)] = _time_split(trace, 3, mesh.size, exchange)
       times[("DTensor", jit)] = _dtensor_time(tf, dtensor, dmesh, fn, args, specs, jit, want, name)
       if not jit:   # the same program with TF's collective ops between the devices (exchange="collectives")
         fc, placed_c, _ = _first_call(tf, gs, fn, mesh, args, specs, jit, want, name, exchange="collectives")
@@ -195,11 +197,14 @@ def _first_call(tf, gs, fn, mesh, args, specs, jit, want, name, exchange="auto")
   return f, placed, (lowered, time.perf_counter() - start)
 
 
-def _time_split(directory, calls, devices):
+def _time_split(directory, calls, devices, exchange):
   """{"collectives", "combine copies", "compute"}: ms per device per step the ops of the traces under `directory`
   ran (the per-device program's ops are traced as "<name>:<op type>", XLA-compiled segments as their executable's
-  run, counted as compute)."""
+  run, counted as compute). `exchange`: the per-device program's collective op names; in the in-process graph
+  (nodes "d<p>/<name>") the ops that replace them (a sum, a concat, a split; named after the collective) count as
+  collectives."""
   import glob  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
   from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top
   from tf_gspmd.rewriter.collectives import TF_COLLECTIVE_OPS  # pylint: disable=g-import-not-at-top
   split = {"collectives": 0.0, "combine copies": 0.0, "compute": 0.0}
@@ -218,7 +223,8 @@ def _time_split(directory, calls, devices):
           if not name.startswith("program/") or ":" not in name:
             continue
           node, op = name.rsplit(":", 1)
-          kind = ("collectives" if op in TF_COLLECTIVE_OPS else
+          base = re.sub(r"/(merge_\d+|blocks_of_\d+)$", "", re.sub(r"^program/(d\d+/)?", "", node))
+          kind = ("collectives" if op in TF_COLLECTIVE_OPS or base in exchange else
                   "combine copies" if "combined_" in node and op in ("ConcatV2", "SplitV", "Split") else "compute")
           split[kind] += e.duration_ps / 1e9
   return {k: v / (calls * devices) for k, v in split.items()}

@@ -42,9 +42,7 @@ def run_local(program):
   """Pass: TF's graph optimizer on the per-device program, once at lowering (CPU meshes without XLA segments,
   not plan-only); the runtime then instantiates the program on every device without optimizing it again
   (`program.locally_optimized`)."""
-  on_cpu = program.devices and all(tf.DeviceSpec.from_string(d).device_type.upper() == "CPU"
-                                   for d in program.devices)
-  if program.jit is not None or not on_cpu:
+  if program.jit is not None or not program.on_cpus:
     return program
   gd = program.local_graph_def
   keep = set(program.local_inputs) | set(program.local_variables) | set(program.local_outputs) | set(

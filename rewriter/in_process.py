@@ -61,8 +61,7 @@ class InProcess:
 
 
 def _one_process_of_cpus(program):
-  return (program.options.exchange == "auto" and program.devices is not None and program.processes is None and
-          all(tf.DeviceSpec.from_string(d).device_type.upper() == "CPU" for d in program.devices))
+  return program.options.exchange == "auto" and program.processes is None and program.on_cpus
 
 
 def applies(program):

@@ -13,6 +13,8 @@ import os
 import time
 from typing import Any, Optional, Tuple
 
+import tensorflow as tf
+
 from tf_gspmd.errors import PartitionError, ShardingError
 from tf_gspmd.rewriter import (auto, cleanup, combine, completion, grappler, import_annotations, in_process, jit, memory,
                                partition, report, trace, weight_update)
@@ -82,6 +84,11 @@ class Program:
 
   def replace(self, **changes):
     return dataclasses.replace(self, **changes)
+
+  @property
+  def on_cpus(self):
+    """Whether the mesh's devices are known and every one is a CPU."""
+    return bool(self.devices) and all(tf.DeviceSpec.from_string(d).device_type.upper() == "CPU" for d in self.devices)
 
   @property
   def output_shardings(self):

@@ -55,6 +55,34 @@ def test_cpu_segments_compile_between_collectives_and_match(rng):
       assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def _blocks(scales):
+  def f(x, *ws):
+    for scale, (w1, w2) in zip(scales, zip(ws[::2], ws[1::2])):
+      x = tf.tanh(tf.nn.relu(x @ w1) @ w2) * scale + x
+    return x
+  return f
+
+
+def test_segments_that_compute_the_same_share_one_function(rng):
+  """Repeated layers call one XLA function; a layer that differs (a constant) gets its own; results unchanged."""
+  scales = (0.5, 0.5, 0.5, 0.25)
+  x = rng.standard_normal((16, 32)).astype(np.float32)
+  ws = [rng.standard_normal(s).astype(np.float32) * 0.2 for _ in scales for s in ((32, 64), (64, 32))]
+  g = gs.function(_blocks(scales), mesh=MESH, in_shardings=(P("data", None),) + (P(None, "model"), P("model", None)) * 4,
+                  jit_compile=True)
+  low = g.lower(*[tf.TensorSpec(a.shape) for a in [x] + ws])
+  called = [n.attr["f"].func.name for n in low.program.local_graph_def.node if n.op == "StatefulPartitionedCall"]
+  lib = {f.signature.name: f for f in low.program.local_graph_def.library.function}
+  assert len(called) >= 4 and len(set(called)) < len(called)
+  assert set(called) <= set(lib) and all(lib[f].attr["_XlaMustCompile"].b for f in called)
+  # The last block scales by another constant: the segment reading it differs from the others' one.
+  consts = {f: sorted(float(tf.make_ndarray(n.attr["value"].tensor)) for n in lib[f].node_def
+                      if n.op == "Const" and n.attr["value"].tensor.tensor_shape.dim == [] and
+                      n.attr["dtype"].type == tf.float32.as_datatype_enum) for f in set(called)}
+  assert any(0.25 in c for c in consts.values()) and any(0.5 in c and 0.25 not in c for c in consts.values())
+  assert_close(g(x, *ws).numpy(), _blocks(scales)(x, *ws).numpy(), rtol=1e-4, atol=1e-4)
+
+
 def test_auto_compiles_on_gpu_and_tpu_meshes_only():
   assert not jit.wants_jit("auto", "CPU") and jit.wants_jit("auto", "GPU") and jit.wants_jit("auto", "TPU")
   assert jit.wants_jit(True, "CPU") and not jit.wants_jit(False, "GPU")
