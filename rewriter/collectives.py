@@ -312,7 +312,14 @@ class Backend:
     return [tf.reshape(p, x.shape) for x, p in zip(operands, parts)], e
 
   # ---- collectives ----------------------------------------------------------------------------------------
+  def alone(self, axes):
+    """Whether every group of `axes` has one member (its axes have size 1): a collective over it is its operand,
+    so none is emitted (as XLA drops an all-reduce of one replica)."""
+    return len(self.groups(axes)[1][0]) == 1
+
   def all_reduce(self, x, axes, op, source, reason, record=True):
+    if self.alone(axes):
+      return x
     carrier, how = _summing(x.dtype, op, source)
     y = tf.bitcast(x, carrier) if how == "bitcast" else tf.cast(x, carrier) if how else x
     out, e = self._emit("all-reduce", y, axes, reduction=op)
@@ -323,6 +330,8 @@ class Backend:
 
   def all_gather(self, x, dim, axes, source, reason):
     """Concatenate the shards of the group along `dim`, in mesh order."""
+    if self.alone(axes):
+      return x
     rank = x.shape.rank
     perm = [dim] + [d for d in range(rank) if d != dim]
     y = tf.transpose(x, perm) if dim else x
@@ -372,6 +381,8 @@ class Backend:
     Dim `dst` is cut into group-size chunks; chunk k goes to the k-th member (mesh order); what arrives is
     concatenated along `src` in the senders' mesh order.
     """
+    if self.alone(axes):
+      return x
     shape = x.shape.as_list()
     rank = len(shape)
     got, e, note = self._exchange_chunks(x, dst, axes, "all_to_all", source)
@@ -390,6 +401,8 @@ class Backend:
     receives everyone's chunk k, at the dtype's own width) and a local reduction (in a wider dtype where an
     all-reduce would carry one), which moves no more than a reduce-scatter.
     """
+    if self.alone(axes):
+      return x
     got, e, note = self._exchange_chunks(x, dim, axes, "reduce_scatter", source)
     wide = _WIDER.get(x.dtype, x.dtype)
     combine = {"Add": tf.reduce_sum, "Max": tf.reduce_max, "Min": tf.reduce_min, "Mul": tf.reduce_prod}[op]

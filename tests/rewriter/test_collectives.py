@@ -43,6 +43,24 @@ def _members(mesh, axes):
   return {p: (m, m.index(p)) for m in members for p in m}
 
 
+@pytest.mark.parametrize("kind", ["all-reduce", "all-gather", "all-to-all", "reduce-scatter"])
+def test_a_group_of_one_emits_nothing(kind):
+  """Over axes of size 1 each collective is its operand: no op, no report entry (an all-reduce of one replica)."""
+  mesh = gs.Mesh((1, 8), ("one", "d"))
+  build = {"all-reduce": lambda b, x: b.all_reduce(x, ("one",), "Add", "s", "r"),
+           "all-gather": lambda b, x: b.all_gather(x, 0, ("one",), "s", "r"),
+           "all-to-all": lambda b, x: b.all_to_all(x, 0, 1, ("one",), "s", "r"),
+           "reduce-scatter": lambda b, x: b.reduce_scatter(x, 1, ("one",), "Add", "s", "r")}[kind]
+  values = [np.arange(12, dtype=np.float32).reshape(3, 4) * (p + 1) for p in range(8)]
+  got, report = _run(mesh, build, values)
+  for p in range(8):
+    np.testing.assert_array_equal(got[p], values[p])
+  assert not report.collectives
+  # Over an axis of size 8 the same call does emit one.
+  _, report = _run(mesh, lambda b, x: b.all_reduce(x, ("d",), "Add", "s", "r"), values)
+  assert len(report.collectives) == 1
+
+
 @pytest.mark.parametrize("mesh,axes", [(M8, ("d",)), (M24, ("a",)), (M24, ("b",))], ids=["8", "2x4:a", "2x4:b"])
 @pytest.mark.parametrize("shift,cyclic", [(1, False), (-1, False), (1, True), (-1, True), (2, False)], ids=str)
 def test_permute_shifts(mesh, axes, shift, cyclic):
