@@ -9,8 +9,9 @@ decoder-only transformer with Adam (examples/transformer_model.py, Megatron layo
   * DTensor: `tf.experimental.dtensor` with the same layouts on the same 8 devices;
 
 with XLA off and on (tf_gspmd on CPU: XLA-compiled segments between collectives; DTensor: jit_compile=True where
-it compiles). Times are medians of --steps calls after warm-up, all measured in one run; ratios are to the
-unpartitioned program with the same XLA setting. Every partitioned result is checked against the unpartitioned one. A second
+it compiles). Times are medians of --steps calls after warm-up, all measured in one run, the configurations of a
+program called round-robin (so load on the machine falls on all alike); ratios are to the unpartitioned program
+with the same XLA setting. Every partitioned result is checked against the unpartitioned one. A second
 table counts the ops of the unpartitioned and the per-device program and the collectives of one step. With
 --profile, a third splits the time the devices' ops ran (from the profiler trace) into collectives (in the
 in-process graph: the ops that replace them), the copies that combined collectives make (concatenating and
@@ -59,15 +60,21 @@ def programs():
   yield (f"transformer_train_step ({cfg.layers} layers, Adam)", *tm.megatron_train_args(cfg))
 
 
-def _median_time(call, steps):
-  call()
-  call()
-  times = []
-  for _ in range(steps):
-    start = time.perf_counter()
-    call()
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
+def _interleaved(calls, steps):
+  """{key: median seconds of calls[key]()} (None where calls[key] is None) over `steps` rounds after two warm-up
+  calls each; every round calls each once, in an order rotated round by round, so a burst of load on the machine
+  falls on all of them alike rather than on whichever was being timed."""
+  keys = [k for k, c in calls.items() if c is not None]
+  for k in keys:
+    calls[k]()
+    calls[k]()
+  times = {k: [] for k in keys}
+  for r in range(steps):
+    for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+      start = time.perf_counter()
+      calls[k]()
+      times[k].append(time.perf_counter() - start)
+  return {k: (float(np.median(times[k])) if k in times else None) for k in calls}
 
 
 def _check(got, want, what):
@@ -89,17 +96,21 @@ def main(_):
       continue
     consts = [tf.constant(a) for a in args]
     want = [np.asarray(t) for t in tf.nest.flatten(tf.function(fn)(*consts))]
-    times = {}
+    times, calls = {}, {}   # calls: what is timed, round-robin once everything is built (see _interleaved)
     for jit in (False, True):
       with tf.device("/device:CPU:0"):
         single = tf.function(fn, jit_compile=jit)
-        times[("unpartitioned", jit)] = _median_time(lambda: tf.nest.flatten(single(*consts))[-1].numpy(),
-                                                     FLAGS.steps)
+
+      def unpartitioned(single=single):
+        with tf.device("/device:CPU:0"):
+          tf.nest.flatten(single(*consts))[-1].numpy()
+
+      calls[("unpartitioned", jit)] = unpartitioned
       f, placed, first = _first_call(tf, gs, fn, mesh, args, specs, jit, want, name)
       if jit:   # the same program on a one-device mesh: one segment, compiled once
         one = gs.Mesh((1,) * len(mesh.shape), mesh.axis_names)
         times["first call"] = (_first_call(tf, gs, fn, one, args, specs, jit, want, name)[2], first)
-      times[("tf_gspmd", jit)] = _median_time(lambda: tf.nest.flatten(f(*placed))[-1].numpy(), FLAGS.steps)
+      calls[("tf_gspmd", jit)] = lambda f=f, placed=placed: tf.nest.flatten(f(*placed))[-1].numpy()
       if FLAGS.profile:
         trace = os.path.join(FLAGS.profile, f"{name}_xla_{'on' if jit else 'off'}")
         tf.profiler.experimental.start(trace)
@@ -108,14 +119,15 @@ def main(_):
         tf.profiler.experimental.stop()
         exchange = set(f.lower(*placed).program.collective_ops or ())
         times[("split", jit)] = _time_split(trace, 3, mesh.size, exchange)
-      times[("DTensor", jit)] = _dtensor_time(tf, dtensor, dmesh, fn, args, specs, jit, want, name)
+      calls[("DTensor", jit)] = _dtensor_call(tf, dtensor, dmesh, fn, args, specs, jit, want, name)
       if not jit:   # the same program with TF's collective ops between the devices (exchange="collectives")
         fc, placed_c, _ = _first_call(tf, gs, fn, mesh, args, specs, jit, want, name, exchange="collectives")
-        times["collectives"] = _median_time(lambda: tf.nest.flatten(fc(*placed_c))[-1].numpy(), FLAGS.steps)
+        calls["collectives"] = lambda: tf.nest.flatten(fc(*placed_c))[-1].numpy()
         low = f.lower(*[tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in args])
         times["ops"] = (_op_count(single.get_concrete_function(*consts).graph.as_graph_def()),
                         _op_count(low.graph_def), low.report,
                         _op_count(low.program.in_process.graph_def) if low.program.in_process else None)
+    times.update(_interleaved(calls, FLAGS.steps))
     rows.append((name, times))
   base = "unpartitioned, XLA off"
   head = ("program", "XLA", "unpartitioned ms", "tf_gspmd ms", "DTensor ms", "tf_gspmd / unpart.", "DTensor / unpart.",
@@ -234,8 +246,9 @@ def _op_count(graph_def):
   return len(graph_def.node) + sum(len(f.node_def) for f in graph_def.library.function)
 
 
-def _dtensor_time(tf, dtensor, dmesh, fn, args, specs, jit, want, name):
-  """Median step time under DTensor with the same layouts, or None when DTensor cannot run the program."""
+def _dtensor_call(tf, dtensor, dmesh, fn, args, specs, jit, want, name):
+  """One DTensor step with the same layouts (its result checked), as a call to time; None when DTensor cannot run
+  the program."""
   def layout(spec, rank):
     dims = list(spec) + [None] * (rank - len(spec))
     return dtensor.Layout([d if d else dtensor.UNSHARDED for d in dims], dmesh)
@@ -252,7 +265,7 @@ def _dtensor_time(tf, dtensor, dmesh, fn, args, specs, jit, want, name):
     print(f"DTensor cannot run {name} with jit_compile={jit}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
     return None
   _check(got, want, f"DTensor {name} jit={jit}")
-  return _median_time(lambda: tf.nest.flatten(f(*placed))[-1].numpy(), FLAGS.steps)
+  return lambda: tf.nest.flatten(f(*placed))[-1].numpy()
 
 
 def _dtensor_global(tf, dtensor, t):
