@@ -10,8 +10,8 @@ decoder-only transformer with Adam (examples/transformer_model.py, Megatron layo
 
 with XLA off and on (tf_gspmd on CPU: XLA-compiled segments between collectives; DTensor: jit_compile=True where
 it compiles). Times are medians of --steps calls after warm-up, all measured in one run, the configurations of a
-program called round-robin (so load on the machine falls on all alike); ratios are to the unpartitioned program
-with the same XLA setting. Every partitioned result is checked against the unpartitioned one. A second
+program taking turns in rounds of a few calls each (so load on the machine falls on all alike); ratios are to the
+unpartitioned program with the same XLA setting. Every partitioned result is checked against the unpartitioned one. A second
 table counts the ops of the unpartitioned and the per-device program and the collectives of one step. With
 --profile, a third splits the time the devices' ops ran (from the profiler trace) into collectives (in the
 in-process graph: the ops that replace them), the copies that combined collectives make (concatenating and
@@ -60,20 +60,25 @@ def programs():
   yield (f"transformer_train_step ({cfg.layers} layers, Adam)", *tm.megatron_train_args(cfg))
 
 
-def _interleaved(calls, steps):
-  """{key: median seconds of calls[key]()} (None where calls[key] is None) over `steps` rounds after two warm-up
-  calls each; every round calls each once, in an order rotated round by round, so a burst of load on the machine
-  falls on all of them alike rather than on whichever was being timed."""
+def _interleaved(calls, steps, block=3):
+  """{key: median seconds of calls[key]()} (None where calls[key] is None) over `steps` timed calls each.
+
+  The configurations take turns in rounds, in an order rotated round by round, so a burst of load on the
+  machine falls on all of them alike rather than on whichever was being timed; in its turn each runs one
+  untimed call, then `block` timed ones back to back, as a training loop repeats its step (switching programs
+  every call would time them with cold caches).
+  """
   keys = [k for k, c in calls.items() if c is not None]
   for k in keys:
     calls[k]()
-    calls[k]()
   times = {k: [] for k in keys}
-  for r in range(steps):
+  for r in range(-(-steps // block)):
     for k in keys[r % len(keys):] + keys[:r % len(keys)]:
-      start = time.perf_counter()
       calls[k]()
-      times[k].append(time.perf_counter() - start)
+      for _ in range(min(block, steps - len(times[k]))):
+        start = time.perf_counter()
+        calls[k]()
+        times[k].append(time.perf_counter() - start)
   return {k: (float(np.median(times[k])) if k in times else None) for k in calls}
 
 
