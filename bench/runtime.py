@@ -240,8 +240,9 @@ def _time_split(directory, calls, devices, exchange):
           if not name.startswith("program/") or ":" not in name:
             continue
           node, op = name.rsplit(":", 1)
-          base = re.sub(r"/(merge_\d+|blocks_of_\d+)$", "", re.sub(r"^program/(d\d+/)?", "", node))
-          kind = ("collectives" if op in TF_COLLECTIVE_OPS or base in exchange else
+          base = re.sub(r"^program/(d\d+/)?", "", node)   # (ops a collective became are it or named under it)
+          exchanged = base in exchange or base.rsplit("/", 1)[0] in exchange
+          kind = ("collectives" if op in TF_COLLECTIVE_OPS or exchanged else
                   "combine copies" if "combined_" in node and op in ("ConcatV2", "SplitV", "Split") else "compute")
           split[kind] += e.duration_ps / 1e9
   return {k: v / (calls * devices) for k, v in split.items()}

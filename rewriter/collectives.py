@@ -221,6 +221,10 @@ class Backend:
       self._groups[axes] = (of, members)
     return self._groups[axes]
 
+  def group_size(self, axes):
+    """The number of members of each group of `axes`."""
+    return len(self.groups(axes)[1][0])
+
   def _crosses_processes(self, axes):
     """Whether the groups along `axes` join devices of different processes."""
     if self.processes is None or not axes:
@@ -295,7 +299,7 @@ class Backend:
     cut into group-size blocks), so what arrives from each member splits the same way. The collective is not
     recorded in the report (its members' records are pointed at it). Returns ([per operand], its Emitted).
     """
-    size = len(self.groups(axes)[1][0])
+    size = self.group_size(axes)
     if kind == "all-to-all":
       if any(x.shape[0] != size for x in operands):
         raise ValueError(f"an all-to-all's operand must have {size} rows (the group size) to be combined")
@@ -315,7 +319,7 @@ class Backend:
   def alone(self, axes):
     """Whether every group of `axes` has one member (its axes have size 1): a collective over it is its operand,
     so none is emitted (as XLA drops an all-reduce of one replica)."""
-    return len(self.groups(axes)[1][0]) == 1
+    return self.group_size(axes) == 1
 
   def all_reduce(self, x, axes, op, source, reason, record=True):
     if self.alone(axes):
@@ -357,7 +361,7 @@ class Backend:
 
     Returns ([sender, ..., chunk, ...]: what arrived, in the senders' mesh order, the op's description, note).
     """
-    size = len(self.groups(axes)[1][0])
+    size = self.group_size(axes)
     shape = x.shape.as_list()
     c = shape[dim] // size
     # [.., dim, ..] -> [chunk, .., c, ..]: TF's CPU all-to-all exchanges slices of dim 0.

@@ -98,7 +98,7 @@ def _keys(program, colls):
   fetch = []
   for c in colls:
     args = [a.name for a in _compat.op_def(c.op).input_arg]
-    fetch += [graph_view.normalize(c.input[args.index("group_key")]), graph_view.normalize(c.input[args.index("instance_key")])]
+    fetch += [graph_view.normalize(c.input[args.index(k)]) for k in ("group_key", "instance_key")]
   sub = prune(gd, sorted({t.split(":")[0] for t in fetch}))
   graph = tf.Graph()
   with graph.as_default():
@@ -177,10 +177,9 @@ def _build(program):
       group, instance = keys[p][x.name]
       control = [ref(p, i) for i in x.input if i.startswith("^")]
       dtype = x.attr["T"]
+      # (runtime rank order; collectives.Backend emits none over a group of one)
       ranked = members(group) if x.op != "CollectiveBcastRecvV2" else None
-      if ranked is not None and len(ranked) == 1:   # a group of one: its own operand
-        become(node, "Identity", [ref(p, x.input[0])] + control, dtype)
-      elif x.op == "CollectiveReduceV2":
+      if x.op == "CollectiveReduceV2":
         if p != ranked[0]:
           become(node, "Identity", [ref(ranked[0], x.name)] + control, dtype)
         elif x.attr["merge_op"].s == b"Add":
@@ -213,9 +212,10 @@ def _build(program):
         become(node, "Reshape", [ref(sender, senders[instance]), ref(p, x.input[args.index("shape")])] +
                control, dtype, Tshape=x.attr["Tshape"])
   graph, same = _deduplicated(out, _same_tiles(program, ref), {ref(p, h) for h in handles for p in range(n)})
-  return InProcess(graph, tuple(ref(p, graph_view.normalize(t)) for t in list(program.local_inputs) + list(program.local_variables)
-                                for p in range(n)),
-                   tuple(_renamed(ref(p, graph_view.normalize(t)), same) for t in program.local_outputs for p in range(n)),
+  inputs = list(program.local_inputs) + list(program.local_variables)
+  return InProcess(graph, tuple(ref(p, graph_view.normalize(t)) for t in inputs for p in range(n)),
+                   tuple(_renamed(ref(p, graph_view.normalize(t)), same) for t in program.local_outputs
+                         for p in range(n)),
                    tuple(ref(p, s) for s in program.side_effects for p in range(n)))
 
 

@@ -141,7 +141,7 @@ class Executable:
     self._fn = None
     self._in_process = None
     self.n_outputs = len(program.local_outputs)
-    self._instantiated = set()   # which of the two functions ran once ("per_device", "in_process")
+    self._instantiated = False
     # What each call's results are made of, built once (a training step has hundreds of results).
     self._results = [(sharding, tf.TensorShape(shape), tf.as_dtype(dtype))
                      for sharding, shape, dtype in program.output_specs]
@@ -197,11 +197,11 @@ class Executable:
     return comps
 
   @contextlib.contextmanager
-  def _instantiation(self, which):
-    """The first call of function `which` instantiates it (the per-device program on every device, or the
-    in-process graph); when the lowering already ran TF's graph optimizer on the program, TF's runtime does not
-    run it again."""
-    if not self.program.locally_optimized or which in self._instantiated:
+  def _instantiation(self):
+    """The first call instantiates the program (on every device, or as the in-process graph: a lowering runs one
+    of the two, fixed by `program.in_process`); when the lowering already ran TF's graph optimizer on it, TF's
+    runtime does not run it again."""
+    if not self.program.locally_optimized or self._instantiated:
       yield
       return
     before = tf.config.optimizer.get_experimental_options()
@@ -210,7 +210,7 @@ class Executable:
       yield
     finally:
       tf.config.optimizer.set_experimental_options(before)
-      self._instantiated.add(which)
+      self._instantiated = True
 
   def run_packed(self, pd, pid, packed):
     """Run the per-device program on the parallel device `pd`, aborting its collectives past the deadline.
@@ -221,7 +221,7 @@ class Executable:
     timeout = self.program.options.collective_timeout
     token = _DEADLINES.arm(timeout)
     try:
-      with tf.device(_compat.parallel_device_name(pd)), self._instantiation("per_device"):
+      with tf.device(_compat.parallel_device_name(pd)), self._instantiation():
         return self._call(pid, packed)[:self.n_outputs]
     except tf.errors.OpError as e:
       if self.local.fully_local:
@@ -256,7 +256,7 @@ class Executable:
     positions = self.local.positions
     if in_process:
       flat = [c for comps in flat for c in comps] + [c.handle for st in storages for c in st.components]
-      with self._instantiation("in_process"):
+      with self._instantiation():
         outs = _compat.call_flat(self._in_process_fn(), flat)
       n = len(positions)
       outs = [dict(components=outs[k * n:(k + 1) * n]) for k in range(self.n_outputs)]
