@@ -53,12 +53,12 @@ def test_device_order_is_processes_major():
 
 def test_one_process_is_a_cluster_of_one():
   assert gs.process_count() == 1 and gs.process_index() == 0
-  assert MESH.local_devices == MESH.resolve_devices()
+  assert gs.local_devices(MESH) == MESH.resolve_devices()
 
 
 def test_split_cpu_devices_sizes_the_intra_op_pool_to_the_cores_per_device():
   cores = len(os.sched_getaffinity(0))
-  assert tf.config.threading.get_intra_op_parallelism_threads() == max(1, cores // len(MESH.local_devices))
+  assert tf.config.threading.get_intra_op_parallelism_threads() == max(1, cores // len(gs.local_devices(MESH)))
   # A size the process chose itself is kept; an explicit one is applied.
   code = ("import tensorflow as tf, tf_gspmd as gs; tf.config.threading.set_intra_op_parallelism_threads(3); "
           "gs.split_cpu_devices(4); print('CHOSEN', tf.config.threading.get_intra_op_parallelism_threads())")

@@ -15,7 +15,7 @@ Example:
 from tf_gspmd import initializers
 from tf_gspmd._annotations import mesh_split, replicate, shard
 from tf_gspmd._function import Lowered, ShardedFunction, function
-from tf_gspmd._cluster import initialize, is_local, process_count, process_index, split_cpu_devices
+from tf_gspmd._cluster import initialize, is_local, local_devices, process_count, process_index, split_cpu_devices
 from tf_gspmd._mesh import Mesh, P
 from tf_gspmd._pipeline import pipeline, stack_stages, unstack_stages
 from tf_gspmd._sharding import Sharding
@@ -26,7 +26,7 @@ from tf_gspmd.runtime.sharded_tensor import ShardedTensor, from_process_local_da
 from tf_gspmd.runtime.state import sharding_of, variable
 
 __all__ = [
-    "Mesh", "P", "Sharding", "split_cpu_devices", "initialize", "process_count", "process_index", "is_local", "mesh_split", "shard", "replicate", "function", "ShardedFunction",
+    "Mesh", "P", "Sharding", "split_cpu_devices", "initialize", "process_count", "process_index", "is_local", "local_devices", "mesh_split", "shard", "replicate", "function", "ShardedFunction",
     "Lowered", "ShardedTensor", "pipeline", "stack_stages", "unstack_stages",
     "from_process_local_data", "sharding_of", "variable", "initializers", "visualize_sharding", "ShardingError",
     "MeshError", "SpecError", "ShapeError", "PartitionError", "UnsupportedOpError", "InputError", "ProcessLostError",

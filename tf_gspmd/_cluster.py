@@ -16,9 +16,9 @@ import os
 import threading
 
 from tf_gspmd import _compat
+from tf_gspmd._mesh import JOB_ORDER, device_order  # pylint: disable=unused-import (device_order: re-exported)
 from tf_gspmd.errors import MeshError
 
-JOB_ORDER = ("chief", "worker")   # the jobs whose tasks drive devices, in process order
 DEVICES_ENV = "TF_GSPMD_CPU_DEVICES_PER_PROCESS"   # logical CPUs per process, from the launcher
 _lock = threading.Lock()
 _state = {"job": None, "task": None, "tasks": None}
@@ -116,12 +116,9 @@ def process_of(device):
   return _state["tasks"].index(_task_of(device))
 
 
-def device_order(device):
-  """Sort key of a device name: process (chief first, then workers by index), then device type and index."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  spec = tf.DeviceSpec.from_string(device)
-  job = JOB_ORDER.index(spec.job) if spec.job in JOB_ORDER else -1
-  return (job, spec.replica or 0, spec.task or 0, spec.device_type or "", spec.device_index or 0)
+def local_devices(mesh):
+  """The devices of `mesh` this process drives (all of them unless the mesh spans several processes)."""
+  return tuple(d for d in mesh.resolve_devices() if is_local(d))
 
 
 def split_cpu_devices(n, intra_op_threads=None):

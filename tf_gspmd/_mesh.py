@@ -6,7 +6,6 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from tf_gspmd import _cluster
 from tf_gspmd.errors import MeshError, SpecError
 
 
@@ -102,7 +101,7 @@ class Mesh:
       logical devices of the default type (GPU when present, else CPU), resolved when the mesh first
       runs, so a mesh can be planned on a machine that lacks its devices. Over several processes
       (`gs.initialize`) the devices of all of them count, processes major (the chief, then workers by
-      index), so the mesh is the same in every process; `local_devices` are this process's.
+      index), so the mesh is the same in every process; `gs.local_devices(mesh)` are this process's.
 
   Example:
     >>> mesh = Mesh((2, 4), ("data", "model"))
@@ -177,7 +176,7 @@ class Mesh:
       return self.devices
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     kind = "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
-    avail = sorted((d.name for d in tf.config.list_logical_devices(kind)), key=_cluster.device_order)
+    avail = sorted((d.name for d in tf.config.list_logical_devices(kind)), key=device_order)
     if len(avail) < self.size:
       raise MeshError(
           f"mesh {dict(zip(self.axis_names, self.shape))} needs {self.size} devices but only {len(avail)} logical "
@@ -185,13 +184,19 @@ class Mesh:
           f"tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * {self.size})")
     return tuple(_device_name(d) for d in avail[:self.size])
 
-  @property
-  def local_devices(self):
-    """The mesh devices this process drives (all of them unless the mesh spans several processes)."""
-    return tuple(d for d in self.resolve_devices() if _cluster.is_local(d))
-
   def __str__(self):
     return "Mesh(" + ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape)) + ")"
+
+
+JOB_ORDER = ("chief", "worker")   # the jobs whose tasks drive devices, in process order
+
+
+def device_order(device):
+  """Sort key of a device name: process (chief first, then workers by index), then device type and index."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  spec = tf.DeviceSpec.from_string(device)
+  job = JOB_ORDER.index(spec.job) if spec.job in JOB_ORDER else -1
+  return (job, spec.replica or 0, spec.task or 0, spec.device_type or "", spec.device_index or 0)
 
 
 def _device_name(d):

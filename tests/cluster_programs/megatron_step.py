@@ -40,7 +40,7 @@ def train(gs, tf, mesh, steps, restore=None, save=None):
     out["restored_w1"] = float(np.abs(w1.numpy()).sum())
     out["restored_w2"] = float(np.abs(w2.numpy()).sum())
   # Each process passes only its own rows of the batch (rows split over "data": mesh row = position // 4).
-  mine = sorted({p // 4 for p in range(8) if mesh.resolve_devices()[p] in mesh.local_devices})
+  mine = sorted({p // 4 for p in range(8) if mesh.resolve_devices()[p] in gs.local_devices(mesh)})
   rows = x[mine[0] * 8:(mine[-1] + 1) * 8]
   batch = gs.from_process_local_data(rows, mesh, P("data", None))
   out["batch_local"] = batch.is_fully_addressable
@@ -67,7 +67,7 @@ def main():
   k, n = gs.initialize(cpu_devices=8)
   mesh = gs.Mesh((2, 4), ("data", "model"))
   out = train(gs, tf, mesh, args.steps, args.restore, args.save)
-  out.update(process=k, processes=n, local=list(mesh.local_devices))
+  out.update(process=k, processes=n, local=list(gs.local_devices(mesh)))
   print("RESULT " + json.dumps(out), flush=True)
 
 
