@@ -11,8 +11,8 @@ per annotated tensor; completion keeps the other dims as annotated and may split
 """
 
 import tensorflow as tf
-from tensorflow.compiler.xla import xla_data_pb2
 
+from tf_gspmd import _compat
 from tf_gspmd._annotations import SHARDING_ATTR, SPEC_ATTR, decode_spec
 from tf_gspmd._mesh import P
 from tf_gspmd._sharding import Sharding, to_annotation
@@ -34,9 +34,9 @@ def _read(node_def, mesh):
     raw = node_def.attr["sharding"].s
   if raw is None:
     return {}
-  proto = xla_data_pb2.OpSharding()
+  proto = _compat.xla_data_pb2().OpSharding()
   proto.ParseFromString(raw)
-  if proto.type == xla_data_pb2.OpSharding.TUPLE:
+  if proto.type == _compat.xla_data_pb2().OpSharding.TUPLE:
     return {i: (Sharding.from_proto(p, mesh, what=f"{node_def.name}:{i}"), ())
             for i, p in enumerate(proto.tuple_shardings)}
   open_dims = ()

@@ -22,8 +22,10 @@ FLOORS = (   # lowest first; a module belongs to the floor of its longest matchi
     ("api", ("tf_gspmd", "tf_gspmd._function", "tf_gspmd._pipeline", "tf_gspmd._visualize", "tf_gspmd.keras")),
 )
 
-# Private TensorFlow/Keras modules: only the adapter may import them (or a module listed with its reason).
-PRIVATE_PREFIXES = ("tensorflow.python", "keras.src")
+# Private TensorFlow/Keras modules -- every module of the two packages but their public entry points (`tensorflow`,
+# `keras` and Keras's public subpackages): only the adapter may import them (or a module listed with its reason).
+PRIVATE_PREFIXES = ("tensorflow.", "keras.src", "tf_keras.")
+PUBLIC_MODULES = ("tensorflow.compat.v1", "tensorflow.compat.v2")
 PRIVATE_ALLOWED = {"tf_gspmd._compat"}
 
 
@@ -64,13 +66,20 @@ def _imports(name):
     else:
       continue
     full = [a.name for a in node.names] if isinstance(node, ast.Import) else [f"{base}.{a.name}" for a in node.names]
-    private += [(t, node.lineno) for t in full if t.startswith(PRIVATE_PREFIXES)]
+    private += [(t, node.lineno) for t in full if _private(t)]
     for t in targets:
       while t and t not in MODULES and t.startswith("tf_gspmd"):
         t = t.rpartition(".")[0]
       if t in MODULES and t != name:
         ours.append((t, node.lineno))
   return ours, private
+
+
+def _private(module):
+  """Whether `module` (an imported dotted name) is a non-public TensorFlow or Keras module."""
+  if any(module == p or module.startswith(p + ".") for p in PUBLIC_MODULES):
+    return False
+  return module.startswith(PRIVATE_PREFIXES)
 
 
 def floor_of(name):
@@ -151,6 +160,15 @@ def test_private_tensorflow_and_keras_apis_only_through_the_adapter():
     for target, line in _imports(name)[1]:
       wrong.append(f"{MODULES[name].relative_to(ROOT)}:{line} imports {target}")
   assert not wrong, "private TF/Keras modules imported outside tf_gspmd/_compat.py:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("module,private", [
+    ("tensorflow", False), ("tensorflow.compat.v1", False), ("keras", False), ("keras.distribution", False),
+    ("tensorflow.python.eager.context", True), ("tensorflow.compiler.xla.xla_data_pb2", True),
+    ("tensorflow.core.framework.graph_pb2", True), ("keras.src.backend", True),
+])
+def test_every_non_public_tensorflow_module_counts_as_private(module, private):
+  assert _private(module) == private
 
 
 @pytest.mark.parametrize("source,expected", [
