@@ -14,8 +14,7 @@ import tensorflow as tf
 
 from tf_gspmd import _compat
 from tf_gspmd._annotations import SHARDING_ATTR, SPEC_ATTR, decode_spec
-from tf_gspmd._mesh import P
-from tf_gspmd._sharding import Sharding, to_annotation
+from tf_gspmd._sharding import Sharding, per_value, to_annotation
 from tf_gspmd.errors import InputError, SpecError
 from tf_gspmd.rewriter.graph_ir import Graph
 from tf_gspmd.rewriter.graph_view import public_key, ref, split_ref
@@ -141,16 +140,9 @@ def _check_splittable_argument(k, node, sharding):
 
 
 def _declared_out(raw, n, mesh):
-  """out_shardings resolved against the n flattened outputs: one (Sharding, open dims) for all, one each, or
-  none."""
-  if raw is None:
-    return ((None, ()),) * n
-  if isinstance(raw, (P, Sharding)):
-    raw = (raw,) * n
-  elif len(raw) != n:
-    raise InputError(f"out_shardings has {len(raw)} entries but the function returns {n} tensors; give one per "
-                     "output or a single spec for all")
-  return tuple(to_annotation(s, mesh, what=f"output {k}") for k, s in enumerate(raw))
+  """out_shardings resolved against the n flattened outputs: (Sharding, open dims) per output."""
+  return tuple(to_annotation(s, mesh, what=f"output {k}") for k, s in
+               enumerate(per_value(raw, n, "out_shardings", "the function returns {n} tensors")))
 
 
 def _insert_boundary(gd, name, sharding):

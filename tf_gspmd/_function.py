@@ -9,7 +9,7 @@ from absl import logging
 
 from tf_gspmd import _cluster
 from tf_gspmd._mesh import Mesh, P
-from tf_gspmd._sharding import Sharding, to_annotation
+from tf_gspmd._sharding import Sharding, per_value, to_annotation
 from tf_gspmd._visualize import visualize_sharding
 from tf_gspmd.errors import InputError, MeshError, ShapeError
 from tf_gspmd.rewriter import auto as auto_pass
@@ -121,15 +121,7 @@ class ShardedFunction:
     functools.update_wrapper(self, fn)
 
   def _raw_in(self, n):
-    raw = self._in
-    if raw is None:
-      return (None,) * n
-    if isinstance(raw, (P, Sharding)) or _is_auto(raw):
-      return (raw,) * n
-    if not isinstance(raw, (tuple, list)) or len(raw) != n:
-      raise InputError(f"in_shardings has {len(raw) if isinstance(raw, (tuple, list)) else 1} entries but the "
-                       f"function was called with {n} arguments; give one spec per argument")
-    return tuple(raw)
+    return per_value(self._in, n, "in_shardings", "the function was called with {n} arguments")
 
   def _declared_in(self, specs):
     raw = self._raw_in(len(specs))
@@ -142,14 +134,6 @@ class ShardedFunction:
       return self.options
     auto = dataclasses.replace(self._auto, arguments=tuple(_is_auto(s) for s in self._raw_in(n)))
     return dataclasses.replace(self.options, auto=auto)
-
-  def _declared_out(self):
-    raw = self._out
-    if raw is None:
-      return None
-    if isinstance(raw, (P, Sharding)):
-      return raw
-    return tuple(raw)
 
   def lower(self, *specs, arg_shardings=None, processes=None):
     """Completes and partitions the function for `specs` (TensorSpecs); needs no devices.
@@ -196,7 +180,7 @@ class ShardedFunction:
                                open_in=tuple(o for _, o in declared_in), arriving_in=arriving, devices=devices,
                                processes=processes,
                                variable_layout=functools.partial(_state.layout_of, mesh=self.mesh))
-    program = pipeline.run(program.replace(declared_out=self._declared_out()))
+    program = pipeline.run(program.replace(declared_out=tuple(self._out) if isinstance(self._out, list) else self._out))
     lowered = Lowered(program)
     with self._lock:
       self._cache[key] = lowered

@@ -15,7 +15,7 @@ import numpy as np
 
 from tf_gspmd import _compat
 from tf_gspmd._mesh import Mesh, P
-from tf_gspmd.errors import SpecError
+from tf_gspmd.errors import InputError, SpecError
 
 
 def _xla_data_pb2():
@@ -297,6 +297,21 @@ def _axis_assignments(mesh, tiles):
 
 def _text(proto):
   return "{" + ",".join(f"{f.name}={v}" for f, v in proto.ListFields()).replace("\n", " ") + "}"
+
+
+def per_value(raw, n, what, values):
+  """`in_shardings` or `out_shardings` (named by `what`) as one entry per value, for the `n` values that `values`
+  describes ("the function was called with {n} arguments"): None gives None for each, one spec (a P, a Sharding,
+  a proto, "auto") the same spec for each, a list or tuple one entry each -- it must then have n entries, or an
+  InputError says so. The one reading of both arguments of gs.function."""
+  if raw is None:
+    return (None,) * n
+  if not isinstance(raw, (tuple, list)) or isinstance(raw, P):
+    return (raw,) * n
+  if len(raw) != n:
+    raise InputError(f"{what} has {len(raw)} entries but {values.format(n=n)}; give one spec per value or a single "
+                     "spec for all")
+  return tuple(raw)
 
 
 def to_annotation(value, mesh, rank=None, what=None):
