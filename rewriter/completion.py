@@ -72,11 +72,7 @@ def body_program(parent, fname, arg_shapes, param_shardings, out_shardings):
   cache = parent.function_cache
   if key not in cache:
     gd, inputs, outputs = functions.body_graph_def(parent.graph_def.library, fname, arg_shapes)
-    program = parent.replace(
-        fn=None, arg_specs=(), declared_in=tuple(param_shardings), arriving_in=tuple(param_shardings), open_in=(),
-        declared_out=tuple(out_shardings) if out_shardings else None, graph_def=gd, input_names=inputs,
-        output_refs=outputs, variable_names=(), variables=(), ir=None, annotations=None, open_dims=None,
-        shardings=None, local_graph_def=None, report=None, auto_plan=None)
+    program = type(parent).body(parent, gd, inputs, outputs, param_shardings, out_shardings)
     cache[key] = run(import_annotations.run(program))
   return cache[key]
 

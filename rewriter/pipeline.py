@@ -85,6 +85,18 @@ class Program:
   def replace(self, **changes):
     return dataclasses.replace(self, **changes)
 
+  @classmethod
+  def body(cls, parent, graph_def, input_names, output_refs, param_shardings, out_shardings):
+    """The program of a function body of `parent` (a While body, an If branch): its own graph, its parameters
+    arriving in `param_shardings`, its results declared as `out_shardings` (or None). It shares with the parent
+    what describes the lowering -- mesh, options, devices, processes, the stored variable layouts and the cache of
+    completed bodies -- and nothing else: every other field starts empty, whatever fields the parent has."""
+    return cls(fn=None, mesh=parent.mesh, options=parent.options, arg_specs=(), declared_in=tuple(param_shardings),
+               arriving_in=tuple(param_shardings), declared_out=tuple(out_shardings) if out_shardings else None,
+               devices=parent.devices, processes=parent.processes, variable_layout=parent.variable_layout,
+               graph_def=graph_def, input_names=tuple(input_names), output_refs=tuple(output_refs),
+               function_cache=parent.function_cache)
+
   @property
   def on_cpus(self):
     """Whether the mesh's devices are known and every one is a CPU."""
