@@ -3,10 +3,13 @@
 A factor that appears in an output is carried through: its mesh axes pass from operands to the output and
 back. A factor absent from every output is *reduced*: splitting it leaves each device with a partial
 result, combined by one all-reduce with `reduce_op` (masking uneven padding with that op's identity).
-`FactorRule` implements forward, backward and partition once for every op that declares its factors.
+`FactorRule` implements forward, backward and partition once for every op that declares its factors, and
+enumerates the op's strategies (`FactorRule.strategies`: every assignment of mesh axes to its factors that
+divides them evenly), the choices automatic sharding prices.
 """
 
 import dataclasses
+import itertools
 import math
 from typing import Optional, Tuple
 
@@ -21,12 +24,15 @@ Labels = Tuple[Optional[str], ...]
 
 @dataclasses.dataclass(frozen=True)
 class Factors:
+  """An op's factors: one label per dim of each data operand and each output (like an einsum's subscripts)."""
+
   operands: Tuple[Labels, ...]      # one label tuple per data input (None = broadcast size-1 dim)
   outputs: Tuple[Labels, ...]       # one label tuple per output
   reduce_op: str = "Add"            # how partial results over reduced factors combine
 
   @property
   def reduced(self):
+    """The labels of operands absent from every output, in order of first appearance."""
     out = {l for labels in self.outputs for l in labels if l}
     seen = []
     for labels in self.operands:
@@ -34,6 +40,19 @@ class Factors:
         if l and l not in out and l not in seen:
           seen.append(l)
     return seen
+
+  @property
+  def labels(self):
+    """Every factor label of the operands and outputs, sorted."""
+    return sorted({l for labels in self.operands + self.outputs for l in labels if l})
+
+  def partial(self, axes_of):
+    """The partial sums a split `axes_of` ({label: mesh axes}) leaves in the outputs: (mesh axes, reduce op), the
+    axes of every split reduced factor in the order of `reduced`, or None when no reduced factor is split."""
+    reduced_split = [l for l in self.reduced if axes_of.get(l)]
+    if not reduced_split:
+      return None
+    return tuple(a for l in reduced_split for a in axes_of[l]), self.reduce_op
 
 
 def identity_value(reduce_op, dtype):
@@ -51,8 +70,9 @@ def identity_value(reduce_op, dtype):
   return np_dtype.type(info.min if reduce_op == "Max" else info.max)
 
 
-def _dims_from(labels, axes_of, prefer=None):
-  """Dims of a sharding for a tensor with `labels`, taking each label's axes, skipping axes already used.
+def dims_from(labels, axes_of, prefer=None):
+  """Dims of a sharding for a tensor with `labels`, taking each label's axes, skipping axes already used:
+  `Sharding(mesh, dims_from(labels, axes_of))` is the layout a split `axes_of` ({label: mesh axes}) gives it.
 
   A label that repeats (an einsum diagonal, "ii->i") is split on one of its dims only, the others stay whole:
   the one that `prefer` (the operand's current layout) already splits by those axes, else the first.
@@ -72,6 +92,34 @@ def _dims_from(labels, axes_of, prefer=None):
     used.update(ax)
     dims.append(ax)
   return tuple(dims)
+
+
+def assignments(mesh, labels, size_of):
+  """Every map label -> mesh axes (each mesh axis of size > 1 on one label or none) that divides the labels'
+  sizes (`size_of`: {label: size}) evenly, in one fixed order (the unsplit map last).
+
+  The one enumeration of splits: a tensor's candidate layouts (its dims as labels) and an op's strategies
+  (`FactorRule.strategies`, its factors as labels) are both drawn from it. A label of unknown size stays whole.
+  """
+  axes = [a for a in mesh.axis_names if mesh.axis_size(a) > 1]
+  out = []
+  for assign in itertools.product(range(len(labels) + 1), repeat=len(axes)):
+    axes_of = {}
+    for a, k in zip(axes, assign):
+      if k < len(labels):
+        axes_of[labels[k]] = axes_of.get(labels[k], ()) + (a,)
+    if all(l in size_of and size_of[l] % math.prod(mesh.axis_size(a) for a in ax) == 0 for l, ax in axes_of.items()):
+      out.append(axes_of)
+  return out
+
+
+def _layout_shape(info):
+  """The shape a tensor's layout splits: its own, or a variable handle's value shape; None when opaque."""
+  if info.partitionable:
+    return tuple(int(d) for d in info.shape)
+  if info.value_shape is not None and not info.is_list:
+    return tuple(int(d) for d in info.value_shape)
+  return None
 
 
 def _diagonal_blocks(ctx, x, shape, layout, labels):
@@ -131,6 +179,39 @@ class FactorRule(Rule):
     """Groups of factor labels of which `partition` can keep at most one split (automatic sharding keeps to it)."""
     return ()
 
+  def factor_sizes(self, node):
+    """{label: size} of every factor, from the shapes of the data inputs and outputs that carry it (the largest,
+    where a broadcast size-1 dim shares a label)."""
+    f = self.cached_factors(node)
+    sizes = {}
+    shapes = [_layout_shape(node.input_info(i)) for i in self.data_inputs(node)][:len(f.operands)]
+    shapes += [_layout_shape(node.outputs[o]) for o in range(min(len(node.outputs), len(f.outputs)))]
+    for labels, shape in zip(tuple(f.operands[:len(shapes)]) + tuple(f.outputs), shapes):
+      for l, n in zip(labels, shape or ()):
+        if l:
+          sizes[l] = max(sizes.get(l, 1), n)
+    return sizes
+
+  def strategies(self, node, mesh):
+    """Every assignment {factor label: mesh axes} of the mesh's axes to the op's factors that divides each factor
+    evenly (`assignments` over `factors(node).labels`), with at most one factor of each `exclusive_factors` group
+    split; the unsplit assignment last.
+
+    Each strategy fixes the layout every operand must arrive in and the layout every output is made in
+    (`dims_from`), and the partial sums left by split reduced factors (`Factors.partial`). Automatic sharding
+    prices exactly these and hands the chosen one to `partition` (`ctx.planned_axes()`), which takes it as one
+    of its plans. `partition`'s own two plans (as the outputs are wanted, as the operands are) follow the layouts
+    completion produced, which may split a factor unevenly (padded shards); they keep to the same rule, each mesh
+    axis on at most one factor, but are not restricted to this even enumeration, so that hand-written uneven
+    layouts stay as written. Reduced factors of a rule whose `split_reduced` is False are enumerated too: the
+    rule's `partition` decides whether it keeps them split (Gather's split table) or whole.
+    """
+    f = self.cached_factors(node)
+    out = assignments(mesh, f.labels, self.factor_sizes(node))
+    for group in self.exclusive_factors(node):
+      out = [a for a in out if sum(1 for l in group if a.get(l)) <= 1]
+    return out
+
   def internal_bytes(self, node, axes_of, mesh):  # pylint: disable=unused-argument
     """Bytes per device of the collectives `partition` emits inside the op for the split `axes_of` (beyond the
     reshards of its operands and the partial sums of reduced factors): what automatic sharding prices."""
@@ -139,7 +220,7 @@ class FactorRule(Rule):
   def local_shape_input(self, ctx, node, axes_of, index):
     """The per-device shape of output 0, as a constant for the op's shape input `index` (ops like
     Conv2DBackpropInput or ScatterNd take their output shape as an input, which must become local)."""
-    layout = Sharding(ctx.mesh, _dims_from(self.factors(node).outputs[0], axes_of))
+    layout = Sharding(ctx.mesh, dims_from(self.factors(node).outputs[0], axes_of))
     return tf.constant(layout.shard_shape(node.outputs[0].shape), node.input_info(index).dtype)
 
   def emit(self, ctx, node, local_inputs, axes_of):  # pylint: disable=unused-argument
@@ -155,7 +236,7 @@ class FactorRule(Rule):
       for labels, s in zip(f.operands, operands):
         axes_of = _axes_by_label(labels, s)
         if axes_of is not None:
-          cands.append(Sharding(s.mesh, _dims_from(out_labels, axes_of)))
+          cands.append(Sharding(s.mesh, dims_from(out_labels, axes_of)))
       result.append(cands)
     return result
 
@@ -170,7 +251,7 @@ class FactorRule(Rule):
       for out_labels, s in zip(f.outputs, outputs):
         axes_of = _axes_by_label(out_labels, s)
         if axes_of is not None:
-          cands.append(Sharding(s.mesh, _dims_from(labels, axes_of)))
+          cands.append(Sharding(s.mesh, dims_from(labels, axes_of)))
       # Reduced factors are known only from the other operands (dot: lhs contracting dim <- rhs).
       for k, (other, s) in enumerate(zip(f.operands, operands)):
         if k == j:
@@ -179,7 +260,7 @@ class FactorRule(Rule):
         if axes_of:
           axes_of = {l: a for l, a in axes_of.items() if l in reduced}
           if axes_of:
-            cands.append(Sharding(s.mesh, _dims_from(labels, axes_of)))
+            cands.append(Sharding(s.mesh, dims_from(labels, axes_of)))
       result[data[j]] = cands
     return result
 
@@ -202,7 +283,7 @@ class FactorRule(Rule):
     reduced_split = [l for l in f.reduced if axes_of.get(l)]
     local = []
     for j, labels in enumerate(f.operands):
-      req = Sharding(mesh, _dims_from(labels, axes_of, ctx.current(data[j])))
+      req = Sharding(mesh, dims_from(labels, axes_of, ctx.current(data[j])))
       x = ctx.operand(data[j], req)
       shape = ctx.input_shape(data[j])
       for d, l in enumerate(labels):
@@ -210,16 +291,16 @@ class FactorRule(Rule):
           x = ctx.mask(x, shape, req, d, identity_value(f.reduce_op, ctx.input_dtype(data[j])))
       local.append(_diagonal_blocks(ctx, x, shape, req, labels))
     outs = self.emit(ctx, node, local, axes_of)
-    partial = _partial(f, axes_of)
+    partial = f.partial(axes_of)
     for o, out_labels in enumerate(f.outputs):
-      ctx.set_output(o, outs[o], Sharding(mesh, _dims_from(out_labels, axes_of)), partial=partial)
+      ctx.set_output(o, outs[o], Sharding(mesh, dims_from(out_labels, axes_of)), partial=partial)
 
   def _cost(self, ctx, f, data, axes_of):
     mesh = ctx.mesh
-    cost = sum(ctx.operand_cost(data[j], Sharding(mesh, _dims_from(labels, axes_of, ctx.current(data[j]))))
+    cost = sum(ctx.operand_cost(data[j], Sharding(mesh, dims_from(labels, axes_of, ctx.current(data[j]))))
                for j, labels in enumerate(f.operands))
-    partial = _partial(f, axes_of)
-    return cost + sum(ctx.output_cost(o, Sharding(mesh, _dims_from(labels, axes_of)), partial)
+    partial = f.partial(axes_of)
+    return cost + sum(ctx.output_cost(o, Sharding(mesh, dims_from(labels, axes_of)), partial)
                       for o, labels in enumerate(f.outputs))
 
   def _axes_from_target(self, ctx, node, f, data):
@@ -268,13 +349,6 @@ def _operand_splits(ctx, f, data):
     for d, l in enumerate(labels):
       if l and cur.dims[d]:
         yield l, cur.dims[d]
-
-
-def _partial(f, axes_of):
-  reduced_split = [l for l in f.reduced if axes_of.get(l)]
-  if not reduced_split:
-    return None
-  return tuple(a for l in reduced_split for a in axes_of[l]), f.reduce_op
 
 
 def _size(mesh, axes):

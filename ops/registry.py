@@ -3,7 +3,8 @@
 A rule answers three questions about an op, so completion and partitioning cannot drift apart:
 - `forward(ctx, node, operands)`: candidate shardings of the outputs from the operands' shardings;
 - `backward(ctx, node, outputs, operands)`: candidate shardings of the operands from the outputs' shardings;
-- `partition(ctx, node)`: emit the op's per-device computation through the partition context `ctx`.
+- `partition(ctx, node)`: emit the op's per-device computation through the partition context `ctx`;
+and one question for automatic sharding: `strategies(node, mesh)`, the splits of its factors it may choose among.
 
 `ctx` is the completion context (the program being completed; `ctx.complete_function` completes a function
 body, for control flow), `partition`'s `ctx` the partition context. Candidates are lists (one per source)
@@ -36,6 +37,13 @@ class Rule:
   def backward(self, ctx, node, outputs, operands):  # pylint: disable=unused-argument
     """One list of candidate shardings per input."""
     return [[] for _ in node.inputs]
+
+  def strategies(self, node, mesh):  # pylint: disable=unused-argument
+    """The op's candidate splits: a list of {factor label: mesh axes}, one per assignment of the mesh's axes to
+    the op's factors that the rule can partition, or None when the rule is not described by factors (then only
+    `forward` and `backward` say how layouts pass through it). `FactorRule` enumerates them; automatic sharding
+    prices each one and `partition` is handed the chosen one."""
+    return None
 
   def partition(self, ctx, node):
     raise NotImplementedError

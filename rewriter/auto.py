@@ -6,9 +6,10 @@ Alpa's intra-operator formulation, on the TF graph and with this library's own r
   a variable and its reads, an identity) are merged into one group; each group has one binary variable per
   candidate sharding (every assignment of mesh axes to its dims that divides them evenly).
 - **Strategies.** An op whose operands differ in their factors (a contraction: MatMul, BatchMatMul, Einsum,
-  an element-wise op of two broadcast operands) gets its own variables, one per assignment of mesh axes to its
-  factors (`ops.factors`): that fixes the layout each operand must arrive in, the layout the result is made in
-  and the partial sums left over split reduced factors.
+  an element-wise op of two broadcast operands) gets its own variables, one per strategy its rule enumerates
+  (`Rule.strategies(node, mesh)`: every assignment of mesh axes to its factors that divides them, `ops.factors`):
+  that fixes the layout each operand must arrive in, the layout the result is made in and the partial sums left
+  over split reduced factors.
 - **Edges.** Between a group and a strategy (or two groups, through a one-operand op such as a reduction, a
   transpose or a reshape, whose best strategy per pair is taken) the cost is the reshard the partitioner would
   emit, in bytes per device from `reshard.plan_bytes`, weighted per mesh axis (`axis_cost`: a cross-host axis
@@ -32,7 +33,6 @@ plan is what the partitioner emits and the report counts it (predicted and measu
 """
 
 import dataclasses
-import itertools
 import math
 import os
 import sys
@@ -44,7 +44,7 @@ import numpy as np
 from tf_gspmd import ops as op_rules
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.errors import AutoShardingError
-from tf_gspmd.ops.factors import FactorRule, _dims_from, _partial
+from tf_gspmd.ops.factors import FactorRule, assignments, dims_from
 from tf_gspmd.rewriter import memory, reshard
 from tf_gspmd.rewriter.completion import CompletionContext
 from tf_gspmd.rewriter.graph_view import public_key, ref
@@ -129,22 +129,8 @@ def candidates(mesh, shape):
   The replicated layout comes first."""
   dims = list(range(len(shape)))
   out = [Sharding(mesh, tuple(axes_of.get(d, ()) for d in dims))
-         for axes_of in _assignments(mesh, dims, dict(enumerate(shape)))]
+         for axes_of in assignments(mesh, dims, dict(enumerate(shape)))]
   return sorted(out, key=lambda s: s.num_tiles)
-
-
-def _assignments(mesh, labels, size_of):
-  """Every map label -> mesh axes (each axis to one label or none) that divides the labels' sizes evenly."""
-  axes = [a for a in mesh.axis_names if mesh.axis_size(a) > 1]
-  out = []
-  for assign in itertools.product(range(len(labels) + 1), repeat=len(axes)):
-    axes_of = {}
-    for a, k in zip(axes, assign):
-      if k < len(labels):
-        axes_of[labels[k]] = axes_of.get(labels[k], ()) + (a,)
-    if all(size_of[l] % math.prod(mesh.axis_size(a) for a in ax) == 0 for l, ax in axes_of.items()):
-      out.append(axes_of)
-  return out
 
 
 class _Costs:
@@ -457,17 +443,6 @@ class _Builder:
       return lambda: self._edge_unary(node, f, ops[0], outs)
     return lambda: self._strategy(node, f, ops, outs)
 
-  def _size_of(self, node, f, rule):
-    """Size of every factor label, from the shapes of the data inputs and outputs that carry it."""
-    sizes = {}
-    shapes = [self.shape(node.inputs[i]) for i in rule.data_inputs(node)][:len(f.operands)]
-    shapes += [self.shape(node.ref(o)) for o in range(min(len(node.outputs), len(f.outputs)))]
-    for labels, shape in zip(tuple(f.operands[:len(shapes)]) + tuple(f.outputs), shapes):
-      for l, n in zip(labels, shape or ()):
-        if l:
-          sizes[l] = max(sizes.get(l, 1), n)
-    return sizes
-
   def _edge_mapped(self, src, src_labels, dst, dst_labels, node):  # pylint: disable=unused-argument
     """src must arrive in dst's layout carried over by factor labels (an operand of an element-wise op)."""
     gs_, gd = self._group(src), self._group(dst)
@@ -475,7 +450,7 @@ class _Builder:
     nbytes = np.zeros_like(cost)
     for t, c in enumerate(gd.cands):
       axes_of = {l: c.dims[d] for d, l in enumerate(dst_labels) if l and d < c.rank and c.dims[d]}
-      want = Sharding(self.mesh, _dims_from(src_labels, axes_of))
+      want = Sharding(self.mesh, dims_from(src_labels, axes_of))
       for i, s in enumerate(gs_.cands):
         b, w = self.costs.reshard(gs_.shape, gs_.itemsize, s, want)
         nbytes[i, t], cost[i, t] = b, w
@@ -484,19 +459,16 @@ class _Builder:
   def _op_terms(self, node, f, ops, outs):
     """Per strategy: required layout per operand, made layout (and partial sums) per output, arithmetic."""
     rule = op_rules.lookup(node.op)
-    sizes = self._size_of(node, f, rule)
-    labels = sorted({l for ls in f.operands + f.outputs for l in ls if l})
-    assigns = _assignments(self.mesh, labels, sizes)
-    for group in rule.exclusive_factors(node):
-      assigns = [a for a in assigns if sum(1 for l in group if a.get(l)) <= 1]
+    sizes = rule.factor_sizes(node)
+    labels = f.labels
     total = math.prod(sizes[l] for l in labels) if labels else 1
     rows = []
-    for axes_of in assigns:
-      req = [Sharding(self.mesh, _dims_from(f.operands[j], axes_of)) for j, _ in ops]
-      made = [Sharding(self.mesh, _dims_from(f.outputs[o], axes_of)) for o, _ in outs]
+    for axes_of in rule.strategies(node, self.mesh):
+      req = [Sharding(self.mesh, dims_from(f.operands[j], axes_of)) for j, _ in ops]
+      made = [Sharding(self.mesh, dims_from(f.outputs[o], axes_of)) for o, _ in outs]
       split = math.prod(self.mesh.axis_size(a) for ax in axes_of.values() for a in ax)
       inside = rule.internal_bytes(node, axes_of, self.mesh)  # pylint: disable=assignment-from-no-return
-      rows.append((axes_of, req, made, _partial(f, axes_of), total / split, inside))
+      rows.append((axes_of, req, made, f.partial(axes_of), total / split, inside))
     return rows
 
   def _edge_unary(self, node, f, op, outs):
