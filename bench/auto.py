@@ -2,7 +2,7 @@
 
 Six programs, each lowered in plan mode (no devices; any mesh size) on meshes (8,), (2,4) and (32,64), once
 with its hand plan and once with `in_shardings="auto"` (every argument, data batches included, and every
-captured variable chosen by the integer program of rewriter/auto.py) under a memory budget equal to the hand
+captured variable chosen by the integer program of rewriter/auto/) under a memory budget equal to the hand
 plan's memory per device: its arguments + captured variables (padding included) + the activations live at the
 unpartitioned program's peak at its layouts (`rewriter.auto.plan_memory`, what the budget constrains);
 `--budget=state` gives the arguments + variables only.
