@@ -1,6 +1,8 @@
 """Automatic sharding (the auto_shard pass): plans no worse than the hand-written ones, results unchanged."""
 
 import collections
+import itertools
+import math
 import os
 import sys
 
@@ -8,9 +10,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import first_node, ir_of
 import tf_gspmd as gs
-from tf_gspmd import P
+from tf_gspmd import ops, P
 from tf_gspmd.errors import AutoShardingError, InputError, MeshError
+from tf_gspmd.ops.factors import dims_from, FactorRule
 from tf_gspmd.rewriter.auto import plan_memory
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
@@ -191,3 +195,61 @@ def test_bad_auto_arguments_are_typed_errors():
     gs.function(tm.mlp_train_step, mesh=M24, in_shardings="auto", axis_cost={"host": 8.0})
   with pytest.raises(InputError, match="positive"):
     gs.function(tm.mlp_train_step, mesh=M24, in_shardings="auto", memory_budget=-5)
+
+
+def _every_even_split(mesh, sizes):
+  """Every map label -> mesh axes (each axis of size > 1 on at most one label) that divides each label's size."""
+  axes = [a for a in mesh.axis_names if mesh.axis_size(a) > 1]
+  labels = sorted(sizes)
+  out = []
+  for where in itertools.product([None] + labels, repeat=len(axes)):
+    axes_of = {}
+    for a, l in zip(axes, where):
+      if l is not None:
+        axes_of[l] = axes_of.get(l, ()) + (a,)
+    if all(sizes[l] % math.prod(mesh.axis_size(a) for a in ax) == 0 for l, ax in axes_of.items()):
+      out.append(axes_of)
+  return out
+
+
+@pytest.mark.parametrize("fn,shapes,op,megatron", [
+    # x @ w1 (column-parallel: n over "model") and h @ w2 (row-parallel: the contracted k over "model").
+    (lambda x, w: x @ w, ((64, 256), (256, 1024)), "MatMul",
+     [{"m": ("data",), "n": ("model",)}, {"m": ("data",), "k": ("model",)}]),
+    # A batch of 6 divides over "data" (2) but not over "model" (4): no strategy splits b over "model".
+    (lambda x, w: tf.einsum("bsd,dh->bsh", x, w), ((6, 128, 512), (512, 1024)), "Einsum",
+     [{"b": ("data",), "h": ("model",)}, {"b": ("data",), "d": ("model",)}]),
+])
+def test_strategies_are_every_even_split_megatron_included(fn, shapes, op, megatron):
+  """`Rule.strategies`: every assignment of the mesh's axes to the op's factors that divides them evenly, the
+  Megatron splits among them, nothing that splits a factor unevenly or uses an axis twice; the auto pass plans
+  each such op with one of them."""
+  node = first_node(ir_of(fn, *shapes), op)
+  rule = ops.lookup(op)
+  assert isinstance(rule, FactorRule)
+  f = rule.cached_factors(node)
+  sizes = rule.factor_sizes(node)
+  assert set(sizes) == set(f.labels)
+  got = rule.strategies(node, M24)
+  assert got[-1] == {}                                      # the unsplit strategy last
+  assert len({tuple(sorted(a.items())) for a in got}) == len(got)
+  assert sorted(map(str, got)) == sorted(map(str, _every_even_split(M24, sizes)))
+  for axes_of in megatron:
+    assert axes_of in got
+  for axes_of in got:
+    used = [a for ax in axes_of.values() for a in ax]
+    assert len(used) == len(set(used))
+    for labels, shape in zip(f.operands + f.outputs, shapes + (node.outputs[0].shape,)):
+      layout = gs.Sharding(M24, dims_from(labels, axes_of))
+      assert all(n % layout.tiles(d) == 0 for d, n in enumerate(shape))
+  if op == "Einsum":
+    assert not any("model" in a.get("b", ()) for a in got)
+  assert f.partial({"m": ("data",), "k": ("model",)} if op == "MatMul" else {"d": ("model",)}) == (("model",), "Add")
+  assert ops.lookup("Reshape").strategies(first_node(ir_of(lambda x: tf.reshape(x, [-1]), (4, 8)), "Reshape"),
+                                          M24) is None   # described by forward/backward only
+
+  low = gs.function(fn, mesh=M24, in_shardings="auto").lower(*[tf.TensorSpec(s) for s in shapes])
+  planned = {name: axes_of for name, axes_of in low.auto_plan.planned.items() if low.program.ir.node(name).op == op}
+  assert planned
+  for name, axes_of in planned.items():
+    assert axes_of in rule.strategies(low.program.ir.node(name), M24)
