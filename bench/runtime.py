@@ -122,7 +122,7 @@ def main(_):
         for _ in range(3):
           tf.nest.flatten(f(*placed))[-1].numpy()
         tf.profiler.experimental.stop()
-        exchange = set(f.lower(*placed).program.collective_ops or ())
+        exchange = set(f.lower(*placed).program.report.emitted())
         times[("split", jit)] = _time_split(trace, 3, mesh.size, exchange)
       calls[("DTensor", jit)] = _dtensor_call(tf, dtensor, dmesh, fn, args, specs, jit, want, name)
       if not jit:   # the same program with TF's collective ops between the devices (exchange="collectives")

@@ -11,21 +11,22 @@ def run(program):
            list(program.local_variables) + [program.partition_id])
   gd = prune(program.local_graph_def, roots)
   kept = {n.name for n in gd.node}
-  collective_ops = program.collective_ops or {}
-  program.report.replace_ops({k: None for k in collective_ops if k not in kept})
-  return program.replace(local_graph_def=gd, collective_ops={k: v for k, v in collective_ops.items() if k in kept})
+  dropped = {k: None for k in program.report.emitted() if k not in kept}
+  return program.replace(local_graph_def=gd, report=program.report.with_ops_replaced(dropped) if dropped else
+                         program.report)
 
 
 def verify(program):
   """Pass: invariants every per-device program must hold."""
   names = {n.name: n for n in program.local_graph_def.node}
+  emitted = program.report.emitted()
   for n in list(program.local_inputs) + list(program.local_outputs) + [program.partition_id]:
     if n not in names:
       raise PartitionError(f"per-device program lost its boundary node {n}")
   for node in program.local_graph_def.node:
     if node.op == "XlaSharding":
       raise PartitionError("an XlaSharding op survived partitioning (it has no kernel outside XLA)", node=node.name)
-    if node.op in TF_COLLECTIVE_OPS and node.name not in program.collective_ops:
+    if node.op in TF_COLLECTIVE_OPS and node.name not in emitted:
       raise PartitionError("a collective not built by the partitioner (its keys could clash): tf_gspmd emits every "
                            "collective itself; remove collective ops from the function", node=node.name,
                            op_type=node.op)

@@ -36,7 +36,7 @@ axes, dtype (and reduction) that holds none and stays within MAX_BYTES with it, 
 program is acyclic after every step. The merged op starts when its last operand is ready, so a member may run
 later than it would alone; MAX_BYTES bounds the buffers a combination holds at once.
 
-The report keeps the logical collectives, points each at the op that carries it (`replace_ops`), and records
+The report keeps the logical collectives, points each at the op that carries it (`with_combined`), and records
 each combination (`report.combined`, `Combination`); the members are left without consumers for cleanup to
 remove.
 """
@@ -113,9 +113,8 @@ def plan(order, ancestors, key_of, nbytes_of, max_bytes=MAX_BYTES):
 
 
 def combine(program):
-  """(new GraphDef, {op name: Emitted} of its collectives, [Combination] per combined op, {member op name:
-  Emitted of the combined op carrying it})."""
-  emitted = dict(program.collective_ops or {})
+  """(new GraphDef, [Combination] per combined op, {member op name: Emitted of the combined op carrying it})."""
+  emitted = program.report.emitted()
   view = GraphView(program.local_graph_def)
   graph = tf.Graph()
   with graph.as_default():
@@ -132,7 +131,7 @@ def combine(program):
   bins = plan(order, ancestors, lambda n: candidates[n][1], lambda n: candidates[n][2])
   pid = graph.get_tensor_by_name(ref(program.partition_id))
   backend = Backend(program.mesh, program.devices, pid,
-                    lambda table, name: tf.gather(tf.constant(table, name=name), pid), program.report,
+                    lambda table, name: tf.gather(tf.constant(table, name=name), pid), None,
                     program.processes)
   combined, rewires, carriers = [], [], {}
   for names in bins:
@@ -146,8 +145,7 @@ def combine(program):
   out = GraphView(graph.as_graph_def())
   for old, new in rewires:
     out.rewire(old, new)
-  emitted.update(backend.emitted)
-  return out.graph_def, emitted, combined, carriers
+  return out.graph_def, combined, carriers
 
 
 def _logical_kinds(report, names):
@@ -171,7 +169,5 @@ def _build(graph, backend, members, kind, axes, reduction, k, rewires):
 
 def run(program):
   """Pass: combine independent collectives of the per-device program (dropped ones are pruned by cleanup)."""
-  gd, emitted, combined, carriers = combine(program)
-  program.report.combined.extend(combined)
-  program.report.replace_ops(carriers)
-  return program.replace(local_graph_def=gd, collective_ops=emitted)
+  gd, combined, carriers = combine(program)
+  return program.replace(local_graph_def=gd, report=program.report.with_combined(combined, carriers))

@@ -46,7 +46,7 @@ def run_local(program):
     return program
   gd = program.local_graph_def
   keep = set(program.local_inputs) | set(program.local_variables) | set(program.local_outputs) | set(
-      program.side_effects) | {program.partition_id} | set(program.collective_ops or ())
+      program.side_effects) | {program.partition_id} | set(program.report.emitted())
   optimized = _optimized(gd, keep, LOCAL_OPTIMIZERS)
   if optimized is None:   # it dropped a node the program needs: leave the optimizing to TF's runtime
     return program

@@ -239,7 +239,7 @@ def run(program):
   variables = {name: variable_shard(program, name) for name in program.local_variables}
   variables = {name: shard for name, shard in variables.items() if shard is not None}
   arguments = list(program.local_inputs) + ([program.partition_id] if program.partition_id else [])
-  known = {ref(name): e.shape for name, e in (program.collective_ops or {}).items()}   # what a collective carries
+  known = {ref(name): e.shape for name, e in program.report.emitted().items()}   # what a collective carries
   graph_def, outputs = program.local_graph_def, program.local_outputs
-  program.report.estimate_memory(lambda: estimate(graph_def, arguments, variables, outputs, known))
-  return program
+  return program.replace(report=program.report.with_memory(
+      lambda: estimate(graph_def, arguments, variables, outputs, known)))

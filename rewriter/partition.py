@@ -20,7 +20,7 @@ from tf_gspmd.errors import PartitionError, UnsupportedOpError
 from tf_gspmd.rewriter import completion, functions, reshard
 from tf_gspmd.rewriter.collectives import Backend
 from tf_gspmd.rewriter.graph_view import public_key, ref, split_ref
-from tf_gspmd.rewriter.report import Report, StateRecord
+from tf_gspmd.rewriter.report import ReportBuilder, StateRecord
 
 PARTITION_ID = "gspmd/partition_id"
 HELPER_SCOPE = "/gspmd/"   # the ops partitioning adds for node n are named `n/gspmd/...`
@@ -410,7 +410,7 @@ def _partition_nodes(ctx):
       if program.options.strict:
         raise UnsupportedOpError(f"no partitioning rule for op type {node.op}; strict=True forbids the replicated "
                                  "fallback (remove strict=True to run it replicated)", node=node.name, op_type=node.op)
-      report.fallbacks.append((node.name, node.op))
+      report.fallback(node.name, node.op)
       if node.op not in _warned_fallback:
         _warned_fallback.add(node.op)
         warnings.warn(f"tf_gspmd: op type {node.op} (first at {node.name}) has no partitioning rule; its operands "
@@ -503,8 +503,7 @@ def run(program):
   weights = {tuple(program.ir.info(ref(name)).value_shape): (var.name if var is not None else name)
              for name, var in zip(program.variable_names, program.variables)
              if not program.shardings[ref(name)].is_replicated}
-  report = Report(completion_iterations=program.completion_iterations, strict=program.options.strict,
-                  weight_shapes=weights)
+  report = ReportBuilder(strict=program.options.strict, weight_shapes=weights)
   graph = tf.Graph()
   with graph.as_default():
     _import_library(program)
@@ -518,7 +517,6 @@ def run(program):
                   if not program.ir.node(name).outputs and program.ir.node(name).op not in ("NoOp",)]
   graph_def = graph.as_graph_def()
   graph_def.library.function.extend(ctx.functions)
-  report.state.extend(_state_records(program))
   ir = program.ir
   variable_shardings = tuple(program.shardings[ref(name)] for name in program.variable_names)
   written = tuple(any(c.op not in READ_ONLY_VARIABLE_OPS for c, _ in ir.consumers.get(ref(name), ()))
@@ -526,6 +524,7 @@ def run(program):
   output_specs = tuple((program.shardings[r], tuple(ir.info(r).shape), ir.info(r).dtype) for r in ir.outputs)
   return program.replace(local_graph_def=graph_def, local_inputs=tuple(ctx.local_inputs),
                          local_variables=tuple(ctx.local_variables),
-                         local_outputs=tuple(outputs), side_effects=tuple(side_effects), report=report,
-                         collective_ops=dict(ctx.backend.emitted), partition_id=PARTITION_ID,
+                         local_outputs=tuple(outputs), side_effects=tuple(side_effects),
+                         report=report.build(program.completion_iterations, _state_records(program)),
+                         partition_id=PARTITION_ID,
                          variable_shardings=variable_shardings, variables_written=written, output_specs=output_specs)

@@ -4,8 +4,7 @@ Every pass is a function Program -> Program that never mutates its input. The ma
 (into the report), dumps each pass's graph when TF_GSPMD_DUMP_DIR is set, and names the failing pass in
 errors. The last stage, importing the per-device program as a tf.function on every device, is done by the
 runtime (`tf_gspmd.runtime`), because it needs the devices; everything here runs without them. The runtime
-reads only plain fields of the finished Program (the `local_*` names, `partition_id`, `variable_shardings`,
-`variables_written`, `output_specs`, ...), never the IR: what it needs is recorded by the partition pass.
+reads one record, `DeviceProgram` (built by the last pass), never the Program or its IR.
 """
 
 import dataclasses
@@ -28,6 +27,27 @@ class Options:
   jit_compile: Any = "auto"          # "auto" (GPU/TPU), True (every backend; CPU in segments), False
   auto: Any = None                   # auto.AutoOptions: layouts chosen by the auto_shard pass, or None
   exchange: str = "auto"             # "auto": in-process edges on CPUs of one process (in_process pass); "collectives"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProgram:
+  """What the runtime runs, and all it reads: the per-device program, how every device calls it, and the state it
+  keeps on the devices. The last pass (`device_program`) builds it from the Program."""
+
+  devices: Tuple[str, ...]               # the mesh's devices, row-major
+  graph_def: Any                         # the per-device GraphDef
+  partition_id: str                      # its partition-id Placeholder (scalar int32)
+  inputs: Tuple[str, ...]                # its Placeholders of the arguments, in order
+  variable_inputs: Tuple[str, ...]       # its Placeholders of the captured variables' handles, in order
+  outputs: Tuple[str, ...]               # the ops whose output 0 is each flattened result
+  side_effects: Tuple[str, ...]          # ops that must run though no result depends on them
+  arguments: Tuple[Tuple[str, Any, Any], ...]   # per argument: (name, tf.TensorSpec, Sharding it is passed in)
+  variables: Tuple[Tuple[str, Any, Any, bool], ...]   # per captured variable: (name, tf.Variable, its Sharding, written)
+  results: Tuple[Any, ...]               # per flattened result: (Sharding, global shape tuple, tf.DType)
+  jit: Optional[str]                     # None, "segments" (XLA between collectives) or "whole" (XLA compiles it all)
+  locally_optimized: bool                # TF's graph optimizer already ran on graph_def (the runtime skips it)
+  in_process: Any                        # in_process.InProcess: every device's program as one graph, or None
+  collective_timeout: float              # seconds before a stuck step's collectives are aborted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +90,6 @@ class Program:
   local_variables: Tuple[str, ...] = ()
   local_outputs: Tuple[str, ...] = ()
   side_effects: Tuple[str, ...] = ()
-  collective_ops: Any = None             # op name -> report.Emitted, every collective of the per-device program
   partition_id: Optional[str] = None     # the per-device program's partition-id input (scalar int32 Placeholder)
   variable_shardings: Tuple[Any, ...] = ()  # per captured variable: the Sharding its shards are stored in
   variables_written: Tuple[bool, ...] = ()  # per captured variable: whether the program may write it
@@ -80,6 +99,7 @@ class Program:
   locally_optimized: bool = False        # TF's graph optimizer already ran on local_graph_def (the runtime skips it)
   collective_keys: Any = None            # per device: {collective op name: (group key, instance key)} (in_process)
   in_process: Any = None                 # in_process.InProcess: every device's program as one graph, or None
+  device_program: Optional[DeviceProgram] = None   # what the runtime runs (the last pass)
   function_cache: Any = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   def replace(self, **changes):
@@ -107,6 +127,21 @@ class Program:
     return tuple(self.shardings[r] for r in self.ir.outputs)
 
 
+def device_program(program):
+  """Pass: `program.device_program`, the record the runtime runs (needs the mesh's devices; None in plan mode)."""
+  if program.devices is None or program.local_graph_def is None:
+    return program
+  return program.replace(device_program=DeviceProgram(
+      devices=tuple(program.devices), graph_def=program.local_graph_def, partition_id=program.partition_id,
+      inputs=tuple(program.local_inputs), variable_inputs=tuple(program.local_variables),
+      outputs=tuple(program.local_outputs), side_effects=tuple(program.side_effects),
+      arguments=tuple(zip(program.input_names, program.arg_specs, program.param_shardings)),
+      variables=tuple(zip(program.variable_names, program.variables, program.variable_shardings,
+                          program.variables_written)),
+      results=tuple(program.output_specs), jit=program.jit, locally_optimized=program.locally_optimized,
+      in_process=program.in_process, collective_timeout=program.options.collective_timeout))
+
+
 PASSES = (
     ("trace", trace.run),                          # Python fn -> global GraphDef with static shapes
     ("grappler", grappler.run),                    # shape/constant folding, function inlining
@@ -124,6 +159,7 @@ PASSES = (
     ("optimize", grappler.run_local),              # TF's graph optimizer on the per-device program, once
     ("in_process", in_process.run),                # CPUs of one process: one graph, collectives as device edges
     ("schedules", report.pipeline_schedules),      # gs.pipeline schedules stated in the report
+    ("device_program", device_program),            # the record the runtime runs
 )
 
 
@@ -141,8 +177,7 @@ def run(program):
     times[name] = time.perf_counter() - start
     if dump:
       _dump(dump, k, name, program)
-  program.report.pass_times.update(times)
-  return program
+  return program.replace(report=program.report.with_pass_times(times)) if program.report is not None else program
 
 
 def _dump(directory, k, name, program):

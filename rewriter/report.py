@@ -15,7 +15,9 @@ emitted ops (what the program sends), `logical_bytes_per_device()` the logical c
 import collections
 import contextlib
 import dataclasses
-from typing import Callable, List, Optional, Tuple
+import threading
+import types
+from typing import Mapping, Optional, Tuple
 
 from tf_gspmd._mesh import axes_text
 from tf_gspmd.errors import PartitionError
@@ -188,42 +190,23 @@ class PipelineSchedule:
             f"{len(self.loop_stage_collectives)}")
 
 
-@dataclasses.dataclass
-class Report:
-  collectives: List[CollectiveRecord] = dataclasses.field(default_factory=list)
-  fallbacks: List[Tuple[str, str]] = dataclasses.field(default_factory=list)   # (node, op type)
-  reshards: List[Tuple[str, str, str, Tuple[str, ...]]] = dataclasses.field(default_factory=list)  # (op, from, to, steps)
-  completion_iterations: int = 0
-  warnings: List[str] = dataclasses.field(default_factory=list)
-  pass_times: dict = dataclasses.field(default_factory=dict)
-  state: List[StateRecord] = dataclasses.field(default_factory=list)
-  combined: List[Combination] = dataclasses.field(default_factory=list)   # the combine pass's merged ops
-  _memory: Optional[MemoryEstimate] = dataclasses.field(default=None, repr=False, compare=False)
-  _memory_fn: Optional[Callable[[], MemoryEstimate]] = dataclasses.field(default=None, repr=False, compare=False)
-  strict: bool = False   # gs.function(strict=True): an involuntary full rematerialization is an error
-  # global shape -> name of a captured variable stored split: an all-gather to that shape rematerialises a
-  # weight-sized tensor (the weight, its gradient or an optimizer slot) whatever its size
-  weight_shapes: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
-  # the all-gathers flagged as involuntary full rematerializations (each also has a line in `warnings`)
-  rematerializations: List[CollectiveRecord] = dataclasses.field(default_factory=list)
-  # (tensor, its layout, the layout wanted, whether a sharding the user pinned asked for it) while a reshard emits
-  resharding: Optional[Tuple[str, str, str, bool]] = dataclasses.field(default=None, repr=False, compare=False)
+class ReportBuilder:
+  """What the partition pass collects while it emits the per-device program: collectives as they are built (with
+  the reshard in progress, to tell a gather the user asked for from an involuntary one), fallbacks, reshards and
+  warnings. `build` makes the program's Report from it; the builder is emission state and never part of it."""
 
-  def estimate_memory(self, fn):
-    """Sets how `memory` is computed (the memory pass): on first read."""
-    self._memory, self._memory_fn = None, fn
-
-  @property
-  def memory(self):
-    """The per-device program's estimated peak (the memory pass; None when it did not run)."""
-    if self._memory is None and self._memory_fn is not None:
-      self._memory = self._memory_fn()
-    return self._memory
-
-  @property
-  def peak_bytes_per_device(self):
-    """Estimated peak bytes one device holds during the program (None before the memory pass ran)."""
-    return None if self.memory is None else self.memory.peak_bytes
+  def __init__(self, strict=False, weight_shapes=None):
+    self.strict = strict        # gs.function(strict=True): an involuntary full rematerialization is an error
+    # global shape -> name of a captured variable stored split: an all-gather to that shape rematerialises a
+    # weight-sized tensor (the weight, its gradient or an optimizer slot) whatever its size
+    self.weight_shapes = dict(weight_shapes or {})
+    self.collectives = []
+    self.fallbacks = []         # (node, op type)
+    self.reshards = []          # (op, from, to, steps)
+    self.warnings = []
+    self.rematerializations = []
+    # (tensor, its layout, the layout wanted, whether a sharding the user pinned asked for it) while a reshard emits
+    self.resharding = None
 
   @contextlib.contextmanager
   def resharding_of(self, tensor, have, want, requested):
@@ -236,7 +219,15 @@ class Report:
       yield
     finally:
       self.resharding = previous
-  pipelines: List[PipelineSchedule] = dataclasses.field(default_factory=list)
+
+  def warn(self, message):
+    self.warnings.append(message)
+
+  def fallback(self, node, op_type):
+    self.fallbacks.append((node, op_type))
+
+  def reshard(self, op, src, dst, steps):
+    self.reshards.append((op, str(src), str(dst), tuple(steps)))
 
   def add(self, record):
     """Record a collective. An all-gather that no pinned sharding asked for, of more than LARGE_GATHER_BYTES per
@@ -266,6 +257,91 @@ class Report:
       self.warnings.append(f"involuntary full rematerialization{sized}: {record}")
       self.rematerializations.append(record)
     self.collectives.append(record)
+
+  def build(self, completion_iterations=0, state=()):
+    """The Report of what was collected."""
+    return Report(collectives=tuple(self.collectives), fallbacks=tuple(self.fallbacks), reshards=tuple(self.reshards),
+                  completion_iterations=completion_iterations, warnings=tuple(self.warnings), state=tuple(state),
+                  strict=self.strict, rematerializations=tuple(self.rematerializations))
+
+
+class _Lazy:
+  """A value computed on first read (the memory estimate), shared by the reports derived from one another."""
+
+  def __init__(self, fn):
+    self._fn, self._value, self._lock = fn, None, threading.Lock()
+
+  def get(self):
+    with self._lock:
+      if self._fn is not None:
+        self._value, self._fn = self._fn(), None
+      return self._value
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  """The partition report, frozen: the partition pass builds it (ReportBuilder.build); a later pass that adds to it
+  returns a new Report (`with_*`), so no pass changes a report another holds."""
+
+  collectives: Tuple[CollectiveRecord, ...] = ()
+  fallbacks: Tuple[Tuple[str, str], ...] = ()   # (node, op type)
+  reshards: Tuple[Tuple[str, str, str, Tuple[str, ...]], ...] = ()   # (op, from, to, steps)
+  completion_iterations: int = 0
+  warnings: Tuple[str, ...] = ()
+  pass_times: Mapping[str, float] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+  state: Tuple[StateRecord, ...] = ()
+  combined: Tuple[Combination, ...] = ()   # the combine pass's merged ops
+  strict: bool = False   # gs.function(strict=True): an involuntary full rematerialization is an error
+  # the all-gathers flagged as involuntary full rematerializations (each also has a line in `warnings`)
+  rematerializations: Tuple[CollectiveRecord, ...] = ()
+  pipelines: Tuple[PipelineSchedule, ...] = ()
+  _memory: Optional[_Lazy] = dataclasses.field(default=None, repr=False, compare=False)
+
+  # ---- derived reports (the passes after partition) -----------------------------------------------------------
+  def with_memory(self, fn):
+    """This report with `memory` computed by `fn` on first read (the memory pass)."""
+    return dataclasses.replace(self, _memory=_Lazy(fn))
+
+  def with_ops_replaced(self, mapping):
+    """This report with its records pointed at other ops: `mapping` is {op name: its replacement Emitted, or None
+    if removed}."""
+    records = []
+    for c in self.collectives:
+      if any(op.name in mapping for op in c.ops):
+        ops = []
+        for op in c.ops:
+          new = mapping.get(op.name, op)
+          if new is not None and new not in ops:
+            ops.append(new)
+        c = dataclasses.replace(c, ops=tuple(ops))
+      records.append(c)
+    return dataclasses.replace(self, collectives=tuple(records))
+
+  def with_combined(self, combined, carriers):
+    """This report with the combine pass's merged ops: `combined` Combinations, `carriers` {member op: the op that
+    carries it}."""
+    return dataclasses.replace(self, combined=self.combined + tuple(combined)).with_ops_replaced(carriers)
+
+  def with_pipelines(self, schedules):
+    return dataclasses.replace(self, pipelines=self.pipelines + tuple(schedules))
+
+  def with_pass_times(self, times):
+    return dataclasses.replace(self, pass_times=types.MappingProxyType({**self.pass_times, **times}))
+
+  # ---- reading ----------------------------------------------------------------------------------------------
+  @property
+  def memory(self):
+    """The per-device program's estimated peak (the memory pass; None when it did not run)."""
+    return None if self._memory is None else self._memory.get()
+
+  @property
+  def peak_bytes_per_device(self):
+    """Estimated peak bytes one device holds during the program (None before the memory pass ran)."""
+    return None if self.memory is None else self.memory.peak_bytes
+
+  def emitted(self):
+    """{op name: Emitted} of every collective op of the per-device program (the one record of them)."""
+    return {op.name: op for op in self.emitted_ops()}
 
   def counts(self):
     """{kind: number of collectives} for the kinds present."""
@@ -314,17 +390,6 @@ class Report:
       return {"all-reduce": 2 * share, "collective-permute": 1.0}.get(op.kind, share)
 
     return int(round(self._most_per_device(factor)))
-
-  def replace_ops(self, mapping):
-    """Point the records at other ops: `mapping` is {op name: its replacement Emitted, or None if removed}."""
-    for k, c in enumerate(self.collectives):
-      if any(op.name in mapping for op in c.ops):
-        ops = []
-        for op in c.ops:
-          new = mapping.get(op.name, op)
-          if new is not None and new not in ops:
-            ops.append(new)
-        self.collectives[k] = dataclasses.replace(c, ops=tuple(ops))
 
   def combined_text(self):
     """Per kind of op, how many independent ops the combine pass merged into how many."""
@@ -379,6 +444,7 @@ def pipeline_schedules(program):
   the bytes of one shift (the loop's collective-permutes from the pipeline's Roll), the collectives over the
   stage axis inside its loops (forward and gradient), and its buffers' bytes per device from their layouts."""
   rep = program.report
+  schedules = []
   for spec in program.pipelines:
     loop = f"{spec.name}_loop/"
     shifts = [c for c in rep.collectives if c.kind == "collective-permute" and c.source.endswith(loop + spec.shift)]
@@ -389,12 +455,12 @@ def pipeline_schedules(program):
       sharding = _sharding_of(program, tensor)
       local = shape if sharding is None or sharding.is_maximal else sharding.with_rank(len(shape)).shard_shape(shape)
       buffers.append((tensor[len(spec.name) + 1:], int(_prod(local)) * itemsize))
-    rep.pipelines.append(PipelineSchedule(
+    schedules.append(PipelineSchedule(
         name=spec.name, stage_axis=spec.stage_axis, stages=spec.stages, microbatches=spec.microbatches,
         repeats=spec.repeats, iterations=spec.iterations, bubble_fraction=spec.bubble_fraction,
         shift_bytes=sum(c.bytes for c in shifts), shift_permutes=len(shifts), loop_stage_collectives=in_loops,
         buffer_bytes=tuple(buffers)))
-  return program
+  return program.replace(report=rep.with_pipelines(schedules)) if schedules else program
 
 
 def _sharding_of(program, tensor):

@@ -213,7 +213,7 @@ def emit_reshard(ctx, x, shape, src, dst, partial, source, reason):
   cur = list(src.tiled(rank).dims)
   steps = plan_reshard(shape, src, dst, partial)
   if steps:
-    ctx.report.reshards.append((source, str(src), str(dst), tuple(type(s).__name__ for s in steps)))
+    ctx.report.reshard(source, src, dst, [type(s).__name__ for s in steps])
   for step in steps:
     if isinstance(step, AllReduce):
       x = ctx.backend.all_reduce(x, step.axes, step.op, source, reason)

@@ -47,7 +47,7 @@ def test_mlp_megatron_matches_xla(rng):
 def test_data_parallel_mlp_has_no_forward_collectives(rng):
   f = gs.function(mlp, mesh=MESH8, in_shardings=(P("batch", None), P(), P()))
   args = _mlp_inputs(rng)
-  assert f.lower(*[tf.TensorSpec(a.shape) for a in args]).report.collectives == []
+  assert f.lower(*[tf.TensorSpec(a.shape) for a in args]).report.collectives == ()
   y = f(*args)
   assert y.sharding.spec == P("batch", None)
   assert_close(y.numpy(), mlp(*args))
@@ -170,7 +170,7 @@ def test_sharded_tensor_passes_back_without_moving_data(rng, exchange):
   y = f(x)
   g = gs.function(lambda x: x + 1.0, mesh=MESH24, exchange=exchange)
   low = g.lower(tf.TensorSpec([8, 8]), arg_shardings=[y.sharding])
-  assert low.report.collectives == [] and low.in_shardings[0] == y.sharding
+  assert low.report.collectives == () and low.in_shardings[0] == y.sharding
   exe = low.executable()
   if exchange == "auto":   # one graph for all devices: the result's own per-device tensors go in
     assert exe.components(y, y.sharding, tf.TensorSpec([8, 8]), "x") is y.components

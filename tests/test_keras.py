@@ -81,7 +81,7 @@ def test_fit_evaluate_predict_with_keras_model_parallel_match_plain_keras():
   assert gs.sharding_of(model.get_layer("l1_attn")._query_dense.kernel).spec == P(None, "model", None)  # pylint: disable=protected-access
   low = next(iter(model.train_function.functions.values())).lower(
       *[tf.TensorSpec([CFG.batch, CFG.seq], tf.int32)] * 2)
-  assert low.report.fallbacks == []
+  assert low.report.fallbacks == ()
   # Weights are never gathered; the accuracy metric's argmax over vocab-split logits gathers only winners.
   gathers = [c for c in low.report.collectives if c.kind == "all-gather"]
   assert all(c.source == "ArgMax" and c.shape[0] == 4 for c in gathers), [str(c) for c in gathers]

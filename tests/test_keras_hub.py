@@ -88,7 +88,7 @@ def test_model_parallel_fit_matches_plain_keras_without_full_weight_gathers(name
   assert split   # the layout map split the weights
   for f in model.train_function.functions.values():
     for lowered in f._cache.values():  # pylint: disable=protected-access
-      assert lowered.report.fallbacks == []
+      assert lowered.report.fallbacks == ()
       # keras-hub's layout maps also split weights over "batch" (ZeRO-3 / FSDP style): those are gathered over
       # "batch" for use, by design (as under JAX). Nothing may be gathered to full size over "model".
       full = [(split[_squeezed(c.shape)], str(c)) for c in lowered.report.collectives

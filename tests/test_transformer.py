@@ -33,7 +33,7 @@ def test_plain_transformer_step_completes_without_fallback_and_matches():
   state = [params[k] for k in names] + [np.zeros_like(params[k]) for k in names] * 2
   low = f.lower(tf.TensorSpec([], tf.int32), *[tf.TensorSpec(a.shape, tf.as_dtype(a.dtype))
                                                for a in (tokens, targets, *state)])
-  assert low.report.fallbacks == []
+  assert low.report.fallbacks == ()
   # Weights stay split: no all-gather of a Megatron-split weight.
   assert "all-gather" not in low.report.counts()
   got = f(np.int32(0), tokens, targets, *state)
@@ -52,7 +52,7 @@ def test_keras_transformer_step_completes_without_fallback():
   opt.build(model.trainable_variables)
   f = gs.function(tm.make_keras_train_step(model, opt), mesh=MESH, in_shardings=(P("data", None), P("data", None)))
   low = f.lower(*[tf.TensorSpec([CFG.batch, CFG.seq], tf.int32)] * 2)
-  assert low.report.fallbacks == []
+  assert low.report.fallbacks == ()
   assert "all-gather" not in low.report.counts()
   by_handle = dict(zip(low.program.variable_names, low.program.variables))
   handle_of = {id(v): h for h, v in by_handle.items()}

@@ -25,7 +25,7 @@ def test_bytes_per_device_at_most_xla(case):
   name, fn, mesh, ins, outs, args, xla = case
   low = gs.function(fn, mesh=mesh, in_shardings=ins, out_shardings=outs).lower(
       *[tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in args])
-  assert low.report.fallbacks == []
+  assert low.report.fallbacks == ()
   assert_report_counts_program(low)
   assert low.report.bytes_per_device() <= xla, f"{name}: {low.report}"
   assert not any(c.kind == "all-gather" and c.bytes > 1 << 20 for c in low.report.collectives), str(low.report)

@@ -89,7 +89,10 @@ class Lowered:
 
   def executable(self):
     if self._executable is None:
-      self._executable = Executable(self.program)
+      if self.program.device_program is None:
+        raise MeshError("this lowering has no devices to run on (a plan): lower the function for a mesh whose "
+                        "devices exist, or call it")
+      self._executable = Executable(self.program.device_program)
     return self._executable
 
 

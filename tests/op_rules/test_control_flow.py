@@ -34,7 +34,7 @@ def test_while_and_cond_match(rng, specs):
   for n in (0, 1, 3):
     assert_close(f(x, w, np.int32(n)).numpy(), _program(x, w, tf.constant(n)), rtol=1e-5, atol=1e-5)
   low = f.lower(tf.TensorSpec([8, 8]), tf.TensorSpec([8, 8]), tf.TensorSpec([], tf.int32))
-  assert low.report.fallbacks == []
+  assert low.report.fallbacks == ()
   ops = {n.op for n in low.graph_def.node}
   assert ops & {"While", "StatelessWhile"} and ops & {"If", "StatelessIf"}
   assert "PartitionedCall" not in ops   # the nested tf.function was inlined
@@ -47,7 +47,7 @@ def test_loop_variable_keeps_its_layout():
   low = gs.function(fn, mesh=MESH, in_shardings=P("data", "model")).lower(tf.TensorSpec([8, 8]))
   loop_out = [k for k in low.shardings if k.startswith("while:")]
   assert any(low.shardings[k].spec == P("data", "model") for k in loop_out)
-  assert low.report.collectives == []
+  assert low.report.collectives == ()
 
 
 def test_annotation_inside_body_reaches_the_loop():
@@ -75,7 +75,7 @@ def test_call_that_is_not_inlined_is_partitioned_through_its_body(rng):
   f = gs.function(fn, mesh=MESH, in_shardings=(P("data", None), P(None, "model")))
   low = f.lower(tf.TensorSpec([8, 16]), tf.TensorSpec([16, 8]))
   assert "PartitionedCall" in {n.op for n in low.global_graph_def.node}
-  assert low.out_shardings[0].spec == P("data", "model") and low.report.collectives == []
+  assert low.out_shardings[0].spec == P("data", "model") and low.report.collectives == ()
   x = rng.standard_normal((8, 16)).astype(np.float32)
   w = rng.standard_normal((16, 8)).astype(np.float32)
   assert_close(f(x, w).numpy(), fn(x, w), rtol=1e-5)

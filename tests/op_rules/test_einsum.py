@@ -35,7 +35,7 @@ def test_einsum_completion():
                   in_shardings=(P("data", None, None), P(None, "model")))
   low = f.lower(tf.TensorSpec([4, 6, 8]), tf.TensorSpec([8, 12]))
   assert low.shardings["y"].spec == P("data", None, "model")
-  assert low.report.collectives == []
+  assert low.report.collectives == ()
 
 
 MESH8 = gs.Mesh((8,), ("x",))
@@ -73,7 +73,7 @@ def test_diagonal_of_a_split_matrix_moves_no_data(rng):
   for spec in (P("x", None), P(None, "x")):
     f = gs.function(lambda a: tf.identity(tf.einsum("ii->i", a), name="d"), mesh=MESH8, in_shardings=spec)
     low = f.lower(tf.TensorSpec([8, 8]))
-    assert low.report.collectives == [] and low.shardings["d"].spec == P("x")
+    assert low.report.collectives == () and low.shardings["d"].spec == P("x")
     assert_close(f(x).numpy(), np.diag(x), rtol=0, atol=0)
 
 

@@ -36,7 +36,7 @@ def test_convnet_step(rng, x_spec, k_spec):
   offset = np.zeros(8, np.float32)
   f = gs.function(_convnet, mesh=MESH, in_shardings=(x_spec, k_spec, None, None, None))
   low = f.lower(*[tf.TensorSpec(a.shape) for a in (x, k1, k2, scale, offset)])
-  assert low.report.fallbacks == []
+  assert low.report.fallbacks == ()
   got = f(x, k1, k2, scale, offset)
   want = _convnet(*[tf.constant(a) for a in (x, k1, k2, scale, offset)])
   for g, w in zip(got, want):
@@ -47,7 +47,7 @@ def test_batch_split_conv_needs_no_forward_collective():
   f = gs.function(lambda x, k: tf.nn.relu(tf.nn.conv2d(x, k, 1, "SAME")), mesh=MESH,
                   in_shardings=(P("data", None, None, None), P()))
   low = f.lower(tf.TensorSpec([8, 6, 6, 3]), tf.TensorSpec([3, 3, 3, 4]))
-  assert low.report.collectives == []
+  assert low.report.collectives == ()
   assert low.out_shardings[0].spec == P("data", None, None, None)
 
 

@@ -59,7 +59,7 @@ def test_views_match_unpartitioned(rng, spec):
 def test_split_reshape_is_local():
   f = gs.function(lambda x: tf.reshape(x, [8, 4, 6]) + 1.0, mesh=MESH, in_shardings=P(("data", "model"), None))
   low = f.lower(tf.TensorSpec([32, 6]))
-  assert low.report.collectives == []
+  assert low.report.collectives == ()
   assert low.out_shardings[0].spec == P(("data", "model"), None, None)
 
 
@@ -85,7 +85,7 @@ def test_bitcast_keeps_the_dims_it_does_not_resize(rng, dtype):
 
   f = gs.function(fn, mesh=mesh, in_shardings=P("data", "model"))
   low = f.lower(tf.TensorSpec(x.shape))
-  assert low.report.fallbacks == []
+  assert low.report.fallbacks == ()
   assert low.out_shardings[0].dims[0] == ("data",)
   if dtype == tf.int32:
     assert low.out_shardings[0].spec == P("data", "model")

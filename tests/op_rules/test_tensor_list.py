@@ -69,7 +69,7 @@ def test_stacked_weight_loop_trains_without_gathering_the_stack(rng, step):
       assert_close(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-5)
   low = f.lower(tf.TensorSpec([BATCH, D]), tf.TensorSpec([LAYERS, D, H]), tf.TensorSpec([LAYERS, H, D]))
   assert set(low.report.counts()) == {"all-reduce"}   # Megatron's all-reduces only: no gather, forward or backward
-  assert low.report.fallbacks == []
+  assert low.report.fallbacks == ()
   lists = [k for k in low.shardings if "accumulator" in k and "element_shape" not in k]
   assert any(low.shardings[k].spec in (P(None, "model"), P("model", None)) for k in lists)   # weight slices stay split
 
@@ -90,7 +90,7 @@ def test_tensor_array_loop_keeps_elements_split(rng):
   xs = rng.standard_normal((4, 8, 8)).astype(np.float32)
   w = (rng.standard_normal((8, 8)) * 0.3).astype(np.float32)
   low = check_partitioned(fn, [xs, w], (P(None, "data", "model"), P("model", None)), MESH)
-  assert low.report.fallbacks == []
+  assert low.report.fallbacks == ()
   assert low.out_shardings[0].spec == P(None, "data", "model")
   assert low.report.counts() == {"reduce-scatter": 1}   # the matmul's partial sum, nothing for the lists
 

@@ -42,7 +42,7 @@ def _halos_only(low, filter_gradient=False):
   """Every collective is a collective-permute, but the filter gradient's partial sum (one all-reduce of the
   filter) and scalar sums; the report counts what the program sends."""
   assert_report_counts_program(low)
-  assert low.report.fallbacks == [] and not low.report.warnings, str(low.report)
+  assert low.report.fallbacks == () and not low.report.warnings, str(low.report)
   for c in low.report.collectives:
     if c.kind == "all-reduce":
       assert (filter_gradient and "Conv2DBackpropFilter" in c.source) or c.bytes <= 8, str(low.report)

@@ -45,7 +45,7 @@ def test_independent_all_reduces_are_combined_and_results_match(rng):
   low = _run_and_compare(f, args, (P(None, "model"), P("model", None), P("model", None), P("model", None)), P())
   assert low.report.counts() == {"all-reduce": 3}      # the logical collectives stay reported one by one
   assert _emitted(low) == 1
-  assert low.report.combined == [Combination("all-reduce", 3, 4 * 8 * (4 + 6 + 5), ("all-reduce",))]
+  assert low.report.combined == (Combination("all-reduce", 3, 4 * 8 * (4 + 6 + 5), ("all-reduce",)),)
   assert "3 independent all-reduces combined into 1" in str(low.report)
 
 
@@ -57,7 +57,7 @@ def test_dependent_all_reduces_stay_separate(rng):
   args = [rng.standard_normal((8, 16)).astype(np.float32), rng.standard_normal((16, 16)).astype(np.float32),
           rng.standard_normal((16, 4)).astype(np.float32)]
   low = _run_and_compare(f, args, (P(None, "model"), P("model", None), P("model", None)), P())
-  assert low.report.combined == [] and _emitted(low) == low.report.counts()["all-reduce"]
+  assert low.report.combined == () and _emitted(low) == low.report.counts()["all-reduce"]
   assert len(low.report.emitted_ops()) == len(low.report.collectives) == 2
 
 
@@ -74,7 +74,7 @@ def test_zero_style_weight_gathers_are_combined(rng):
   assert _emitted(low, "CollectiveGatherV2") == 1
   ((op,),) = {c.ops for c in low.report.collectives}   # every record points at the one op
   assert op.shape == (16 * (8 + 4 + 6 + 2),) and op.bytes == 4 * 16 * (8 + 4 + 6 + 2)
-  assert low.report.combined == [Combination("all-gather", 4, op.bytes, ("all-gather",))]
+  assert low.report.combined == (Combination("all-gather", 4, op.bytes, ("all-gather",)),)
   assert low.report.bytes_per_device() == low.report.logical_bytes_per_device()
   assert "4 independent all-gathers combined into 1" in str(low.report)
 
@@ -110,7 +110,7 @@ def test_reduce_scatters_exchanges_are_combined(rng):
                          P("model", None))
   assert low.report.counts() == {"reduce-scatter": 3}
   assert _emitted(low, "CollectiveAllToAllV2") == 1
-  assert low.report.combined == [Combination("all-to-all", 3, 4 * 8 * (4 + 8 + 12), ("reduce-scatter",))]
+  assert low.report.combined == (Combination("all-to-all", 3, 4 * 8 * (4 + 8 + 12), ("reduce-scatter",)),)
   assert "3 independent all-to-alls (reduce-scatters' exchanges among them) combined into 1" in str(low.report)
 
 
@@ -134,7 +134,7 @@ def test_independent_all_reduces_at_different_depths_are_combined(rng):
   low = _run_and_compare(_depth_program, _depth_args(rng), DEPTH_SPECS, P())
   assert low.report.counts() == {"all-reduce": 3}
   assert _emitted(low) == 2
-  assert low.report.combined == [Combination("all-reduce", 2, 4 * 8 * (4 + 6), ("all-reduce",))]
+  assert low.report.combined == (Combination("all-reduce", 2, 4 * 8 * (4 + 6), ("all-reduce",)),)
   (model,) = {op for c in low.report.collectives if c.axes == ("model",) for op in c.ops}
   assert model.shape == (8 * (4 + 6),)
 
@@ -151,7 +151,7 @@ def test_dependent_all_gathers_stay_separate(rng):
           rng.standard_normal((16, 8)).astype(np.float32)]
   low = _run_and_compare(f, args, (P("data", None),) * 3, P("data", None))
   assert low.report.counts() == {"all-gather": 2, "all-reduce": 1}
-  assert _emitted(low, "CollectiveGatherV2") == 2 and low.report.combined == []
+  assert _emitted(low, "CollectiveGatherV2") == 2 and low.report.combined == ()
 
 
 def test_crossed_dependences_do_not_make_a_cycle(rng):

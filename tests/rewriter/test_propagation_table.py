@@ -135,7 +135,7 @@ def test_propagation(case):
     got = low.shardings[name]
     want = gs.Sharding.from_spec(MESH, spec, rank=got.rank)
     assert got == want, f"{name}: completed {got}, expected {want}\n{low.explain()}"
-  assert low.report.fallbacks == []
+  assert low.report.fallbacks == ()
 
 
 def test_table_covers_enough_cases():
@@ -171,5 +171,5 @@ def test_fused_optimizer_update_ties_variable_slots_and_gradient():
     return loss
 
   low = gs.function(step, mesh=MESH, in_shardings=P(D)).lower(tf.TensorSpec([4, 8]))
-  assert low.report.fallbacks == []
+  assert low.report.fallbacks == ()
   assert [low.shardings[h].spec for h in low.program.variable_names] == [P(None, M)] * 3

@@ -10,7 +10,7 @@ import tensorflow as tf
 from conftest import assert_report_counts_program, check_partitioned
 import tf_gspmd as gs
 from tf_gspmd import P
-from tf_gspmd.rewriter.report import CollectiveRecord, Emitted, Report
+from tf_gspmd.rewriter.report import CollectiveRecord, Emitted, Report, ReportBuilder
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 import transformer_model as tm  # noqa: E402  pylint: disable=g-import-not-at-top
@@ -90,15 +90,55 @@ def test_bytes_count_the_device_that_sends_the_most():
   send = Emitted("collective-permute", ("d",), None, "s", "CollectiveBcastSendV2", "float32", (2,), 2, 8,
                  (8, 8, 8, 4))
   recv = Emitted("collective-permute", ("d",), None, "r", "CollectiveBcastRecvV2", "float32", (2,), 2, 0)
-  report = Report()
-  report.add(CollectiveRecord("all-reduce", "float32", (8,), 32, 4, ("m",), "a", "why", (reduce,)))
-  report.add(CollectiveRecord("collective-permute", "float32", (2,), 8, 4, ("d",), "b", "why", (send, recv)))
+  builder = ReportBuilder()
+  builder.add(CollectiveRecord("all-reduce", "float32", (8,), 32, 4, ("m",), "a", "why", (reduce,)))
+  builder.add(CollectiveRecord("collective-permute", "float32", (2,), 8, 4, ("d",), "b", "why", (send, recv)))
+  report = builder.build()
   assert report.bytes_per_device() == 32 + 8 and report.logical_bytes_per_device() == 40
   assert report.wire_bytes_per_device() == 2 * 32 * 3 // 4 + 8
   assert str(send) == "CollectiveBcastSendV2 float32[2] (group 2), 8 B from 3 device(s), 4 B from 1 device(s)"
-  report.replace_ops({"s": None, "r": None})
-  assert report.bytes_per_device() == 32 and report.collectives[1].ops == ()
-  assert "emitted: nothing (the program does not use its result)" in str(report)
+  pruned = report.with_ops_replaced({"s": None, "r": None})
+  assert pruned.bytes_per_device() == 32 and pruned.collectives[1].ops == ()
+  assert "emitted: nothing (the program does not use its result)" in str(pruned)
+  assert report.bytes_per_device() == 32 + 8   # the report it came from is unchanged
+
+
+def test_no_pass_changes_a_report_once_made(monkeypatch):
+  """The partition pass makes the report; every later pass (combine, cleanup, memory, schedules, the pass manager)
+  returns a new one: a report's fields cannot be assigned and its collections are tuples, so no pass can change a
+  report another pass or the caller holds."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.rewriter import pipeline  # pylint: disable=g-import-not-at-top
+
+  def contents(report):
+    return tuple((f.name, getattr(report, f.name)) for f in dataclasses.fields(report) if f.name != "_memory")
+
+  changed = []
+
+  def watched(name, fn):
+    def run(program):
+      before = program.report
+      seen = None if before is None else contents(before)
+      out = fn(program)
+      if before is not None and contents(before) != seen:
+        changed.append(name)
+      return out
+    return name, run
+
+  monkeypatch.setattr(pipeline, "PASSES", tuple(watched(n, fn) for n, fn in pipeline.PASSES))
+  f = gs.function(lambda x, w: tf.reduce_sum(x @ w, axis=1) + tf.reduce_max(x @ w, axis=1), mesh=M24,
+                  in_shardings=(P(None, "model"), P("model", None)))
+  low = f.lower(tf.TensorSpec([8, 16]), tf.TensorSpec([16, 4]))
+  assert not changed, f"passes changed a report they were given: {changed}"
+  report = low.report
+  assert report.combined and report.memory is not None   # the passes after partition did add to it
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    report.warnings = ()
+  for name, value in contents(report):
+    assert not isinstance(value, (list, dict, set)), f"Report.{name} is a mutable {type(value).__name__}"
+  with pytest.raises(TypeError):
+    report.pass_times["complete"] = 0.0
+  assert set(report.pass_times) == {name for name, _ in pipeline.PASSES}
 
 
 def test_a_group_over_two_axes_prints_both_names_apart(rng):

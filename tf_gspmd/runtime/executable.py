@@ -4,7 +4,7 @@ TF's collectives deadlock when several logical devices run them inside one tf.fu
 ParallelDevice (DTensor's runtime) instead runs one function per component device on its own thread, which
 is what an SPMD program needs. The per-device GraphDef becomes one concrete function (no retracing); the
 partition id is a packed per-device input. On CPU devices of one process the lowering also holds every device's
-program as one graph without collectives (`program.in_process`, the in_process pass): then a step is one call of
+program as one graph without collectives (`DeviceProgram.in_process`, the in_process pass): then a step is one call of
 that function with every device's arguments and variable handles, and results keep per-device tensors.
 """
 
@@ -126,35 +126,36 @@ _DEADLINES = _Deadlines()
 
 
 class Executable:
-  """The imported per-device program of one lowering, bound to the mesh's devices."""
+  """The imported per-device program of one lowering (a rewriter.pipeline.DeviceProgram), bound to the mesh's
+  devices."""
 
   def __init__(self, program):
     self.program = program
     self.devices = program.devices
     self.local = parallel.local(self.devices)   # this process's devices (all of them in one process)
     self.pd, self.pid = self.local.pd, self.local.pid
-    for v, name in zip(program.variables, program.variable_names):
+    for name, v, _, _ in program.variables:
       if v is None:
         raise InputError("the function captures a resource that is not a tf.Variable (or Keras variable); "
                          "tf_gspmd stores only variables sharded", node=name)
-    self.written = program.variables_written
+    self.written = [written for _, _, _, written in program.variables]
     self._fn = None
     self._in_process = None
-    self.n_outputs = len(program.local_outputs)
+    self.n_outputs = len(program.outputs)
     self._instantiated = False
     # What each call's results are made of, built once (a training step has hundreds of results).
     self._results = [(sharding, tf.TensorShape(shape), tf.as_dtype(dtype))
-                     for sharding, shape, dtype in program.output_specs]
+                     for sharding, shape, dtype in program.results]
 
   @property
   def fn(self):
     """The per-device program as a concrete function (imported on first use)."""
     if self._fn is None:
       program = self.program
-      inputs = [program.partition_id + ":0"] + [n + ":0" for n in program.local_inputs + program.local_variables]
-      outputs = [n + ":0" for n in program.local_outputs]
+      inputs = [program.partition_id + ":0"] + [n + ":0" for n in program.inputs + program.variable_inputs]
+      outputs = [n + ":0" for n in program.outputs]
       # A concrete function straight from the GraphDef (no Python tracing); side-effect ops are control outputs.
-      fn = _function_from_graph_def(program.local_graph_def, inputs, outputs + list(program.side_effects))
+      fn = _function_from_graph_def(program.graph_def, inputs, outputs + list(program.side_effects))
       if program.jit == "whole":   # GPU: the per-device program, collectives included, compiled by XLA
         fn = tf.function(fn, jit_compile=True, autograph=False)
       self._fn = fn
@@ -218,7 +219,7 @@ class Executable:
     The deadline is kept by one watchdog thread of the process rather than in each collective's own timeout,
     which costs a timer thread per collective per device (thousands per second in a training loop).
     """
-    timeout = self.program.options.collective_timeout
+    timeout = self.program.collective_timeout
     token = _DEADLINES.arm(timeout)
     try:
       with tf.device(_compat.parallel_device_name(pd)), self._instantiation():
@@ -233,11 +234,10 @@ class Executable:
   def storages(self):
     """The sharded storage of every captured variable (created on first use, in the completed layout)."""
     program = self.program
-    return [_state.manage(v, sharding, self.devices, what=name)
-            for v, sharding, name in zip(program.variables, program.variable_shardings, program.variable_names)]
+    return [_state.manage(v, sharding, self.devices, what=name) for name, v, sharding, _ in program.variables]
 
   def _in_process_fn(self):
-    """Every device's program as one multi-device function (program.in_process), imported on first use."""
+    """Every device's program as one multi-device function (`in_process`), imported on first use."""
     if self._in_process is None:
       ip = self.program.in_process
       self._in_process = _function_from_graph_def(ip.graph_def, list(ip.inputs),
@@ -248,8 +248,7 @@ class Executable:
     program = self.program
     in_process = program.in_process is not None   # one graph for every device: no collectives to time out
     take = self.components if in_process else self.place
-    flat = [take(value, sharding, spec, program.input_names[k])
-            for k, (value, sharding, spec) in enumerate(zip(args, program.param_shardings, program.arg_specs))]
+    flat = [take(value, sharding, spec, name) for value, (name, spec, sharding) in zip(args, program.arguments)]
     storages = self.storages()
     for st in storages:
       st.before_step()
