@@ -1,20 +1,18 @@
 """Convolutions, pooling and batch normalisation (and their gradients).
 
 Batch and channel dims pass their split; an input-channel (or, for the filter gradient, batch) split gives
-partial sums and one all-reduce, like a matmul. A 2-D NHWC convolution or pooling, forward and both
-gradients, may also keep one spatial dim split whatever its window, stride, dilation and padding (GSPMD's
-windowed input): each device computes its rows of the result from its own input rows plus halo rows from its
+partial sums and one all-reduce, like a matmul. A 2-D NHWC convolution or pooling, forward and both gradients,
+may also keep one spatial dim split whatever its window, stride, dilation and padding (GSPMD's windowed
+input): each device computes its rows of the result from its own input rows plus halo rows from its
 neighbours, moved by one halo exchange and cut at a per-device offset (`PartitionContext.window_rows`); rows
 outside the input (padding, the padding of uneven shards) are *selected* to the window's pad value, so the
 local op runs with no padding along that dim. An input gradient is the transposed window: each device takes
 the rows of the result gradient whose windows reach its rows, runs the gradient op on that window, and keeps
 its own rows. A window that needs rows past the neighbours' shards gathers the dim instead (and the report
-says so). Batch normalisation in training mode reduces over batch and space, so those dims are whole; only
-channels split (inference-mode batch norm is element-wise per channel and passes every split).
+says so). The windows' geometry, halo plan and the prologue these rules share are in `ops/windows.py`. Batch
+normalisation in training mode reduces over batch and space, so those dims are whole; only channels split
+(inference-mode batch norm is element-wise per channel and passes every split).
 """
-
-import dataclasses
-import math
 
 import numpy as np
 import tensorflow as tf
@@ -22,132 +20,14 @@ import tensorflow as tf
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.ops.factors import Factors, FactorRule, identity_value
 from tf_gspmd.ops.registry import register
-
-# The ops whose split spatial dim takes halos: 2-D convolutions and pooling, forward and gradients.
-WINDOWED_2D = frozenset({"Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "MaxPool", "AvgPool",
-                         "MaxPoolGrad", "AvgPoolGrad"})
-
-
-def _text(node, name, default):
-  v = node.attr(name)
-  v = v.decode() if isinstance(v, bytes) else v
-  return v or default
+from tf_gspmd.ops.windows import WindowedRule, attr_text, geometry, split_spatial
 
 
 def _nhwc(node, b, c, rank=4):
   """Labels of an activation: batch label `b`, channel label `c`, spatial dims unsplit."""
-  fmt = _text(node, "data_format", "NHWC")
+  fmt = attr_text(node, "data_format", "NHWC")
   spatial = (None,) * (rank - 2)
   return (b, c) + spatial if fmt.startswith("NC") else (b,) + spatial + (c,)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Dim:
-  """One spatial dim of a windowed op: result row o reads input rows [o*stride - lo, o*stride - lo + window)."""
-
-  size: int      # input rows
-  out: int       # result rows
-  window: int    # the dilated window: (taps - 1) * dilation + 1
-  stride: int
-  lo: int        # padding before
-  hi: int        # padding after (VALID's unread tail counts 0, not negative)
-  taps: int
-
-  def count(self, o):
-    """Input rows (not padding) in the windows of results `o` (0 for results outside the result)."""
-    start = np.asarray(o) * self.stride - self.lo
-    n = np.minimum(start + self.window, self.size) - np.maximum(start, 0)
-    return np.where((np.asarray(o) >= 0) & (np.asarray(o) < self.out), np.maximum(n, 0), 0)
-
-  def reaching(self, n):
-    """For a gradient of the input split in n shards: per shard index t (rows [t*c, (t+1)*c)), the result rows
-    whose windows reach its rows: (first[t], how many (the same for all), rows that matter [lo[t], hi[t]),
-    c). Those results' windows start at input row first*stride - self.lo."""
-    c = -(-self.size // n)
-    own = np.arange(n) * c
-    first = -((self.window - 1 - own - self.lo) // self.stride)   # ceil((own + lo - window + 1) / stride)
-    last = (own + c - 1 + self.lo) // self.stride
-    count = max(1, int(np.max(last - first + 1)))
-    end = np.minimum(own + c, self.size)
-    lo = np.clip(first, 0, self.out)
-    hi = np.where(end > own, np.clip((end - 1 + self.lo) // self.stride + 1, 0, self.out), lo)
-    return first, count, lo, np.maximum(hi, lo), c
-
-  def rows_read(self, first, count, lo, hi):
-    """The input rows results [first, first+count) read: (first row, how many, rows that matter), where the
-    results that matter are [lo, hi)."""
-    start = first * self.stride - self.lo
-    r_lo = np.clip(lo * self.stride - self.lo, 0, self.size)
-    r_hi = np.where(hi > lo, np.clip((hi - 1) * self.stride - self.lo + self.window, 0, self.size), r_lo)
-    return start, (count - 1) * self.stride + self.window, r_lo, np.maximum(r_hi, r_lo)
-
-
-def _known(shape, rank=4):
-  return shape is not None and len(shape) == rank and all(isinstance(v, (int, np.integer)) and v >= 0 for v in shape)
-
-
-def _geometry(node):
-  """{spatial dim: _Dim} of a 2-D NHWC convolution or pooling (forward or a gradient), or None (other
-  layouts, unknown shapes)."""
-  op = node.op
-  if op not in WINDOWED_2D or _text(node, "data_format", "NHWC") != "NHWC":
-    return None
-  image = node.outputs[0].shape if op in ("Conv2DBackpropInput", "AvgPoolGrad") else node.input_shape(0)
-  if op in ("Conv2D", "MaxPool", "AvgPool"):
-    result = node.outputs[0].shape
-  else:   # a gradient: d_out is input 2 of a conv gradient, input 1 of a pool gradient
-    result = node.input_shape(2 if op.startswith("Conv") else 1)
-  if op.startswith("Conv"):
-    kernel = node.outputs[0].shape if op == "Conv2DBackpropFilter" else node.input_shape(1)
-    if not _known(kernel):
-      return None
-    kernel = [1] + list(kernel[:2]) + [1]
-    dilations = list(node.attr("dilations").i) if node.attr("dilations") is not None else [1] * 4
-  else:
-    kernel = list(node.attr("ksize").i)
-    dilations = [1] * 4
-  strides = list(node.attr("strides").i)
-  if not (_known(image) and _known(result)) or len(kernel) != 4 or len(strides) != 4 or len(dilations) != 4 or \
-      kernel[0] != 1 or kernel[3] != 1 or strides[0] != 1 or strides[3] != 1 or dilations[0] != 1 or dilations[3] != 1:
-    return None
-  padding = _text(node, "padding", "VALID")
-  explicit = list(node.attr("explicit_paddings").i) if node.attr("explicit_paddings") is not None else []
-  dims = {}
-  for d in (1, 2):
-    window = (kernel[d] - 1) * dilations[d] + 1
-    size, out, s = int(image[d]), int(result[d]), strides[d]
-    if padding == "SAME":
-      total = max((out - 1) * s + window - size, 0)
-      lo, hi = total // 2, total - total // 2
-    elif padding == "EXPLICIT" and len(explicit) == 8:
-      lo, hi = explicit[2 * d], explicit[2 * d + 1]
-    elif padding == "VALID":
-      lo = hi = 0
-    else:
-      return None
-    if (size + lo + hi - window) // s + 1 != out or out <= 0:
-      return None
-    dims[d] = _Dim(size, out, window, s, lo, hi, kernel[d])
-  return dims
-
-
-def _split_spatial(layout, rank):
-  """(dim, axes) of the one split spatial dim of an NHWC layout, or None."""
-  if layout is None or layout.is_maximal:
-    return None
-  layout = layout.with_rank(rank)
-  split = [d for d in range(1, rank - 1) if layout.dims[d]]
-  return (split[0], layout.dims[split[0]]) if len(split) == 1 else None
-
-
-def _layout(mesh, d, axes, b_axes, c_axes=()):
-  """NHWC layout: batch over `b_axes`, spatial dim `d` over `axes`, channels over `c_axes`."""
-  return Sharding(mesh, tuple(b_axes if i == 0 else axes if i == d else c_axes if i == 3 else () for i in range(4)))
-
-
-def _free(axes, *used):
-  taken = {a for u in used for a in u}
-  return tuple(a for a in axes if a not in taken)
 
 
 def _explicit(pads):
@@ -184,14 +64,6 @@ def _unpad_others(x, dims, d):
   return tf.slice(x, begin, size) if any(dims[k].lo or dims[k].hi for k in (1, 2) if k != d) else x
 
 
-def _gather_instead(ctx, node, d, rule, factors):
-  """The window along dim `d` needs rows past the neighbours' shards: say so, and partition by `factors`
-  (spatial dims whole, so the split dim is gathered)."""
-  ctx.report.warnings.append(f"{node.name} ({node.op}): its windows along dim {d} reach past the neighbouring "
-                             "shards, so that dim is gathered instead of exchanging halos")
-  return rule.partition_with(ctx, node, factors)
-
-
 def _avg_scale(ctx, layout, dims, d, first, count):
   """Per result element, taps / window count, so a VALID average of a window with padding selected to 0
   becomes the average over its input rows alone (the op's SAME semantics); None where every count is full.
@@ -220,31 +92,8 @@ def _avg_scale(ctx, layout, dims, d, first, count):
   return scale
 
 
-class _Windowed(FactorRule):
-  """What automatic sharding needs to price a 2-D NHWC windowed op: one spatial dim split at a time (halo
-  exchange handles one), and the halo rows that split exchanges."""
-
-  def exclusive_factors(self, node):
-    return (("s0", "s1"),) if _geometry(node) is not None else ()
-
-  def internal_bytes(self, node, axes_of, mesh):
-    dims = _geometry(node)
-    if dims is None:
-      return 0
-    image = node.outputs[0].shape if node.op in ("Conv2DBackpropInput", "AvgPoolGrad") else node.input_shape(0)
-    total = 0
-    for k in (1, 2):
-      axes = axes_of.get(f"s{k - 1}", ())
-      if not axes:
-        continue
-      halo = max(dims[k].window - dims[k].stride, 0)
-      batch = -(-image[0] // math.prod(mesh.axis_size(a) for a in axes_of.get("b", ())))
-      total += halo * batch * image[3 - k] * image[3] * node.outputs[0].dtype.size
-    return total
-
-
 @register("Conv2D", "Conv3D")
-class Conv(_Windowed):
+class Conv(WindowedRule):
   """out[b, ..., co] = sum over window and ci of in[b, ..., ci] * filter[..., ci, co].
 
   A split spatial dim of a 2-D NHWC convolution stays split: each device convolves its window of input rows
@@ -255,32 +104,25 @@ class Conv(_Windowed):
     rank = len(node.outputs[0].shape)
     filt = (None,) * (rank - 2) + ("ci", "co")
     if spatial is None:
-      spatial = _geometry(node) is not None
+      spatial = geometry(node) is not None
     if not spatial:
       return Factors((_nhwc(node, "b", "ci", rank), filt), (_nhwc(node, "b", "co", rank),))
     space = tuple(f"s{i}" for i in range(rank - 2))
     return Factors((("b",) + space + ("ci",), filt), (("b",) + space + ("co",),))
 
-  def partition(self, ctx, node):
-    dims = _geometry(node)
-    target = ctx.target(0)
-    split = _split_spatial(target, 4) if dims else None
-    if split is None:
-      return self.partition_with(ctx, node, self.factors(node, spatial=False))
-    d, axes = split
-    g = dims[d]
-    b_axes = _free(target.dims[0], axes)
-    co_axes = _free(target.dims[3], axes, b_axes)
-    if not ctx.window_fits(0, _layout(ctx.mesh, d, axes, b_axes), d, g.out, -g.lo, g.stride, g.window):
-      return _gather_instead(ctx, node, d, self, self.factors(node, spatial=False))
-    x = ctx.window(0, _layout(ctx.mesh, d, axes, b_axes), d, g.out, -g.lo, 0, g.stride, g.window)
-    w = ctx.operand(1, Sharding(ctx.mesh, ((),) * 3 + (co_axes,)))
-    (y,) = ctx.clone(node, {0: x, 1: w}, attrs=_explicit_except(dims, d))
-    ctx.set_output(0, y, _layout(ctx.mesh, d, axes, b_axes, co_axes))
+  def windowed(self, ctx, node, w):
+    g, d = w.g, w.d
+    if not ctx.window_fits(0, w.layout(), d, g.out, -g.lo, g.stride, g.window):
+      return False
+    x = ctx.window(0, w.layout(), d, g.out, -g.lo, 0, g.stride, g.window)
+    k = ctx.operand(1, Sharding(ctx.mesh, ((),) * 3 + (w.c_axes,)))
+    (y,) = ctx.clone(node, {0: x, 1: k}, attrs=_explicit_except(w.dims, d))
+    ctx.set_output(0, y, w.layout(w.c_axes))
+    return True
 
 
 @register("Conv2DBackpropInput", "Conv3DBackpropInputV2")
-class ConvBackpropInput(_Windowed):
+class ConvBackpropInput(WindowedRule):
   """d_in[b, ..., ci] = sum over co of filter[..., ci, co] * d_out[b, ..., co].
 
   A split spatial dim of a 2-D NHWC convolution stays split: each device takes the rows of d_out whose
@@ -295,7 +137,7 @@ class ConvBackpropInput(_Windowed):
     rank = len(node.outputs[0].shape)
     filt = (None,) * (rank - 2) + ("ci", "co")
     if spatial is None:
-      spatial = _geometry(node) is not None
+      spatial = geometry(node) is not None
     if spatial:
       space = tuple(f"s{i}" for i in range(rank - 2))
       return Factors((filt, ("b",) + space + ("co",)), (("b",) + space + ("ci",),))
@@ -305,35 +147,26 @@ class ConvBackpropInput(_Windowed):
     sizes = self.local_shape_input(ctx, node, axes_of, 0)
     return ctx.clone(node, {0: sizes, 1: local_inputs[0], 2: local_inputs[1]})
 
-  def partition(self, ctx, node):
-    dims = _geometry(node)
-    target = ctx.target(0)
-    split = _split_spatial(target, 4) if dims else None
-    if split is None:
-      return self.partition_with(ctx, node, self.factors(node, spatial=False))
-    d, axes = split
-    g = dims[d]
-    mesh = ctx.mesh
-    b_axes = _free(target.dims[0], axes)
-    ci_axes = _free(target.dims[3], axes, b_axes)
-    layout = _layout(mesh, d, axes, b_axes)
-    first, count, lo, hi, c = g.reaching(target.tiles(d))
+  def windowed(self, ctx, node, w):
+    g, d = w.g, w.d
+    layout = w.layout()
+    first, count, lo, hi, c = g.reaching(layout.tiles(d))
     dy = ctx.window_rows(2, layout, d, first, count, lo, hi, 0)
     if dy is None:
-      return _gather_instead(ctx, node, d, self, self.factors(node, spatial=False))
-    w = ctx.operand(1, Sharding(mesh, ((),) * 2 + (ci_axes, ())))
-    natural = _layout(mesh, d, axes, b_axes, ci_axes)
+      return False
+    k = ctx.operand(1, Sharding(ctx.mesh, ((),) * 2 + (w.c_axes, ())))
+    natural = w.layout(w.c_axes)
     start, rows, _, _ = g.rows_read(first, count, lo, hi)
     sizes = list(natural.shard_shape(node.outputs[0].shape))
     sizes[d] = rows
-    (dx,) = ctx.clone(node, {0: tf.constant(sizes, node.input_info(0).dtype), 1: w, 2: dy},
-                      attrs=_explicit_except(dims, d))
+    (dx,) = ctx.clone(node, {0: tf.constant(sizes, node.input_info(0).dtype), 1: k, 2: dy},
+                      attrs=_explicit_except(w.dims, d))
     dx = ctx.take_rows(dx, natural, d, np.arange(len(first)) * c - start, c)
     ctx.set_output(0, dx, natural)
-
+    return True
 
 @register("Conv2DBackpropFilter", "Conv3DBackpropFilterV2")
-class ConvBackpropFilter(_Windowed):
+class ConvBackpropFilter(WindowedRule):
   """d_filter[..., ci, co] = sum over b and space of in[b, ..., ci] * d_out[b, ..., co].
 
   With a spatial dim of a 2-D NHWC convolution split, each device correlates its rows of d_out with its
@@ -347,7 +180,7 @@ class ConvBackpropFilter(_Windowed):
   def factors(self, node, spatial=None):
     rank = len(node.outputs[0].shape)
     if spatial is None:
-      spatial = _geometry(node) is not None
+      spatial = geometry(node) is not None
     if spatial:
       space = tuple(f"s{i}" for i in range(rank - 2))
       return Factors((("b",) + space + ("ci",), ("b",) + space + ("co",)), ((None,) * (rank - 2) + ("ci", "co"),))
@@ -358,49 +191,44 @@ class ConvBackpropFilter(_Windowed):
     sizes = self.local_shape_input(ctx, node, axes_of, 1)
     return ctx.clone(node, {0: local_inputs[0], 1: sizes, 2: local_inputs[1]})
 
-  def partition(self, ctx, node):
-    dims = _geometry(node)
+  def split_layout(self, ctx, node):
+    """The layout of d_out when it splits one spatial dim, else the input's."""
     cur = ctx.current(2)
-    split = None
-    if dims:
-      split = _split_spatial(cur, 4) or _split_spatial(ctx.current(0), 4)
-      cur = cur if _split_spatial(cur, 4) else ctx.current(0)
-    if split is None:
-      return self.partition_with(ctx, node, self.factors(node, spatial=False))
-    d, axes = split
-    g = dims[d]
-    mesh = ctx.mesh
-    b_axes = _free(cur.with_rank(4).dims[0], axes)
-    layout = _layout(mesh, d, axes, b_axes)
+    return cur if split_spatial(cur, 4) else ctx.current(0)
+
+  def windowed(self, ctx, node, w):
+    g, d = w.g, w.d
+    layout = w.layout()
     if not ctx.window_fits(0, layout, d, g.out, -g.lo, g.stride, g.window):
-      return _gather_instead(ctx, node, d, self, self.factors(node, spatial=False))
+      return False
     x = ctx.window(0, layout, d, g.out, -g.lo, 0, g.stride, g.window)
     dy = ctx.operand(2, layout)
     dy_shape = node.input_shape(2)
     # Summed over batch and rows: the padding of uneven shards must add nothing (selected to 0 on both sides).
     if g.out % layout.tiles(d):
       dy = ctx.mask(dy, dy_shape, layout, d, 0)
-    if b_axes and dy_shape[0] % layout.tiles(0):
+    if w.b_axes and dy_shape[0] % layout.tiles(0):
       dy = ctx.mask(dy, dy_shape, layout, 0, 0)
       x = ctx.mask(x, node.input_shape(0), layout, 0, 0)
     kernel = [int(v) for v in node.outputs[0].shape]
     (dw,) = ctx.clone(node, {0: x, 1: tf.constant(kernel, node.input_info(1).dtype), 2: dy},
-                      attrs=_explicit_except(dims, d))
-    ctx.set_output(0, dw, Sharding(mesh, ((),) * 4), partial=(tuple(axes) + b_axes, "Add"))
+                      attrs=_explicit_except(w.dims, d))
+    ctx.set_output(0, dw, Sharding(ctx.mesh, ((),) * 4), partial=(tuple(w.axes) + w.b_axes, "Add"))
+    return True
 
 
 def _tiled_windows(node):
   """Pooling windows that tile space exactly (VALID, window == stride, NHWC): a split spatial dim whose
   shards hold whole windows pools locally, with no halo."""
-  fmt = _text(node, "data_format", "NHWC")
-  padding = _text(node, "padding", "")
+  fmt = attr_text(node, "data_format", "NHWC")
+  padding = attr_text(node, "padding", "")
   ksize, strides = list(node.attr("ksize").i), list(node.attr("strides").i)
   if fmt.startswith("NC") or padding != "VALID" or not ksize or ksize != strides:
     return None
   return strides
 
 
-class _PoolRule(_Windowed):
+class _PoolRule(WindowedRule):
   """Batch and channels pass their split; space too for 2-D NHWC pooling (halo exchange, see the module
   docstring), or for other pooling when windows tile it and every shard holds whole ones."""
 
@@ -411,33 +239,20 @@ class _PoolRule(_Windowed):
     return _nhwc(node, "b", "c", rank)
 
   def spatial(self, node):
-    return _geometry(node) is not None or _tiled_windows(node) is not None
+    return geometry(node) is not None or _tiled_windows(node) is not None
 
   def factors(self, node, spatial=None):
     labels = self._labels(node, self.spatial(node) if spatial is None else spatial)
     return Factors(tuple(labels for _ in self.data_inputs(node)), (labels,))
 
-  def partition(self, ctx, node):
-    dims = _geometry(node)
+  def unsplit(self, ctx, node):
+    """Spatial dims split only where pooling windows tile them and every shard holds whole windows."""
     target = ctx.target(0)
-    split = _split_spatial(target, 4) if dims else None
-    if split is not None:
-      d, axes = split
-      b_axes = _free(target.dims[0], axes)
-      layout = _layout(ctx.mesh, d, axes, b_axes, _free(target.dims[3], axes, b_axes))
-      if self.windowed(ctx, node, dims, d, layout):
-        return None
-      return _gather_instead(ctx, node, d, self, self.factors(node, spatial=False))
     strides = _tiled_windows(node)
     shape = self.input_image_shape(node)
     ok = strides is not None and not target.is_maximal and all(
         shape[d] % (target.tiles(d) * strides[d]) == 0 for d in range(1, len(shape) - 1))
-    return self.partition_with(ctx, node, self.factors(node, spatial=ok))
-
-  def windowed(self, ctx, node, dims, d, layout):
-    """Emit the op with spatial dim `d` split as `layout` (halo exchange); False when a window reaches past
-    the neighbouring shards (nothing emitted then)."""
-    raise NotImplementedError
+    self.partition_with(ctx, node, self.factors(node, spatial=ok))
 
   def input_image_shape(self, node):
     return node.input_shape(self.data_inputs(node)[0])
@@ -448,8 +263,8 @@ class Pool(_PoolRule):
   def data_inputs(self, node):
     return [0]
 
-  def windowed(self, ctx, node, dims, d, layout):
-    g = dims[d]
+  def windowed(self, ctx, node, w):
+    dims, d, g, layout = w.dims, w.d, w.g, w.layout(w.c_axes)
     fill = identity_value("Max", node.outputs[0].dtype) if node.op == "MaxPool" else 0
     if not ctx.window_fits(0, layout, d, g.out, -g.lo, g.stride, g.window):
       return False
@@ -489,8 +304,8 @@ class MaxPoolGrad(_PoolRule):
     labels = self._labels(node, self.spatial(node) if spatial is None else spatial)
     return Factors((labels, labels, labels), (labels,))
 
-  def windowed(self, ctx, node, dims, d, layout):
-    g = dims[d]
+  def windowed(self, ctx, node, w):
+    dims, d, g, layout = w.dims, w.d, w.g, w.layout(w.c_axes)
     lowest = identity_value("Max", node.outputs[0].dtype)
     first, count, lo, hi, c = g.reaching(layout.tiles(d))
     start, rows, r_lo, r_hi = g.rows_read(first, count, lo, hi)
@@ -526,8 +341,8 @@ class AvgPoolGrad(_PoolRule):
   def emit(self, ctx, node, local_inputs, axes_of):
     return ctx.clone(node, {0: self.local_shape_input(ctx, node, axes_of, 0), 1: local_inputs[0]})
 
-  def windowed(self, ctx, node, dims, d, layout):
-    g = dims[d]
+  def windowed(self, ctx, node, w):
+    dims, d, g, layout = w.dims, w.d, w.g, w.layout(w.c_axes)
     first, count, lo, hi, c = g.reaching(layout.tiles(d))
     if not ctx.window_rows_fit(1, layout, d, first, count, lo, hi):
       return False
