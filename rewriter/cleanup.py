@@ -1,7 +1,7 @@
 """Cleanup and verify passes on the per-device program."""
 
 from tf_gspmd.errors import PartitionError
-from tf_gspmd.rewriter.collectives import TF_COLLECTIVE_OPS
+from tf_gspmd.rewriter.vocabulary import TF_COLLECTIVE_OPS
 from tf_gspmd.rewriter.graph_view import prune
 
 

@@ -1,4 +1,5 @@
-"""The one module that builds collective ops. CPU, GPU, TPU and multi-worker differ only here.
+"""The one module that builds collective ops (each through its entry in the collectives vocabulary,
+rewriter/vocabulary.py). CPU, GPU, TPU and multi-worker differ only here.
 
 Groups are sets of mesh devices that differ only along some mesh axes. Every device runs the same
 program, so per-device values (group key, permutation) are read from constant tables indexed by the
@@ -26,18 +27,9 @@ import tensorflow as tf
 
 from tf_gspmd import _compat
 from tf_gspmd.errors import PartitionError
+from tf_gspmd.rewriter import vocabulary
 from tf_gspmd.rewriter.report import CollectiveRecord, Emitted
 
-# The collective vocabulary. Passes ask here which op types are collectives instead of keeping lists.
-EMITTED_OPS = frozenset({"CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2",   # what Backend builds
-                         "CollectiveBcastSendV2", "CollectiveBcastRecvV2"})
-TF_COLLECTIVE_OPS = EMITTED_OPS | frozenset({   # every TF collective op type (a program may hold only ours)
-    "CollectiveReduceScatterV2", "CollectiveReduceV3", "CollectiveAllToAllV3", "CollectiveReduce", "CollectiveGather",
-    "CollectiveBcastSend", "CollectiveBcastRecv"})
-# The collectives XLA compiles: TF 2.21's tf2xla registers an XLA kernel (XLA_CPU_JIT, XLA_GPU_JIT) for
-# CollectiveReduceV2 only, which sums or multiplies (`lowered_by_xla`); gathers, all-to-alls and broadcasts
-# have none and run outside XLA.
-XLA_LOWERED = frozenset({"CollectiveReduceV2"})
 
 _lock = threading.Lock()
 _group_keys = {}          # key -> member device names
@@ -61,11 +53,6 @@ def group_members(key):
   """The member device names of the group with `key`, in the order they were given to `group_key`."""
   with _lock:
     return _group_keys[key]
-
-
-def lowered_by_xla(node):
-  """Whether XLA compiles the collective NodeDef `node`: a type tf2xla lowers, with a merge its kernel takes."""
-  return node.op in XLA_LOWERED and node.attr["merge_op"].s in (b"Add", b"Mul")
 
 
 def next_instance_key():
@@ -275,16 +262,18 @@ class Backend:
     put it in mesh order where the two differ).
     """
     size, key = self._keys(axes)
-    common = dict(input=y, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[])
+    common = dict(input=y, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
+                  name=name or kind.replace("-", "_"))
+    build = vocabulary.BY_KIND[kind].build
     if kind == "all-reduce":
-      out = tf.raw_ops.CollectiveReduceV2(**common, merge_op=reduction, final_op="Id", name=name or "all_reduce")
+      out = build(**common, merge_op=reduction, final_op="Id")
       return out, self._describe(out, kind, axes, y, size, reduction=reduction)
     if kind == "all-gather":
-      out = tf.raw_ops.CollectiveGatherV2(**common, name=name or "all_gather")
+      out = build(**common)
       e = self._describe(out, kind, axes, y, size, gathered=True)
       return tf.reshape(out, [size * y.shape[0]] + y.shape.as_list()[1:]), e   # the op leaves dim 0 unknown
     if kind == "all-to-all":
-      out = tf.raw_ops.CollectiveAllToAllV2(**common, name=name or "all_to_all")
+      out = build(**common)
       return tf.reshape(out, y.shape), self._describe(out, kind, axes, y, size)
     raise ValueError(f"no collective op of kind {kind!r}")
 
@@ -321,15 +310,14 @@ class Backend:
     so none is emitted (as XLA drops an all-reduce of one replica)."""
     return self.group_size(axes) == 1
 
-  def all_reduce(self, x, axes, op, source, reason, record=True):
+  def all_reduce(self, x, axes, op, source, reason):
     if self.alone(axes):
       return x
     carrier, how = _summing(x.dtype, op, source)
     y = tf.bitcast(x, carrier) if how == "bitcast" else tf.cast(x, carrier) if how else x
     out, e = self._emit("all-reduce", y, axes, reduction=op)
     size = e.group_size
-    if record:
-      self._record("all-reduce", x, x.shape, size, axes, source, reason, (e,), _summing_note(x.dtype, carrier, how))
+    self._record("all-reduce", x, x.shape, size, axes, source, reason, (e,), _summing_note(x.dtype, carrier, how))
     return tf.bitcast(out, x.dtype) if how == "bitcast" else tf.cast(out, x.dtype) if how else out
 
   def all_gather(self, x, dim, axes, source, reason):
@@ -479,9 +467,9 @@ class Backend:
     else:
       sending, recv_shape, carried = y, shape, shape
     instance = next_instance_key()
-    sent = tf.raw_ops.CollectiveBcastSendV2(input=sending, group_size=2, group_key=self.lookup(
+    sent = vocabulary.PERMUTE_SEND.build(input=sending, group_size=2, group_key=self.lookup(
         send_key, f"permute_send_key_{tag}"), instance_key=instance, name="permute_send")
-    got = tf.raw_ops.CollectiveBcastRecvV2(group_size=2, group_key=self.lookup(recv_key, f"permute_recv_key_{tag}"),
+    got = vocabulary.PERMUTE_RECEIVE.build(group_size=2, group_key=self.lookup(recv_key, f"permute_recv_key_{tag}"),
                                            instance_key=instance, shape=recv_shape, T=y.dtype, name="permute_recv")
     per_device = count * y.dtype.size
     ops = (self._describe(sent, "collective-permute", axes, y, 2, device_bytes=per_device if tokens else None,

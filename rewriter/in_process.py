@@ -5,13 +5,8 @@ logical CPUs of one process that costs more than the data it moves: a small all-
 takes ~400 us beyond its arithmetic (ring steps, callbacks, thread wake-ups), and a transformer step runs
 dozens. The devices share the host's memory and cores, so this pass instead copies the per-device program once
 per device into one GraphDef (node `d<p>/<name>`, the partition id a constant) and replaces each collective by
-the ordinary ops that compute its result from the members' tensors:
-
-  * all-reduce: the group's first member (runtime rank order) merges every member's operand (AddN for a sum;
-    Mul/Maximum/Minimum in rank order); the others read its result, so every member holds the same bits;
-  * all-gather: every member's operand concatenated along dim 0 in rank order;
-  * all-to-all: block r of every member's operand (dim 0 cut into group-size blocks) to the member of rank r;
-  * collective-permute (broadcast send/receive pairs): the receiver reads what its sender sends.
+its in-process meaning, the ordinary ops that compute its result from the members' tensors, which the
+collectives vocabulary (rewriter/vocabulary.py) states beside each op; `Edges` is what the meanings build with.
 
 Then:
 
@@ -43,11 +38,8 @@ import tensorflow as tf
 from tf_gspmd import _compat
 from tf_gspmd.rewriter import collectives
 from tf_gspmd.rewriter import graph_view
+from tf_gspmd.rewriter import vocabulary
 from tf_gspmd.rewriter.graph_view import prune
-
-_MERGE = {b"Add": "AddN", b"Mul": "Mul", b"Max": "Maximum", b"Min": "Minimum"}
-_KINDS = frozenset({"CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2", "CollectiveBcastSendV2",
-                    "CollectiveBcastRecvV2"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,11 +61,10 @@ def applies(program):
   if not _one_process_of_cpus(program) or program.jit == "whole" or program.collective_keys is None:
     return False
   gd = program.local_graph_def
-  if any(n.op in collectives.TF_COLLECTIVE_OPS for f in gd.library.function for n in f.node_def):
+  if any(n.op in vocabulary.TF_COLLECTIVE_OPS for f in gd.library.function for n in f.node_def):
     return False
-  return all(n.op in _KINDS and n.name in program.collective_keys[0] and (
-      n.op != "CollectiveReduceV2" or (n.attr["merge_op"].s in _MERGE and n.attr["final_op"].s == b"Id"))
-             for n in gd.node if n.op in collectives.TF_COLLECTIVE_OPS)
+  return all(n.op in vocabulary.EMITTED and n.name in program.collective_keys[0] and
+             vocabulary.EMITTED[n.op].runs_in_process(n) for n in gd.node if n.op in vocabulary.TF_COLLECTIVE_OPS)
 
 
 def keys(program):
@@ -81,7 +72,7 @@ def keys(program):
   key, instance key)}, evaluated from the per-device program's tables at each partition id."""
   if not _one_process_of_cpus(program):
     return program
-  colls = [c for c in program.local_graph_def.node if c.op in collectives.TF_COLLECTIVE_OPS]
+  colls = [c for c in program.local_graph_def.node if c.op in vocabulary.TF_COLLECTIVE_OPS]
   return program.replace(collective_keys=_keys(program, colls) if colls else [{}] * len(program.devices))
 
 
@@ -113,40 +104,61 @@ def _keys(program, colls):
   return per_device
 
 
-def _build(program):
-  gd = program.local_graph_def
-  devices = program.devices
-  n = len(devices)
-  position = {tf.DeviceSpec.from_string(d).to_string(): p for p, d in enumerate(devices)}
-  colls = [c for c in gd.node if c.op in collectives.TF_COLLECTIVE_OPS]
-  keys = program.collective_keys
+class Edges:
+  """What a collective's in-process meaning (vocabulary.Collective.in_process) builds with: the one graph of every
+  device's program under construction, device p's copy of node n named `d<p>/<n>`."""
 
-  def members(group_key):
-    """The group's mesh positions in runtime rank order (the order TF's collectives use)."""
-    names = sorted(collectives.group_members(group_key), key=collectives.rank_key)
-    return [position[tf.DeviceSpec.from_string(d).to_string()] for d in names]
+  def __init__(self, program, out):
+    self.out = out
+    self.devices = program.devices
+    self.keys = program.collective_keys
+    self._position = {tf.DeviceSpec.from_string(d).to_string(): p for p, d in enumerate(self.devices)}
+    colls = [c for c in program.local_graph_def.node if c.op in vocabulary.EMITTED]
+    # instance key -> its send op (one instance key per op, the same on every device)
+    self._senders = {self.keys[0][c.name][1]: c.name for c in colls if vocabulary.EMITTED[c.op].sender}
 
-  def ref(p, name):
+  def ref(self, p, name):
+    """Input string `name` of the per-device program, as device p's copy reads it."""
     return f"^d{p}/{name[1:]}" if name.startswith("^") else f"d{p}/{name}"
 
-  # instance key -> its send node (one instance key per op, the same on every device)
-  senders = {keys[0][c.name][1]: c.name for c in colls if c.op == "CollectiveBcastSendV2"}
+  def position(self, device):
+    return self._position[tf.DeviceSpec.from_string(device).to_string()]
 
-  out = tf.compat.v1.GraphDef()
-  out.versions.CopyFrom(gd.versions)
-  out.library.CopyFrom(gd.library)
+  def ranked(self, p, name):
+    """The mesh positions of the group of device p's collective `name`, in runtime rank order."""
+    members = sorted(collectives.group_members(self.keys[p][name][0]), key=collectives.rank_key)
+    return [self.position(d) for d in members]
 
-  def const(name, value, p):
-    node = out.node.add()
-    node.name, node.device = name, devices[p]
-    _become_const(node, value)
+  def sender(self, p, name):
+    """(position, op name) of what device p's receive `name` receives: its group's other member's send."""
+    group, instance = self.keys[p][name]
+    return self.position(collectives.group_members(group)[0]), self._senders[instance]
+
+  def controls(self, p, x):
+    """NodeDef `x`'s control inputs, as device p's copy reads them."""
+    return [self.ref(p, i) for i in x.input if i.startswith("^")]
+
+  def input(self, x, arg):
+    """The input of NodeDef `x` that feeds its OpDef argument `arg`."""
+    return x.input[[a.name for a in _compat.op_def(x.op).input_arg].index(arg)]
+
+  def add(self, name, p):
+    """A new node named `name` on device p's device."""
+    node = self.out.node.add()
+    node.name, node.device = name, self.devices[p]
+    return node
+
+  def const(self, name, value, p):
+    _become_const(self.add(name, p), value)
     return name
 
+  @staticmethod
   def become(node, op, inputs, dtype, **attrs):
+    """NodeDef `node` turned into op `op` of `inputs` with T=`dtype` and `attrs` (ints, tf.DTypes or AttrValues)."""
     node.op = op
     node.ClearField("attr")
     node.attr["T"].CopyFrom(dtype)
-    for k, v in attrs.items():   # an int, a tf.DType or an AttrValue
+    for k, v in attrs.items():
       if isinstance(v, tf.DType):
         node.attr[k].type = v.as_datatype_enum
       elif isinstance(v, int):
@@ -155,6 +167,17 @@ def _build(program):
         node.attr[k].CopyFrom(v)
     del node.input[:]
     node.input.extend(inputs)
+
+
+def _build(program):
+  gd = program.local_graph_def
+  devices = program.devices
+  n = len(devices)
+  out = tf.compat.v1.GraphDef()
+  out.versions.CopyFrom(gd.versions)
+  out.library.CopyFrom(gd.library)
+  edges = Edges(program, out)
+  ref = edges.ref
 
   handles = set(program.local_variables)   # variable handles, and identities of them
   for x in graph_view.GraphView(gd).order():
@@ -171,46 +194,8 @@ def _build(program):
       node.input.extend(ref(p, i) for i in x.input)
       if x.name == program.partition_id:
         _become_const(node, np.int32(p))
-        continue
-      if x.op not in collectives.TF_COLLECTIVE_OPS:
-        continue
-      group, instance = keys[p][x.name]
-      control = [ref(p, i) for i in x.input if i.startswith("^")]
-      dtype = x.attr["T"]
-      # (runtime rank order; collectives.Backend emits none over a group of one)
-      ranked = members(group) if x.op != "CollectiveBcastRecvV2" else None
-      if x.op == "CollectiveReduceV2":
-        if p != ranked[0]:
-          become(node, "Identity", [ref(ranked[0], x.name)] + control, dtype)
-        elif x.attr["merge_op"].s == b"Add":
-          become(node, "AddN", [ref(q, x.input[0]) for q in ranked] + control, dtype, N=len(ranked))
-        else:   # a chain of the binary merge in rank order
-          acc = ref(ranked[0], x.input[0])
-          for k, q in enumerate(ranked[1:-1]):
-            step = out.node.add()
-            step.name, step.device = f"{node.name}/merge_{k}", devices[p]
-            become(step, _MERGE[x.attr["merge_op"].s], [acc, ref(q, x.input[0])], dtype)
-            acc = step.name
-          become(node, _MERGE[x.attr["merge_op"].s], [acc, ref(ranked[-1], x.input[0])] + control, dtype)
-      elif x.op == "CollectiveGatherV2":
-        become(node, "ConcatV2", [ref(q, x.input[0]) for q in ranked] + [const(f"{node.name}/axis", np.int32(0), p)]
-               + control, dtype, N=len(ranked), Tidx=tf.int32)
-      elif x.op == "CollectiveAllToAllV2":
-        axis = const(f"{node.name}/axis", np.int32(0), p)
-        blocks = []
-        for q in ranked:
-          split = out.node.add()
-          split.name, split.device = f"{node.name}/blocks_of_{q}", devices[p]
-          become(split, "Split", [axis, ref(q, x.input[0])], dtype, num_split=len(ranked))
-          blocks.append(f"{split.name}:{ranked.index(p)}")
-        become(node, "ConcatV2", blocks + [axis] + control, dtype, N=len(ranked), Tidx=tf.int32)
-      elif x.op == "CollectiveBcastSendV2":
-        become(node, "Identity", [ref(p, x.input[0])] + control, dtype)
-      else:   # CollectiveBcastRecvV2: what the group's other member sends, in the shape this one expects
-        sender = position[tf.DeviceSpec.from_string(collectives.group_members(group)[0]).to_string()]
-        args = [a.name for a in _compat.op_def(x.op).input_arg]
-        become(node, "Reshape", [ref(sender, senders[instance]), ref(p, x.input[args.index("shape")])] +
-               control, dtype, Tshape=x.attr["Tshape"])
+      elif x.op in vocabulary.EMITTED:   # (collectives.Backend emits none over a group of one)
+        vocabulary.EMITTED[x.op].in_process(edges, x, node, p)
   graph, same = _deduplicated(out, _same_tiles(program, ref), {ref(p, h) for h in handles for p in range(n)})
   inputs = list(program.local_inputs) + list(program.local_variables)
   return InProcess(graph, tuple(ref(p, graph_view.normalize(t)) for t in inputs for p in range(n)),

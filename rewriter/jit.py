@@ -27,13 +27,13 @@ import tensorflow as tf
 
 from tf_gspmd import _compat
 from tf_gspmd.errors import UnsupportedOpError
-from tf_gspmd.rewriter import collectives
+from tf_gspmd.rewriter import vocabulary
 from tf_gspmd.rewriter.graph_view import (GraphView, dedupe_controls, is_control, is_stateful, node_def, node_of,
                                           normalize)
 
 # Ops XLA has no kernel for (TF's tf2xla registry), or that must stay outside a compiled segment on CPU
 # (every collective: XLA on CPU refuses them).
-UNCOMPILABLE = collectives.TF_COLLECTIVE_OPS | frozenset({
+UNCOMPILABLE = vocabulary.TF_COLLECTIVE_OPS | frozenset({
     "Placeholder", "NoOp", "VarHandleOp", "While", "StatelessWhile", "If", "StatelessIf", "PartitionedCall",
     "StatefulPartitionedCall", "PrintV2", "StringFormat", "Assert", "ResourceScatterNdUpdate", "UnsortedSegmentProd",
 })
@@ -67,7 +67,7 @@ def _compilable(node):
 def check_whole_program(graph_def, backend):
   """Raises UnsupportedOpError naming the first op a whole-program XLA compilation on `backend` would refuse."""
   for node in graph_def.node:
-    if collectives.lowered_by_xla(node) or node.op == "Placeholder":
+    if vocabulary.lowered_by_xla(node) or node.op == "Placeholder":
       continue
     if not _compilable(node):
       raise UnsupportedOpError(f"op type {node.op} cannot be compiled by XLA on {backend}; run with "
@@ -270,7 +270,7 @@ def run(program):
   if not wants_jit(program.options.jit_compile, backend):
     return program.replace(jit=None)
   unlowered = [n for n in program.local_graph_def.node
-               if n.op in collectives.TF_COLLECTIVE_OPS and not collectives.lowered_by_xla(n)]
+               if n.op in vocabulary.TF_COLLECTIVE_OPS and not vocabulary.lowered_by_xla(n)]
   if backend == "TPU" or (backend == "GPU" and not unlowered):
     check_whole_program(program.local_graph_def, backend)
     return program.replace(jit="whole")

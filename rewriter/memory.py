@@ -35,7 +35,7 @@ import tensorflow as tf
 
 from tf_gspmd import _compat
 from tf_gspmd.rewriter import functions
-from tf_gspmd.rewriter.collectives import TF_COLLECTIVE_OPS
+from tf_gspmd.rewriter.vocabulary import TF_COLLECTIVE_OPS
 from tf_gspmd.rewriter.graph_view import GraphView, function_names, is_control, normalize, ref
 from tf_gspmd.rewriter.partition import variable_shard
 from tf_gspmd.rewriter.report import LiveBuffer, MemoryEstimate

@@ -65,7 +65,7 @@ def sent_by_program(low):
   for every partition id.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.rewriter.collectives import TF_COLLECTIVE_OPS  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.rewriter.vocabulary import TF_COLLECTIVE_OPS  # pylint: disable=g-import-not-at-top
   n = low.program.mesh.size
   graph = tf.Graph()
   with graph.as_default():

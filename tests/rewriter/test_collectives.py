@@ -9,7 +9,7 @@ import tf_gspmd as gs
 from tf_gspmd.runtime import parallel
 from tf_gspmd.rewriter import collectives
 from tf_gspmd.rewriter.collectives import Backend
-from tf_gspmd.rewriter.report import Report
+from tf_gspmd.rewriter.report import ReportBuilder
 
 M8 = gs.Mesh((8,), ("d",))
 M24 = gs.Mesh((2, 4), ("a", "b"))
@@ -19,7 +19,7 @@ def _run(mesh, body, values):
   """body(backend, x) built into one per-device program and run on every device of `mesh` (x: values[p] on
   device p). Returns (the per-device results, the report)."""
   devices = tuple(d.name for d in tf.config.list_logical_devices("CPU"))[:mesh.size]
-  graph, report = tf.Graph(), Report()
+  graph, report = tf.Graph(), ReportBuilder()
   with graph.as_default():
     pid = tf.compat.v1.placeholder(tf.int32, [], name="pid")
     x = tf.compat.v1.placeholder(tf.as_dtype(values[0].dtype), values[0].shape, name="x")
@@ -34,12 +34,12 @@ def _run(mesh, body, values):
       comps.append(tf.identity(tf.constant(v)))
   with tf.device(pd._name):  # pylint: disable=protected-access
     (out,) = fn(packed_pid, pd.pack(comps))
-  return [t.numpy() for t in pd.unpack(out)], report
+  return [t.numpy() for t in pd.unpack(out)], report.build()
 
 
 def _members(mesh, axes):
   """Per device: (its group's members in mesh order, its number in the group)."""
-  of, members = Backend(mesh, None, None, None, Report()).groups(axes)
+  of, members = Backend(mesh, None, None, None, ReportBuilder()).groups(axes)
   return {p: (m, m.index(p)) for m in members for p in m}
 
 

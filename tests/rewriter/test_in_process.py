@@ -12,7 +12,7 @@ import tensorflow as tf
 import tf_gspmd as gs
 from tf_gspmd import P
 from tf_gspmd.errors import InputError
-from tf_gspmd.rewriter.collectives import TF_COLLECTIVE_OPS
+from tf_gspmd.rewriter.vocabulary import TF_COLLECTIVE_OPS
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 import transformer_model as tm  # noqa: E402  pylint: disable=g-import-not-at-top

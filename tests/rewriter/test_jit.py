@@ -10,7 +10,7 @@ from tensorflow.python.framework import kernels
 from conftest import assert_close
 import tf_gspmd as gs
 from tf_gspmd import P
-from tf_gspmd.rewriter import collectives, jit
+from tf_gspmd.rewriter import jit, vocabulary
 
 MESH = gs.Mesh((2, 4), ("data", "model"))
 COLLECTIVES = ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2")
@@ -164,7 +164,7 @@ def test_read_only_variables_are_not_written():
 def test_xla_lowers_only_the_collectives_it_has_kernels_for():
   """XLA_LOWERED names exactly the emitted op types that TF's tf2xla registry compiles (for a GPU program)."""
   tf.function(lambda v: v + 1.0, jit_compile=True, autograph=False)(tf.constant(1.0))   # XLA's kernels registered
-  with_kernel = {op for op in collectives.EMITTED_OPS
+  with_kernel = {op for op in vocabulary.EMITTED_OPS
                  if "XLA_GPU_JIT" in {k.device_type for k in kernels.get_registered_kernels_for_op(op).kernel}}
-  assert with_kernel == set(collectives.XLA_LOWERED) == {"CollectiveReduceV2"}
-  assert collectives.EMITTED_OPS <= collectives.TF_COLLECTIVE_OPS
+  assert with_kernel == set(vocabulary.XLA_LOWERED) == {"CollectiveReduceV2"}
+  assert vocabulary.EMITTED_OPS <= vocabulary.TF_COLLECTIVE_OPS
