@@ -17,6 +17,7 @@ from tf_gspmd import ops as op_rules
 from tf_gspmd._mesh import axes_text
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.errors import PartitionError, UnsupportedOpError
+from tf_gspmd.ops import windows
 from tf_gspmd.rewriter import completion, functions, reshard
 from tf_gspmd.rewriter.collectives import Backend
 from tf_gspmd.rewriter.graph_view import public_key, ref, split_ref
@@ -208,13 +209,13 @@ class PartitionContext:
     (c-1)*stride + size (GSPMD's windowed input). Returns None when a window reaches past a neighbour (the
     caller then gathers instead); see `window_rows`.
     """
-    rows = rows_read_by(self.node.input_info(i).shape[dim], sharding.tiles(dim), out_size, start, stride, size)
+    rows = self._rows_read(i, sharding, dim, out_size, start, stride, size)
     return self.window_rows(i, sharding, dim, *rows, fill)
 
   def window_fits(self, i, sharding, dim, out_size, start, stride=1, size=1):
     """Whether `window` can serve input i from neighbours only (no emission)."""
-    rows = rows_read_by(self.node.input_info(i).shape[dim], sharding.tiles(dim), out_size, start, stride, size)
-    return self._window_plan(i, sharding, dim, *rows) is not None
+    rows = self._rows_read(i, sharding, dim, out_size, start, stride, size)
+    return self._halo_plan(i, sharding, dim, rows) is not None
 
   def window_rows(self, i, sharding, dim, first, length, lo, hi, fill):
     """Input i with rows [first[t], first[t] + length) along `dim` on the device of shard index t.
@@ -223,52 +224,48 @@ class PartitionContext:
     uneven shards, rows read only by results in the result's padding) are *selected* to `fill` (so a
     neighbour's inf or NaN never leaks into a result). The input is first laid out as `sharding`, then each
     device takes the rows it lacks from its neighbours (one halo exchange sized by the largest need, which
-    may differ between devices) and slices its window at a per-device offset. Returns None when a device
-    needs rows past its neighbours' shards.
+    may differ between devices) and slices its window at a per-device offset (`windows.plan_halo`). Returns
+    None when a device needs rows past its neighbours' shards.
     """
-    fit = self._window_plan(i, sharding, dim, first, length, lo, hi)
-    if fit is None:
+    plan = self._halo_plan(i, sharding, dim, (first, length, lo, hi))
+    if plan is None:
       return None
     # A window is cached like a reshard: a gradient reading the forward op's window (a filter gradient) reuses
     # its halos instead of exchanging them again.
-    key = (self.node.inputs[i], sharding.with_rank(len(fit[0])), dim, tuple(first.tolist()), length,
+    key = (self.node.inputs[i], sharding.with_rank(len(plan.shape)), dim, tuple(first.tolist()), length,
            tuple(lo.tolist()), tuple(hi.tolist()), repr(np.asarray(fill).item()))
     if key not in self._windows:
-      self._windows[key] = self._emit_window(i, sharding, dim, first, length, lo, hi, fill, fit)
+      self._windows[key] = self._emit_window(i, plan, fill)
     return self._windows[key]
 
-  def _emit_window(self, i, sharding, dim, first, length, lo, hi, fill, fit):
-    shape, axes, tiles, own, left, right, source = fit
-    x = self.operand(i, source)
+  def _emit_window(self, i, plan, fill):
+    """Emit `plan` (a `windows.HaloPlan`) for input i: reshard, halo exchange, per-device cut, fill select."""
+    dim, length = plan.dim, plan.rows.length
+    x = self.operand(i, plan.source)
     with tf.name_scope(self._scope()):
-      if left or right:
-        x = self.backend.halo_exchange(x, dim, axes, left, right, self.node.name,
+      if plan.left or plan.right:
+        x = self.backend.halo_exchange(x, dim, plan.axes, plan.left, plan.right, self.node.name,
                                        f"{self.node.name} ({self.node.op}) moves its window along dim {dim}")
-      x = self._take(x, dim, (first[tiles] - (own - left)).astype(np.int32), length, f"window_{dim}_{length}")
-      rows = first[tiles][:, None] + np.arange(length)[None, :]
-      valid = (rows >= lo[tiles][:, None]) & (rows < hi[tiles][:, None])
-      if valid.all():
+      x = self._take(x, dim, plan.offsets(), length, f"window_{dim}_{length}")
+      valid = plan.valid()
+      if valid is None:
         return x
       keep = self.lookup(valid, f"window_valid_{dim}_{length}")
-      bshape = [1] * len(shape)
+      bshape = [1] * len(plan.shape)
       bshape[dim] = length
       return tf.where(tf.reshape(keep, bshape), x, tf.constant(fill, x.dtype))
 
   def window_rows_fit(self, i, sharding, dim, first, length, lo, hi):
     """Whether `window_rows` can serve input i from neighbours only (no emission)."""
-    return self._window_plan(i, sharding, dim, first, length, lo, hi) is not None
+    return self._halo_plan(i, sharding, dim, (first, length, lo, hi)) is not None
 
   def window_bytes(self, i, sharding, dim, out_size, start, stride=1, size=1):
     """Bytes per device that `window` moves (resharding input i to the layout it reads, then its halos); None
     when the window does not fit (the caller weighs it against other ways to compute the same result)."""
-    rows = rows_read_by(self.node.input_info(i).shape[dim], sharding.tiles(dim), out_size, start, stride, size)
-    fit = self._window_plan(i, sharding, dim, *rows)
-    if fit is None:
+    plan = self._halo_plan(i, sharding, dim, self._rows_read(i, sharding, dim, out_size, start, stride, size))
+    if plan is None:
       return None
-    shape, _, _, _, left, right, source = fit
-    local = list(source.with_rank(len(shape)).shard_shape(shape))
-    local[dim] = left + right
-    return self.operand_cost(i, source) + int(np.prod(local)) * self.input_dtype(i).size
+    return self.operand_cost(i, plan.source) + plan.halo_elements() * self.input_dtype(i).size
 
   def take_rows(self, x, sharding, dim, begin, count):
     """Rows [begin[t], begin[t] + count) along `dim` of the local `x` on the device of shard index t (rows
@@ -277,11 +274,18 @@ class PartitionContext:
     with tf.name_scope(self._scope()):
       return self._take(x, dim, np.asarray(begin)[tiles].astype(np.int32), count, f"rows_{dim}_{count}")
 
+  def _rows_read(self, i, sharding, dim, out_size, start, stride, size):
+    """The `windows.Rows` of input i a result of `out_size` rows split like `sharding` on `dim` reads."""
+    return windows.rows_read_by(self.node.input_info(i).shape[dim], sharding.tiles(dim), out_size, start, stride,
+                                size)
+
+  def _halo_plan(self, i, sharding, dim, rows):
+    """The `windows.HaloPlan` for windows `rows` of input i, as it is laid out now; None when it does not fit."""
+    return windows.plan_halo(self.node.input_info(i).shape, self.current(i), sharding, dim, rows)
+
   def _take(self, x, dim, offset, count, name):
     """`x`'s rows [offset[p], offset[p] + count) along `dim` on device p, zero-padded where they leave x."""
-    front = max(0, -int(offset.min()))
-    offset = offset + front
-    back = max(0, int(offset.max()) + count - (x.shape[dim] + front))
+    front, back, offset = windows.take_bounds(offset, count, x.shape[dim])
     if front or back:
       pads = [[0, 0] for _ in range(x.shape.rank)]
       pads[dim] = [front, back]
@@ -293,27 +297,6 @@ class PartitionContext:
     size = x.shape.as_list()
     size[dim] = count
     return tf.slice(x, self.lookup(begin, name), size)
-
-  def _window_plan(self, i, sharding, dim, first, length, lo, hi):
-    """(shape, axes, shard index per device, own first row per device, left halo, right halo, the layout to
-    read the input in), or None when some device needs rows its neighbours do not hold. Halos count only rows
-    a device reads (in [lo, hi)). An input already whole along `dim` is sliced locally, with no halo."""
-    shape = self.node.input_info(i).shape
-    n = sharding.tiles(dim)
-    c_in = -(-shape[dim] // n)
-    tiles = np.array([sharding.tile_index(p, dim) for p in range(self.mesh.size)])
-    have = self.current(i)
-    if have is not None and not have.is_maximal and not have.with_rank(len(shape)).dims[dim]:
-      dims = sharding.with_rank(len(shape)).dims
-      whole = Sharding(self.mesh, tuple(() if k == dim else a for k, a in enumerate(dims)))
-      return shape, (), tiles, np.zeros_like(tiles), 0, 0, whole
-    own = tiles * c_in
-    used = hi[tiles] > lo[tiles]
-    left = int(max(0, np.max((own - lo[tiles])[used], initial=0)))
-    right = int(max(0, np.max((hi[tiles] - own - c_in)[used], initial=0)))
-    if left > c_in or right > c_in:
-      return None
-    return shape, sharding.dims[dim], tiles, own, left, right, sharding
 
   def parameter(self, node):
     if node.name in self.program.variable_names:   # a variable handle: one shard of the variable per device
@@ -372,22 +355,6 @@ def _give_shard_shape(handle, info, sharding):
   if info.value_shape is not None:
     local = sharding.with_rank(len(info.value_shape)).shard_shape(info.value_shape)
     _compat.set_resource_shape(handle, tf.TensorShape(local), info.value_dtype)
-
-
-def rows_read_by(in_size, n, out_size, start, stride=1, size=1):
-  """(first, length, lo, hi) for `PartitionContext.window_rows`: the input rows a result of `out_size` rows
-  split in n shards reads, result row j reading rows [start + j*stride, start + j*stride + size).
-
-  Shard t computes result rows [t*c, (t+1)*c): it reads `length` rows from `first[t]`, of which those in
-  [lo[t], hi[t]) matter (inside the input, and read by a result row inside the result).
-  """
-  c = -(-out_size // n)
-  t = np.arange(n)
-  first = start + t * c * stride
-  valid = np.clip(out_size - t * c, 0, c)
-  lo = np.clip(first, 0, in_size)
-  hi = np.where(valid > 0, np.clip(first + (valid - 1) * stride + size, 0, in_size), lo)
-  return first, (c - 1) * stride + size, lo, np.maximum(hi, lo)
 
 
 def _check_list_layout(r, have, want, where):
