@@ -37,8 +37,7 @@ class IdentityLike(FactorRule):
 
   priority = 0
 
-  def data_inputs(self, node):
-    return [0]
+  data = (0,)
 
   def factors(self, node):
     labels = tuple(f"d{i}" for i in range(_rank(node.outputs[0])))

@@ -129,8 +129,7 @@ class _SplitAlong(AlongAxis):
 @register("Split")
 class Split(_SplitAlong):
 
-  def data_inputs(self, node):
-    return [1]
+  data = (1,)
 
   def fixed_dims(self, node):
     return {const_axis(node, 0, len(node.outputs[0].shape))}
@@ -139,8 +138,7 @@ class Split(_SplitAlong):
 @register("SplitV")
 class SplitV(_SplitAlong):
 
-  def data_inputs(self, node):
-    return [0]
+  data = (0,)
 
   def fixed_dims(self, node):
     return {const_axis(node, 2, len(node.outputs[0].shape))}
@@ -155,8 +153,7 @@ class Roll(FactorRule):
 
   priority = 0
 
-  def data_inputs(self, node):
-    return [0]
+  data = (0,)
 
   def shifts(self, node):
     """{dim: shift in [0, size)} (repeated axes add up, as in tf.roll), or None when not constant."""

@@ -44,8 +44,7 @@ class Gather(FactorRule):
   generic path (the table whole along that dim) only where it moves fewer bytes.
   """
 
-  def data_inputs(self, node):
-    return [0, 1]
+  data = (0, 1)
 
   def _axis(self, node):
     return const_axis(node, 2, len(node.input_shape(0)))
@@ -165,8 +164,7 @@ class GatherNd(FactorRule):
 class OneHot(FactorRule):
   """The depth dim is produced whole (sliced afterwards if it should be split); index dims pass."""
 
-  def data_inputs(self, node):
-    return [0]
+  data = (0,)
 
   def factors(self, node):
     rank = len(node.input_shape(0))

@@ -41,8 +41,7 @@ class ShapeOf(Rule):
 
   priority = 0
 
-  def data_inputs(self, node):
-    return []
+  data = ()   # no input carries data
 
   def partition(self, ctx, node):
     for o, out in enumerate(node.outputs):

@@ -31,8 +31,7 @@ def reduced_axes(node):
 class Reduce(FactorRule):
   """reduce(x, axes): kept dims pass through, reduced dims combine partial results with the op's reducer."""
 
-  def data_inputs(self, node):
-    return [0]
+  data = (0,)
 
   def factors(self, node):
     rank = len(node.input_shape(0))
@@ -62,8 +61,7 @@ class Reduce(FactorRule):
 class LogicalReduce(FactorRule):
   """Logical reductions: reduced dims are whole locally (no boolean all-reduce in TF's collectives)."""
 
-  def data_inputs(self, node):
-    return [0]
+  data = (0,)
 
   def factors(self, node):
     rank = len(node.input_shape(0))
@@ -80,8 +78,7 @@ class ArgReduce(FactorRule):
   """The other dims pass their split. An operand already split along the reduced dim is not gathered: each
   device finds its shard's winner, and only the winners (value and global index) are all-gathered."""
 
-  def data_inputs(self, node):
-    return [0]
+  data = (0,)
 
   def factors(self, node):
     rank = len(node.input_shape(0))
@@ -127,8 +124,7 @@ class ArgReduce(FactorRule):
 class TopK(FactorRule):
   """Top-k over the last dim: the last dim is whole locally."""
 
-  def data_inputs(self, node):
-    return [0]
+  data = (0,)
 
   def factors(self, node):
     rank = len(node.input_shape(0))
@@ -140,8 +136,7 @@ class TopK(FactorRule):
 class Scan(FactorRule):
   """Cumulative ops along a constant axis: the scanned dim is whole on every device, the others pass."""
 
-  def data_inputs(self, node):
-    return [0]
+  data = (0,)
 
   def factors(self, node):
     rank = len(node.outputs[0].shape)

@@ -26,9 +26,12 @@ class Rule:
   name = "rule"
   forward_without_operands = False   # ask `forward` even when no operand has a sharding yet
 
+  data = None   # indices of the inputs that carry data, when they are fixed (None: every input)
+
   def data_inputs(self, node):
-    """Indices of the inputs that carry data to be partitioned (others are read whole, e.g. axis constants)."""
-    return list(range(len(node.inputs)))
+    """Indices of the inputs that carry data to be partitioned (others are read whole, e.g. axis constants):
+    `data`, or every input. A rule whose data inputs depend on the node overrides this."""
+    return list(range(len(node.inputs))) if self.data is None else list(self.data)
 
   def forward(self, ctx, node, operands):  # pylint: disable=unused-argument
     """One list of candidate shardings per output."""

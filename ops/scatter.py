@@ -20,8 +20,7 @@ from tf_gspmd.ops.variables import handle_sharding, value_labels
 class ScatterNd(FactorRule):
   """scatter_nd(indices[r..., K], updates[r..., rest], shape): r summed, rest pass."""
 
-  def data_inputs(self, node):
-    return [0, 1]
+  data = (0, 1)
 
   def factors(self, node):
     idx = node.input_shape(0)
@@ -52,8 +51,7 @@ class TensorScatter(FactorRule):
 class UnsortedSegmentSum(FactorRule):
   """data[ids..., rest] -> out[segments, rest]: id dims are summed (partial sums + all-reduce), rest pass."""
 
-  def data_inputs(self, node):
-    return [0, 1]
+  data = (0, 1)
 
   def factors(self, node):
     rank = len(node.input_shape(0))

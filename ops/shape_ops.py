@@ -24,8 +24,7 @@ class Transpose(FactorRule):
 
   priority = 0
 
-  def data_inputs(self, node):
-    return [0]
+  data = (0,)
 
   def factors(self, node):
     rank = len(node.input_shape(0))
@@ -42,8 +41,7 @@ class ExpandDims(FactorRule):
 
   priority = 0
 
-  def data_inputs(self, node):
-    return [0]
+  data = (0,)
 
   def factors(self, node):
     labels = dim_labels(len(node.input_shape(0)))
@@ -118,8 +116,7 @@ class Bitcast(FactorRule):
 
   priority = 0
 
-  def data_inputs(self, node):
-    return [0]
+  data = (0,)
 
   def factors(self, node):
     in_rank, out_rank = len(node.input_shape(0)), len(node.outputs[0].shape)
@@ -134,8 +131,7 @@ class Reshape(Rule):
 
   priority = 0
 
-  def data_inputs(self, node):
-    return [0]
+  data = (0,)
 
   def _convert(self, node, sharding, forward):
     src, dst = node.input_shape(0), node.outputs[0].shape
@@ -189,8 +185,7 @@ class Tile(FactorRule):
 
   priority = 2
 
-  def data_inputs(self, node):
-    return [0]
+  data = (0,)
 
   def factors(self, node):
     mult = node.const_input(1)
@@ -206,8 +201,7 @@ class BroadcastTo(FactorRule):
 
   priority = 2
 
-  def data_inputs(self, node):
-    return [0]
+  data = (0,)
 
   def factors(self, node):
     out = node.outputs[0].shape

@@ -273,8 +273,7 @@ class _Narrowing(FactorRule):
   """A rule whose output is its operand narrowed to `selection(node)` (None when it cannot say: then every
   dim is whole). Partitioned by `narrow`."""
 
-  def data_inputs(self, node):
-    return [0]
+  data = (0,)
 
   def selection(self, node):
     raise NotImplementedError
@@ -328,8 +327,7 @@ class StridedSliceGrad(FactorRule):
   """d_input of a strided slice (new axes, ellipsis and shrunk dims included): dims read whole pass their split;
   others are whole."""
 
-  def data_inputs(self, node):
-    return [4]
+  data = (4,)
 
   def factors(self, node):
     rank = len(node.outputs[0].shape)
@@ -352,8 +350,7 @@ class DynamicUpdateSlice(FactorRule):
   write): dims the update covers whole pass their split (their start is clamped to 0), written-into dims are
   whole on every device, so the same start is right everywhere."""
 
-  def data_inputs(self, node):
-    return [0, 1]
+  data = (0, 1)
 
   def factors(self, node):
     shape, update = node.input_shape(0), node.input_shape(1)
@@ -367,8 +364,7 @@ class Pad(FactorRule):
   """Unpadded dims pass their split. A padded dim may stay split too (constant padding): each device takes
   its window of the padded result, with halo rows from its neighbours (GSPMD's windowed pad)."""
 
-  def data_inputs(self, node):
-    return [0]
+  data = (0,)
 
   def _padded(self, node):
     pads = node.const_input(1)
