@@ -165,10 +165,9 @@ class FactorRule(Rule):
 
   def cached_factors(self, node):
     """`factors(node)`, computed once per node (completion asks many times)."""
-    f = getattr(node, "_factors", None)
+    f = node.memo.get("factors")
     if f is None:
-      f = self.factors(node)
-      node._factors = f  # pylint: disable=protected-access
+      f = node.memo["factors"] = self.factors(node)
     return f
 
   def split_reduced(self, node):  # pylint: disable=unused-argument

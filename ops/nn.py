@@ -130,8 +130,7 @@ class ConvBackpropInput(WindowedRule):
   own rows.
   """
 
-  def data_inputs(self, node):
-    return [1, 2]
+  data = (1, 2)
 
   def factors(self, node, spatial=None):
     rank = len(node.outputs[0].shape)
@@ -174,8 +173,7 @@ class ConvBackpropFilter(WindowedRule):
   all-reduce (no gather of activations).
   """
 
-  def data_inputs(self, node):
-    return [0, 2]
+  data = (0, 2)
 
   def factors(self, node, spatial=None):
     rank = len(node.outputs[0].shape)
@@ -260,8 +258,7 @@ class _PoolRule(WindowedRule):
 
 @register("MaxPool", "AvgPool", "MaxPool3D", "AvgPool3D")
 class Pool(_PoolRule):
-  def data_inputs(self, node):
-    return [0]
+  data = (0,)
 
   def windowed(self, ctx, node, w):
     dims, d, g, layout = w.dims, w.d, w.g, w.layout(w.c_axes)
@@ -297,8 +294,7 @@ class MaxPoolGrad(_PoolRule):
   pooled input's rows they read and the result gradient's rows), routes the gradient locally and keeps its
   own rows."""
 
-  def data_inputs(self, node):
-    return [0, 1, 2]
+  data = (0, 1, 2)
 
   def factors(self, node, spatial=None):
     labels = self._labels(node, self.spatial(node) if spatial is None else spatial)
@@ -332,8 +328,7 @@ class AvgPoolGrad(_PoolRule):
   reach its rows, divides each by its window's count of input rows, spreads them locally and keeps its own
   rows."""
 
-  def data_inputs(self, node):
-    return [1]
+  data = (1,)
 
   def input_image_shape(self, node):
     return node.outputs[0].shape

@@ -126,8 +126,7 @@ def _whole(mesh, rank):
 
 def _used(ctx, node, o):
   """Whether output o of `node` is read (unread results cost nothing: their ops are pruned)."""
-  r = node.ref(o)
-  return bool(ctx.ir.consumers.get(r)) or r in ctx.ir.outputs
+  return ctx.used(node.ref(o))
 
 
 def _natural(ctx, sel, layout):

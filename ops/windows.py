@@ -315,8 +315,8 @@ class WindowedRule(FactorRule):
     if w is None:
       self.unsplit(ctx, node)
     elif not self.windowed(ctx, node, w):
-      ctx.report.warnings.append(f"{node.name} ({node.op}): its windows along dim {w.d} reach past the "
-                                 "neighbouring shards, so that dim is gathered instead of exchanging halos")
+      ctx.warn(f"{node.name} ({node.op}): its windows along dim {w.d} reach past the neighbouring shards, so "
+               "that dim is gathered instead of exchanging halos")
       self.partition_with(ctx, node, self.factors(node, spatial=False))
 
   def unsplit(self, ctx, node):

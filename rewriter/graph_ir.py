@@ -53,6 +53,7 @@ class Node:
     self.control = tuple(control)
     self.outputs = tuple(outputs)
     self.graph = graph
+    self.memo = {}    # facts a rule derives once per node (ops/context.NodeView)
 
   @property
   def attrs(self):

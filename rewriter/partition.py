@@ -53,7 +53,7 @@ class PartitionContext:
 
   # ---- helpers for rules ------------------------------------------------------------------------------------
   def planned_axes(self):
-    """{factor label: mesh axes} automatic sharding priced for this node (rewriter/auto.py), or None."""
+    """{factor label: mesh axes} automatic sharding priced for this node (rewriter/auto/), or None."""
     plan = self.program.auto_plan
     return None if plan is None or not plan.planned else plan.planned.get(self.node.name)
 
@@ -170,6 +170,14 @@ class PartitionContext:
     name = f"{fname}_gspmd_{len(self.functions)}"
     self.functions.append(functions.to_function_def(graph, name, params + [ctx.pid], outs))
     return name
+
+  def used(self, r):
+    """Whether tensor `r` of the global graph is read, by a node or as an output of the program."""
+    return bool(self.ir.consumers.get(r)) or r in self.ir.outputs
+
+  def warn(self, message):
+    """A line in the report's warnings."""
+    self.report.warn(message)
 
   def local_shape(self, i, sharding):
     """Per-device shape of input i under `sharding` (None for opaque values)."""
