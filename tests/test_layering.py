@@ -109,6 +109,21 @@ def test_no_upward_imports():
   assert not wrong, "imports that go up a floor:\n" + "\n".join(wrong)
 
 
+MAX_LINES = 600
+
+
+def test_no_module_over_600_lines():
+  """Every Python file of the project -- package, tests, examples, benchmarks, tools -- stays readable in one
+  sitting: a module that grows past MAX_LINES is split along the jobs it does."""
+  long = []
+  for directory in ("tf_gspmd", "ops", "rewriter", "tests", "examples", "bench", "tools"):
+    for path in sorted((ROOT / directory).rglob("*.py")):
+      n = len(path.read_text().splitlines())
+      if n > MAX_LINES:
+        long.append(f"{path.relative_to(ROOT)}: {n} lines")
+  assert not long, f"modules over {MAX_LINES} lines:\n" + "\n".join(long)
+
+
 def _cycles(graph):
   """Strongly connected components with more than one module (Tarjan), each sorted."""
   index, low, stack, on, out = {}, {}, [], set(), []
