@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import tf_gspmd as gs
-from tf_gspmd import _cluster
+from tf_gspmd import _cluster, _mesh
 from tf_gspmd import launch
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -48,7 +48,7 @@ def test_device_order_is_processes_major():
   names = ["/job:worker/replica:0/task:1/device:CPU:0", "/job:worker/replica:0/task:0/device:CPU:1",
            "/job:chief/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:10/device:CPU:0",
            "/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:2/device:CPU:0"]
-  assert sorted(names, key=_cluster.device_order) == [names[2], names[4], names[1], names[0], names[5], names[3]]
+  assert sorted(names, key=_mesh.device_order) == [names[2], names[4], names[1], names[0], names[5], names[3]]
 
 
 def test_one_process_is_a_cluster_of_one():

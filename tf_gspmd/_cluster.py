@@ -5,7 +5,7 @@ Every process runs the same Python program and drives its own (local) devices; c
 through TF's own collective runtime over gRPC (the one MultiWorkerMirroredStrategy uses). `initialize` joins the
 cluster that a `tf.distribute.cluster_resolver.ClusterResolver` describes -- `TF_CONFIG` by default, or Slurm,
 Kubernetes, or a `SimpleClusterResolver` -- before TensorFlow runs anything. Afterwards TF lists every task's
-devices; a mesh takes them in the order of `device_order` (tasks major: the chief, then workers by index; then
+devices; a mesh takes them in the order of `_mesh.device_order` (tasks major: the chief, then workers by index; then
 device type and index), so every process builds the same mesh, the same group keys and the same program without
 exchanging any Python state.
 
@@ -16,7 +16,7 @@ import os
 import threading
 
 from tf_gspmd import _compat
-from tf_gspmd._mesh import JOB_ORDER, device_order  # pylint: disable=unused-import (device_order: re-exported)
+from tf_gspmd._mesh import JOB_ORDER
 from tf_gspmd.errors import MeshError
 
 DEVICES_ENV = "TF_GSPMD_CPU_DEVICES_PER_PROCESS"   # logical CPUs per process, from the launcher

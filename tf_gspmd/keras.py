@@ -41,7 +41,7 @@ from tf_gspmd import _compat
 from tf_gspmd import initializers
 from tf_gspmd._annotations import current_mesh, shard
 from tf_gspmd._function import function as gs_function
-from tf_gspmd._mesh import Mesh, P
+from tf_gspmd._mesh import Mesh, P, device_order
 from tf_gspmd._sharding import to_sharding
 from tf_gspmd.errors import InputError, MeshError
 from tf_gspmd.runtime import state as _state
@@ -268,7 +268,7 @@ def _initialize_processes(job_addresses=None, num_processes=None, process_id=Non
 def _list_devices(device_type=None):
   """Keras's `list_devices` over every process (full TF names, processes major), as `gs.Mesh` orders them."""
   kind = (device_type or ("gpu" if tf.config.list_logical_devices("GPU") else "cpu")).upper()
-  names = sorted((d.name for d in tf.config.list_logical_devices(kind)), key=_cluster.device_order)
+  names = sorted((d.name for d in tf.config.list_logical_devices(kind)), key=device_order)
   if not _cluster.is_multi_process():
     return [f"{kind.lower()}:{tf.DeviceSpec.from_string(n).device_index}" for n in names]
   return names
