@@ -72,10 +72,12 @@ def test_fit_evaluate_predict_with_keras_model_parallel_match_plain_keras():
   assert len(seen.losses) == 5                         # the user's callback saw every step
   np.testing.assert_allclose(seen.losses, ref_seen.losses, rtol=1e-4)
   np.testing.assert_allclose(got_eval, ref.evaluate(x, y, batch_size=CFG.batch, verbose=0), rtol=1e-4)
+  # Training matched step by step (the losses above) and in evaluation. Adam scales near-zero gradients up to
+  # the learning rate, so a weight whose gradient is ~0 may move either way in the two runs (the partial sums
+  # are added in another order): predictions are compared on the same weights, the partitioned model's.
+  ref.set_weights(model.get_weights())
   want_pred = ref.predict(x[:16], batch_size=CFG.batch, verbose=0)
-  # After Adam steps (which scale near-zero gradients up to the learning rate) float32 differences in the
-  # order of partial sums reach ~1e-4 of the logits' scale.
-  assert_close(got_pred, want_pred, rtol=1e-4, atol=1e-4 * np.abs(want_pred).max())
+  assert_close(got_pred, want_pred, rtol=1e-5, atol=1e-5 * np.abs(want_pred).max())
   up = model.get_layer("l0_up").kernel
   assert gs.sharding_of(up).spec == P(None, "model")
   assert gs.sharding_of(model.get_layer("l1_attn")._query_dense.kernel).spec == P(None, "model", None)  # pylint: disable=protected-access
