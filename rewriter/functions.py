@@ -5,10 +5,12 @@ parameters and results pinned to the layouts the enclosing op gives them; partit
 FunctionDef whose last parameter is the partition id (so per-device tables work inside loops).
 """
 
+import contextlib
+
 import tensorflow as tf
 
 from tf_gspmd import _compat
-from tf_gspmd.rewriter.graph_view import ref, split_ref
+from tf_gspmd.rewriter.graph_view import function_names, ref, split_ref
 
 
 def _fdef(library, fname):
@@ -25,7 +27,8 @@ def body_graph_def(library, fname, arg_shapes):
   """
   fdef = _fdef(library, fname)
   shapes = [tf.TensorShape(s) if s is not None else None for s in arg_shapes]
-  gd, names = _compat.function_def_to_graph_def(fdef, shapes)
+  with _functions_known(library, fdef):
+    gd, names = _compat.function_def_to_graph_def(fdef, shapes)
   gd.library.CopyFrom(library)
   inputs = tuple(a.name for a in fdef.signature.input_arg)
   for node in gd.node:
@@ -36,6 +39,19 @@ def body_graph_def(library, fname, arg_shapes):
         node.attr["shape"].shape.CopyFrom(shape.as_proto())
   outputs = tuple(ref(*split_ref(names[fdef.ret[a.name]])) for a in fdef.signature.output_arg)
   return gd, inputs, outputs
+
+
+def _functions_known(library, fdef):
+  """A context in which the functions `fdef`'s ops refer to (a loop's body and condition inside a loop body) are
+  known to TF, which converts such an op only when its functions are in the default graph: a graph holding
+  `library`, or nothing to do when `fdef` refers to none."""
+  known = {f.signature.name for f in library.function}
+  if not any(name in known for nd in fdef.node_def for name in function_names(nd)):
+    return contextlib.nullcontext()
+  graph = tf.Graph()
+  with graph.as_default():
+    tf.graph_util.import_graph_def(tf.compat.v1.GraphDef(library=library), name="")
+  return graph.as_default()
 
 
 def to_function_def(graph, name, inputs, outputs):
