@@ -136,7 +136,9 @@ class PartitionContext(Protocol):
   def record(self, op: Any) -> None: ...           # the op that stands for the node when built by hand
 
   def partition_function(self, fname: str, arg_shapes: Sequence[Any], param_shardings: Sequence[Any],
-                         out_shardings: Sequence[Any], return_pid: bool = False) -> str: ...
+                         out_shardings: Sequence[Any], return_pid: bool = False, loop: Optional[str] = None) -> str:
+    """The per-device function of body `fname`; `loop` ("body" or "cond") when it is that part of the node's
+    While (the report counts its collectives per iteration)."""
 
   def lookup(self, table: Any, name: str) -> Any: ...   # this device's row of a per-device numpy table
 

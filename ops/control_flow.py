@@ -68,8 +68,8 @@ class While(Rule):
     loop = [ctx.target(i) for i in range(n)]
     values = [ctx.operand(i, loop[i]) for i in range(n)]
     shapes = _shapes(node)
-    body = ctx.partition_function(node.attr("body").name, shapes, loop, loop, return_pid=True)
-    cond = ctx.partition_function(node.attr("cond").name, shapes, loop, [Sharding(ctx.mesh)])
+    body = ctx.partition_function(node.attr("body").name, shapes, loop, loop, return_pid=True, loop="body")
+    cond = ctx.partition_function(node.attr("cond").name, shapes, loop, [Sharding(ctx.mesh)], loop="cond")
     local = [ctx.local_shape(i, loop[i]) for i in range(n)] + [[]]
     outs = ctx.clone(node, dict(enumerate(values)), extra_inputs=[ctx.pid], extra_dtypes=[tf.int32], attrs={
         "body": _func_attr(body), "cond": _func_attr(cond),

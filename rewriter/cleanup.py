@@ -6,14 +6,21 @@ from tf_gspmd.rewriter.graph_view import prune
 
 
 def run(program):
-  """Pass: drop nodes that neither feed an output nor have side effects (the report forgets dropped collectives)."""
+  """Pass: drop nodes that neither feed an output nor have side effects (the report forgets dropped collectives:
+  those of the program's graph, and those inside the bodies of dropped loops, branches and calls; a collective
+  inside a body that stays runs, as TF keeps a function's stateful ops)."""
   roots = (list(program.local_outputs) + list(program.side_effects) + list(program.local_inputs) +
            list(program.local_variables) + [program.partition_id])
   gd = prune(program.local_graph_def, roots)
   kept = {n.name for n in gd.node}
-  dropped = {k: None for k in program.report.emitted() if k not in kept}
-  return program.replace(local_graph_def=gd, report=program.report.with_ops_replaced(dropped) if dropped else
-                         program.report)
+  report = program.report
+  dropped = {k: None for k in report.emitted() if k not in kept}
+  if dropped:
+    report = report.with_ops_replaced(dropped)
+  bodies = {c.within[0] for c in report.collectives if c.within and c.ops} - kept
+  if bodies:
+    report = report.without_bodies_of(bodies)
+  return program.replace(local_graph_def=gd, report=report)
 
 
 def verify(program):

@@ -18,10 +18,10 @@ from tf_gspmd._mesh import axes_text
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.errors import PartitionError, UnsupportedOpError
 from tf_gspmd.ops import windows
-from tf_gspmd.rewriter import completion, functions, reshard
+from tf_gspmd.rewriter import completion, functions, loops, reshard
 from tf_gspmd.rewriter.collectives import Backend
 from tf_gspmd.rewriter.graph_view import public_key, ref, split_ref
-from tf_gspmd.rewriter.report import ReportBuilder, StateRecord
+from tf_gspmd.rewriter.report import Loop, ReportBuilder, StateRecord
 
 PARTITION_ID = "gspmd/partition_id"
 HELPER_SCOPE = "/gspmd/"   # the ops partitioning adds for node n are named `n/gspmd/...`
@@ -153,15 +153,21 @@ class PartitionContext:
     """The local ops of `node`'s control inputs (those that produced one)."""
     return [self.ops[c] for c in node.control if c in self.ops]
 
-  def partition_function(self, fname, arg_shapes, param_shardings, out_shardings, return_pid=False):
+  def partition_function(self, fname, arg_shapes, param_shardings, out_shardings, return_pid=False, loop=None):
     """Partition function `fname` (a While/If body) for these layouts; returns the per-device function's name.
 
     The per-device function takes the partition id as its last parameter (and, for a loop body, also
-    returns it as its last result, so it stays a loop variable).
+    returns it as its last result, so it stays a loop variable). `loop`: "body" or "cond" when the function is
+    that part of the node's While loop (its collectives run once per iteration; the report counts them by the
+    loop's trip count).
     """
     sub = completion.body_program(self.program, fname, arg_shapes, param_shardings, out_shardings)
+    where = None
+    if loop is not None:
+      trips, at_most = loops.trip_count(self.ir, self.node.name)
+      where = Loop(self.node.name, trips, at_most, condition=loop == "cond")
     graph = tf.Graph()
-    with graph.as_default():
+    with graph.as_default(), self.report.inside(self.node.name, where):
       _import_library(sub)
       ctx = PartitionContext(sub, graph, self.backend.devices, self.report, self.functions, self.backend.processes)
       _partition_nodes(ctx)

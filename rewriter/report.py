@@ -10,6 +10,12 @@ and where the combine pass merged several independent collectives into one op (t
 Bytes are per device (`shared` convention): the per-device *result* of an all-gather; the per-device
 *operand* of all-reduce, reduce-scatter, all-to-all and collective-permute. `bytes_per_device()` counts the
 emitted ops (what the program sends), `logical_bytes_per_device()` the logical collectives.
+
+Loops: a record knows the While loops it runs in (`loops`, outer first, each with its trip count where
+`rewriter.loops` reads it statically). The totals are per step: a record inside loops of known trip counts
+counts their product of times (`times`); inside a loop whose trip count is unknown it counts once per run of
+that loop, and the report says so ("per iteration of loop X (trip count unknown)"). `per_iteration=True` gives
+the totals with every record once: one iteration of every loop, the program's ops as emitted.
 """
 
 import collections
@@ -61,6 +67,32 @@ class Emitted:
 
 
 @dataclasses.dataclass(frozen=True)
+class Loop:
+  """A While loop a collective runs in: the While node, how many times its body runs per run of the loop when
+  that is known statically (`rewriter.loops`), else None and a static bound where one is known."""
+
+  name: str                       # the While node (named in the graph or body that holds it)
+  trips: Optional[int]            # runs of its body per run of the loop; None: not known statically
+  at_most: Optional[int] = None   # where `trips` is unknown: a static bound on it (maximum_iterations), or None
+  condition: bool = False         # the collective sits in the loop's condition, which runs trips + 1 times
+
+  @property
+  def runs(self):
+    """How many times the collective runs per run of the loop (None: unknown)."""
+    return None if self.trips is None else self.trips + int(self.condition)
+
+  @property
+  def where(self):
+    return f"loop {self.name}" + (" (its condition)" if self.condition else "")
+
+  def __str__(self):
+    if self.runs is not None:
+      return f"{self.where} × {self.runs}"
+    bound = f", at most {self.at_most + int(self.condition)}" if self.at_most is not None else ""
+    return f"per iteration of {self.where} (trip count unknown{bound})"
+
+
+@dataclasses.dataclass(frozen=True)
 class CollectiveRecord:
   """One logical collective: kind, dtype, per-device shape, bytes, group size, mesh axes, cause, emitted ops."""
 
@@ -74,6 +106,26 @@ class CollectiveRecord:
   reason: str           # why
   ops: Tuple[Emitted, ...] = ()   # the ops emitted for it (shared with other records once combined)
   note: str = ""        # how the emitted ops carry it, where that is not plain
+  within: Tuple[str, ...] = ()   # the control-flow nodes (While, If, call) whose bodies hold its ops, outer first
+  loops: Tuple[Loop, ...] = ()   # the While loops it runs in, outer first
+
+  @property
+  def times(self):
+    """How many times it runs per step: the product of its loops' runs, a loop of unknown trip count as 1."""
+    out = 1
+    for loop in self.loops:
+      out *= 1 if loop.runs is None else loop.runs
+    return out
+
+  @property
+  def loops_text(self):
+    """' × N (loop X)' for a record inside loops, ' per iteration of loop X (trip count unknown)' inside a loop of
+    unknown trip count, '' outside any."""
+    known = [loop for loop in self.loops if loop.runs is not None]
+    if not known:
+      return "".join(f" {loop}" for loop in self.loops)
+    parts = "; ".join(loop.where if len(known) == 1 and loop.runs is not None else str(loop) for loop in self.loops)
+    return f" × {self.times:,} ({parts})"
 
   @property
   def differs(self):
@@ -89,7 +141,8 @@ class CollectiveRecord:
   def __str__(self):
     where = ", across processes" if self.cross_process else ""
     return (f"{self.kind} {self.dtype}[{_shape_str(self.shape)}] over {axes_text(self.axes) or '-'} "
-            f"(group {self.group_size}{where}), {self.bytes:,} B/device - {self.source}: {self.reason}")
+            f"(group {self.group_size}{where}), {self.bytes:,} B/device{self.loops_text} - {self.source}: "
+            f"{self.reason}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +214,11 @@ class PipelineSchedule:
   """A `gs.pipeline`'s schedule as partitioned: S stage slots per repeat over `stage_axis`, M microbatches, R
   circular repeats, S*R... run in R*M + S - 1 loop iterations of which (S-1)/(R*M+S-1) is bubble; what one shift
   sends per device (the loop's collective-permutes of the stage buffer) and the activation buffers a device
-  holds (the stage buffer, the stage-0 collection buffer, the microbatched input)."""
+  holds (the stage buffer, the stage-0 collection buffer, the microbatched input).
+
+  Its bytes are per iteration: a step runs the forward loop `iterations` times (and its gradient loop as many),
+  so a step's forward shifts send `iterations` * `shift_bytes` per device, which is what the report's per-step
+  totals count for them (their records' `times`)."""
 
   name: str
   stage_axis: str
@@ -170,7 +227,7 @@ class PipelineSchedule:
   repeats: int
   iterations: int
   bubble_fraction: float
-  shift_bytes: int                  # bytes per device of one iteration's shift (forward loop)
+  shift_bytes: int                  # bytes per device of one iteration's shift (forward loop): per iteration
   shift_permutes: int               # collective-permutes per forward iteration (1 for one stage per device)
   loop_stage_collectives: Tuple[str, ...]   # every collective over the stage axis inside the pipeline's loops
   buffer_bytes: Tuple[Tuple[str, int], ...]   # (buffer, bytes per device)
@@ -207,6 +264,18 @@ class ReportBuilder:
     self.rematerializations = []
     # (tensor, its layout, the layout wanted, whether a sharding the user pinned asked for it) while a reshard emits
     self.resharding = None
+    self.within, self.loops = (), ()   # the body being partitioned: its control-flow nodes and its loops
+
+  @contextlib.contextmanager
+  def inside(self, node, loop=None):
+    """Collectives recorded inside sit in a body of control-flow node `node`; `loop` (a Loop) when that body is
+    a While's body or condition."""
+    previous = self.within, self.loops
+    self.within, self.loops = self.within + (node,), self.loops + ((loop,) if loop is not None else ())
+    try:
+      yield
+    finally:
+      self.within, self.loops = previous
 
   @contextlib.contextmanager
   def resharding_of(self, tensor, have, want, requested):
@@ -235,6 +304,8 @@ class ReportBuilder:
     device, however small), is an *involuntary full rematerialization* (an op's rule could not use the layout
     its operand has, or completion chose a layout the value then has to be gathered into): a warning, or with
     strict=True a PartitionError naming the tensor, its layout and the fix."""
+    if self.within:
+      record = dataclasses.replace(record, within=self.within, loops=self.loops)
     weight = self.weight_shapes.get(tuple(record.shape)) if record.kind == "all-gather" else None
     if record.kind == "all-gather" and (record.bytes > LARGE_GATHER_BYTES or weight is not None):
       tensor, have, want, requested = self.resharding or (None, None, None, False)
@@ -303,11 +374,12 @@ class Report:
     return dataclasses.replace(self, _memory=_Lazy(fn))
 
   def with_ops_replaced(self, mapping):
-    """This report with its records pointed at other ops: `mapping` is {op name: its replacement Emitted, or None
-    if removed}."""
+    """This report with the records of the program's graph pointed at other ops: `mapping` is {op name: its
+    replacement Emitted, or None if removed}. Records inside function bodies keep theirs (the passes that replace
+    ops edit the program's graph, not its functions)."""
     records = []
     for c in self.collectives:
-      if any(op.name in mapping for op in c.ops):
+      if not c.within and any(op.name in mapping for op in c.ops):
         ops = []
         for op in c.ops:
           new = mapping.get(op.name, op)
@@ -316,6 +388,13 @@ class Report:
         c = dataclasses.replace(c, ops=tuple(ops))
       records.append(c)
     return dataclasses.replace(self, collectives=tuple(records))
+
+  def without_bodies_of(self, nodes):
+    """This report with the records inside the bodies of the program's control-flow nodes `nodes` (removed from
+    the program) left without ops."""
+    return dataclasses.replace(self, collectives=tuple(
+        dataclasses.replace(c, ops=()) if c.within and c.within[0] in nodes and c.ops else c
+        for c in self.collectives))
 
   def with_combined(self, combined, carriers):
     """This report with the combine pass's merged ops: `combined` Combinations, `carriers` {member op: the op that
@@ -340,56 +419,79 @@ class Report:
     return None if self.memory is None else self.memory.peak_bytes
 
   def emitted(self):
-    """{op name: Emitted} of every collective op of the per-device program (the one record of them)."""
-    return {op.name: op for op in self.emitted_ops()}
+    """{op name: Emitted} of the collective ops of the per-device program's graph (the one record of them); the
+    ops inside its functions (loop and branch bodies) are in `emitted_ops()`."""
+    return {op.name: op for c in self.collectives if not c.within for op in c.ops}
 
-  def counts(self):
-    """{kind: number of collectives} for the kinds present."""
-    return dict(collections.Counter(c.kind for c in self.collectives))
+  def counts(self, per_iteration=False):
+    """{kind: number of collectives run per step} for the kinds present: a collective inside loops counts its
+    `times`; per_iteration=True counts every collective once."""
+    runs = collections.Counter()
+    for c in self.collectives:
+      runs[c.kind] += 1 if per_iteration else c.times
+    return dict(runs)
 
-  def emitted_ops(self):
-    """The collective ops of the program behind the records, once each (a combined op serves several records)."""
+  def _emitted_runs(self, per_iteration):
+    """[(Emitted, how many times it runs per step)] of the program's collective ops, once each (a combined op
+    serves several records; an op is named in its graph or function body)."""
     ops = {}
     for c in self.collectives:
       for op in c.ops:
-        ops.setdefault(op.name, op)
+        ops.setdefault((c.within, op.name), (op, 1 if per_iteration else c.times))
     return list(ops.values())
 
-  def _most_per_device(self, factor):
-    """The largest sum over the emitted ops of what one device sends through each, times `factor(op)`."""
+  def emitted_ops(self):
+    """The collective ops of the program behind the records, once each, those inside function bodies included."""
+    return [op for op, _ in self._emitted_runs(True)]
+
+  def per_iteration_loops(self):
+    """{loop name: Loop} of the loops whose trip count is unknown: their collectives count once per run of the
+    loop in the totals."""
+    unknown = {}
+    for c in self.collectives:
+      for loop in c.loops:
+        if loop.runs is None:
+          unknown.setdefault(loop.name, loop)
+    return unknown
+
+  def _most_per_device(self, factor, per_iteration):
+    """The largest sum over the emitted ops of what one device sends through each, times `factor(op)` and the
+    times the op runs per step (once with `per_iteration`)."""
     everyone, by_device = 0, collections.Counter()
-    for op in self.emitted_ops():
+    for op, times in self._emitted_runs(per_iteration):
       if op.device_bytes is None:
-        everyone += op.bytes * factor(op)
+        everyone += op.bytes * factor(op) * times
       else:
         for p, b in enumerate(op.device_bytes):
-          by_device[p] += b * factor(op)
+          by_device[p] += b * factor(op) * times
     return everyone + max(by_device.values(), default=0)
 
-  def bytes_per_device(self):
-    """Bytes per device the program's collective ops send (the convention above, applied to the emitted ops; where
-    devices send different amounts, the device that sends the most)."""
-    return self._most_per_device(lambda op: 1)
+  def bytes_per_device(self, per_iteration=False):
+    """Bytes per device the program's collective ops send per step (the convention above, applied to the emitted
+    ops; where devices send different amounts, the device that sends the most). An op inside loops counts its
+    record's `times`; per_iteration=True counts every op once (one iteration of every loop)."""
+    return self._most_per_device(lambda op: 1, per_iteration)
 
-  def cross_process_bytes_per_device(self):
+  def cross_process_bytes_per_device(self, per_iteration=False):
     """Of `bytes_per_device`, what goes through collectives whose groups span processes: the traffic between hosts
     (a network much slower than the links inside one), 0 when the mesh lives in one process."""
-    return self._most_per_device(lambda op: 1 if op.cross_process else 0)
+    return self._most_per_device(lambda op: 1 if op.cross_process else 0, per_iteration)
 
-  def logical_bytes_per_device(self):
-    """Bytes per device of the logical collectives (each at its own dtype and shape, before combining)."""
-    return sum(c.bytes for c in self.collectives)
+  def logical_bytes_per_device(self, per_iteration=False):
+    """Bytes per device of the logical collectives per step (each at its own dtype and shape, before combining;
+    inside loops times its `times`, unless per_iteration=True)."""
+    return sum(c.bytes * (1 if per_iteration else c.times) for c in self.collectives)
 
-  def wire_bytes_per_device(self):
+  def wire_bytes_per_device(self, per_iteration=False):
     """Bytes each device sends through the emitted ops with bandwidth-optimal (ring) algorithms: an all-reduce of
     B bytes over N devices sends 2B(N-1)/N, an all-gather or all-to-all B(N-1)/N (a reduce-scatter is emitted as
     an all-to-all), a collective-permute B. A reduce-scatter plus an all-gather therefore costs what the
-    all-reduce they replace costs."""
+    all-reduce they replace costs. Per step, as `bytes_per_device`."""
     def factor(op):
       share = (op.group_size - 1) / op.group_size if op.group_size else 0.0
       return {"all-reduce": 2 * share, "collective-permute": 1.0}.get(op.kind, share)
 
-    return int(round(self._most_per_device(factor)))
+    return int(round(self._most_per_device(factor, per_iteration)))
 
   def combined_text(self):
     """Per kind of op, how many independent ops the combine pass merged into how many."""
@@ -413,11 +515,18 @@ class Report:
   def __str__(self):
     sent, logical = self.bytes_per_device(), self.logical_bytes_per_device()
     crossing = self.cross_process_bytes_per_device()
-    lines = [f"{len(self.collectives)} collective(s), {sent:,} bytes per device "
+    looped = any(c.loops for c in self.collectives)
+    runs = f", {sum(c.times for c in self.collectives):,} run per step" if looped else ""
+    once = f"; {self.bytes_per_device(per_iteration=True):,} with every loop once" if looped else ""
+    lines = [f"{len(self.collectives)} collective(s){runs}, {sent:,} bytes per device{' per step' if looped else ''} "
              f"({self.wire_bytes_per_device():,} sent on the wire"
              f"{'' if sent == logical else f'; {logical:,} as logical collectives'}"
-             f"{f'; {crossing:,} across processes' if any(op.cross_process for op in self.emitted_ops()) else ''})"
-             f", {len(self.reshards)} reshard(s)"]
+             f"{f'; {crossing:,} across processes' if any(op.cross_process for op in self.emitted_ops()) else ''}"
+             f"{once}), {len(self.reshards)} reshard(s)"]
+    for name, loop in self.per_iteration_loops().items():
+      inside = sum(1 for c in self.collectives if any(x.name == name for x in c.loops))
+      lines.append(f"{dataclasses.replace(loop, condition=False)}: its {inside} collective(s) count once per run of "
+                   "the loop")
     for c in self.collectives:
       lines.append("  " + str(c))
       if not c.ops:
@@ -448,7 +557,7 @@ def pipeline_schedules(program):
   for spec in program.pipelines:
     loop = f"{spec.name}_loop/"
     shifts = [c for c in rep.collectives if c.kind == "collective-permute" and c.source.endswith(loop + spec.shift)]
-    in_loops = tuple(f"{c.kind} {c.bytes:,} B ({c.source})" for c in rep.collectives
+    in_loops = tuple(f"{c.kind} {c.bytes:,} B{c.loops_text} ({c.source})" for c in rep.collectives
                      if loop in c.source and spec.stage_axis in c.axes)
     buffers = []
     for tensor, shape, itemsize in spec.buffers:

@@ -55,54 +55,99 @@ def check_partitioned(fn, args, specs, mesh, out=None, tol=1e-5):
 COLLECTIVE_GROUP_SIZE_INPUT = {"CollectiveBcastRecvV2": 0}   # others take (input, group_size, ...)
 
 
-def sent_by_program(low):
-  """What the per-device program `low.graph_def` sends, read from its collective nodes alone.
-
-  Returns ({node: (op type, dtype, per-device shape it carries, bytes each device sends through it)}, the most
-  bytes one device sends). A node's bytes come from its input's shape and dtype (an all-gather: times its group
-  size, the report's convention); a receive sends nothing. Values the program computes from the partition id
-  (group sizes; the size of a send whose shape differs by device, which is a Slice of its data) are evaluated
-  for every partition id.
-  """
+def _program_graphs(low):
+  """(tf.Graph, its partition-id tensor) of the per-device program's graph, then of each function of its library
+  that holds a collective (a loop's body or condition, a branch): parameters shaped as the While that runs it
+  says, the partition id its last parameter."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tf_gspmd import _compat  # pylint: disable=g-import-not-at-top
   from tf_gspmd.rewriter.vocabulary import TF_COLLECTIVE_OPS  # pylint: disable=g-import-not-at-top
-  n = low.program.mesh.size
+  gd = low.graph_def
   graph = tf.Graph()
   with graph.as_default():
-    tf.graph_util.import_graph_def(low.graph_def, name="")
-  pid = graph.get_tensor_by_name(low.program.partition_id + ":0")
-  nodes, totals = {}, np.zeros(n, np.int64)
+    tf.graph_util.import_graph_def(gd, name="")
+  yield graph, graph.get_tensor_by_name(low.program.partition_id + ":0")
+  shapes = {}
+  for nd in list(gd.node) + [nd for f in gd.library.function for nd in f.node_def]:
+    if nd.op in ("While", "StatelessWhile"):
+      for part in ("body", "cond"):
+        shapes[nd.attr[part].func.name] = [tf.TensorShape(s) for s in nd.attr["output_shapes"].list.shape]
+  for fdef in gd.library.function:
+    if not any(nd.op in TF_COLLECTIVE_OPS for nd in fdef.node_def):
+      continue
+    graph = tf.Graph()
+    with graph.as_default():
+      tf.graph_util.import_graph_def(tf.compat.v1.GraphDef(library=gd.library), name="")
+      body, _ = _compat.function_def_to_graph_def(fdef, shapes.get(fdef.signature.name))
+      body.ClearField("library")
+      tf.graph_util.import_graph_def(body, name="")
+    yield graph, graph.get_tensor_by_name(fdef.signature.input_arg[-1].name + ":0")
+
+
+def sent_by_program(low):
+  """What the per-device program `low.graph_def` sends, read from its collective nodes alone (those of its graph
+  and of its functions, each once: one iteration of every loop).
+
+  Returns [(node, (op type, dtype, per-device shape it carries, bytes each device sends through it))]. A node's
+  bytes come from its input's shape and dtype (an all-gather: times its group size, the report's convention); a
+  receive sends nothing. Values the program computes from the partition id (group sizes; the size of a send
+  whose shape differs by device, which is a Slice of its data) are evaluated for every partition id. Inside a
+  function, where a tensor's shape is not static (one read from a TensorList, whose element shape the
+  function's graph does not carry), shape and bytes are None.
+  """
+  n = low.program.mesh.size
+  nodes = []
+  for k, (graph, pid) in enumerate(_program_graphs(low)):
+    _sent_by_graph(graph, pid, n, nodes, main=k == 0)
+  return nodes
+
+
+def _sent_by_graph(graph, pid, n, nodes, main):
+  """Appends to `nodes` the collective nodes of `graph` (see sent_by_program; `main`: the program's graph)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.rewriter.vocabulary import TF_COLLECTIVE_OPS  # pylint: disable=g-import-not-at-top
   with tf.compat.v1.Session(graph=graph) as sess:
     per_device = lambda t: [sess.run(t, {pid: p}) for p in range(n)]  # noqa: E731
     for op in graph.get_operations():
       if op.type not in TF_COLLECTIVE_OPS:
         continue
       if op.type == "CollectiveBcastRecvV2":
-        nodes[op.name] = (op.type, op.get_attr("T").name, None, (0,) * n)
+        nodes.append((op.name, (op.type, op.get_attr("T").name, None, (0,) * n)))
         continue
       sizes = per_device(op.inputs[COLLECTIVE_GROUP_SIZE_INPUT.get(op.type, 1)])
       x = op.inputs[0]
       if x.shape.is_fully_defined():
         shapes = [x.shape.as_list()] * n
+      elif not main and x.op.type != "Slice":
+        nodes.append((op.name, (op.type, x.dtype.name, None, None)))
+        continue
       else:
         assert x.op.type == "Slice", f"{op.name} sends a tensor of per-device shape that is not a Slice"
         shapes = [list(s) for s in per_device(x.op.inputs[2])]
       if op.type == "CollectiveGatherV2":
         shapes = [[s[0] * int(g)] + s[1:] for s, g in zip(shapes, sizes)]
       sent = tuple(int(np.prod(s)) * x.dtype.size if g > 1 else 0 for s, g in zip(shapes, sizes))
-      totals += sent
-      nodes[op.name] = (op.type, x.dtype.name, tuple(max(shapes, key=np.prod)), sent)
-  return nodes, int(totals.max())
+      nodes.append((op.name, (op.type, x.dtype.name, tuple(max(shapes, key=np.prod)), sent)))
 
 
 def assert_report_counts_program(low):
-  """The report's emitted ops are the program's collective nodes, with their dtypes, shapes and bytes."""
-  nodes, most = sent_by_program(low)
-  ops = {op.name: op for op in low.report.emitted_ops()}
-  assert set(ops) == set(nodes), f"report: {sorted(ops)}; program: {sorted(nodes)}"
-  for name, (op_type, dtype, shape, sent) in nodes.items():
+  """The report's emitted ops are the program's collective nodes (its graph's and its functions'), with their
+  dtypes, shapes and bytes; its bytes with every loop once are what those nodes send, and without loops its
+  bytes per step too."""
+  nodes = sent_by_program(low)
+  emitted = low.report.emitted_ops()
+  assert sorted(op.name for op in emitted) == sorted(name for name, _ in nodes), (
+      f"report: {sorted(op.name for op in emitted)}; program: {sorted(name for name, _ in nodes)}")
+  ops = {op.name: op for op in emitted}
+  totals = np.zeros(low.program.mesh.size, np.int64)
+  for name, (op_type, dtype, shape, sent) in nodes:
     e = ops[name]
     assert (e.op, e.dtype) == (op_type, dtype), (name, e)
-    assert (e.device_bytes or (e.bytes,) * len(sent)) == sent, (name, e, sent)
+    reported = e.device_bytes or (e.bytes,) * len(totals)
+    assert sent is None or tuple(reported) == sent, (name, e, sent)
     assert shape is None or e.shape == shape, (name, e, shape)
-  assert low.report.bytes_per_device() == most, str(low.report)
+    totals += sent if sent is not None else reported
+  most = int(totals.max())
+  assert low.report.bytes_per_device(per_iteration=True) == most, str(low.report)
+  if not any(c.loops for c in low.report.collectives):
+    assert low.report.bytes_per_device() == most, str(low.report)
