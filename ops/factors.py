@@ -269,9 +269,13 @@ class FactorRule(Rule):
   def partition_with(self, ctx, node, f):
     """Partition by the factors `f` (rules with several factorisations pick one and call this)."""
     data = self.data_inputs(node)
-    # Two strategies, GSPMD's choice by estimated bytes: split as the output wants (operands follow), or
-    # compute where the operands already are (the result follows). Ties keep the output-driven one.
-    plans = [self._axes_from_target(ctx, node, f, data), self._axes_from_operands(ctx, node, f, data)]
+    # GSPMD's choice by estimated bytes: split as the output wants (operands follow), compute where the operands
+    # already are (the result follows), or the output-driven split with one output factor left whole so that a
+    # reduced factor keeps the operands' split over its axes (partial sums, then the result resharded: a
+    # weight gradient from activations split over the batch). Ties keep the earlier plan.
+    target = self._axes_from_target(ctx, node, f, data)
+    plans = [target, self._axes_from_operands(ctx, node, f, data)] + self._reduced_instead(ctx, node, f, data,
+                                                                                          target)
     planned = ctx.planned_axes()   # the strategy automatic sharding chose for this node, when it did
     labels = {l for ls in f.operands + f.outputs for l in ls if l}
     if planned is not None and set(planned) <= labels and (self.split_reduced(node) or
@@ -326,6 +330,33 @@ class FactorRule(Rule):
       axes_of[l] = best
       used.update(best)
     return axes_of
+
+  def _reduced_instead(self, ctx, node, f, data, target):
+    """Variants of the output-driven plan `target`: per split output factor, that factor whole and its mesh axes
+    given to the reduced factors the operands already split over them (largest first); only variants that split a
+    reduced factor are kept."""
+    if not self.split_reduced(node) or not f.reduced:
+      return []
+    mesh = ctx.mesh
+    splits = list(_operand_splits(ctx, f, data))
+    variants = []
+    for l in [l for ls in f.outputs for l in ls if l and target.get(l)]:
+      axes_of = dict(target)
+      axes_of[l] = ()
+      used = {a for ax in axes_of.values() for a in ax}
+      gained = False
+      for r in f.reduced:
+        best = axes_of.get(r, ())
+        for lab, ax in splits:
+          if lab == r and not (used - set(axes_of.get(r, ()))) & set(ax) and _size(mesh, ax) > _size(mesh, best):
+            best = ax
+        if best != axes_of.get(r, ()):
+          used = (used - set(axes_of.get(r, ()))) | set(best)
+          axes_of[r] = best
+          gained = True
+      if gained and axes_of not in variants:
+        variants.append(axes_of)
+    return variants
 
   def _axes_from_operands(self, ctx, node, f, data):
     """Every label split as the operands already are (first operand wins, no mesh axis used twice)."""
