@@ -50,6 +50,11 @@ _OPAQUE = (tf.resource, tf.variant, tf.string)
 LARGEST = 5
 
 
+def _static_shape(t):
+  """The static shape of tensor `t` as a tuple (None for unknown dims), or None when its rank is unknown."""
+  return None if t.shape.rank is None else tuple(t.shape.as_list())
+
+
 def _bytes(t):
   if t.dtype in _OPAQUE or not t.shape.is_fully_defined():
     return 0
@@ -177,7 +182,7 @@ class _Program:
       return self.ops[name].outputs[int(k)]
 
     buffers = [LiveBuffer(tensor(r).op.name, tensor(r).op.type, tensor(r).dtype.name,
-                          self.shape.get(r, tuple(tensor(r).shape.as_list())), b)
+                          self.shape.get(r, _static_shape(tensor(r))), b)
                for r, b in heapq.nlargest(LARGEST, live.items(), key=lambda kv: (kv[1], kv[0]))]
     if extra:   # a control-flow op's bodies, as one buffer
       buffers = sorted(buffers + [LiveBuffer(nd.name, f"{nd.op} body", "-", (), extra)],

@@ -33,7 +33,8 @@ LARGE_GATHER_BYTES = 1 << 20
 
 
 def _shape_str(shape):
-  return ",".join(str(s) for s in shape)
+  """`shape` as "8,128,256" (None dims as "None"); "?" for a shape of unknown rank (None)."""
+  return "?" if shape is None else ",".join(str(s) for s in shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +177,7 @@ class LiveBuffer:
   op: str
   op_type: str
   dtype: str
-  shape: Tuple[int, ...]
+  shape: Optional[Tuple[Optional[int], ...]]   # None: a tensor of unknown rank
   bytes: int
 
   def __str__(self):
