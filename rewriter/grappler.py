@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from tf_gspmd import _compat
 from tf_gspmd._annotations import SHARDING_ATTR, SPEC_ATTR
+from tf_gspmd.rewriter import grappler_view
 from tf_gspmd.rewriter.graph_view import prune, side_effect_nodes, split_ref
 
 OPTIMIZERS = ("function", "constfold", "shape", "arithmetic")
@@ -54,16 +55,19 @@ def run_local(program):
 
 
 def _optimized(graph_def, keep, optimizers):
-  """`graph_def` through Grappler's `optimizers` (one round), nodes in `keep` preserved; None if one was not."""
+  """`graph_def` through Grappler's `optimizers` (one round), nodes in `keep` preserved; None if one was not.
+
+  Grappler sees the graph as `grappler_view` shows it: no argument sizes, and no constant it would have to compute
+  at more than `grappler_view.LIMIT_BYTES`; so optimizing costs memory and time by the graph's size alone."""
   meta = tf.compat.v1.MetaGraphDef()
-  meta.graph_def.CopyFrom(graph_def)
+  concealed = grappler_view.conceal(graph_def, meta.graph_def)
   meta.collection_def["train_op"].node_list.value.extend(sorted(keep))
   config = tf.compat.v1.ConfigProto()
   rewrite = config.graph_options.rewrite_options
   rewrite.min_graph_nodes = -1
   rewrite.meta_optimizer_iterations = rewrite.ONE
   rewrite.optimizers.extend(optimizers)
-  optimized = _compat.optimize_graph(config, meta, _compat.grappler_cluster())
+  optimized = grappler_view.reveal(_compat.optimize_graph(config, meta, _compat.grappler_cluster()), concealed)
   return None if keep - {n.name for n in optimized.node} else optimized
 
 
