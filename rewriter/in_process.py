@@ -179,7 +179,9 @@ def _build(program):
   edges = Edges(program, out)
   ref = edges.ref
 
-  handles = set(program.local_variables)   # variable handles, and identities of them
+  # Resource handles -- the captured variables', those the program creates (a VarHandleOp: each device's copy
+  # is its own resource only on its own device) -- and identities of them.
+  handles = set(program.local_variables) | {x.name for x in gd.node if _creates_resource(x)}
   for x in graph_view.GraphView(gd).order():
     if x.op in ("Identity", "IdentityN") and any(graph_view.node_of(i) in handles for i in x.input):
       handles.add(x.name)
@@ -202,6 +204,13 @@ def _build(program):
                    tuple(_renamed(ref(p, graph_view.normalize(t)), same) for t in program.local_outputs
                          for p in range(n)),
                    tuple(ref(p, s) for s in program.side_effects for p in range(n)))
+
+
+def _creates_resource(node):
+  """Whether NodeDef `node` creates a resource (a stateful op with a resource output: VarHandleOp, a table)."""
+  op_def = _compat.op_def(node.op)
+  return op_def is not None and op_def.is_stateful and any(
+      a.type == tf.resource.as_datatype_enum for a in op_def.output_arg)
 
 
 def _become_const(node, value):
