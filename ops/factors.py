@@ -306,8 +306,9 @@ class FactorRule(Rule):
     return cost + sum(ctx.output_cost(o, Sharding(mesh, dims_from(labels, axes_of)), partial)
                       for o, labels in enumerate(f.outputs))
 
-  def _axes_from_target(self, ctx, node, f, data):
-    """Output labels split as the completed outputs; reduced labels as the operands already are."""
+  def _axes_from_target(self, ctx, node, f, data, whole=()):
+    """Output labels split as the completed outputs (those in `whole` left whole); reduced labels as the operands
+    already are."""
     mesh = ctx.mesh
     axes_of, used = {}, set()
     for o, out_labels in enumerate(f.outputs):
@@ -315,7 +316,7 @@ class FactorRule(Rule):
       if not target.is_maximal:   # (an opaque result, e.g. a string, is completed as rank-free replicated)
         target = target.with_rank(len(out_labels))
       for d, l in enumerate(out_labels):
-        ax = () if target.is_maximal else target.dims[d]
+        ax = () if target.is_maximal or l in whole else target.dims[d]
         if l and l not in axes_of and not used & set(ax):
           axes_of[l] = ax
           used.update(ax)
@@ -332,29 +333,15 @@ class FactorRule(Rule):
     return axes_of
 
   def _reduced_instead(self, ctx, node, f, data, target):
-    """Variants of the output-driven plan `target`: per split output factor, that factor whole and its mesh axes
-    given to the reduced factors the operands already split over them (largest first); only variants that split a
-    reduced factor are kept."""
+    """Variants of the output-driven plan `target`: per split output factor, the output-driven plan with that
+    factor whole (its mesh axes free for the reduced factors the operands split over them); only variants that
+    split a reduced factor otherwise than `target` are kept."""
     if not self.split_reduced(node) or not f.reduced:
       return []
-    mesh = ctx.mesh
-    splits = list(_operand_splits(ctx, f, data))
     variants = []
-    for l in [l for ls in f.outputs for l in ls if l and target.get(l)]:
-      axes_of = dict(target)
-      axes_of[l] = ()
-      used = {a for ax in axes_of.values() for a in ax}
-      gained = False
-      for r in f.reduced:
-        best = axes_of.get(r, ())
-        for lab, ax in splits:
-          if lab == r and not (used - set(axes_of.get(r, ()))) & set(ax) and _size(mesh, ax) > _size(mesh, best):
-            best = ax
-        if best != axes_of.get(r, ()):
-          used = (used - set(axes_of.get(r, ()))) | set(best)
-          axes_of[r] = best
-          gained = True
-      if gained and axes_of not in variants:
+    for l in dict.fromkeys(l for ls in f.outputs for l in ls if l and target.get(l)):
+      axes_of = self._axes_from_target(ctx, node, f, data, whole={l})
+      if any(axes_of.get(r) != target.get(r) for r in f.reduced) and axes_of not in variants:
         variants.append(axes_of)
     return variants
 

@@ -101,7 +101,7 @@ EMITTED = {c.op_type: c for c in (
                sender=True),
     Collective("CollectiveBcastRecvV2", "collective-permute", tf.raw_ops.CollectiveBcastRecvV2, _receive),
 )}
-BY_KIND = {c.kind: c for c in EMITTED.values() if c.in_process is not _receive}   # the op each kind sends by
+BY_KIND = {c.kind: c for c in EMITTED.values() if c.kind != "collective-permute" or c.sender}   # the op each sends by
 PERMUTE_SEND, PERMUTE_RECEIVE = BY_KIND["collective-permute"], EMITTED["CollectiveBcastRecvV2"]
 
 EMITTED_OPS = frozenset(EMITTED)   # what the backend builds

@@ -82,6 +82,9 @@ def test_call_that_is_not_inlined_is_partitioned_through_its_body(rng):
 
 
 def test_variable_created_inside_the_program_holds_one_shard_per_device(rng):
+  """Each device's copy of a VarHandleOp of the program (one shared_name) is a resource of its own: in the
+  in-process graph it, and what reads and writes it, is placed on its own device (on one device the copies would
+  be one variable whose writes race)."""
   def fn(x):
     v = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[8, 4], shared_name="gspmd_test_local_var")
     tf.raw_ops.AssignVariableOp(resource=v, value=x * 3.0)
@@ -91,8 +94,15 @@ def test_variable_created_inside_the_program_holds_one_shard_per_device(rng):
   low = f.lower(tf.TensorSpec([8, 4]))
   local = [n for n in low.graph_def.node if n.op == "VarHandleOp"]
   assert [list(d.size for d in n.attr["shape"].shape.dim) for n in local] == [[4, 1]]
+  if f.options.exchange == "auto":   # logical CPUs of one process: the in-process graph
+    devices = [tf.DeviceSpec.from_string(d).to_string() for d in low.program.devices]
+    placed = [(int(n.name.split("/")[0][1:]), tf.DeviceSpec.from_string(n.device).to_string())
+              for n in low.program.in_process.graph_def.node
+              if n.op in ("VarHandleOp", "AssignVariableOp", "ReadVariableOp")]
+    assert len(placed) == 3 * 8 and all(device == devices[p] for p, device in placed), placed
   x = rng.standard_normal((8, 4)).astype(np.float32)
-  assert_close(f(x).numpy(), x * 3.0 + 1.0, rtol=1e-6)
+  for _ in range(3):
+    assert_close(f(x).numpy(), x * 3.0 + 1.0, rtol=1e-6)
 
 
 def test_split_variable_read_inside_a_loop_body(rng):

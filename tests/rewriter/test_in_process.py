@@ -118,26 +118,6 @@ def test_variables_are_read_and_written_in_process():
   np.testing.assert_allclose(y2, np.sum(x @ (v0 - 0.1 * y)), rtol=1e-4)
 
 
-def test_a_variable_the_program_creates_is_each_devices_own():
-  """A VarHandleOp of the program (one shared_name) is a resource per device only on its own device: each device's
-  copy, and what reads and writes it, is placed there (on one device the copies would be one variable)."""
-  def fn(x):
-    v = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[8, 4], shared_name="gspmd_in_process_local_var")
-    tf.raw_ops.AssignVariableOp(resource=v, value=x * 3.0)
-    return gs.shard(tf.raw_ops.ReadVariableOp(resource=v, dtype=tf.float32), P("a", "b")) + 1.0
-
-  f = gs.function(fn, mesh=M24, in_shardings=P("a", "b"))
-  low = f.lower(tf.TensorSpec([8, 4]))
-  devices = [tf.DeviceSpec.from_string(d).to_string() for d in low.program.devices]
-  placed = [(int(n.name.split("/")[0][1:]), tf.DeviceSpec.from_string(n.device).to_string())
-            for n in low.program.in_process.graph_def.node
-            if n.op in ("VarHandleOp", "AssignVariableOp", "ReadVariableOp")]
-  assert len(placed) == 3 * 8 and all(device == devices[p] for p, device in placed), placed
-  x = _normal(8, 4)
-  for _ in range(3):
-    np.testing.assert_allclose(f(x).numpy(), x * 3.0 + 1.0, rtol=1e-6)
-
-
 def test_what_every_device_computes_alike_runs_once():
   """A replicated argument's copies are read from one device, so work on it (and on all-reduced values) is one
   node in the graph; split work stays one node per device."""
