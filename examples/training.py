@@ -76,7 +76,8 @@ def plan(task):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
   mesh = _mesh(task, FLAGS.plan_mesh or task.default_plan_mesh)
-  model = task.build(mesh, plan_only=True)
+  with gs.plan_scope():   # the model's variables get shapes, no values: nothing of the model's size is allocated
+    model = task.build(mesh, plan_only=True)
   f = gs.function(model.step, mesh=mesh, **_shardings(task, mesh))
   start = time.perf_counter()
   low = f.lower(*[tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in task.batch(0)], processes=FLAGS.plan_hosts)

@@ -4,7 +4,7 @@ Operand dims line up with the output from the right (numpy broadcasting); a broa
 no factor. Sharding passes through unchanged, so no communication beyond aligning operands is needed.
 """
 
-from tf_gspmd.ops.factors import Factors, FactorRule, broadcast_labels
+from tf_gspmd.ops.factors import Factors, FactorRule, broadcast_labels, dim_labels, unsplit
 from tf_gspmd.ops.registry import register
 
 UNARY = (
@@ -54,3 +54,18 @@ class Select(FactorRule):
     cond_rank = len(node.input_shape(0))
     cond = out[:1] if cond_rank == 1 and len(out) > 1 else out
     return Factors((cond, out, out), (out,))
+
+
+@register("MatrixBandPart")
+class MatrixBandPart(FactorRule):
+  """Zeroes a matrix outside a band (tf.linalg.band_part: causal and local-attention masks). Which elements are
+  kept depends on their global row and column, so the two matrix dims stay whole; the batch dims pass through."""
+
+  priority = 0
+
+  data = (0,)
+
+  def factors(self, node):
+    rank = len(node.outputs[0].shape)
+    labels = unsplit(dim_labels(rank), {rank - 2, rank - 1})
+    return Factors((labels,), (labels,))

@@ -31,7 +31,7 @@ import tensorflow as tf
 from tf_gspmd import _compat
 from tf_gspmd.rewriter.graph_view import dedupe_controls, is_control, is_stateful, split_ref
 
-LIMIT_BYTES = 1 << 20   # the largest value Grappler may compute (fold) from constants
+LIMIT_BYTES = 1 << 16   # the largest value Grappler may compute (fold) from constants
 OPAQUE_ATTR = "_gspmd_opaque"
 PLACEHOLDERS = ("Placeholder", "PlaceholderV2")
 PWD = "PlaceholderWithDefault"

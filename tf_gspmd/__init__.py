@@ -18,6 +18,7 @@ from tf_gspmd._function import Lowered, ShardedFunction, function
 from tf_gspmd._cluster import initialize, is_local, local_devices, process_count, process_index, split_cpu_devices
 from tf_gspmd._mesh import Mesh, P
 from tf_gspmd._pipeline import pipeline, stack_stages, unstack_stages
+from tf_gspmd._plan_scope import plan_scope
 from tf_gspmd._sharding import Sharding
 from tf_gspmd._visualize import visualize_sharding
 from tf_gspmd.errors import (AutoShardingError, InputError, MeshError, PartitionError, ProcessLostError, ShapeError,
@@ -27,7 +28,7 @@ from tf_gspmd.runtime.state import sharding_of, variable
 
 __all__ = [
     "Mesh", "P", "Sharding", "split_cpu_devices", "initialize", "process_count", "process_index", "is_local", "local_devices", "mesh_split", "shard", "replicate", "function", "ShardedFunction",
-    "Lowered", "ShardedTensor", "pipeline", "stack_stages", "unstack_stages",
+    "Lowered", "ShardedTensor", "plan_scope", "pipeline", "stack_stages", "unstack_stages",
     "from_process_local_data", "sharding_of", "variable", "initializers", "visualize_sharding", "ShardingError",
     "MeshError", "SpecError", "ShapeError", "PartitionError", "UnsupportedOpError", "InputError", "ProcessLostError",
     "AutoShardingError",

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tf_gspmd import _cluster
 from tf_gspmd import _compat
+from tf_gspmd._plan_scope import is_shape_only
 from tf_gspmd.errors import InputError, ProcessLostError
 from tf_gspmd.runtime import parallel
 from tf_gspmd.runtime import state as _state
@@ -138,6 +139,10 @@ class Executable:
       if v is None:
         raise InputError("the function captures a resource that is not a tf.Variable (or Keras variable); "
                          "tf_gspmd stores only variables sharded", node=name)
+      if is_shape_only(v):
+        raise InputError(f"variable {v.name!r} was created inside gs.plan_scope(): it has a shape and no value, so "
+                         f"the function can be lowered (`.lower(*specs)`) but not run; create the model outside "
+                         f"the scope to run it", node=name)
     self.written = [written for _, _, _, written in program.variables]
     self._fn = None
     self._in_process = None
