@@ -34,6 +34,10 @@ flags.DEFINE_integer("d_ff", 256, "MLP hidden width.")
 flags.DEFINE_integer("vocab", 128, "Vocabulary size.")
 flags.DEFINE_integer("seq_len", 32, "Sequence length.")
 flags.DEFINE_integer("batch", 16, "Global batch size.")
+flags.DEFINE_enum("layout", "megatron", ["megatron", "2d"], "megatron: attention heads and the MLP hidden dim split "
+                  "over `model`, everything else replicated over `data` (the batch split over it); 2d: GSPMD's 2D "
+                  "layout, every weight split over both axes (d_model over `data`, heads / hidden / vocabulary over "
+                  "`model`), the activations' batch over `data` and d_model over `model`.")
 flags.DEFINE_integer("pipeline_stages", 0, "Pipeline stages S (0: no pipeline); the layers are split into S (x R) "
                      "stage slots over the mesh's first axis, `stage`.")
 flags.DEFINE_integer("microbatches", 8, "Microbatches M of the pipeline (the batch must be a multiple).")
@@ -50,10 +54,11 @@ def task():
   def build(mesh, plan_only=False):  # pylint: disable=unused-argument
     import keras  # pylint: disable=g-import-not-at-top
     keras.utils.set_random_seed(FLAGS.seed)
-    model = tm.keras_model(cfg)
+    two_d = FLAGS.layout == "2d" and not FLAGS.auto
+    model = tm.keras_model(cfg, activations=tm.ACTIVATIONS_2D if two_d else None)
     optimizer = keras.optimizers.Adam(cfg.lr)
     optimizer.build(model.trainable_variables)
-    return training.Model(step=tm.make_keras_train_step(model, optimizer, annotate=not FLAGS.auto),
+    return training.Model(step=tm.make_keras_train_step(model, optimizer, annotate=not FLAGS.auto, layout=FLAGS.layout),
                           trackables={"model": model, "optimizer": optimizer})
 
   return training.Task(

@@ -153,9 +153,19 @@ def synthetic_batch(cfg, seed=0):
   return seq[:, :-1].astype(np.int32), seq[:, 1:].astype(np.int32)
 
 
-def keras_model(cfg):
-  """The same decoder as a Keras 3 model (Embedding, MultiHeadAttention, LayerNormalization, Dense)."""
+def keras_model(cfg, activations=None):
+  """The same decoder as a Keras 3 model (Embedding, MultiHeadAttention, LayerNormalization, Dense).
+
+  `activations`: a layout (`P`) for the [batch, seq, d_model] residual stream, annotated where it is formed
+  (after the embedding and after every residual add); None leaves it to completion."""
   import keras  # pylint: disable=g-import-not-at-top
+  import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
+
+  class Annotate(keras.layers.Layer):
+    """The value unchanged, annotated with `activations` (a no-op when run eagerly, outside a gs.function)."""
+
+    def call(self, x):
+      return x if activations is None else gs.shard(x, activations)
 
   class PositionEmbedding(keras.layers.Layer):
     """x + a learned [seq, d_model] table (a weight of the model, unlike an Embedding called on a constant)."""
@@ -168,15 +178,15 @@ def keras_model(cfg):
 
   tokens = keras.Input((cfg.seq,), dtype="int32", batch_size=cfg.batch)
   embed = keras.layers.Embedding(cfg.vocab, cfg.d_model, name="embed")
-  x = PositionEmbedding(name="pos")(embed(tokens))
+  x = Annotate(name="pos_out")(PositionEmbedding(name="pos")(embed(tokens)))
   for l in range(cfg.layers):
     h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"l{l}_ln1")(x)
     h = keras.layers.MultiHeadAttention(cfg.heads, cfg.d_model // cfg.heads, name=f"l{l}_attn")(
         h, h, use_causal_mask=True)
-    x = x + h
+    x = Annotate(name=f"l{l}_attn_out")(x + h)
     h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"l{l}_ln2")(x)
     h = keras.layers.Dense(cfg.d_ff, activation="gelu", name=f"l{l}_up")(h)
-    x = x + keras.layers.Dense(cfg.d_model, name=f"l{l}_down")(h)
+    x = Annotate(name=f"l{l}_mlp_out")(x + keras.layers.Dense(cfg.d_model, name=f"l{l}_down")(h))
   x = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_f")(x)
   logits = keras.layers.Dense(cfg.vocab, name="head")(x)
   return keras.Model(tokens, logits)
@@ -203,16 +213,44 @@ def keras_megatron_spec(path, shape):
   return P(*([None] * len(shape)))
 
 
-def make_keras_train_step(model, optimizer, annotate=True):
+def keras_2d_spec(path, shape):
+  """GSPMD's 2D layout (the paper's dense LMs; Lingvo's DenseLm configs) for a Keras variable path: every matrix
+  split over both mesh axes, its model dim (d_model) over `data` and its other dim (heads, MLP hidden, vocabulary)
+  over `model`; vectors over `model`. The [batch, seq, d_model] activations go batch over `data`, d_model over
+  `model` (ACTIVATIONS_2D): a contraction gathers its weight over `data` and its activation's d_model over
+  `model`, so no device ever holds a whole weight."""
+  if any(k in path for k in ("query/kernel", "key/kernel", "value/kernel")):
+    return P("data", "model", None)        # [d_model, heads, head_dim]
+  if "attention_output/kernel" in path:
+    return P("model", None, "data")        # [heads, head_dim, d_model]
+  if path.endswith("_up/kernel") or path.endswith("head/kernel"):
+    return P("data", "model")              # [d_model, d_ff] / [d_model, vocab]
+  if path.endswith("_down/kernel"):
+    return P("model", "data")              # [d_ff, d_model]
+  if path.endswith("embed/embeddings"):
+    return P("model", "data")              # [vocab, d_model]
+  if path.endswith("pos/table"):
+    return P(None, "model")                # [seq, d_model]
+  if len(shape) == 2:                       # query/key/value biases [heads, head_dim]
+    return P("model", None)
+  return P("model") if len(shape) == 1 and shape[0] > 1 else P(*([None] * len(shape)))
+
+
+ACTIVATIONS_2D = P("data", None, "model")
+LAYOUTS = {"megatron": keras_megatron_spec, "2d": keras_2d_spec}
+
+
+def make_keras_train_step(model, optimizer, annotate=True, layout="megatron"):
   """A Keras training step: forward, cross-entropy, GradientTape, optimizer.apply (the variables annotated with
-  the Megatron layout, unless `annotate` is False: automatic sharding chooses it)."""
+  `layout`, "megatron" or "2d" (LAYOUTS), unless `annotate` is False: automatic sharding chooses it)."""
   import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
   loss_obj = None
+  spec_of = LAYOUTS[layout]
 
   def train_step(tokens, targets):
     nonlocal loss_obj
     for v in model.trainable_variables if annotate else ():
-      gs.shard(v, keras_megatron_spec(v.path, v.shape))
+      gs.shard(v, spec_of(v.path, v.shape))
     with tf.GradientTape() as tape:
       logits = model(tokens, training=True)
       loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets, logits=logits))

@@ -54,11 +54,13 @@ def test_tf_variables_of_every_kind_get_shapes_without_values():
   with gs.plan_scope():
     a = tf.Variable(lambda: tf.random.normal((1 << 16, 1 << 14)), name="a")   # 4 GiB if it ran
     b = tf.Variable(np.zeros((3, 5), np.int32), name="b")
+    c = tf.Variable(0.0, name="c")
   assert a.shape == (1 << 16, 1 << 14) and a.dtype == tf.float32
   assert b.shape == (3, 5) and b.dtype == tf.int32
+  assert c.shape == () and c.dtype == tf.float32   # a Python float is float32, as tf.Variable makes it
   with pytest.raises(gs.InputError, match="'a:0'.*plan_scope"):
     a.numpy()
-  with pytest.raises(gs.InputError, match="plan_scope"):
+  with pytest.raises(tf.errors.InvalidArgumentError, match="plan_scope"):
     tf.function(lambda: b + 1)()
   outside = tf.Variable(1.0)
   assert not gs._plan_scope.is_shape_only(outside) and outside.numpy() == 1.0

@@ -7,9 +7,9 @@ with nothing allocated behind it. An initializer given as a callable is traced, 
 dtype it would give; a value given directly (a NumPy array) only lends its shape and dtype. So a 128-billion
 parameter Keras model and its Adam slots are built in a few MB and lowered for any mesh.
 
-A shape-only variable has no value to read: a read outside a gs.function being lowered (eager, or in a plain
-tf.function) raises InputError naming it, and so does calling a gs.function that captures one (lowering it is
-what the scope is for).
+A shape-only variable has no value to read: an eager read raises InputError naming it, a traced read outside a
+gs.function (a plain tf.function) fails when it runs, and calling a gs.function that captures one raises
+InputError (lowering it is what the scope is for).
 """
 
 import contextlib
@@ -30,11 +30,15 @@ class _ShapeOnly(_compat.ReadHook):
   """Mixin of a shape-only variable: only a gs.function's trace may read it (the read is a symbol there)."""
 
   def _gspmd_before_read(self):
-    if current_mesh() is None:
-      raise InputError(f"variable {self.name!r} was created inside gs.plan_scope(): it has a shape "
-                       f"{self.shape} and no value; only a gs.function's lowering may read it (create it outside "
-                       f"the scope to compute with it)")
-    return []
+    if current_mesh() is not None:   # a gs.function's trace: the read is a symbol, lowering never runs it
+      return []
+    message = (f"variable {self.name!r} was created inside gs.plan_scope(): it has a shape {self.shape} and no "
+               f"value; only a gs.function's lowering may read it (create it outside the scope to compute with it)")
+    if tf.executing_eagerly():
+      raise InputError(message)
+    # Another trace (Keras infers a layer's output shape by tracing it; a plain tf.function): it may be traced,
+    # and fails if it runs.
+    return [tf.debugging.Assert(tf.constant(False), [message], name="gspmd_shape_only_read")]
 
 
 def in_plan_scope():
@@ -60,8 +64,8 @@ def _spec_of(initial_value, dtype, shape):
     return out.shape, tf.as_dtype(dtype or out.dtype)
   if isinstance(initial_value, (tf.Tensor, tf.Variable, np.ndarray)) or hasattr(initial_value, "shape"):
     return tf.TensorShape(initial_value.shape), tf.as_dtype(dtype or initial_value.dtype)
-  value = np.asarray(initial_value)
-  return tf.TensorShape(value.shape), tf.as_dtype(dtype or tf.convert_to_tensor(value).dtype)
+  value = tf.convert_to_tensor(initial_value, dtype=dtype)   # a Python number or list: small, and typed as TF types it
+  return value.shape, value.dtype
 
 
 def _creator(next_creator, **kwargs):  # pylint: disable=unused-argument
