@@ -175,3 +175,26 @@ def test_auto_plan_for_2048_devices_without_them():
   out = _run("train_transformer.py", "--plan", "--auto")
   assert "(2048 devices)" in out and re.search(r"auto sharding: predicted [\d,]+ B/device", out)
   assert "runner-up" in out and "Optimal" in out
+
+
+def test_2d_layout_trains_and_matches_the_unpartitioned_program(tmp_path):
+  out = _run("train_transformer.py", "--layout=2d", "--steps=3", "--check_steps=2", "--ckpt_every=0",
+             f"--logdir={tmp_path}")
+  assert "check: first 2 losses match the unpartitioned program" in out
+
+
+@pytest.mark.parametrize("layout", ["megatron", "2d"])
+def test_plan_at_the_128b_models_dims_keeps_weights_to_the_layouts_arithmetic(layout):
+  """2 of DenseLm128B32x32's 64 layers at its full dims on its (32, 64) mesh: the model is built shape-only, the
+  weights per device are the layout's arithmetic, and the per-device program holds no constant above 1 MiB."""
+  sys.path.insert(0, os.path.join(ROOT, "bench"))
+  import scale  # pylint: disable=g-import-not-at-top
+  cfg = dict(scale.DENSE["dense128b"], layers=2)
+  argv = scale.transformer_argv(cfg, layout)
+  out = subprocess.run([sys.executable, os.path.join(ROOT, argv[0]), *argv[1:]], capture_output=True,
+                       text=True, timeout=300, env=_env(), check=False)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  weights = int(re.search(r"weight variables: ([\d,]+) B per device", out.stdout).group(1).replace(",", ""))
+  assert 0 <= weights - round(scale.weight_bytes(cfg, layout, cfg["mesh"])) <= 16   # + scalars (learning rate)
+  constants = re.search(r"constants ([\d,]+)", out.stdout).group(1)
+  assert int(constants.replace(",", "")) <= 1 << 20
