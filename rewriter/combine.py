@@ -43,11 +43,12 @@ remove.
 
 import math
 
+import numpy as np
 import tensorflow as tf
 
 from tf_gspmd.rewriter.collectives import Backend
 from tf_gspmd.rewriter.graph_view import GraphView, node_of, ref
-from tf_gspmd.rewriter.partition import HELPER_SCOPE
+from tf_gspmd.rewriter.partition import HELPER_SCOPE, TABLES_SCOPE
 from tf_gspmd.rewriter.report import Combination
 
 MAX_BYTES = 32 << 20
@@ -112,6 +113,26 @@ def plan(order, ancestors, key_of, nbytes_of, max_bytes=MAX_BYTES):
   return [b.ops for b in bins]
 
 
+def _table_lookup(graph, pid):
+  """Row `pid` of a per-device table, the table shared with partitioning's own (gspmd/tables/) when it holds the
+  same values: a combined collective's group keys are the tables its members already read, not a copy per op."""
+  tables = {}
+  for op in graph.get_operations():
+    if op.type == "Const" and op.name.startswith(TABLES_SCOPE):
+      v = tf.make_ndarray(op.get_attr("value"))
+      tables.setdefault((v.dtype.str, v.shape, v.tobytes()), op.outputs[0])
+
+  def lookup(table, name):
+    table = np.asarray(table)
+    key = (table.dtype.str, table.shape, table.tobytes())
+    if key not in tables:
+      with tf.name_scope(TABLES_SCOPE):
+        tables[key] = tf.constant(table, name=name)
+    return tf.gather(tables[key], pid)
+
+  return lookup
+
+
 def combine(program):
   """(new GraphDef, [Combination] per combined op, {member op name: Emitted of the combined op carrying it})."""
   emitted = program.report.emitted()
@@ -130,9 +151,7 @@ def combine(program):
   order, ancestors = _ancestors(view, candidates)
   bins = plan(order, ancestors, lambda n: candidates[n][1], lambda n: candidates[n][2])
   pid = graph.get_tensor_by_name(ref(program.partition_id))
-  backend = Backend(program.mesh, program.devices, pid,
-                    lambda table, name: tf.gather(tf.constant(table, name=name), pid), None,
-                    program.processes)
+  backend = Backend(program.mesh, program.devices, pid, _table_lookup(graph, pid), None, program.processes)
   combined, rewires, carriers = [], [], {}
   for names in bins:
     if len(names) < 2:

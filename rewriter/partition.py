@@ -25,6 +25,7 @@ from tf_gspmd.rewriter.report import Loop, ReportBuilder, StateRecord
 
 PARTITION_ID = "gspmd/partition_id"
 HELPER_SCOPE = "/gspmd/"   # the ops partitioning adds for node n are named `n/gspmd/...`
+TABLES_SCOPE = "gspmd/tables/"   # per-device constant tables (one per distinct content), read at the partition id
 # Ops that only read a variable through its handle; any other consumer of the handle may write it.
 READ_ONLY_VARIABLE_OPS = frozenset({"ReadVariableOp", "VariableShape", "ResourceGather", "ResourceGatherNd"})
 _warned_fallback = set()
@@ -195,7 +196,7 @@ class PartitionContext:
     table = np.asarray(table)
     key = (table.dtype.str, table.shape, table.tobytes())
     if key not in self._tables:
-      with tf.name_scope("gspmd/tables/"):
+      with tf.name_scope(TABLES_SCOPE):
         self._tables[key] = tf.constant(table, name=name)
     with tf.name_scope(self._scope()):
       return tf.gather(self._tables[key], self.pid)

@@ -49,6 +49,26 @@ def test_independent_all_reduces_are_combined_and_results_match(rng):
   assert "3 independent all-reduces combined into 1" in str(low.report)
 
 
+def test_a_combined_collective_shares_the_per_device_tables(rng):
+  """Two independent all-reduces over `model` are combined; a third depends on them and stays alone: the combined
+  op reads the same group-key table the third one does, so each per-device table is held once."""
+  def f(x, w1, w2):
+    a, b = x @ w1, x @ w2
+    return tf.reduce_sum(x * (tf.reduce_sum(a) + tf.reduce_sum(b)), axis=1)
+
+  args = [rng.standard_normal((8, 16)).astype(np.float32)] + [
+      rng.standard_normal((16, n)).astype(np.float32) for n in (4, 6)]
+  specs = (P(None, "model"), P("model", None), P("model", None))
+  assert _emitted(_run_and_compare(f, args, specs, P())) == 2
+  # Planned for 16 devices (no devices: TF's optimizer, which would merge equal constants, does not run).
+  big = gs.Mesh((4, 4), ("data", "model"))
+  low = gs.function(f, mesh=big, in_shardings=specs).lower(*[tf.TensorSpec(a.shape) for a in args])
+  assert _emitted(low) == 2
+  tables = [tf.make_ndarray(n.attr["value"].tensor).tobytes() for n in low.graph_def.node
+            if n.op == "Const" and [d.size for d in n.attr["value"].tensor.tensor_shape.dim][:1] == [big.size]]
+  assert tables and len(tables) == len(set(tables))
+
+
 def test_dependent_all_reduces_stay_separate(rng):
   def f(x, w1, w2):
     h = x @ w1                      # all-reduce 1
