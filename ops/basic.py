@@ -1,5 +1,10 @@
 """Graph plumbing: function parameters, constants, identities, sharding annotations, bias add."""
 
+import math
+
+import numpy as np
+import tensorflow as tf
+
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.ops.factors import Factors, FactorRule
 from tf_gspmd.ops.registry import Rule, register
@@ -22,13 +27,70 @@ class Parameter(Rule):
 
 @register("Const")
 class Constant(Rule):
-  """A constant is materialised whole and sliced locally when its users want it split (no communication)."""
+  """A constant whose elements all hold one value (a splat: zeros, ones, a fill) is emitted as a Fill of the device's
+  own shard when its layout splits it -- padding of an uneven split holds the value too, as a Fill's does -- and
+  when, replicated, it holds more than WHOLE_SPLAT_BYTES; no device holds the global value. Any other constant is
+  the user's literal data: materialised whole on every device and sliced locally when its users want it split (no
+  communication)."""
 
   priority = 0
 
   def partition(self, ctx, node):
-    (value,) = ctx.clone(node, {})
-    ctx.set_output(0, value, Sharding(ctx.mesh))
+    target, out = ctx.target(0), node.outputs[0]
+    fill = out.partitionable and not target.is_maximal and (
+        not target.is_replicated or math.prod(out.shape) * out.dtype.size > WHOLE_SPLAT_BYTES)
+    value = splat_value(node.attr("value")) if fill else None
+    if value is None:
+      (whole,) = ctx.clone(node, {})
+      ctx.set_output(0, whole, Sharding(ctx.mesh))
+      return
+    local = target.with_rank(len(out.shape)).shard_shape(out.shape)
+    with ctx.helper_scope():
+      dims = tf.constant(local, tf.int64 if max(local) >= 2**31 else tf.int32, name="shape")
+      scalar = tf.constant(value, out.dtype, name="value")
+    with ctx.after_control_inputs():
+      y = tf.fill(dims, scalar, name=node.name)
+    ctx.record(y)
+    ctx.set_output(0, y, target)
+
+
+WHOLE_SPLAT_BYTES = 1 << 16   # a replicated splat constant above this size is a Fill too (it is held on every device)
+_PEEK = 64                    # elements compared first, so that most constants that are no splat are told cheaply
+
+
+def splat_value(proto):
+  """The value every element of the numeric constant `proto` (a TensorProto of more than one element) holds, as a
+  numpy scalar of its dtype; None when its elements differ, it has at most one, or it is not numeric.
+
+  Reads the proto as TF stores it: `tensor_content` (the elements' bytes, compared without decoding them, so -0.0
+  and 0.0 differ and a NaN equals itself) or a typed value field, which may hold fewer values than elements (the
+  last one repeats; none: all zeros). Only the stored values are decoded, never the expanded tensor."""
+  dtype = tf.as_dtype(proto.dtype)
+  if dtype.is_quantized or not (dtype.is_floating or dtype.is_integer or dtype.is_bool or dtype.is_complex):
+    return None
+  n = math.prod(d.size for d in proto.tensor_shape.dim)
+  if n < 2:
+    return None
+  if proto.tensor_content:
+    data, size = proto.tensor_content, dtype.size
+    if len(data) != n * size:
+      return None
+    words = np.frombuffer(data, np.uint64 if size == 16 else np.dtype(f"u{size}")).reshape(n, -1)
+    if not (words[:_PEEK] == words[0]).all() or not (words == words[0]).all():
+      return None
+    return np.frombuffer(data[:size], dtype.as_numpy_dtype)[0]
+  fields = [(f.name, v) for f, v in proto.ListFields() if f.name.endswith("_val")]
+  if not fields:
+    return np.zeros((), dtype.as_numpy_dtype)[()]
+  name, stored = fields[0]
+  small = type(proto)(dtype=proto.dtype)
+  small.tensor_shape.dim.add().size = len(stored) // (2 if dtype.is_complex else 1)
+  getattr(small, name).extend(stored)
+  values = tf.make_ndarray(small)
+  if values.size == 0 or values.size > n:
+    return None
+  words = values.view(np.uint8).reshape(values.size, -1)
+  return values[0] if (words == words[0]).all() else None
 
 
 @register("Identity", "XlaSharding", "EnsureShape")

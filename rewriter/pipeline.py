@@ -15,8 +15,8 @@ from typing import Any, Optional, Tuple
 import tensorflow as tf
 
 from tf_gspmd.errors import PartitionError, ShardingError
-from tf_gspmd.rewriter import (auto, cleanup, combine, completion, grappler, import_annotations, in_process, jit, memory,
-                               partition, report, trace, weight_update)
+from tf_gspmd.rewriter import (auto, cleanup, combine, completion, constants, grappler, import_annotations, in_process,
+                               jit, memory, partition, report, trace, weight_update)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +157,7 @@ PASSES = (
     ("collective_keys", in_process.keys),          # CPUs of one process: each device's collective keys
     ("compile", jit.run),                          # XLA: segments between collectives (CPU) or whole (GPU, TPU)
     ("optimize", grappler.run_local),              # TF's graph optimizer on the per-device program, once
+    ("constants", constants.run),                  # its constants per device (report.constants); strict: none > 1 MiB
     ("in_process", in_process.run),                # CPUs of one process: one graph, collectives as device edges
     ("schedules", report.pipeline_schedules),      # gs.pipeline schedules stated in the report
     ("device_program", device_program),            # the record the runtime runs

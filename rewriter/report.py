@@ -21,9 +21,10 @@ the totals with every record once: one iteration of every loop, the program's op
 import collections
 import contextlib
 import dataclasses
+import math
 import threading
 import types
-from typing import Mapping, Optional, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 from tf_gspmd._mesh import axes_text
 from tf_gspmd.errors import PartitionError
@@ -367,6 +368,7 @@ class Report:
   # the all-gathers flagged as involuntary full rematerializations (each also has a line in `warnings`)
   rematerializations: Tuple[CollectiveRecord, ...] = ()
   pipelines: Tuple[PipelineSchedule, ...] = ()
+  constants: Any = None   # rewriter.constants.Constants: the per-device program's constants (the constants pass)
   _memory: Optional[_Lazy] = dataclasses.field(default=None, repr=False, compare=False)
 
   # ---- derived reports (the passes after partition) -----------------------------------------------------------
@@ -404,6 +406,9 @@ class Report:
 
   def with_pipelines(self, schedules):
     return dataclasses.replace(self, pipelines=self.pipelines + tuple(schedules))
+
+  def with_constants(self, constants):
+    return dataclasses.replace(self, constants=constants)
 
   def with_pass_times(self, times):
     return dataclasses.replace(self, pass_times=types.MappingProxyType({**self.pass_times, **times}))
@@ -540,8 +545,7 @@ class Report:
       if any(r.role == role for r in self.state):
         local, total = self.state_bytes(role)
         lines.append(f"{role} variables: {local:,} B per device of {total:,} B")
-    if self.memory is not None:
-      lines.append(str(self.memory))
+    lines += [str(x) for x in (self.constants, self.memory) if x is not None]
     lines += [str(p) for p in self.pipelines]
     if self.fallbacks:
       lines.append("replicated fallback for: " + ", ".join(f"{n} ({op})" for n, op in self.fallbacks))
@@ -564,7 +568,7 @@ def pipeline_schedules(program):
     for tensor, shape, itemsize in spec.buffers:
       sharding = _sharding_of(program, tensor)
       local = shape if sharding is None or sharding.is_maximal else sharding.with_rank(len(shape)).shard_shape(shape)
-      buffers.append((tensor[len(spec.name) + 1:], int(_prod(local)) * itemsize))
+      buffers.append((tensor[len(spec.name) + 1:], math.prod(int(d) for d in local) * itemsize))
     schedules.append(PipelineSchedule(
         name=spec.name, stage_axis=spec.stage_axis, stages=spec.stages, microbatches=spec.microbatches,
         repeats=spec.repeats, iterations=spec.iterations, bubble_fraction=spec.bubble_fraction,
@@ -581,9 +585,3 @@ def _sharding_of(program, tensor):
       return s
   return None
 
-
-def _prod(shape):
-  out = 1
-  for d in shape:
-    out *= int(d)
-  return out

@@ -305,7 +305,8 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=Fal
       entries as for in_shardings.
     strict: raise instead of running ops without a partitioning rule replicated (UnsupportedOpError), and
       instead of warning about an involuntary full rematerialization, an all-gather of more than 1 MiB per
-      device, or to the full shape of a split variable, that no pinned sharding asked for (PartitionError).
+      device, or to the full shape of a split variable, that no pinned sharding asked for (PartitionError); and
+      refuse a constant of more than 1 MiB in the per-device program, held whole on every device (PartitionError).
     collective_timeout: seconds before a stuck collective raises DeadlineExceededError.
     weight_update_sharding: split optimizer state and the weight update over a data-parallel mesh axis (True:
       the "data" axis, or the first axis; or an axis name): gradients are reduce-scattered, the update runs on

@@ -175,3 +175,12 @@ def test_plan_for_several_processes_counts_the_bytes_that_cross_them():
   assert "across processes" in str(two.report)
   with pytest.raises(gs.MeshError, match="processes=3 must divide"):
     f.lower(*specs, processes=3)
+
+
+def test_the_report_states_the_constants_each_device_holds(rng):
+  table = rng.standard_normal((256, 512)).astype(np.float32)   # 512 KiB of literal values, held by every device
+  low = check_partitioned(lambda x: x + tf.constant(table, name="table"), [table], (P("d", None),), M8,
+                          out=P("d", None))
+  (line,) = [line for line in str(low.report).splitlines() if line.startswith("constants: ")]
+  assert f"{low.report.constants.bytes:,} B per device" in line
+  assert "largest: table float32[256,512] 524,288 B" in line
