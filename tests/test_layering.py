@@ -15,7 +15,7 @@ PACKAGES = {"tf_gspmd": "tf_gspmd", "ops": "tf_gspmd.ops", "rewriter": "tf_gspmd
 
 FLOORS = (   # lowest first; a module belongs to the floor of its longest matching prefix
     ("core", ("tf_gspmd.errors", "tf_gspmd._cluster", "tf_gspmd._mesh", "tf_gspmd._sharding", "tf_gspmd._annotations",
-              "tf_gspmd.initializers", "tf_gspmd._compat")),
+              "tf_gspmd.initializers", "tf_gspmd._compat", "tf_gspmd._plan_scope")),
     ("ops", ("tf_gspmd.ops",)),
     ("rewriter", ("tf_gspmd.rewriter",)),
     ("runtime", ("tf_gspmd.runtime",)),
