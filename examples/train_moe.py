@@ -102,13 +102,12 @@ def moe_block(x, gate_w, w1, w2, gs, P):
 
 def forward(params, tokens, gs, P):
   """(logits [b, s, vocab], total load-balancing loss)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import transformer_model as tm  # pylint: disable=g-import-not-at-top
   d, h = FLAGS.d_model, FLAGS.heads
   s = tokens.shape[1]
   x = annotate(gs, tf.gather(params["embed"], tokens) + params["pos"], P("expert", None, None))
-  mask = tf.constant(np.triu(np.full((s, s), -1e9, np.float32), 1))
+  mask = tm.causal_mask(s)
   aux = 0.0
   for l in range(FLAGS.layers):
     p = f"l{l}/"

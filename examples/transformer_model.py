@@ -67,6 +67,12 @@ def megatron_specs(cfg):
   return specs
 
 
+def causal_mask(seq):
+  """[seq, seq] additive mask: -1e9 above the diagonal (a query never sees later keys), 0 elsewhere. Computed by
+  ops, not held as a constant, so each device computes it (at its local shape when it is split)."""
+  return (1.0 - tf.linalg.band_part(tf.ones((seq, seq)), -1, 0)) * -1e9
+
+
 def layer_norm(x, scale, bias, eps=1e-5):
   mean = tf.reduce_mean(x, axis=-1, keepdims=True)
   var = tf.reduce_mean(tf.math.squared_difference(x, mean), axis=-1, keepdims=True)
@@ -77,7 +83,7 @@ def forward(params, tokens, cfg):
   """Logits [batch, seq, vocab] of a causal decoder."""
   x = tf.gather(params["embed"], tokens) + params["pos"]
   hd = cfg.d_model // cfg.heads
-  mask = tf.constant(np.triu(np.full((cfg.seq, cfg.seq), -1e9, np.float32), 1))
+  mask = causal_mask(cfg.seq)
   for l in range(cfg.layers):
     p = f"l{l}/"
     h = layer_norm(x, params[p + "ln1/scale"], params[p + "ln1/bias"])
@@ -271,7 +277,7 @@ def decoder_layer(p, x, cfg, causal=None):
   """One decoder layer on x [batch, seq, d] with the layer's weights `p` (leaf name -> tensor), as in `forward`."""
   hd = cfg.d_model // cfg.heads
   if causal is None:
-    causal = tf.constant(np.triu(np.full((cfg.seq, cfg.seq), -1e9, np.float32), 1))
+    causal = causal_mask(cfg.seq)
   h = layer_norm(x, p["ln1/scale"], p["ln1/bias"])
   q = tf.einsum("bsd,dhk->bhsk", h, p["wq"])
   k = tf.einsum("bsd,dhk->bhsk", h, p["wk"])
@@ -310,7 +316,7 @@ def pipelined_loss(params, tokens, targets, cfg, microbatches, repeats=1):
   """The loss of `loss_fn`, the layers run as a GSPMD pipeline (`gs.pipeline`, stage fn vectorized over stages)."""
   import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
   x = tf.gather(params["embed"], tokens) + params["pos"]
-  causal = tf.constant(np.triu(np.full((cfg.seq, cfg.seq), -1e9, np.float32), 1))
+  causal = causal_mask(cfg.seq)
   stage = {leaf: params[f"layers/{leaf}"] for leaf in LAYER_LEAVES}
 
   def stage_fn(w, h):   # one stage slot: its layers in order
