@@ -11,9 +11,10 @@ Weights per device are checked against the layout's arithmetic (`weight_bytes`; 
 Configs (Lingvo's GShard dense LMs, lingvo/tasks/lm/params/synthetic_packed_input.py):
   dense128b  DenseLm128B32x32: 64 layers, d_model 8192, d_ff 65536, 128 heads, seq 1024, batch 512, mesh (32, 64)
   dense1t    DenseLm1T16x16: 128 layers, d_model 16384, d_ff 131072, 256 heads, seq 512, batch 16, mesh (16, 32)
-each in the Megatron and the 2D layout (--layout); the 2048-expert MoE on (2048,); the 64-layer GSPMD pipeline on
-(16, 16, 8). Sweeps: lowering time from 8 to 2048 devices (2 layers at the 128B dims) and from d_model 1024 to
-8192 (8 layers, d_ff = 8 d_model, mesh (32, 64)).
+each in the Megatron and the 2D layout (--layout); the 2048-expert MoE on (2048,); the 128B dims as a GSPMD
+pipeline of 16 stages (4 layers each, Megatron inside a stage) and 16 microbatches on (16, 16, 8). Sweeps:
+lowering time from 8 to 2048 devices (2 layers at the 128B dims) and from d_model 1024 to 8192 (8 layers,
+d_ff = 8 d_model, mesh (32, 64)).
 
   .venv/bin/python bench/scale.py [--only dense128b,moe,pipeline,devices,width] [--layers N]
 """
@@ -81,8 +82,10 @@ def measure(argv):
       "state": _number(r"update state variables: ([\d,]+) B per device", out),   # optimizer slots, counters
       "activations": _number(r"activations ([\d,]+) at the peak", out),
       "constants": _number(r"constants ([\d,]+)", out),
-      "collectives": _number(r"([\d,]+) collective\(s\), [\d,]+ bytes per device", out),
-      "bytes": _number(r"collective\(s\), ([\d,]+) bytes per device", out),
+      # collective ops run per step (a loop's once per iteration) and the bytes they send per device per step
+      "collectives": _number(r"collective\(s\), ([\d,]+) run per step", out) or _number(
+          r"([\d,]+) collective\(s\), [\d,]+ bytes per device", out),
+      "bytes": _number(r"([\d,]+) bytes per device", out),
   }
 
 
@@ -130,8 +133,11 @@ def main():
     row("moe 2048 experts", (2048,), measure(["examples/train_moe.py", "--plan", "--experts=2048",
                                               "--plan_mesh=2048"]))
   if "pipeline" in only:
-    row("pipeline 64 layers, 16 stages", (16, 16, 8), measure(
-        ["examples/train_transformer.py", "--plan", "--layers=64", "--pipeline_stages=16", "--plan_mesh=16,16,8"]))
+    cfg = dict(DENSE["dense128b"], layers=64)
+    argv = transformer_argv(cfg, "megatron", (16, 16, 8))
+    argv = [a for a in argv if not a.startswith(("--layout", "--plan_mesh"))]
+    row("pipeline 128b, 16 stages x 16 microb.", (16, 16, 8), measure(
+        argv + ["--plan_mesh=16,16,8", "--pipeline_stages=16", "--microbatches=16"]))
   if "devices" in only:
     cfg = dict(DENSE["dense128b"], layers=2)
     for mesh in ((2, 4), (4, 16), (16, 16), (32, 64)):

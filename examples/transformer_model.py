@@ -6,6 +6,7 @@ and optimizer slot as an input it can shard. `megatron_specs` gives the Megatron
 """
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -301,6 +302,12 @@ def pipelined_specs(cfg, repeats=1, megatron=False):
   return specs
 
 
+def pipelined_shapes(cfg):
+  """Shapes of the pipelined parameters before stacking: the global leaves', and each layer leaf's per layer."""
+  flat = param_shapes(cfg)
+  return {**{k: flat[k] for k in GLOBAL_LEAVES}, **{f"layers/{leaf}": flat[f"l0/{leaf}"] for leaf in LAYER_LEAVES}}
+
+
 def init_pipelined_params(cfg, stages, repeats=1, seed=0):
   """The parameters of `init_params` (same values), the layers' stacked as stage weights (`gs.stack_stages`)."""
   import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
@@ -340,12 +347,20 @@ class PipelinedLM(tf.Module):
   def __init__(self, cfg, stages, microbatches, repeats=1, megatron=False, seed=0):
     super().__init__(name="pipelined_lm")
     self.cfg, self.microbatches, self.repeats = cfg, microbatches, repeats
-    values = init_pipelined_params(cfg, stages, repeats, seed)
+    import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
+    # Initial values are computed when a variable is created with a value (not inside gs.plan_scope()).
+    values = functools.lru_cache(maxsize=None)(lambda: init_pipelined_params(cfg, stages, repeats, seed))
+    layers = gs.stack_stages(np.zeros((cfg.layers,), np.int8), stages, repeats, what="layers").shape
+    shapes = {k: tuple(layers) + s if k.startswith("layers/") else s for k, s in pipelined_shapes(cfg).items()}
     self.specs = pipelined_specs(cfg, repeats, megatron)
-    self.names = sorted(values)
-    self.params = {k: tf.Variable(values[k], name=k.replace("/", "_")) for k in self.names}
-    self.m = {k: tf.Variable(np.zeros_like(values[k]), name=k.replace("/", "_") + "_m") for k in self.names}
-    self.v = {k: tf.Variable(np.zeros_like(values[k]), name=k.replace("/", "_") + "_v") for k in self.names}
+    self.names = sorted(shapes)
+
+    def var(k, init, suffix=""):
+      return tf.Variable(init, shape=shapes[k], dtype=tf.float32, name=k.replace("/", "_") + suffix)
+
+    self.params = {k: var(k, lambda k=k: values()[k]) for k in self.names}
+    self.m = {k: var(k, lambda k=k: tf.zeros(shapes[k]), "_m") for k in self.names}
+    self.v = {k: var(k, lambda k=k: tf.zeros(shapes[k]), "_v") for k in self.names}
     self.step = tf.Variable(0, dtype=tf.int64, name="adam_step")
 
   def train_step(self, tokens, targets):
