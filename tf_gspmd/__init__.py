@@ -13,6 +13,7 @@ Example:
 """
 
 from tf_gspmd import initializers
+from tf_gspmd import tpu
 from tf_gspmd._annotations import mesh_split, replicate, shard
 from tf_gspmd._function import Lowered, ShardedFunction, function
 from tf_gspmd._cluster import initialize, is_local, local_devices, process_count, process_index, split_cpu_devices
@@ -26,12 +27,14 @@ from tf_gspmd.errors import (AutoShardingError, InputError, MeshError, Partition
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor, from_process_local_data
 from tf_gspmd.runtime.state import sharding_of, variable
 
+tpu_mesh = tpu.mesh
+
 __all__ = [
     "Mesh", "P", "Sharding", "split_cpu_devices", "initialize", "process_count", "process_index", "is_local", "local_devices", "mesh_split", "shard", "replicate", "function", "ShardedFunction",
     "Lowered", "ShardedTensor", "plan_scope", "pipeline", "stack_stages", "unstack_stages",
     "from_process_local_data", "sharding_of", "variable", "initializers", "visualize_sharding", "ShardingError",
     "MeshError", "SpecError", "ShapeError", "PartitionError", "UnsupportedOpError", "InputError", "ProcessLostError",
-    "AutoShardingError",
+    "AutoShardingError", "tpu", "tpu_mesh",
 ]
 __version__ = "0.1.0"
 

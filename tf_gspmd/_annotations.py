@@ -42,6 +42,19 @@ def current_mesh():
   return getattr(_state, "mesh", None)
 
 
+@contextlib.contextmanager
+def sharding_ops():
+  """While active, annotations are TF's XlaSharding op, which tf2xla lowers to XLA's Sharding custom-call, for a
+  program XLA partitions (TPUs). The default form, an Identity carrying `_XlaSharding`, is dropped by tf2xla: an
+  Identity builds no XLA instruction to carry the sharding."""
+  prev = getattr(_state, "ops", False)
+  _state.ops = True
+  try:
+    yield
+  finally:
+    _state.ops = prev
+
+
 def _tensor_name(t):
   try:
     return t.name
@@ -62,7 +75,7 @@ def _annotate(t, sharding, name=None, open_dims=()):
   if tf.executing_eagerly():
     return t
   proto = sharding.to_proto().SerializeToString()
-  if open_dims:
+  if open_dims or getattr(_state, "ops", False):
     return _compat.xla_sharding_op(t, proto, open_dims, name)
   return _annotated_identity(t, SHARDING_ATTR, proto, name)
 
