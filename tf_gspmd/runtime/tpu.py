@@ -90,13 +90,22 @@ def as_topology(topology):
 
 _INITIALIZED = {}
 _INIT_LOCK = threading.Lock()
+_LOCAL = []   # this TPU VM's resolver, made once
+
+
+def local_resolver():
+  """The resolver of this TPU VM's own cores (`TPUClusterResolver(tpu="local")`), one per process."""
+  with _INIT_LOCK:
+    if not _LOCAL:
+      _LOCAL.append(tf.distribute.cluster_resolver.TPUClusterResolver(tpu="local"))
+    return _LOCAL[0]
 
 
 def initialize(resolver=None):
-  """Connects to the TPU of `resolver` (default: this TPU VM's, `TPUClusterResolver(tpu="local")`) and
-  initialises its TPU system, once per process; returns its Topology."""
+  """Connects to the TPU of `resolver` (default: this TPU VM's, `local_resolver()`) and initialises its TPU
+  system, once per process; returns its Topology."""
   if resolver is None:
-    resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu="local")
+    resolver = local_resolver()
   key = resolver.master()
   with _INIT_LOCK:
     if key not in _INITIALIZED:
@@ -307,10 +316,10 @@ def strategy_arguments(m, resolver, topology):
 def strategy(m, resolver=None, topology=None, factory=None):
   """`tf.distribute.TPUStrategy` over mesh `m` (`strategy_arguments`); `topology` defaults to the one
   `initialize(resolver)` returns. `factory`: the class to build (default TPUStrategy)."""
+  if resolver is None:
+    resolver = local_resolver()
   if topology is None:
     topology = initialize(resolver)
-  if resolver is None:
-    resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu="local")
   return (factory or tf.distribute.TPUStrategy)(**strategy_arguments(m, resolver, topology))
 
 
