@@ -14,7 +14,7 @@ Configs (Lingvo's GShard dense LMs, lingvo/tasks/lm/params/synthetic_packed_inpu
 each in the Megatron and the 2D layout (--layout); the 2048-expert MoE on (2048,); the 128B dims as a GSPMD
 pipeline of 16 stages (4 layers each, Megatron inside a stage) and 16 microbatches on (16, 16, 8). Sweeps:
 lowering time from 8 to 2048 devices (2 layers at the 128B dims) and from d_model 1024 to 8192 (8 layers,
-d_ff = 8 d_model, mesh (32, 64)).
+d_ff = 8 d_model, 64 heads, mesh (32, 64)).
 
   .venv/bin/python bench/scale.py [--only dense128b,moe,pipeline,devices,width] [--layers N]
 """
@@ -145,7 +145,7 @@ def main():
           weight_bytes(cfg, "2d", mesh))
   if "width" in only:
     for width in (1024, 2048, 4096, 8192):
-      cfg = dict(DENSE["dense128b"], layers=8, d_model=width, d_ff=8 * width, heads=width // 64)
+      cfg = dict(DENSE["dense128b"], layers=8, d_model=width, d_ff=8 * width, heads=64)   # heads split evenly
       row(f"d_model {width}, 8 layers, 2d", (32, 64), measure(transformer_argv(cfg, "2d")),
           weight_bytes(cfg, "2d", (32, 64)))
 
