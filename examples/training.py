@@ -85,15 +85,27 @@ def plan(task):
   hosts = f" on {FLAGS.plan_hosts} hosts x {mesh.size // FLAGS.plan_hosts}" if FLAGS.plan_hosts else ""
   print(f"{task.name}: plan for mesh {dict(zip(mesh.axis_names, mesh.shape))} ({mesh.size} devices{hosts}), "
         f"lowered in {took:.1f} s without the devices")
-  memory = low.report.memory
-  print(f"estimated peak memory: {memory.peak_bytes / 2**20:,.2f} MiB per device ({memory.peak_bytes:,} B: variables "
-        f"{memory.state_bytes:,}, arguments {memory.argument_bytes:,}, constants {memory.constant_bytes:,}, "
-        f"activations {memory.activation_bytes:,} at the peak; estimated in "
-        f"{low.report.pass_times.get('memory', 0.0):.2f} s)")
-  from tf_gspmd.rewriter.auto import plan_memory  # pylint: disable=g-import-not-at-top
-  state, activations = plan_memory(low.program)
-  print(f"memory as --memory_budget_mib counts it: {(state + activations) / 2**20:.9f} MiB per device (arguments and "
-        f"variables {state:,} B, activations live at the peak {activations:,} B)")
+  start = time.perf_counter()
+  memory = low.report.memory   # an Account: the per-device program's estimate and the plan's count it holds
+  counted = time.perf_counter() - start
+  print(f"estimated peak memory: {memory.peak_bytes / 2**20:,.2f} MiB per device ({memory.peak_bytes:,} B at "
+        f"{memory.at}, the per-device program; estimated in {counted:.2f} s) =")
+  plan = getattr(memory, "plan", None)
+  if plan is not None:
+    print(f"  memory as --memory_budget_mib counts it: {plan.peak_bytes / 2**20:.9f} MiB per device (the plan at its "
+          f"layouts, {plan.peak_bytes:,} B at {plan.at}: arguments {plan.argument_bytes:,} + variables "
+          f"{plan.state_bytes:,} + constants {plan.constant_bytes:,} + live activations {plan.activation_bytes:,}, "
+          f"loop bodies and the lists loops keep for the backward included)")
+    d = memory.difference_bytes
+    print(f"  + partitioning adds {d:+,} B ({d / 2**20:+,.2f} MiB): live at the "
+          f"per-device peak, collective buffers {memory.added_collective_bytes:,} + per-device tables and partition "
+          f"id {memory.added_table_bytes:,} + reshard temporaries and ops above their layout "
+          f"{memory.added_other_bytes:,}, less {memory.added_bytes - d:,} of the plan's bytes not live there"
+          + (" (the per-device program holds less than the plan's count)" if d < 0 else ""))
+    if memory.budget is not None:
+      over = plan.peak_bytes - memory.budget
+      print(f"  --memory_budget_mib {memory.budget / 2**20:,.2f} MiB bounds the plan's count: "
+            + (f"{-over:,} B to spare" if over <= 0 else f"OVER by {over:,} B"))
   if low.auto_plan is not None:
     print(low.auto_plan)
   print("variables:")

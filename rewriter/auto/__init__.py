@@ -18,10 +18,13 @@ Alpa's intra-operator formulation, on the TF graph and with this library's own r
 - **Compute.** Each strategy and group also costs its arithmetic per device divided by `flops_per_byte` (how
   many operations a device does in the time a link moves a byte), so splitting work pays against the bytes
   it costs; replicating everything is what a tiny model on fast devices should do, and does.
-- **Memory.** Arguments and captured variables (weights, optimizer state) cost their bytes per device, and so
-  do the activations live where the unpartitioned program peaks (the memory pass's simulation of the global
-  graph), at their layouts; the sum is kept under `memory_budget` (`plan_memory` measures any lowered plan the
-  same way, so a hand plan and an automatic one compare at the same memory).
+- **Memory.** `memory_budget` bounds the plan's count of `rewriter.memory` (`plan_memory` measures any lowered
+  plan so; the memory pass's Account shows it next to the per-device program's estimate, which adds what
+  partitioning adds): arguments and captured variables (weights, optimizer state) at their layouts, constants,
+  and the activations live at the peak at their layouts. One row per op bounds what is live there: where the
+  unpartitioned program peaks, where it peaks split as far as it goes, and, solved again, where a chosen plan
+  peaks over the budget. Loop bodies and the lists loops keep for the backward are priced at the share of the
+  loop's operands one device holds (completion lays the bodies out after this pass).
 
 HiGHS (`highspy`) solves the program: an open-source MILP solver, a 3 MiB wheel with only numpy as a
 dependency, fast on these sparse assignment-style programs (SciPy's `milp` wraps the same solver but brings

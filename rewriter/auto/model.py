@@ -14,6 +14,7 @@ from tf_gspmd import ops as op_rules
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.ops.factors import FactorRule, assignments, dims_from
 from tf_gspmd.rewriter import memory, reshard
+from tf_gspmd.rewriter.auto.budget import Pricing
 from tf_gspmd.rewriter.completion import CompletionContext
 from tf_gspmd.rewriter.graph_view import public_key, ref
 
@@ -53,7 +54,7 @@ class Costs:
 
 def local_elements(shape, sharding):
   """Elements of one device's shard of a tensor of `shape` laid out as `sharding` (padding included)."""
-  return math.prod(sharding.shard_shape(shape)) if shape else 1
+  return memory.shard_elements(shape, sharding)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -63,7 +64,7 @@ def local_elements(shape, sharding):
 class Group:
   """Tensors that share one layout at no cost, and the one-hot block of their candidate layouts (`id`)."""
 
-  __slots__ = ("id", "shape", "itemsize", "cands", "work", "state", "members")
+  __slots__ = ("id", "shape", "itemsize", "cands", "work", "state", "members", "nbytes")
 
   def __init__(self, gid, shape, itemsize):
     self.id = gid
@@ -73,6 +74,7 @@ class Group:
     self.work = 0            # elements computed by the group's element-wise ops
     self.state = []          # (name, kind, ref) of the arguments and variables in the group
     self.members = []
+    self.nbytes = None       # elements per device of one member at each candidate (`Builder._bytes`)
 
 
 class Model:
@@ -83,9 +85,8 @@ class Model:
     self.linear = []         # block -> np.array of costs (weighted) per choice
     self.linear_bytes = []   # block -> np.array of bytes per choice
     self.pairs = {}          # (block u, block v) -> (cost matrix, bytes matrix)
-    self.memory = {}         # block -> np.array of bytes per device per choice (state and live activations)
-    self.activations = {}    # block -> np.array of the live-activation part of it
-    self.fixed_memory = 0    # bytes per device no choice changes (what is live and not priced: replicated)
+    self.state = {}          # block -> np.array of bytes per device per choice (arguments and variables)
+    self.rows = []           # MemoryRow per op whose live bytes are bounded (each adds to `state`)
     self.labels = []         # block -> description
     self.signatures = []     # block -> what it is, without names (repeated layers share signatures)
 
@@ -119,18 +120,7 @@ class Model:
     self.pairs[(u, v)] = (cost, nbytes) if old is None else (old[0] + cost, old[1] + nbytes)
 
 
-def live_at_peak(program, ir):
-  """({ref: bytes} of the tensors live where the unpartitioned program peaks, bytes live there that no tensor of
-  the graph holds), the captured variables counted at their value shapes."""
-  variables = {}
-  for name in program.variable_names:
-    info = ir.info(ref(name))
-    if info.value_shape is not None:
-      variables[name] = (tuple(info.value_shape), info.value_dtype)
-  return memory.live_at_peak(program.graph_def, program.input_names, variables, program.output_refs)
-
-
-class Builder:
+class Builder(Pricing):
   """Walks the IR once and states the program (see the package docstring): `build()` returns the `Model`;
   `groups`, `strategies` and `unary` then say which block stands for which tensors and ops."""
 
@@ -207,7 +197,7 @@ class Builder:
       if self.usable(r):
         self._group(r)
     self._state()
-    self._activations()
+    self._memory()
     for p in plans:
       if p is not None:
         p()
@@ -253,24 +243,7 @@ class Builder:
       elif program.fn is not None and k < len(program.arg_specs):
         label = f"argument {k}"
       g.state.append((label, kind, r))
-      nbytes = np.array([local_elements(g.shape, c) * g.itemsize for c in g.cands], dtype=float)
-      self.model.memory[g.id] = self.model.memory.get(g.id, 0) + nbytes
-
-  def _activations(self):
-    """The activations live where the unpartitioned program peaks (the memory pass's simulation of the global
-    graph), priced at each candidate layout of their groups; what no group holds counts whole."""
-    live, extra = live_at_peak(self.program, self.ir)
-    self.model.fixed_memory += extra
-    for r, nbytes in live.items():
-      g = self.groups.get(self.find(r)) if self.usable(r) else None
-      if g is None:
-        g = self._group(r) if self.usable(r) else None
-      if g is None:
-        self.model.fixed_memory += nbytes
-        continue
-      per = np.array([local_elements(g.shape, c) * g.itemsize for c in g.cands], dtype=float)
-      self.model.memory[g.id] = self.model.memory.get(g.id, 0) + per
-      self.model.activations[g.id] = self.model.activations.get(g.id, 0) + per
+      self.model.state[g.id] = self.model.state.get(g.id, 0) + self._bytes(g, r)
 
   # -- factor ops
   def _plan_factor(self, node, rule):

@@ -2,8 +2,9 @@
 
 `solve` states a `model.Model` as a MILP: one binary per choice of each block (exactly one per block), one
 continuous variable per pair of choices of two blocks joined by a cost matrix (its row and column sums are the
-two one-hot choices, exact for integral choices), and the memory budget as one row. `fold` first merges the
-blocks of repeated layers; `evaluate` and `local_delta` price a full assignment and one block's alternatives.
+two one-hot choices, exact for integral choices), and the memory budget as one row per op whose live bytes are
+bounded (`budget.MemoryRow`). `fold` first merges the blocks of repeated layers; `evaluate` and `local_delta`
+price a full assignment and one block's alternatives.
 """
 
 import os
@@ -13,6 +14,7 @@ import time
 import numpy as np
 
 from tf_gspmd.errors import AutoShardingError
+from tf_gspmd.rewriter.auto.budget import MemoryRow
 from tf_gspmd.rewriter.auto.model import Model
 
 
@@ -75,14 +77,16 @@ def solve(model, budget, time_limit):
       lo += [0.0] * n
       hi += [0.0] * n
       r += n
-  if budget is not None and model.memory:
-    for b, mem in model.memory.items():
-      rows.append(np.full(len(mem), r))
-      cols.append(np.arange(start_col[b], start_col[b + 1]))
-      vals.append(np.asarray(mem, dtype=float))
-    lo.append(-highspy.kHighsInf)
-    hi.append(float(budget) - model.fixed_memory)
-    r += 1
+  if budget is not None:
+    for row in model.rows or [MemoryRow(None)]:
+      for b in sorted(set(model.state) | set(row.terms)):
+        mem = np.asarray(row.total(model.state, b), dtype=float)
+        rows.append(np.full(len(mem), r))
+        cols.append(np.arange(start_col[b], start_col[b + 1]))
+        vals.append(mem)
+      lo.append(-highspy.kHighsInf)
+      hi.append(float(budget) - row.fixed)
+      r += 1
   rows = np.concatenate(rows)
   cols = np.concatenate(cols)
   vals = np.concatenate(vals)
@@ -155,8 +159,10 @@ def fold(model, rounds=4):
   def digest(a):
     return hash(np.round(np.asarray(a, dtype=float), 3).tobytes())
 
+  first = model.rows[0] if model.rows else MemoryRow(None)
   color = [hash((model.signatures[b], model.sizes[b], digest(model.linear[b]), digest(model.linear_bytes[b]),
-                 digest(model.memory[b]) if b in model.memory else 0)) for b in range(n)]
+                 digest(first.total(model.state, b)) if b in model.state or b in first.terms else 0))
+           for b in range(n)]
   nbrs = [[] for _ in range(n)]
   for (u, v), (c, nb) in model.pairs.items():
     h = hash((digest(c), digest(nb)))
@@ -170,11 +176,11 @@ def fold(model, rounds=4):
   for k in range(len(index)):
     b = of.index(k)
     folded.block(model.sizes[b], model.labels[b], model.signatures[b])
-  folded.fixed_memory = model.fixed_memory
+  folded.rows = [row.folded(of) for row in model.rows]
   for b in range(n):
     folded.add_linear(of[b], model.linear[b], model.linear_bytes[b])
-    if b in model.memory:
-      folded.memory[of[b]] = folded.memory.get(of[b], 0) + model.memory[b]
+    if b in model.state:
+      folded.state[of[b]] = folded.state.get(of[b], 0) + model.state[b]
   for (u, v), (c, nb) in model.pairs.items():
     folded.add_pair(of[u], of[v], c, nb)
   return folded, of

@@ -6,9 +6,12 @@ import sys
 import pytest
 import tensorflow as tf
 
+import numpy as np
+
 import tf_gspmd as gs
 from tf_gspmd import P
 from tf_gspmd.rewriter import memory
+from tf_gspmd.rewriter.auto import plan_memory
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 import transformer_model as tm  # noqa: E402  pylint: disable=g-import-not-at-top
@@ -146,3 +149,86 @@ def test_a_live_buffer_of_unknown_rank_is_listed_without_a_shape():
     partial = tf.compat.v1.placeholder(tf.float32, [None, 4])
   assert memory._static_shape(unknown) is None and memory._static_shape(partial) == (None, 4)  # pylint: disable=protected-access
   assert str(LiveBuffer("x", "TensorListGetItem", "float32", None, 0)) == "x (TensorListGetItem) float32[?] 0 B"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One accounting: the plan's count (what memory_budget bounds) and the per-device program's estimate
+
+
+def _pipeline_step(x, w):
+  def stage(w, h):   # one stage slot: its residual tanh layers
+    for k in range(w.shape[0]):
+      h = h + tf.tanh(h @ w[k])
+    return h
+
+  with tf.GradientTape() as tape:
+    tape.watch(w)
+    loss = tf.reduce_mean(gs.pipeline(stage, w, x, microbatches=8) ** 2)
+  return loss, tape.gradient(loss, w)
+
+
+def _loop_step(x, w):
+  """Three iterations of tanh(y @ w) + 1 and their gradient: the forward loop keeps its intermediates in lists."""
+  with tf.GradientTape() as tape:
+    tape.watch(w)
+    y = tf.while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, tf.tanh(y @ w) + 1.0), (0, x))[1]
+    loss = tf.reduce_sum(y)
+  return loss, tape.gradient(loss, w)
+
+
+def _program(name, devices):
+  """(step, specs, in_shardings, mesh) of one of the programs the accounting is checked on."""
+  two = (1, 1) if devices == 1 else (2, 4)
+  if name == "mlp":
+    return (tm.mlp_train_step, [tf.TensorSpec([64, 256]), tf.TensorSpec([64, 256]), tf.TensorSpec([256, 1024]),
+                                tf.TensorSpec([1024, 256])],
+            (P("data", None), P("data", None), P(None, "model"), P("model", None)), gs.Mesh(two, ("data", "model")))
+  if name == "transformer":
+    step, args, specs = tm.megatron_train_args(tm.Config(layers=2))
+    return (step, [tf.TensorSpec(np.shape(a), tf.as_dtype(np.asarray(a).dtype)) for a in args], specs,
+            gs.Mesh(two, ("data", "model")))
+  if name == "pipeline":
+    return (_pipeline_step, [tf.TensorSpec([16, 8]), tf.TensorSpec([4, 2, 8, 8])], (P("data", None), P("stage")),
+            gs.Mesh((1, 1) if devices == 1 else (4, 2), ("stage", "data")))
+  return (_loop_step, [tf.TensorSpec([256, 256]), tf.TensorSpec([256, 256])], (P("data", None), P(None, "model")),
+          gs.Mesh(two, ("data", "model")))
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer", "pipeline", "while_loop"])
+@pytest.mark.parametrize("devices", [1, 8])
+def test_the_estimate_is_the_plans_count_plus_what_partitioning_adds(name, devices):
+  """The memory pass's Account holds the plan's count -- plan_memory's, what memory_budget bounds: the same rules
+  on the global program with every tensor at its layout -- and the per-device program's estimate, which exceeds
+  it by at most the bytes partitioning added at its peak (collective buffers, per-device tables and partition
+  id, reshard temporaries), each stated in the report. Where partitioning frees a tensor of the plan earlier and
+  the per-device program holds less than the count, the report says so."""
+  step, specs, in_shardings, mesh = _program(name, devices)
+  low = gs.function(step, mesh=mesh, in_shardings=in_shardings).lower(*specs)
+  account, count = low.report.memory, memory.plan_estimate(low.program)
+  assert account.plan == count and sum(plan_memory(low.program)) == count.peak_bytes
+  assert account.peak_bytes <= count.peak_bytes + account.added_bytes
+  text = str(low.report)
+  assert f"the plan at its layouts (what memory_budget bounds): {count.peak_bytes:,} = " in text
+  assert f"partitioning adds: {account.peak_bytes - count.peak_bytes:+,} = collective buffers " in text
+  assert account.peak_bytes >= count.peak_bytes or "the per-device program holds less than the plan's count" in text
+  if devices == 1:   # nothing is split: the per-device program is the plan, plus the partition id and tables
+    assert account.added_collective_bytes == 0 and 0 <= account.peak_bytes - count.peak_bytes <= account.added_bytes
+    if name in ("mlp", "transformer"):
+      assert account.at == count.at or account.activation_bytes == count.activation_bytes
+
+
+def test_a_loop_keeps_trips_times_its_intermediates_for_the_gradient():
+  """The forward While returns TensorLists of its three iterations' intermediates for its gradient loop: each
+  counts 3 elements at the element's layout in the plan's count and in the per-device estimate alike, and they
+  are live where the gradient loop runs (the peak)."""
+  step, specs, in_shardings, mesh = _program("while_loop", 8)
+  low = gs.function(step, mesh=mesh, in_shardings=in_shardings).lower(*specs)
+  layouts = memory.Layouts(low.program)
+  assert layouts.lists
+  for r, nbytes in layouts.lists.items():
+    info = low.program.ir.info(r)
+    assert nbytes == 3 * memory.shard_bytes(info.value_shape, info.value_dtype, low.program.shardings[r]) > 0
+  biggest = max(layouts.lists.values())
+  for est in (low.report.memory, layouts.count()):
+    assert "while_grad" in est.at
+    assert any(b.op == "while" and b.op_type == "StatelessWhile" and b.bytes == biggest for b in est.largest)
