@@ -80,8 +80,8 @@ def measure(argv):
       "lower_s": _number(r"lowered in ([\d.]+) s", out, float), "wall_s": wall, "rss": rss,
       "weights": _number(r"weight variables: ([\d,]+) B per device", out),
       "state": _number(r"update state variables: ([\d,]+) B per device", out),   # optimizer slots, counters
-      "activations": _number(r"activations ([\d,]+) at the peak", out),
-      "constants": _number(r"constants ([\d,]+)", out),
+      "activations": _number(r"peak memory [\d,]+ B per device \(estimate\):.*?live activations ([\d,]+)", out),
+      "constants": _number(r"(?m)^constants: ([\d,]+) B per device", out),
       # collective ops run per step (a loop's once per iteration) and the bytes they send per device per step
       "collectives": _number(r"collective\(s\), ([\d,]+) run per step", out) or _number(
           r"([\d,]+) collective\(s\), [\d,]+ bytes per device", out),

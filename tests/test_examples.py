@@ -196,5 +196,5 @@ def test_plan_at_the_128b_models_dims_keeps_weights_to_the_layouts_arithmetic(la
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   weights = int(re.search(r"weight variables: ([\d,]+) B per device", out.stdout).group(1).replace(",", ""))
   assert 0 <= weights - round(scale.weight_bytes(cfg, layout, cfg["mesh"])) <= 16   # + scalars (learning rate)
-  constants = re.search(r"constants ([\d,]+)", out.stdout).group(1)
+  constants = re.search(r"(?m)^constants: ([\d,]+) B per device", out.stdout).group(1)   # the per-device program's
   assert int(constants.replace(",", "")) <= 1 << 20
