@@ -3,8 +3,8 @@
 Six programs, each lowered in plan mode (no devices; any mesh size) on meshes (8,), (2,4) and (32,64), once
 with its hand plan and once with `in_shardings="auto"` (every argument, data batches included, and every
 captured variable chosen by the integer program of rewriter/auto/) under a memory budget equal to the hand
-plan's memory per device: its arguments + captured variables (padding included) + the activations live at the
-unpartitioned program's peak at its layouts (`rewriter.auto.plan_memory`, what the budget constrains);
+plan's memory per device: its arguments + captured variables (padding included) + the rest of what the plan's
+program holds at its peak at its layouts (`rewriter.auto.plan_memory`, the count the budget constrains);
 `--budget=state` gives the arguments + variables only.
 
   mlp             reference workload 1: gelu(x @ w1) @ w2, x[64,1024], w1[1024,4096], w2[4096,1024]; Megatron
@@ -142,8 +142,9 @@ def state_bytes(low, specs):
 
 
 def activation_bytes(low):
-  """The activations live at the unpartitioned program's peak, per device at the plan's layouts, measured as the
-  auto pass prices them (rewriter.auto.plan_memory); None when the library does not price activations."""
+  """What the plan's program holds at its peak besides arguments and variables (constants, live activations), per
+  device at the plan's layouts, as the budget counts it (rewriter.auto.plan_memory); None when the library has no
+  such count."""
   from tf_gspmd.rewriter import auto as auto_pass  # pylint: disable=g-import-not-at-top
   plan_memory = getattr(auto_pass, "plan_memory", None)
   return None if plan_memory is None else plan_memory(low.program)[1]
