@@ -1,12 +1,17 @@
 # The two commands of the README: `make run` (the main job) and `make test` (the test suite).
-# Both create .venv when missing and install the project into it first.
+# Both create .venv when missing and install the project into it first; `make test` also creates .venv-oracle,
+# the separate virtualenv of XLA's own partitioner (jax[cpu]) that tools/xla_oracle.py runs as a subprocess: the
+# project itself never imports jax.
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+ORACLE_VENV := .venv-oracle
+ORACLE_STAMP := $(ORACLE_VENV)/.installed-stamp
+ORACLE_REQUIREMENT := jax[cpu]==0.10.2
 
-.PHONY: run test bazel-test clean
+.PHONY: run test oracle-venv oracle bazel-test clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,14 +19,25 @@ $(STAMP): setup.py
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
+$(ORACLE_STAMP):
+	test -x $(ORACLE_VENV)/bin/python || $(PYTHON) -m venv $(ORACLE_VENV)
+	$(ORACLE_VENV)/bin/python -m pip install -q "$(ORACLE_REQUIREMENT)"
+	touch $(ORACLE_STAMP)
+
+oracle-venv: $(ORACLE_STAMP)
+
+# XLA's own SPMD partitioner next to tf_gspmd's on every program of tools/oracle_programs.py
+oracle: $(STAMP) $(ORACLE_STAMP)
+	$(PY) tools/xla_oracle.py
+
 run: $(STAMP)
 	$(PY) examples/mlp.py --mesh=2,4 --mode=megatron
 
-test: $(STAMP)
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+test: $(STAMP) $(ORACLE_STAMP)
+	TF_GSPMD_REQUIRE_ORACLE=1 $(VENV)/bin/pytest -q -p no:cacheprovider tests
 
 bazel-test: $(STAMP)
 	PYTHON=$(CURDIR)/$(PY) ../shared/bazel/bazel-offline test //:all --local_test_jobs=1 --test_output=errors
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(ORACLE_VENV) build *.egg-info

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from tf_gspmd.errors import PartitionError, ShardingError
 from tf_gspmd.rewriter import (auto, cleanup, combine, completion, constants, grappler, import_annotations, in_process,
-                               jit, memory, partition, report, trace, weight_update)
+                               jit, memory, partition, report, trace, weight_update, xla_export)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +27,7 @@ class Options:
   jit_compile: Any = "auto"          # "auto" (GPU/TPU), True (every backend; CPU in segments), False
   auto: Any = None                   # auto.AutoOptions: layouts chosen by the auto_shard pass, or None
   exchange: str = "auto"             # "auto": in-process edges on CPUs of one process (in_process pass); "collectives"
+  partitioner: str = "tf_gspmd"      # "tf_gspmd", or "xla": XLA partitions the exported program (xla_export pass)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +101,7 @@ class Program:
   collective_keys: Any = None            # per device: {collective op name: (group key, instance key)} (in_process)
   in_process: Any = None                 # in_process.InProcess: every device's program as one graph, or None
   device_program: Optional[DeviceProgram] = None   # what the runtime runs (the last pass)
+  exported: Any = None                   # xla_export.Exported: partitioner="xla"'s annotated global program
   function_cache: Any = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   def replace(self, **changes):
@@ -149,6 +151,7 @@ PASSES = (
     ("auto_shard", auto.run),                      # layouts left "auto" chosen by an integer program
     ("complete", completion.run),                  # a sharding for every tensor
     ("weight_update_sharding", weight_update.run),  # optimizer state and updates split over the data axis
+    ("xla_export", xla_export.run),                # partitioner="xla": every layout written as XLA sharding
     ("partition", partition.run),                  # one per-device GraphDef + collective report
     ("combine", combine.run),                      # independent all-reduces merged into one collective
     ("cleanup", cleanup.run),                      # dead nodes removed
@@ -161,13 +164,20 @@ PASSES = (
     ("in_process", in_process.run),                # CPUs of one process: one graph, collectives as device edges
     ("schedules", report.pipeline_schedules),      # gs.pipeline schedules stated in the report
     ("device_program", device_program),            # the record the runtime runs
+    ("xla_planned", xla_export.mark_planned),      # partitioner="xla": the report is marked as our plan only
 )
+# With partitioner="xla", XLA partitions and runs the exported program: the passes above that prepare tf_gspmd's
+# per-device program to run are skipped; those before them still plan it, for the report.
+RUN_ONLY = frozenset(("collective_keys", "compile", "optimize", "in_process", "device_program"))
 
 
 def run(program):
   times = {}
   dump = os.environ.get("TF_GSPMD_DUMP_DIR")
+  skip = RUN_ONLY if program.options.partitioner == xla_export.XLA else ()
   for k, (name, fn) in enumerate(PASSES):
+    if name in skip:
+      continue
     start = time.perf_counter()
     try:
       program = fn(program)

@@ -369,6 +369,7 @@ class Report:
   rematerializations: Tuple[CollectiveRecord, ...] = ()
   pipelines: Tuple[PipelineSchedule, ...] = ()
   constants: Any = None   # rewriter.constants.Constants: the per-device program's constants (the constants pass)
+  planned: Optional[str] = None   # set when another partitioner runs the program: this report is tf_gspmd's plan
   _memory: Optional[_Lazy] = dataclasses.field(default=None, repr=False, compare=False)
 
   # ---- derived reports (the passes after partition) -----------------------------------------------------------
@@ -409,6 +410,9 @@ class Report:
 
   def with_constants(self, constants):
     return dataclasses.replace(self, constants=constants)
+
+  def with_planned(self, note):
+    return dataclasses.replace(self, planned=note)
 
   def with_pass_times(self, times):
     return dataclasses.replace(self, pass_times=types.MappingProxyType({**self.pass_times, **times}))
@@ -529,6 +533,8 @@ class Report:
              f"{'' if sent == logical else f'; {logical:,} as logical collectives'}"
              f"{f'; {crossing:,} across processes' if any(op.cross_process for op in self.emitted_ops()) else ''}"
              f"{once}), {len(self.reshards)} reshard(s)"]
+    if self.planned:
+      lines.insert(0, self.planned)
     for name, loop in self.per_iteration_loops().items():
       inside = sum(1 for c in self.collectives if any(x.name == name for x in c.loops))
       lines.append(f"{dataclasses.replace(loop, condition=False)}: its {inside} collective(s) count once per run of "

@@ -8,16 +8,31 @@ import tensorflow as tf
 from absl import logging
 
 from tf_gspmd import _cluster
+from tf_gspmd import _compat
 from tf_gspmd._mesh import Mesh, P
 from tf_gspmd._sharding import Sharding, per_value, to_annotation
 from tf_gspmd._visualize import visualize_sharding
 from tf_gspmd.errors import InputError, MeshError, ShapeError
 from tf_gspmd.rewriter import auto as auto_pass
 from tf_gspmd.rewriter import pipeline
+from tf_gspmd.rewriter import xla_export
 from tf_gspmd.rewriter.graph_view import public_key
 from tf_gspmd.runtime import state as _state
 from tf_gspmd.runtime.executable import Executable
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
+
+PARTITIONERS = ("tf_gspmd", xla_export.XLA)
+# The partitioner a gs.function uses when none is named, by the kind of its mesh's devices (None: not known, a
+# plan without the devices). tf_gspmd's own partitioner everywhere for now; XLA's is asked for with
+# partitioner="xla".
+DEFAULT_PARTITIONER = {"CPU": "tf_gspmd", "GPU": "tf_gspmd", "TPU": "tf_gspmd", None: "tf_gspmd"}
+
+
+def default_partitioner(devices):
+  """The partitioner for a mesh of `devices` (TF device names, or None when they are not known)."""
+  kinds = {tf.DeviceSpec.from_string(d).device_type.upper() for d in devices} if devices else {None}
+  kind = kinds.pop() if len(kinds) == 1 else None
+  return DEFAULT_PARTITIONER.get(kind, DEFAULT_PARTITIONER[None])
 
 
 class Lowered:
@@ -28,6 +43,7 @@ class Lowered:
     report: the partition report (`counts()`, `bytes_per_device()`, `collectives`).
     graph_def: the per-device program; global_graph_def: the global graph after folding.
     in_shardings / out_shardings: the layouts the arguments arrive in and the results leave in.
+    exported, xla_function, xla_hlo(): with partitioner="xla", the program handed to XLA.
   """
 
   def __init__(self, program):
@@ -63,6 +79,27 @@ class Lowered:
   def out_shardings(self):
     return self.program.output_shardings
 
+  @property
+  def partitioner(self):
+    return self.program.options.partitioner
+
+  @property
+  def exported(self):
+    """With partitioner="xla": the global program with every layout as XLA sharding (`xla_export.Exported`)."""
+    if self.program.exported is None:
+      raise InputError("this lowering is tf_gspmd's partition; lower a gs.function(..., partitioner=\"xla\") for "
+                       "the program handed to XLA")
+    return self.program.exported
+
+  @property
+  def xla_function(self):
+    """With partitioner="xla": the exported program's ConcreteFunction (jit-compiled)."""
+    return self.exported.concrete_function()
+
+  def xla_hlo(self, stage="hlo"):
+    """With partitioner="xla": the exported program as HLO text (or `stage` of experimental_get_compiler_ir)."""
+    return self.exported.hlo(stage)
+
   def explain(self):
     """A table: node, op, global shape, sharding, and why completion chose it."""
     ir = self.program.ir
@@ -89,6 +126,9 @@ class Lowered:
 
   def executable(self):
     if self._executable is None:
+      if self.program.exported is not None:
+        raise InputError("with partitioner=\"xla\" XLA partitions and runs this program: call the gs.function, or "
+                         "use lowered.xla_function")
       if self.program.device_program is None:
         raise MeshError("this lowering has no devices to run on (a plan): lower the function for a mesh whose "
                         "devices exist, or call it")
@@ -100,7 +140,8 @@ class ShardedFunction:
   """A TF function partitioned over a mesh. Create with `gs.function`."""
 
   def __init__(self, fn, mesh, in_shardings, out_shardings, strict, collective_timeout, weight_update_sharding=None,
-               jit_compile="auto", memory_budget=None, axis_cost=None, flops_per_byte=1000.0, exchange="auto"):
+               jit_compile="auto", memory_budget=None, axis_cost=None, flops_per_byte=1000.0, exchange="auto",
+               partitioner=None):
     if not isinstance(mesh, Mesh):
       raise MeshError(f"gs.function needs mesh=gs.Mesh(...); got {mesh!r}")
     self.fn = fn
@@ -111,6 +152,10 @@ class ShardedFunction:
       raise InputError(f"jit_compile must be 'auto', True or False; got {jit_compile!r}")
     if exchange not in ("auto", "collectives"):
       raise InputError(f"exchange must be 'auto' or 'collectives'; got {exchange!r}")
+    if partitioner is not None and partitioner not in PARTITIONERS:
+      raise InputError(f"partitioner must be None (the default for the mesh's devices) or one of {PARTITIONERS}; "
+                       f"got {partitioner!r}")
+    self.partitioner = partitioner
     if weight_update_sharding not in (None, False, True) and weight_update_sharding not in mesh.axis_names:
       raise MeshError(f"weight_update_sharding={weight_update_sharding!r} is not an axis of {mesh}; give True (the "
                       f"'data' axis) or one of {mesh.axis_names}")
@@ -132,11 +177,12 @@ class ShardedFunction:
                                                               what=f"argument {k}")
                  for k, (s, spec) in enumerate(zip(raw, specs)))
 
-  def _options(self, n):
+  def _options(self, n, devices):
+    options = dataclasses.replace(self.options, partitioner=self.partitioner or default_partitioner(devices))
     if self._auto is None:
-      return self.options
+      return options
     auto = dataclasses.replace(self._auto, arguments=tuple(_is_auto(s) for s in self._raw_in(n)))
-    return dataclasses.replace(self.options, auto=auto)
+    return dataclasses.replace(options, auto=auto)
 
   def lower(self, *specs, arg_shardings=None, processes=None):
     """Completes and partitions the function for `specs` (TensorSpecs); needs no devices.
@@ -178,7 +224,8 @@ class ShardedFunction:
         logging.info("tf_gspmd: retracing %s: %s", getattr(self.fn, "__name__", self.fn),
                      _retrace_reason(previous[-1], key))
     declared_in = self._declared_in(specs)
-    program = pipeline.Program(fn=self.fn, mesh=self.mesh, options=self._options(len(specs)), arg_specs=specs,
+    program = pipeline.Program(fn=self.fn, mesh=self.mesh, options=self._options(len(specs), devices),
+                               arg_specs=specs,
                                declared_in=tuple(s for s, _ in declared_in),
                                open_in=tuple(o for _, o in declared_in), arriving_in=arriving, devices=devices,
                                processes=processes,
@@ -223,9 +270,31 @@ class ShardedFunction:
     return self._run(lowered, args)
 
   def _run(self, lowered, args):
-    flat = lowered.executable()(args)
+    if lowered.program.exported is not None:
+      flat = _run_exported(lowered.program, args)
+    else:
+      flat = lowered.executable()(args)
     # The traced structure holds each result's index in `flat` (None for a result that was None).
     return tf.nest.map_structure(lambda k: None if k is None else flat[k], lowered.program.output_structure)
+
+
+def _run_exported(program, args):
+  """partitioner="xla": the exported program, jit-compiled, on the mesh's first device. On CPUs and GPUs XLA here
+  has one partition: it runs the program unpartitioned (its sharding annotations change no value), so results are
+  the unpartitioned program's, whole tf.Tensors. A captured variable tf_gspmd stores sharded is brought up to date
+  before and its shards after."""
+  devices = program.devices or ()
+  if any(tf.DeviceSpec.from_string(d).device_type.upper() == "TPU" for d in devices):
+    raise MeshError("partitioner=\"xla\" on TPUs runs under TPUStrategy's SPMD bridge, which this version does not "
+                    "drive: lower the function (f.lower(...).xla_hlo()) or use partitioner=\"tf_gspmd\"")
+  values = [tf.convert_to_tensor(a.numpy()) if isinstance(a, ShardedTensor) else tf.convert_to_tensor(a) for a in args]
+  managed = [v for v in program.variables if v is not None and _state.storage_of(v) is not None]
+  for v in managed:
+    v.read_value()   # its shards copied into it
+  flat = program.exported(values)
+  for v in managed:
+    v.assign(_compat.read_unhooked(v))
+  return flat
 
 
 def _is_auto(s):
@@ -293,7 +362,7 @@ def _as_spec(s, k):
 
 def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=False, collective_timeout=300.0,
              weight_update_sharding=None, jit_compile="auto", memory_budget=None, axis_cost=None,
-             flops_per_byte=1000.0, exchange="auto"):
+             flops_per_byte=1000.0, exchange="auto", partitioner=None):
   """Partitions `fn` over `mesh` and runs it as one SPMD program on every mesh device.
 
   Args:
@@ -321,6 +390,14 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=Fal
       each collective is the ops that compute its result from the members' tensors, passed between the devices
       by reference (no collective runtime; the same results and the same report); elsewhere TF's collectives.
       "collectives": TF's collective ops always.
+    partitioner: "tf_gspmd" (tf_gspmd partitions the program and runs it on every mesh device) or "xla": the
+      program after completion (and automatic sharding) is exported with every layout written as XLA sharding
+      and compiled with tf.function(jit_compile=True), for XLA's own SPMD partitioner; tf_gspmd's partitioner,
+      collectives and runtime do not run it (`f.lower(...).report` is still tf_gspmd's plan, marked as planned;
+      `.xla_hlo()` is the exported HLO). Called on CPUs or GPUs, where XLA here has one partition, the exported
+      program runs unpartitioned on the mesh's first device: the unpartitioned program's results, as whole
+      tf.Tensors (`tools/xla_oracle.py` has XLA partition it over 8 host CPUs). None (default): the default for
+      the kind of the mesh's devices (`DEFAULT_PARTITIONER`).
 
   Example:
     >>> @gs.function(mesh=mesh, in_shardings=(P("data", None), P(None, "model")))
@@ -329,6 +406,6 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=Fal
   """
   def wrap(f):
     return ShardedFunction(f, mesh, in_shardings, out_shardings, strict, collective_timeout, weight_update_sharding,
-                           jit_compile, memory_budget, axis_cost, flops_per_byte, exchange)
+                           jit_compile, memory_budget, axis_cost, flops_per_byte, exchange, partitioner)
 
   return wrap(fn) if fn is not None else wrap

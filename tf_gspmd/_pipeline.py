@@ -239,8 +239,9 @@ def pipeline(stage_fn, stage_weights, inputs, *, microbatches, stage_axis="stage
     return i + 1, shard(y, _open(rank, stage_axis)), buf
 
   with tf.name_scope(scope):
+    # maximum_iterations bounds the gradient loop's accumulators, which XLA needs to compile the loop's gradient
     _, state, buf = tf.while_loop(lambda i, *_: i < iterations, body, (tf.constant(0), state, buf),
-                                  name=f"{name}_loop")
+                                  maximum_iterations=iterations, name=f"{name}_loop")
     _, buf = collect(tf.constant(iterations), state, buf)   # the last item reaches stage 0 after the loop
     out = tf.reduce_sum(tf.where(tf.reshape(first_stage, [stages, 1] + [1] * (rank - 1)), buf, tf.zeros([], x.dtype)),
                         0)
