@@ -151,3 +151,29 @@ def assert_report_counts_program(low):
   assert low.report.bytes_per_device(per_iteration=True) == most, str(low.report)
   if not any(c.loops for c in low.report.collectives):
     assert low.report.bytes_per_device() == most, str(low.report)
+
+
+def loop_step(x, w):
+  """Three iterations of tanh(y @ w) + 1 and their gradient: the forward loop keeps its intermediates in lists."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  with tf.GradientTape() as tape:
+    tape.watch(w)
+    y = tf.while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, tf.tanh(y @ w) + 1.0), (0, x))[1]
+    loss = tf.reduce_sum(y)
+  return loss, tape.gradient(loss, w)
+
+
+def pipeline_step(x, w):
+  """A gs.pipeline of residual tanh layers (w [stages, layers per stage, d, d]) over 8 microbatches, and the
+  gradient of its mean square."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  def stage(w, h):   # one stage slot: its residual tanh layers
+    for k in range(w.shape[0]):
+      h = h + tf.tanh(h @ w[k])
+    return h
+
+  with tf.GradientTape() as tape:
+    tape.watch(w)
+    loss = tf.reduce_mean(gs.pipeline(stage, w, x, microbatches=8) ** 2)
+  return loss, tape.gradient(loss, w)

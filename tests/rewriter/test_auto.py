@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import first_node, ir_of
+from conftest import first_node, ir_of, loop_step, pipeline_step
 import tf_gspmd as gs
 from tf_gspmd import ops, P
 from tf_gspmd.errors import AutoShardingError, InputError, MeshError
@@ -118,26 +118,6 @@ def test_transformer_step_no_more_bytes_than_megatron_at_its_memory():
     assert "model" in low.in_shardings[k].used_axes
 
 
-def _loop_step(x, w):
-  with tf.GradientTape() as tape:
-    tape.watch(w)
-    y = tf.while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, tf.tanh(y @ w) + 1.0), (0, x))[1]
-    loss = tf.reduce_sum(y)
-  return loss, tape.gradient(loss, w)
-
-
-def _pipeline_step(x, w):
-  def stage(w, h):
-    for k in range(w.shape[0]):
-      h = h + tf.tanh(h @ w[k])
-    return h
-
-  with tf.GradientTape() as tape:
-    tape.watch(w)
-    loss = tf.reduce_mean(gs.pipeline(stage, w, x, microbatches=8) ** 2)
-  return loss, tape.gradient(loss, w)
-
-
 @pytest.mark.parametrize("name", ["while_loop", "pipeline"])
 def test_a_plan_chosen_under_a_budget_is_estimated_within_it_plus_what_partitioning_adds(name):
   """Programs with loops (a tf.while_loop and its gradient, a gs.pipeline step): the solver prices a loop's body
@@ -145,10 +125,10 @@ def test_a_plan_chosen_under_a_budget_is_estimated_within_it_plus_what_partition
   plan_memory does. That count is within the budget, and the per-device program's estimate within the budget
   plus the bytes partitioning added (the memory pass's Account states both)."""
   if name == "while_loop":
-    step, mesh, hand_in = _loop_step, M24, (P("data", None), P(None, "model"))
+    step, mesh, hand_in = loop_step, M24, (P("data", None), P(None, "model"))
     specs = [tf.TensorSpec([256, 256]), tf.TensorSpec([256, 256])]
   else:
-    step, mesh, hand_in = _pipeline_step, gs.Mesh((4, 2), ("stage", "data")), (P("data", None), P("stage"))
+    step, mesh, hand_in = pipeline_step, gs.Mesh((4, 2), ("stage", "data")), (P("data", None), P("stage"))
     specs = [tf.TensorSpec([16, 8]), tf.TensorSpec([4, 2, 8, 8])]
   budget = int(1.25 * _memory(gs.function(step, mesh=mesh, in_shardings=hand_in).lower(*specs)))
   low = gs.function(step, mesh=mesh, in_shardings="auto", memory_budget=budget).lower(*specs)

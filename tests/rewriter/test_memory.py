@@ -8,6 +8,7 @@ import tensorflow as tf
 
 import numpy as np
 
+from conftest import loop_step, pipeline_step
 import tf_gspmd as gs
 from tf_gspmd import P
 from tf_gspmd.rewriter import memory
@@ -155,27 +156,6 @@ def test_a_live_buffer_of_unknown_rank_is_listed_without_a_shape():
 # One accounting: the plan's count (what memory_budget bounds) and the per-device program's estimate
 
 
-def _pipeline_step(x, w):
-  def stage(w, h):   # one stage slot: its residual tanh layers
-    for k in range(w.shape[0]):
-      h = h + tf.tanh(h @ w[k])
-    return h
-
-  with tf.GradientTape() as tape:
-    tape.watch(w)
-    loss = tf.reduce_mean(gs.pipeline(stage, w, x, microbatches=8) ** 2)
-  return loss, tape.gradient(loss, w)
-
-
-def _loop_step(x, w):
-  """Three iterations of tanh(y @ w) + 1 and their gradient: the forward loop keeps its intermediates in lists."""
-  with tf.GradientTape() as tape:
-    tape.watch(w)
-    y = tf.while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, tf.tanh(y @ w) + 1.0), (0, x))[1]
-    loss = tf.reduce_sum(y)
-  return loss, tape.gradient(loss, w)
-
-
 def _program(name, devices):
   """(step, specs, in_shardings, mesh) of one of the programs the accounting is checked on."""
   two = (1, 1) if devices == 1 else (2, 4)
@@ -188,9 +168,9 @@ def _program(name, devices):
     return (step, [tf.TensorSpec(np.shape(a), tf.as_dtype(np.asarray(a).dtype)) for a in args], specs,
             gs.Mesh(two, ("data", "model")))
   if name == "pipeline":
-    return (_pipeline_step, [tf.TensorSpec([16, 8]), tf.TensorSpec([4, 2, 8, 8])], (P("data", None), P("stage")),
+    return (pipeline_step, [tf.TensorSpec([16, 8]), tf.TensorSpec([4, 2, 8, 8])], (P("data", None), P("stage")),
             gs.Mesh((1, 1) if devices == 1 else (4, 2), ("stage", "data")))
-  return (_loop_step, [tf.TensorSpec([256, 256]), tf.TensorSpec([256, 256])], (P("data", None), P(None, "model")),
+  return (loop_step, [tf.TensorSpec([256, 256]), tf.TensorSpec([256, 256])], (P("data", None), P(None, "model")),
           gs.Mesh(two, ("data", "model")))
 
 
