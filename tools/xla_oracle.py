@@ -285,9 +285,13 @@ def _finish(prepared, directory):
 
 
 def compare_all(jobs, keep=None, log=None):
-  """[Comparison] of `jobs` (oracle_programs.Job), XLA's side in one run of the oracle's Python."""
+  """[Comparison] of `jobs` (oracle_programs.Job), XLA's side in one run of the oracle's Python; the exported and
+  partitioned modules are kept in directory `keep` (else removed)."""
+  if keep is None:
+    with tempfile.TemporaryDirectory(prefix="xla_oracle_") as directory:
+      return compare_all(jobs, keep=directory, log=log)
   python = oracle_python()
-  directory = keep or tempfile.mkdtemp(prefix="xla_oracle_")
+  directory = keep
   os.makedirs(directory, exist_ok=True)
   for job in jobs:
     if os.path.exists(os.path.join(directory, job.name + ".result.json")):
