@@ -18,6 +18,7 @@ from tf_gspmd.rewriter import pipeline
 from tf_gspmd.rewriter import xla_export
 from tf_gspmd.rewriter.graph_view import public_key
 from tf_gspmd.runtime import state as _state
+from tf_gspmd.runtime import tpu as _tpu
 from tf_gspmd.runtime.executable import Executable
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
@@ -25,7 +26,7 @@ PARTITIONERS = ("tf_gspmd", xla_export.XLA)
 # The partitioner a gs.function uses when none is named, by the kind of its mesh's devices (None: not known, a
 # plan without the devices). tf_gspmd's own partitioner everywhere for now; XLA's is asked for with
 # partitioner="xla".
-DEFAULT_PARTITIONER = {"CPU": "tf_gspmd", "GPU": "tf_gspmd", "TPU": "tf_gspmd", None: "tf_gspmd"}
+DEFAULT_PARTITIONER = {"CPU": "tf_gspmd", "GPU": "tf_gspmd", "TPU": "xla", None: "tf_gspmd"}
 
 
 def default_partitioner(devices):
@@ -279,15 +280,16 @@ class ShardedFunction:
 
 
 def _run_exported(program, args):
-  """partitioner="xla": the exported program, jit-compiled, on the mesh's first device. On CPUs and GPUs XLA here
+  """partitioner="xla": on a TPU mesh, the exported program run by TPUStrategy with XLA's SPMD partitioning over
+  the mesh's cores (tf_gspmd.tpu). Elsewhere, jit-compiled on the mesh's first device: on CPUs and GPUs XLA here
   has one partition: it runs the program unpartitioned (its sharding annotations change no value), so results are
   the unpartitioned program's, whole tf.Tensors. A captured variable tf_gspmd stores sharded is brought up to date
   before and its shards after."""
   devices = program.devices or ()
-  if any(tf.DeviceSpec.from_string(d).device_type.upper() == "TPU" for d in devices):
-    raise MeshError("partitioner=\"xla\" on TPUs runs under TPUStrategy's SPMD bridge, which this version does not "
-                    "drive: lower the function (f.lower(...).xla_hlo()) or use partitioner=\"tf_gspmd\"")
   values = [tf.convert_to_tensor(a.numpy()) if isinstance(a, ShardedTensor) else tf.convert_to_tensor(a) for a in args]
+  if any(tf.DeviceSpec.from_string(d).device_type.upper() == "TPU" for d in devices):
+    # TPUStrategy's SPMD bridge: XLA partitions the program over the mesh's cores (tf_gspmd.tpu)
+    return _tpu.run_exported(program.exported, program.mesh, values)
   managed = [v for v in program.variables if v is not None and _state.storage_of(v) is not None]
   for v in managed:
     v.read_value()   # its shards copied into it

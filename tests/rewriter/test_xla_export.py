@@ -88,6 +88,7 @@ def test_call_runs_the_exported_program_unpartitioned(rng):
 def test_default_partitioner_and_bad_values():
   assert default_partitioner(None) == DEFAULT_PARTITIONER[None] == "tf_gspmd"
   assert default_partitioner(("/job:localhost/replica:0/task:0/device:CPU:0",)) == DEFAULT_PARTITIONER["CPU"]
+  assert default_partitioner(("/job:worker/replica:0/task:0/device:TPU:0",)) == "xla"   # TPUs: XLA partitions
   mesh = gs.Mesh((8,), ("data",))
   f = gs.function(lambda x: x * 2.0, mesh=mesh, in_shardings=P("data"))
   low = f.lower(tf.TensorSpec([16]))
