@@ -33,8 +33,14 @@ oracle: $(STAMP) $(ORACLE_STAMP)
 run: $(STAMP)
 	$(PY) examples/mlp.py --mesh=2,4 --mode=megatron
 
+# The suites again with every gs.function exchanging through TF's collective ops (the path GPUs and several
+# processes take) instead of the in-process graph of one process's CPUs.
+COLLECTIVES_SUITES := tests/differential tests/op_rules tests/test_transformer.py tests/test_keras.py \
+	tests/test_pipeline.py tests/test_workloads.py tests/test_function.py tests/test_state.py
+
 test: $(STAMP) $(ORACLE_STAMP)
 	TF_GSPMD_REQUIRE_ORACLE=1 $(VENV)/bin/pytest -q -p no:cacheprovider tests
+	$(VENV)/bin/pytest -q -p no:cacheprovider --exchange=collectives $(COLLECTIVES_SUITES)
 
 bazel-test: $(STAMP)
 	PYTHON=$(CURDIR)/$(PY) ../shared/bazel/bazel-offline test //:all --local_test_jobs=1 --test_output=errors

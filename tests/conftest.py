@@ -15,6 +15,40 @@ NUM_DEVICES = 8
 gs.split_cpu_devices(NUM_DEVICES)
 
 
+def pytest_addoption(parser):
+  parser.addoption("--exchange", default="auto", choices=("auto", "collectives"),
+                   help="collectives: every gs.function left at exchange='auto' exchanges data through TF's "
+                        "collective ops (the path GPUs and several processes take), not the in-process graph")
+
+
+def pytest_configure(config):
+  if config.getoption("--exchange") == "collectives":
+    _force_collectives()
+
+
+def _force_collectives():
+  """Makes exchange='auto' mean 'collectives' for every gs.function built from now on (Keras's included)."""
+  import functools  # pylint: disable=g-import-not-at-top
+  import inspect  # pylint: disable=g-import-not-at-top
+  init = gs.ShardedFunction.__init__
+  signature = inspect.signature(init)
+
+  @functools.wraps(init)
+  def collectives_init(self, *args, **kwargs):
+    bound = signature.bind(self, *args, **kwargs)
+    if bound.arguments.get("exchange", "auto") == "auto":
+      bound.arguments["exchange"] = "collectives"
+    return init(*bound.args, **bound.kwargs)
+
+  gs.ShardedFunction.__init__ = collectives_init
+
+
+@pytest.fixture
+def exchange(request):
+  """The exchange the session runs gs.functions with ("auto" or "collectives", the --exchange option)."""
+  return request.config.getoption("--exchange")
+
+
 @pytest.fixture
 def rng():
   return np.random.default_rng(0)

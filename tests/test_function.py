@@ -421,3 +421,15 @@ def test_open_in_shardings_take_an_arriving_layout_that_keeps_the_pinned_dims(rn
     low = f.lower(tf.TensorSpec([8, 8]), arg_shardings=(arg.sharding,))
     assert bool(low.report.collectives) == moved
     assert_close(f(arg).numpy(), x * 2.0)
+
+
+def test_the_sessions_exchange_is_the_one_its_programs_take(rng, exchange):
+  """`pytest --exchange=collectives` runs every gs.function left at exchange='auto' through TF's collective ops: the
+  lowering holds no in-process graph, and the result is the same."""
+  x = rng.standard_normal((8, 16)).astype(np.float32)
+  w = rng.standard_normal((16, 4)).astype(np.float32)
+  f = gs.function(lambda a, b: a @ b, mesh=gs.Mesh((2, 4), ("data", "model")),
+                  in_shardings=(P(None, "model"), P("model", None)))
+  np.testing.assert_allclose(f(x, w).numpy(), x @ w, rtol=1e-5, atol=1e-5)
+  low = f.lower(tf.TensorSpec(x.shape), tf.TensorSpec(w.shape))
+  assert (low.program.device_program.in_process is None) == (exchange == "collectives")
