@@ -9,6 +9,7 @@ from tf_gspmd.ops import gather  # noqa: F401
 from tf_gspmd.ops import generators  # noqa: F401
 from tf_gspmd.ops import matmul  # noqa: F401
 from tf_gspmd.ops import nn  # noqa: F401
+from tf_gspmd.ops import random  # noqa: F401
 from tf_gspmd.ops import reduction  # noqa: F401
 from tf_gspmd.ops import scatter  # noqa: F401
 from tf_gspmd.ops import shape_ops  # noqa: F401
