@@ -207,3 +207,57 @@ def test_dense_model_gradients_stay_split_through_the_optimizer(rng):
   low = next(iter(model.train_function.functions.values())).lower(tf.TensorSpec([8, 24]), tf.TensorSpec([8], tf.int64))
   assert "all-gather" not in low.report.counts(), [str(c) for c in low.report.collectives if c.kind == "all-gather"]
   assert gs.sharding_of(model.get_layer("head").kernel).spec == P("model", None)
+
+
+def _model_parallel(mesh):
+  return keras.distribution.ModelParallel(layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="batch")
+
+
+@pytest.mark.parametrize("shape,axes", [((8, 12), ("batch", "model")), ((3, 10), ("batch", "model")),
+                                        ((6, 5, 4), (None, "model", None)), ((4,), (None,))],
+                         ids=["even", "uneven", "rank3", "replicated"])
+def test_eager_distribute_tensor_lays_the_value_out(shape, axes):
+  mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], keras.distribution.list_devices("cpu")[:8])
+  value = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+  layout = keras.distribution.TensorLayout(axes, mesh)
+  assert keras.distribution.distribute_tensor(value, layout) is value   # no distribution: unchanged
+  with _model_parallel(mesh).scope():
+    got = keras.distribution.distribute_tensor(tf.constant(value), layout)
+    assert isinstance(got, gs.ShardedTensor)
+    assert gs.sharding_of(got).spec == P(*axes)
+    np.testing.assert_array_equal(got.numpy(), value)
+    rebuilt = np.zeros(shape, np.float32)
+    for piece in gs.shards_of(got):
+      rebuilt[piece.index] = piece.numpy()
+    np.testing.assert_array_equal(rebuilt, value)
+    assert keras.distribution.distribute_tensor(got, layout) is got   # already laid out so
+    again = keras.distribution.distribute_tensor(got, keras.distribution.TensorLayout((None,) * len(shape), mesh))
+    assert gs.sharding_of(again).is_replicated and np.array_equal(again.numpy(), value)   # relaid out
+    # TF ops and Keras layers read it as its global value (an eager layer output with a layout is one)
+    np.testing.assert_array_equal(tf.reduce_sum(got).numpy(), value.sum())
+
+
+def test_eager_distribute_tensor_rejects_layouts_that_do_not_fit():
+  mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], keras.distribution.list_devices("cpu")[:8])
+  value = np.ones((8, 12), np.float32)
+  with _model_parallel(mesh).scope():
+    with pytest.raises(gs.SpecError, match=r"1 entries but the tensor of shape \(8, 12\).*rank 2"):
+      keras.distribution.distribute_tensor(value, keras.distribution.TensorLayout(("batch",), mesh))
+    with pytest.raises(gs.SpecError, match=r"dimension 1 of the tensor of shape \(8, 12\).*axis 'nope'.*"
+                                           r"\['batch', 'model'\]"):
+      keras.distribution.distribute_tensor(value, keras.distribution.TensorLayout(("batch", "nope")))
+    with pytest.raises(gs.SpecError, match="dimensions 0 and 1 .* same mesh axis 'model'"):
+      keras.distribution.distribute_tensor(value, keras.distribution.TensorLayout(("model", "model"), mesh))
+
+
+def test_eager_model_call_with_an_output_layout_under_a_distribution():
+  keras.utils.set_random_seed(1)
+  model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(8, name="d0"), keras.layers.Dense(3, name="d1")])
+  x = np.linspace(-1, 1, 40, dtype=np.float32).reshape(4, 10)
+  want = model(x).numpy()
+  mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], keras.distribution.list_devices("cpu")[:8])
+  layout_map = keras.distribution.LayoutMap(mesh)
+  layout_map[".*d0/output"] = ("batch", "model")
+  with keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch").scope():
+    assert_close(np.asarray(model(x)), want, rtol=1e-6, atol=1e-6)
+    assert_close(model.predict(x, verbose=0), want, rtol=1e-5, atol=1e-5)

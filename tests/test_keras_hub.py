@@ -5,7 +5,11 @@ Each trains as plain Keras does (per-step losses), gathers no split weight or gr
 distributed fit, `generate()` (partitioned, its KV cache split) and a plain `tf.function` see the trained weights.
 """
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -118,3 +122,70 @@ def test_model_parallel_fit_matches_plain_keras_without_full_weight_gathers(name
     np.testing.assert_allclose(forward(prompt["token_ids"]).numpy(),
                                ref.backbone({"token_ids": prompt["token_ids"],
                                              "padding_mask": np.ones((2, SEQ), bool)}).numpy(), rtol=1e-4, atol=1e-4)
+
+
+_IMPORT_ORDER_SCRIPT = r"""
+import collections, json, sys
+import numpy as np
+import tensorflow as tf
+import tf_gspmd as gs
+gs.split_cpu_devices(8)
+if sys.argv[1] == "keras_hub_first":
+  import keras_hub
+  import tf_gspmd.keras as gsk
+else:   # the README's order
+  import tf_gspmd.keras as gsk
+  import keras_hub
+import keras
+
+runs = collections.Counter()   # partitioned calls, by kind (train, test, predict, generate)
+run = gsk._Partitioned.run
+def counted(self, data, **options):
+  runs[self.kind] += 1
+  if self.kind == "generate":   # the prompts keras-hub's generate() passed through distribute_tensor
+    runs["sharded prompt"] += all(isinstance(t, gs.ShardedTensor) for t in tf.nest.flatten(data))
+  return run(self, data, **options)
+gsk._Partitioned.run = counted
+
+VOCAB, SEQ = 96, 12
+def build():
+  keras.utils.set_random_seed(3)
+  backbone = keras_hub.models.GemmaBackbone(vocabulary_size=VOCAB, num_layers=1, num_query_heads=4,
+                                            num_key_value_heads=4, hidden_dim=40, intermediate_dim=56, head_dim=12)
+  lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+  lm.compile(optimizer=keras.optimizers.Adam(1e-2), sampler="greedy",
+             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  return lm
+
+tokens = np.random.default_rng(0).integers(1, VOCAB, (8, SEQ + 1)).astype(np.int32)
+x, y = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((8, SEQ), bool)}, tokens[:, 1:]
+prompt = {"token_ids": tokens[:2, :-1],
+          "padding_mask": np.concatenate([np.ones((2, 6), bool), np.zeros((2, SEQ - 6), bool)], 1)}
+want = build().generate(prompt, max_length=SEQ, stop_token_ids=None)["token_ids"]
+mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], keras.distribution.list_devices("cpu")[:8])
+distribution = keras.distribution.ModelParallel(
+    layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh), batch_dim_name="batch")
+with distribution.scope():
+  model = build()   # the same seed: the same weights
+  got = model.generate(prompt, max_length=SEQ, stop_token_ids=None)["token_ids"]
+  model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+  model.evaluate(x, y, batch_size=8, verbose=0)
+  model.predict(x, batch_size=8, verbose=0)
+print("RESULT " + json.dumps({
+    "runs": dict(runs), "tokens_equal": bool(np.array_equal(np.asarray(got), np.asarray(want))),
+    "functions": {k: type(getattr(model, k + "_function")).__name__
+                  for k in ("train", "test", "predict", "generate")}}))
+"""
+
+
+@pytest.mark.parametrize("order", ["keras_hub_first", "tf_gspmd_keras_first"])
+def test_fit_evaluate_predict_generate_are_partitioned_whichever_is_imported_first(order):
+  """Import order is per process: each order in its own interpreter. generate() gives plain Keras's tokens."""
+  out = subprocess.run([sys.executable, "-c", _IMPORT_ORDER_SCRIPT, order], capture_output=True, text=True,
+                       timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+  assert out.returncode == 0 and lines, out.stderr[-4000:]
+  result = json.loads(lines[-1][len("RESULT "):])
+  assert result["runs"] == {"generate": 1, "sharded prompt": 1, "train": 1, "test": 1, "predict": 1}, result
+  assert set(result["functions"].values()) == {"_Partitioned"}, result
+  assert result["tokens_equal"], result

@@ -25,14 +25,14 @@ from tf_gspmd._visualize import visualize_sharding
 from tf_gspmd.errors import (AutoShardingError, InputError, MeshError, PartitionError, ProcessLostError, ShapeError,
                              ShardingError, SpecError, UnsupportedOpError)
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor, from_process_local_data
-from tf_gspmd.runtime.state import sharding_of, variable
+from tf_gspmd.runtime.state import Shard, sharding_of, shards_of, variable
 
 tpu_mesh = tpu.mesh
 
 __all__ = [
     "Mesh", "P", "Sharding", "split_cpu_devices", "initialize", "process_count", "process_index", "is_local", "local_devices", "mesh_split", "shard", "replicate", "function", "ShardedFunction",
     "Lowered", "ShardedTensor", "plan_scope", "pipeline", "stack_stages", "unstack_stages",
-    "from_process_local_data", "sharding_of", "variable", "initializers", "visualize_sharding", "ShardingError",
+    "from_process_local_data", "sharding_of", "shards_of", "Shard", "variable", "initializers", "visualize_sharding", "ShardingError",
     "MeshError", "SpecError", "ShapeError", "PartitionError", "UnsupportedOpError", "InputError", "ProcessLostError",
     "AutoShardingError", "tpu", "tpu_mesh",
 ]

@@ -9,7 +9,10 @@ the TensorFlow backend: its TF `distribution_lib` is a stub. Importing this modu
   distribution's mesh: each variable annotated with its layout (`re.fullmatch` of the layout map's keys
   against `variable.path`), the batch split over the batch axis, everything else completed;
 * `"<layer path>/output"` keys annotate that layer's output (Keras calls the backend's
-  `distribute_tensor` after every layer call).
+  `distribute_tensor` after every layer call);
+* a keras-hub CausalLM's `generate()` runs partitioned too, whichever of keras_hub and this module is imported
+  first;
+* `keras.distribution.distribute_tensor` run eagerly returns the value laid out (a gs.ShardedTensor).
 
 Model code, `compile`, callbacks, metrics, the progress bar, `save_weights` / `load_weights` and
 `tf.train.Checkpoint` keep working: variables are stored sharded from the first step (`gs.sharding_of`)
@@ -27,8 +30,10 @@ Example:
 
 import collections
 import contextlib
+import importlib.abc
 import math
 import re
+import sys
 import threading
 import zlib
 
@@ -43,9 +48,10 @@ from tf_gspmd._annotations import current_mesh, shard
 from tf_gspmd._function import function as gs_function
 from tf_gspmd._mesh import Mesh, P, device_order
 from tf_gspmd._sharding import to_sharding
-from tf_gspmd.errors import InputError, MeshError
+from tf_gspmd.errors import InputError, MeshError, SpecError
+from tf_gspmd.runtime import parallel as _parallel
 from tf_gspmd.runtime import state as _state
-from tf_gspmd.runtime.sharded_tensor import ShardedTensor
+from tf_gspmd.runtime.sharded_tensor import ShardedTensor, shard_host_value
 
 _local = threading.local()
 
@@ -162,6 +168,51 @@ def _eager(value):
   return value
 
 
+def _distribute_eagerly(tensor, layout, plan):
+  """`tensor` as a ShardedTensor laid out by Keras TensorLayout `layout` over the plan's mesh (or the layout's own
+  device mesh); raises SpecError naming the tensor, dimension and mesh axis for a layout that does not fit it.
+  An uneven split is allowed: the last tiles are padded, as everywhere in tf_gspmd."""
+  mesh = plan.mesh
+  device_mesh = getattr(layout, "device_mesh", None)
+  if device_mesh is not None:
+    own = _mesh_of(device_mesh)
+    mesh = plan.mesh if own == plan.mesh else own
+  if isinstance(tensor, ShardedTensor):
+    shape, dtype = tuple(tensor.shape.as_list()), tensor.dtype
+  else:
+    tensor = tf.convert_to_tensor(tensor)
+    shape, dtype = tuple(tensor.shape.as_list()), tensor.dtype
+  what = f"the tensor of shape {shape} ({dtype.name}) given to keras.distribution.distribute_tensor"
+  axes = tuple(layout.axes)
+  if len(axes) != len(shape):
+    raise SpecError(f"layout {axes} has {len(axes)} entries but {what} has rank {len(shape)}; give the layout one "
+                    f"entry per dimension (None keeps a dimension whole)")
+  names = tuple(mesh.axis_names)
+  seen = {}
+  for d, entry in enumerate(axes):
+    for a in (entry if isinstance(entry, (tuple, list)) else (entry,)):
+      if a is None:
+        continue
+      if a not in names:
+        raise SpecError(f"layout {axes} splits dimension {d} of {what} over mesh axis {a!r}, which the mesh "
+                        f"{dict(zip(names, mesh.shape))} does not have; use one of {list(names)} or None")
+      if a in seen:
+        raise SpecError(f"layout {axes} splits dimensions {seen[a]} and {d} of {what} over the same mesh axis "
+                        f"{a!r}; a mesh axis may split one dimension only")
+      seen[a] = d
+  sharding = to_sharding(P(*axes), mesh, rank=len(shape), what=what)
+  if isinstance(tensor, ShardedTensor) and tensor.sharding == sharding:
+    return tensor   # already laid out so
+  value = tensor.numpy()
+  devices = mesh.resolve_devices()
+  positions = _parallel.local(devices).positions
+  comps = []
+  for p, piece in zip(positions, shard_host_value(value, sharding, shape, positions)):
+    with tf.device(devices[p]):
+      comps.append(tf.identity(tf.constant(piece, dtype)))
+  return ShardedTensor(comps, sharding, shape, dtype, devices=devices, positions=positions)
+
+
 class _Partitioned:
   """One of Keras's step functions (train, test, predict, a causal LM's generate) as gs.functions, one per batch
   signature."""
@@ -176,7 +227,9 @@ class _Partitioned:
 
   def _function(self, data, **options):
     leaves = tf.nest.flatten(data)
-    flat = [tf.convert_to_tensor(t) for t in leaves if t is not None]   # e.g. no sample weights
+    # ShardedTensors (keras.distribution.distribute_tensor's eager results) go in as they are laid out
+    flat = [t if isinstance(t, ShardedTensor) else tf.convert_to_tensor(t)
+            for t in leaves if t is not None]   # e.g. no sample weights
     key = (tf.nest.map_structure(lambda t: t is None, data).__repr__(),
            tuple((tuple(t.shape.as_list()), t.dtype) for t in flat), repr(sorted(options.items())))
     if key not in self.functions:
@@ -274,12 +327,18 @@ def _list_devices(device_type=None):
   return names
 
 
+def _installed(cls):
+  """Whether tf_gspmd's hooks are on `cls` itself (a flag in its own namespace: subclasses do not inherit it)."""
+  return cls.__dict__.get("_gspmd_installed", False)
+
+
 def _partition_generate():
   """Under a distribution, a keras-hub CausalLM's `generate()` runs its `generate_step` (prompt processing,
   the sampling loop and the KV cache) as a gs.function over the mesh, the cache laid out as completion derives
-  it from the attention weights' layouts. Installed once keras_hub is loaded (it is when such a model exists)."""
+  it from the attention weights' layouts. Installed on CausalLM as soon as keras_hub is loaded, whichever of
+  keras_hub and this module is imported first (`_KerasHubImportHook`); idempotent."""
   hub = _compat.keras_hub_causal_lm_class()
-  if hub is None or getattr(hub, "_gspmd_installed", False):
+  if hub is None or _installed(hub):
     return
   original = hub.make_generate_function
 
@@ -296,10 +355,51 @@ def _partition_generate():
   hub._gspmd_installed = True  # pylint: disable=protected-access
 
 
+class _KerasHubImportHook(importlib.abc.MetaPathFinder):
+  """Installs the generate hook the moment the `keras_hub` package finishes loading, when that happens after this
+  module's import (a finder that wraps the package loader's `exec_module`; it removes itself once used)."""
+
+  def find_spec(self, fullname, path, target=None):
+    if fullname != "keras_hub":
+      return None
+    for finder in sys.meta_path:
+      if finder is self or not hasattr(finder, "find_spec"):
+        continue
+      spec = finder.find_spec(fullname, path, target)
+      if spec is not None:
+        break
+    else:
+      return None
+    loader = spec.loader
+    if loader is None or not hasattr(loader, "exec_module"):
+      return spec
+    exec_module = loader.exec_module
+
+    def exec_and_install(module):
+      exec_module(module)
+      _remove_import_hook()
+      _partition_generate()
+
+    loader.exec_module = exec_and_install
+    return spec
+
+
+def _remove_import_hook():
+  sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _KerasHubImportHook)]
+
+
+def _install_generate_when_keras_hub_loads():
+  if _compat.keras_hub_causal_lm_class() is not None:
+    _partition_generate()
+  elif not any(isinstance(f, _KerasHubImportHook) for f in sys.meta_path):
+    sys.meta_path.insert(0, _KerasHubImportHook())
+
+
 def _install():
   backend_dl = _compat.keras_backend_distribution_lib()
   cls = keras.Model   # on the TF backend, its make_*_function are the TF trainer's
-  if getattr(cls, "_gspmd_installed", False):
+  if _installed(cls):
+    _install_generate_when_keras_hub_loads()
     return
   originals = {k: getattr(cls, f"make_{k}_function") for k in ("train", "test", "predict")}
 
@@ -320,16 +420,23 @@ def _install():
 
   for kind in originals:
     setattr(cls, f"make_{kind}_function", make(kind))
-  _partition_generate()
+  _install_generate_when_keras_hub_loads()
 
   def distribute_tensor(tensor, layout):
-    """Keras's hook for `"<layer path>/output"` layouts: an annotation inside a partitioned function."""
-    if current_mesh() is None or tf.executing_eagerly():
+    """`keras.distribution.distribute_tensor` (also Keras's hook for `"<layer path>/output"` layouts): inside a
+    partitioned function an annotation; run eagerly under a distribution, the value laid out as `layout` says
+    (a gs.ShardedTensor, `gs.sharding_of` its layout); elsewhere (a plain tf.function, no distribution) the
+    tensor unchanged."""
+    if tf.executing_eagerly():
+      plan = _active_plan()
+      return tensor if plan is None else _distribute_eagerly(tensor, layout, plan)
+    if current_mesh() is None:
       return tensor
     return shard(tensor, P(*layout.axes))
 
   def distribute_variable(value, layout):  # pylint: disable=unused-argument
-    """Variables keep their value here; their layout is applied where they are used (partitioned steps)."""
+    """Variables keep their value here; their layout is applied where they are used (partitioned steps). Keras's
+    TF backend does not call this: variables with a layout are created sharded (`initialize_sharded`)."""
     return value
 
   def get_device_count(device_type=None):
