@@ -168,11 +168,11 @@ def test_distribution_initialize_of_one_process_or_an_incomplete_cluster(monkeyp
   for var in ("KERAS_DISTRIBUTION_JOB_ADDRESSES", "KERAS_DISTRIBUTION_NUM_PROCESSES", "KERAS_DISTRIBUTION_PROCESS_ID"):
     monkeypatch.delenv(var, raising=False)
   assert keras.distribution.initialize(num_processes=1, process_id=0) is None
-  assert keras.distribution.initialize("10.0.0.1:1234", 1) is None
+  assert keras.distribution.initialize("127.0.0.1:1234", 1) is None
   with pytest.raises(gs.MeshError, match="single process has process_id 0"):
     keras.distribution.initialize(num_processes=1, process_id=3)
   with pytest.raises(gs.MeshError, match=r"describes 2 processes.*host:port of every one of them"):
-    keras.distribution.initialize("10.0.0.1:1234", num_processes=2, process_id=1)
+    keras.distribution.initialize("127.0.0.1:1234", num_processes=2, process_id=1)
   monkeypatch.setenv("KERAS_DISTRIBUTION_NUM_PROCESSES", "2")   # Keras reads the environment, the backend checks
   with pytest.raises(gs.MeshError, match="describes 2 processes"):
     keras.distribution.initialize()
