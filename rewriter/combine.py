@@ -43,12 +43,11 @@ remove.
 
 import math
 
-import numpy as np
 import tensorflow as tf
 
 from tf_gspmd.rewriter.collectives import Backend
 from tf_gspmd.rewriter.graph_view import GraphView, node_of, ref
-from tf_gspmd.rewriter.partition import HELPER_SCOPE, TABLES_SCOPE
+from tf_gspmd.rewriter.partition import HELPER_SCOPE, TABLES_SCOPE, table_constant, table_key
 from tf_gspmd.rewriter.report import Combination
 
 MAX_BYTES = 32 << 20
@@ -119,18 +118,8 @@ def _table_lookup(graph, pid):
   tables = {}
   for op in graph.get_operations():
     if op.type == "Const" and op.name.startswith(TABLES_SCOPE):
-      v = tf.make_ndarray(op.get_attr("value"))
-      tables.setdefault((v.dtype.str, v.shape, v.tobytes()), op.outputs[0])
-
-  def lookup(table, name):
-    table = np.asarray(table)
-    key = (table.dtype.str, table.shape, table.tobytes())
-    if key not in tables:
-      with tf.name_scope(TABLES_SCOPE):
-        tables[key] = tf.constant(table, name=name)
-    return tf.gather(tables[key], pid)
-
-  return lookup
+      tables.setdefault(table_key(tf.make_ndarray(op.get_attr("value"))), op.outputs[0])
+  return lambda table, name: tf.gather(table_constant(tables, table, name), pid)
 
 
 def combine(program):

@@ -31,6 +31,22 @@ READ_ONLY_VARIABLE_OPS = frozenset({"ReadVariableOp", "VariableShape", "Resource
 _warned_fallback = set()
 
 
+def table_key(table):
+  """What identifies a per-device table's content (dtype, shape, bytes)."""
+  table = np.asarray(table)
+  return table.dtype.str, table.shape, table.tobytes()
+
+
+def table_constant(tables, table, name):
+  """The Const holding `table` in the graph being built: the one in `tables` (by `table_key`) when it holds the
+  same values, else a new one under TABLES_SCOPE, recorded there."""
+  key = table_key(table)
+  if key not in tables:
+    with tf.name_scope(TABLES_SCOPE):
+      tables[key] = tf.constant(np.asarray(table), name=name)
+  return tables[key]
+
+
 class PartitionContext:
   """What a rule's `partition` sees: the node's operands (resharded on demand) and where to put results."""
 
@@ -193,13 +209,9 @@ class PartitionContext:
 
   def lookup(self, table, name):
     """Row `partition_id` of a per-device constant table (deduplicated per graph)."""
-    table = np.asarray(table)
-    key = (table.dtype.str, table.shape, table.tobytes())
-    if key not in self._tables:
-      with tf.name_scope(TABLES_SCOPE):
-        self._tables[key] = tf.constant(table, name=name)
+    const = table_constant(self._tables, table, name)
     with tf.name_scope(self._scope()):
-      return tf.gather(self._tables[key], self.pid)
+      return tf.gather(const, self.pid)
 
   def mask(self, x, shape, sharding, dim, value):
     """Replace the padding of an unevenly split dimension `dim` by `value`."""

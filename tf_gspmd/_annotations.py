@@ -28,31 +28,30 @@ _state = threading.local()
 
 
 @contextlib.contextmanager
+def _scoped(attr, value):
+  """Sets this thread's `_state.<attr>` to `value` while the block runs (yields it), then restores it."""
+  prev = getattr(_state, attr, None)
+  setattr(_state, attr, value)
+  try:
+    yield value
+  finally:
+    setattr(_state, attr, prev)
+
+
 def mesh_scope(mesh):
   """Makes `mesh` the mesh of `shard`/`replicate` while a gs.function traces."""
-  prev = getattr(_state, "mesh", None)
-  _state.mesh = mesh
-  try:
-    yield
-  finally:
-    _state.mesh = prev
+  return _scoped("mesh", mesh)
 
 
 def current_mesh():
   return getattr(_state, "mesh", None)
 
 
-@contextlib.contextmanager
 def sharding_ops():
   """While active, annotations are TF's XlaSharding op, which tf2xla lowers to XLA's Sharding custom-call, for a
   program XLA partitions (TPUs). The default form, an Identity carrying `_XlaSharding`, is dropped by tf2xla: an
   Identity builds no XLA instruction to carry the sharding."""
-  prev = getattr(_state, "ops", False)
-  _state.ops = True
-  try:
-    yield
-  finally:
-    _state.ops = prev
+  return _scoped("ops", True)
 
 
 def _tensor_name(t):
@@ -216,15 +215,9 @@ class PipelineSpec:
     return (self.stages - 1) / self.iterations
 
 
-@contextlib.contextmanager
 def recording_schedules():
   """Collects the `PipelineSpec`s built while the block runs (a trace); yields the list."""
-  prev = getattr(_state, "schedules", None)
-  _state.schedules = []
-  try:
-    yield _state.schedules
-  finally:
-    _state.schedules = prev
+  return _scoped("schedules", [])
 
 
 def record_schedule(spec):
