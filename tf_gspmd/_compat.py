@@ -265,6 +265,73 @@ def keras_backend_distribution_lib():
   return distribution_lib
 
 
+# ---- Keras weight files (Keras 3.15) -----------------------------------------------------------------------------
+# `save_weights` / `load_weights` (and keras-hub presets) go through saving_lib's H5IOStore and ShardedH5IOStore:
+# `store[key] = variable` writes one variable, `store[key]` reads one into memory. Neither class is public; the
+# entry group a store reads and writes is private state of theirs.
+
+def keras_weight_store_classes():
+  """(H5IOStore, ShardedH5IOStore) of Keras's saving_lib."""
+  from keras.src.saving import saving_lib  # pylint: disable=g-import-not-at-top
+  return saving_lib.H5IOStore, saving_lib.ShardedH5IOStore
+
+
+def keras_variable_class():
+  """The TF backend's Keras Variable class (its `assign` is the common KerasVariable's)."""
+  return _keras_tf_variable_class()
+
+
+def keras_in_stateless_scope():
+  """Whether Keras is in a StatelessScope (where `assign` records an update instead of writing)."""
+  from keras.src.backend.common import stateless_scope  # pylint: disable=g-import-not-at-top
+  return stateless_scope.in_stateless_scope()
+
+
+def keras_store_entry_group(store, create=False):
+  """The h5py group of the entry `store` (an H5IOStore) is at: made as Keras's `__setitem__` makes it when
+  `create`; in read mode the group `get()` found ({} when none)."""
+  if create and not store._h5_entry_initialized:  # pylint: disable=protected-access
+    store._create_h5_group(store._h5_entry_path)  # pylint: disable=protected-access
+  return store._h5_entry_group  # pylint: disable=protected-access
+
+
+def keras_store_dataset(store, key):
+  """The h5py dataset `key` of the entry `store` is at, through Keras's own checks (no links, no external or
+  virtual datasets, no shape bombs)."""
+  from keras.src.saving import saving_lib  # pylint: disable=g-import-not-at-top
+  return saving_lib.safe_get_h5_dataset(store._h5_entry_group, key)  # pylint: disable=protected-access
+
+
+def keras_sharded_store_add(store, key, nbytes):
+  """ShardedH5IOStore's bookkeeping before writing `key` of `nbytes` bytes: the current shard file is made the
+  newest, and a new one started when this value would overflow it (Keras's ValueError for a value larger than a
+  shard). Returns a function that records the written key in the store's weight map."""
+  store._restore_h5_file()  # pylint: disable=protected-access
+  store.total_shard_size += nbytes
+  if nbytes > store.max_shard_size:
+    raise ValueError(f"The size of {key} is {nbytes} bytes, which exceeds the maximum shard size "
+                     f"{int(store.max_shard_size)} bytes. You can increase the `max_shard_size` parameter to "
+                     f"accommodate the size.")
+  store.current_shard_size += nbytes
+  if store.current_shard_size > store.max_shard_size:
+    store.close()
+    store.h5_file = store._create_new_shard_file()  # pylint: disable=protected-access
+    store.current_shard_size = nbytes
+
+  def record():
+    path = store._h5_entry_group.name  # pylint: disable=protected-access
+    shard = store.current_shard_path.name
+    weight_map = store.sharding_config["weight_map"]
+    if path not in weight_map:
+      weight_map[path] = shard
+    else:
+      if not isinstance(weight_map[path], list):
+        weight_map[path] = [weight_map[path]]
+      if shard not in weight_map[path]:
+        weight_map[path].append(shard)
+  return record
+
+
 # ---- Graphs and functions as data (TF 2.21) ---------------------------------------------------------------------
 # TF has no public way to turn a FunctionDef into a GraphDef or a graph into a FunctionDef (tf.function builds
 # them only from Python code), nor to read an op type's OpDef.

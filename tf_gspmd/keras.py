@@ -44,6 +44,7 @@ import tensorflow as tf
 from tf_gspmd import _cluster
 from tf_gspmd import _compat
 from tf_gspmd import initializers
+from tf_gspmd import keras_weights
 from tf_gspmd._annotations import current_mesh, shard
 from tf_gspmd._function import function as gs_function
 from tf_gspmd._mesh import Mesh, P, device_order
@@ -396,6 +397,7 @@ def _install_generate_when_keras_hub_loads():
 
 
 def _install():
+  keras_weights.install()   # weight files: sharded variables written tile by tile, read slice by slice
   backend_dl = _compat.keras_backend_distribution_lib()
   cls = keras.Model   # on the TF backend, its make_*_function are the TF trainer's
   if _installed(cls):

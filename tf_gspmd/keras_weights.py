@@ -1,0 +1,293 @@
+"""Keras weight files with sharded variables: written variable by variable and tile by tile, read slice by slice.
+
+`model.save_weights("*.weights.h5")`, `model.load_weights(...)` and keras-hub's `save_to_preset` / `from_preset`
+(which call them) write and read one variable at a time through Keras's H5IOStore. Left alone, each variable
+tf_gspmd stores sharded would be put together whole on the host for writing, and read whole from the file for
+loading. With `import tf_gspmd.keras`:
+
+* saving a sharded variable creates its dataset in the file and writes every distinct tile from the device that
+  holds it (`ds[index] = tile`): the extra memory is one tile; optimizer slots are handed to the store as
+  variables (Keras gives it `variable.numpy()`), so they stream too. A variable with a tile only another
+  process holds is written as Keras writes it (put together first).
+* reading a dataset of a weights file on disk gives a NumPy array mapped from the file (copy-on-write), not read
+  into memory; assigning a NumPy array to a sharded Keras variable writes each device's slice to its shard and
+  touches only those slices of the array. So a load reads only the slices this process keeps, one tile at a
+  time, and the mapped pages are handed back after each tile. Arrays that outlive the load (a layer keeping a
+  value from the store) are made private copies when the store closes, so later writes to the file cannot
+  change them.
+
+The files are Keras's own: plain Keras reads what a sharded model saved, and the other way round; a file loads
+onto any mesh and layout.
+"""
+
+import ctypes
+import ctypes.util
+import math
+import mmap
+import os
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gspmd import _compat
+from tf_gspmd.runtime import state as _state
+
+# madvise(2)'s MADV_PAGEOUT (Linux 5.4+): reclaim the range's pages now. Clean file pages are dropped (read again
+# from the file when touched), copy-on-write pages are kept, so nothing written to a mapping is ever lost.
+_MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21)
+
+_installed = []
+
+
+# ---- which variables stream -----------------------------------------------------------------------------------
+
+def _tiles(storage):
+  """{(starts, lengths): [positions of this process holding that tile]} for every distinct non-empty tile, or None
+  when some tile is held by another process only."""
+  if storage.sharding.is_maximal:
+    p = storage.sharding.maximal
+    return {storage.tile_extent(p): [p]} if p in storage.positions else None
+  out = {}
+  for p in storage.positions:
+    extent = storage.tile_extent(p)
+    if all(extent[1]):
+      out.setdefault(extent, []).append(p)
+  covered = {storage.tile_extent(p) for p in range(len(storage.devices)) if all(storage.tile_extent(p)[1])}
+  return out if covered <= set(out) else None
+
+
+def _streamable(value):
+  """The ShardedStorage of `value` when it is a variable tf_gspmd stores sharded and every tile of it lives in
+  this process, else None."""
+  if not tf.executing_eagerly() or isinstance(value, (np.ndarray, tf.Tensor)):
+    return None
+  try:
+    storage = _state.storage_of(value)
+  except (AttributeError, TypeError):
+    return None
+  if storage is None or not storage.components or _tiles(storage) is None:
+    return None
+  return storage
+
+
+def _index(starts, lengths):
+  return tuple(slice(s, s + n) for s, n in zip(starts, lengths))
+
+
+# ---- saving -----------------------------------------------------------------------------------------------------
+
+def _write(group, key, storage):
+  """Dataset `key` of `group`: the variable's global value, written tile by tile from the devices."""
+  storage.before_step()   # an eager assign since the last step reaches the shards first
+  dtype = storage.dtype.as_numpy_dtype
+  ds = group.create_dataset(key, shape=storage.shape, dtype=dtype)
+  if storage.dtype == tf.bfloat16:
+    ds.attrs["dtype"] = "bfloat16"   # as Keras marks it
+  for (starts, lengths), positions in _tiles(storage).items():
+    p = positions[0]
+    comp = storage.components[storage.positions.index(p)]
+    with tf.device(storage.devices[p]):
+      piece = comp.read_value()
+      if tuple(lengths) != tuple(piece.shape.as_list()):
+        piece = piece[_index((0,) * len(lengths), lengths)]
+    ds[_index(starts, lengths) if lengths else ()] = piece.numpy()
+    del piece
+
+
+def _store_setitem(original):
+  def __setitem__(self, key, value):  # pylint: disable=invalid-name
+    storage = _streamable(value)
+    if storage is None or self.mode not in ("w", "a"):
+      return original(self, key, value)
+    return _write(_compat.keras_store_entry_group(self, create=True), key, storage)
+  return __setitem__
+
+
+def _sharded_store_setitem(original, base_setitem):
+  def __setitem__(self, key, value):  # pylint: disable=invalid-name
+    storage = _streamable(value)
+    if storage is None:
+      return original(self, key, value)
+    record = _compat.keras_sharded_store_add(self, key, math.prod(storage.shape) * storage.dtype.size)
+    base_setitem(self, key, value)
+    record()
+    return None
+  return __setitem__
+
+
+def _optimizer_save_own_variables(original):
+  def save_own_variables(self, store):
+    """Keras's (each variable as `store[str(i)]`), handing sharded slots to the store as variables, which write
+    tile by tile, instead of as whole NumPy values."""
+    if not any(_streamable(v) is not None for v in self.variables):
+      return original(self, store)
+    for i, variable in enumerate(self.variables):
+      store[str(i)] = variable if _streamable(variable) is not None else variable.numpy()
+    return None
+  return save_own_variables
+
+
+# ---- loading ------------------------------------------------------------------------------------------------------
+
+def _mapped_dtype(ds):
+  if ds.attrs.get("dtype", None) == "bfloat16" and ds.dtype.itemsize == 2:
+    return np.dtype(tf.bfloat16.as_numpy_dtype)
+  if ds.dtype.kind in "biufc" and not ds.dtype.hasobject:
+    return ds.dtype
+  return None
+
+
+def _map(ds):
+  """Dataset `ds` as a copy-on-write NumPy array mapped from its file, or None when it cannot be mapped (not a
+  plain file, chunked or compressed storage, a scalar, no stored data, a non-numeric type)."""
+  dtype = _mapped_dtype(ds)
+  if _LIBC_MMAP is None or dtype is None or not ds.shape or ds.size == 0 or ds.chunks is not None or ds.compression is not None:
+    return None
+  if ds.file.driver != "sec2" or not os.path.isfile(ds.file.filename):
+    return None
+  offset = ds.id.get_offset()
+  if offset is None:
+    return None
+  nbytes = ds.size * dtype.itemsize
+  start = offset - offset % mmap.ALLOCATIONGRANULARITY
+  with open(ds.file.filename, "rb") as f:
+    if os.fstat(f.fileno()).st_size < offset + nbytes:
+      return None
+    mapping = mmap.mmap(f.fileno(), offset - start + nbytes, access=mmap.ACCESS_COPY, offset=start)
+  return mapping, np.ndarray(ds.shape, dtype, buffer=mapping, offset=offset - start)
+
+
+def _store_getitem(original):
+  def __getitem__(self, key):  # pylint: disable=invalid-name
+    mapped = _map(_compat.keras_store_dataset(self, key)) if self.mode == "r" else None
+    if mapped is None:
+      return original(self, key)
+    mapping, array = mapped
+    self.__dict__.setdefault("_gspmd_mappings", []).append(weakref.ref(mapping))
+    return array
+  return __getitem__
+
+
+def _load_libc_mmap():
+  try:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    fn = libc.mmap
+  except (OSError, AttributeError, TypeError):
+    return None
+  fn.restype = ctypes.c_void_p
+  fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+  return fn
+
+
+# mmap(2) itself: a file mapping is replaced in place (MAP_FIXED) by anonymous memory holding the same bytes.
+_LIBC_MMAP = _load_libc_mmap() if hasattr(mmap, "MAP_ANONYMOUS") else None
+_MAP_FIXED = 0x10   # Linux's value on every architecture
+
+
+def _make_private(mapping):
+  """The pages of `mapping` replaced, at the same addresses, by anonymous memory with the same bytes: arrays over
+  it keep their values however the file changes later (a truncated file would fault every reader of its pages,
+  copy-on-write ones included)."""
+  anchor = ctypes.c_char.from_buffer(mapping)
+  address, length = ctypes.addressof(anchor), len(mapping)
+  data = ctypes.create_string_buffer(length)
+  ctypes.memmove(data, address, length)
+  got = _LIBC_MMAP(address, length, mmap.PROT_READ | mmap.PROT_WRITE,
+                   mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED, -1, 0)
+  if got != address:
+    raise OSError(ctypes.get_errno(), f"mmap(MAP_FIXED) could not replace a weights file mapping at {address:#x}")
+  ctypes.memmove(address, data, length)
+  del anchor
+
+
+def _sharded_store_getitem(original):
+  def __getitem__(self, key):  # pylint: disable=invalid-name
+    # A key in another shard file is read after switching to it, then the newest file is reopened (closing the
+    # other): the array being returned is not made private then.
+    self.__dict__["_gspmd_reading"] = True
+    try:
+      return original(self, key)
+    finally:
+      self.__dict__["_gspmd_reading"] = False
+  return __getitem__
+
+
+def _store_close(original):
+  def close(self):
+    if self.__dict__.get("_gspmd_reading"):
+      return original(self)
+    for ref in self.__dict__.pop("_gspmd_mappings", []):
+      mapping = ref()
+      if mapping is not None:   # an array from this store outlives the load
+        _make_private(mapping)
+    return original(self)
+  return close
+
+
+def _release_pages(array):
+  mapping = array.base
+  while isinstance(mapping, np.ndarray):
+    mapping = mapping.base
+  if isinstance(mapping, mmap.mmap):
+    try:
+      mapping.madvise(_MADV_PAGEOUT)
+    except (OSError, ValueError):   # an older kernel: the pages go when the array does
+      pass
+
+
+def _assign_tiles(storage, value):
+  """Writes NumPy array `value` (the global value) into the shards of this process, one distinct tile at a time,
+  reading only those slices of `value`."""
+  shard_shape = tuple(storage.shard_shape)
+  for (starts, lengths), positions in _tiles(storage).items():
+    piece = tf.convert_to_tensor(value[_index(starts, lengths)] if lengths else value)
+    if piece.dtype != storage.dtype:
+      piece = tf.cast(piece, storage.dtype)
+    if tuple(lengths) != shard_shape:
+      piece = tf.pad(piece, [(0, c - n) for c, n in zip(shard_shape, lengths)])
+    for p in positions:
+      with tf.device(storage.devices[p]):
+        storage.components[storage.positions.index(p)].assign(piece)
+    del piece
+    _release_pages(value)
+  if not storage.sharding.is_maximal and not storage.sharding.is_replicated:
+    covered = {e for e in _tiles(storage)}
+    for p, comp in zip(storage.positions, storage.components):   # tiles of padding only
+      if storage.tile_extent(p) not in covered:
+        with tf.device(storage.devices[p]):
+          comp.assign(tf.zeros(shard_shape, storage.dtype))
+  storage.shards_newer = True   # the variable's own buffer is stale; an eager read puts the shards together
+  storage.host_newer = False
+
+
+def _variable_assign(original):
+  def assign(self, value):
+    """Keras's `assign`; a NumPy value (a weights file's array, `set_weights`) given to a variable stored sharded
+    goes to the shards slice by slice, never converted whole."""
+    if isinstance(value, np.ndarray) and tf.executing_eagerly() and not _compat.keras_in_stateless_scope():
+      storage = _streamable(self)
+      if storage is not None and tuple(value.shape) == tuple(storage.shape):
+        _assign_tiles(storage, value)
+        return self
+    return original(self, value)
+  return assign
+
+
+def install():
+  """Installs the hooks on Keras's weight stores, optimizers and TF-backend variables (idempotent)."""
+  if _installed:
+    return
+  import keras  # pylint: disable=g-import-not-at-top
+  store, sharded_store = _compat.keras_weight_store_classes()
+  store.__setitem__ = _store_setitem(store.__setitem__)
+  sharded_store.__setitem__ = _sharded_store_setitem(sharded_store.__setitem__, store.__setitem__)
+  store.__getitem__ = _store_getitem(store.__getitem__)
+  sharded_store.__getitem__ = _sharded_store_getitem(sharded_store.__getitem__)
+  store.close = _store_close(store.close)
+  sharded_store.close = _store_close(sharded_store.close)
+  optimizer = keras.optimizers.Optimizer
+  optimizer.save_own_variables = _optimizer_save_own_variables(optimizer.save_own_variables)
+  variable = _compat.keras_variable_class()
+  variable.assign = _variable_assign(variable.assign)
+  _installed.append(True)
