@@ -37,6 +37,8 @@ from tf_gspmd.runtime import state as _state
 # from the file when touched), copy-on-write pages are kept, so nothing written to a mapping is ever lost.
 _MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21)
 
+_READ_SPAN = 8 << 20   # bytes of a mapped file read between two hand-backs of its pages
+
 _installed = []
 
 
@@ -225,15 +227,35 @@ def _store_close(original):
   return close
 
 
-def _release_pages(array):
-  mapping = array.base
-  while isinstance(mapping, np.ndarray):
-    mapping = mapping.base
-  if isinstance(mapping, mmap.mmap):
-    try:
-      mapping.madvise(_MADV_PAGEOUT)
-    except (OSError, ValueError):   # an older kernel: the pages go when the array does
-      pass
+def _mapping_of(array):
+  base = array.base
+  while isinstance(base, np.ndarray):
+    base = base.base
+  return base if isinstance(base, mmap.mmap) else None
+
+
+def _release(mapping):
+  try:
+    mapping.madvise(_MADV_PAGEOUT)
+  except (OSError, ValueError):   # an older kernel: the pages go when the array does
+    pass
+
+
+def _read_slice(value, starts, lengths):
+  """`value[starts:starts+lengths]` as a new array. From an array mapped from a file, it is copied a few MiB of
+  the file at a time, each piece's pages handed back before the next (a slice across the inner dimensions touches
+  pages all over the file)."""
+  index = _index(starts, lengths)
+  mapping = _mapping_of(value)
+  if mapping is None or not lengths:
+    return np.array(value[index] if lengths else value)
+  out = np.empty(lengths, value.dtype)
+  span = max(1, _READ_SPAN // max(1, value[0].nbytes))   # rows of the global value per piece
+  for i in range(0, lengths[0], span):
+    n = min(span, lengths[0] - i)
+    out[i:i + n] = value[(slice(starts[0] + i, starts[0] + i + n),) + index[1:]]
+    _release(mapping)
+  return out
 
 
 def _assign_tiles(storage, value):
@@ -241,7 +263,7 @@ def _assign_tiles(storage, value):
   reading only those slices of `value`."""
   shard_shape = tuple(storage.shard_shape)
   for (starts, lengths), positions in _tiles(storage).items():
-    piece = tf.convert_to_tensor(value[_index(starts, lengths)] if lengths else value)
+    piece = tf.convert_to_tensor(_read_slice(value, starts, lengths))
     if piece.dtype != storage.dtype:
       piece = tf.cast(piece, storage.dtype)
     if tuple(lengths) != shard_shape:
@@ -250,7 +272,6 @@ def _assign_tiles(storage, value):
       with tf.device(storage.devices[p]):
         storage.components[storage.positions.index(p)].assign(piece)
     del piece
-    _release_pages(value)
   if not storage.sharding.is_maximal and not storage.sharding.is_replicated:
     covered = {e for e in _tiles(storage)}
     for p, comp in zip(storage.positions, storage.components):   # tiles of padding only
