@@ -159,6 +159,35 @@ def test_load_onto_another_mesh_and_layout(tmp_path, no_gather):
   np.testing.assert_allclose(got, plain.fit(x, y, batch_size=8, verbose=0).history["loss"], rtol=1e-5)
 
 
+def test_weights_split_over_several_files_and_keras_archives(tmp_path, no_gather):
+  model = _trained(_distribution((2, 4), LAYOUTS_A))
+  want = values(model)
+  path = str(tmp_path / "split.weights.json")
+  with no_gather:   # files of at most ~1 KiB: every variable in its own file, Keras's weight map over them
+    model.save_weights(path, max_shard_size=1e-6)
+  plain = build_model()
+  plain.load_weights(path)
+  _assert_values(values(plain), want)
+  plain.save_weights(str(tmp_path / "plain.weights.json"), max_shard_size=1e-6)
+  with open(path) as f, open(tmp_path / "plain.weights.json") as g:   # the same files as Keras writes
+    got, keras_map = json.load(f), json.load(g)
+  assert got["metadata"] == keras_map["metadata"]
+  assert {k: str(v).replace("split", "plain") for k, v in got["weight_map"].items()} == {
+      k: str(v) for k, v in keras_map["weight_map"].items()}
+  assert len(os.listdir(tmp_path)) > 8
+  with _distribution((4, 2), LAYOUTS_B).scope():
+    other = build_model()
+  with no_gather:
+    other.load_weights(path)
+  _assert_values(values(other), want)
+  # A .keras archive (the weights file inside a zip): written tile by tile too; loads as Keras loads it.
+  archive = str(tmp_path / "m.keras")
+  with no_gather:
+    model.save(archive)
+  restored = keras.saving.load_model(archive)
+  _assert_values([np.asarray(v.numpy()) for v in restored.weights], want[:len(model.weights)])
+
+
 PLAIN_PROCESS = MODEL_SOURCE + textwrap.dedent("""
     import sys
     directory = sys.argv[1]

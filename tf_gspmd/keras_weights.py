@@ -44,33 +44,44 @@ _installed = []
 
 # ---- which variables stream -----------------------------------------------------------------------------------
 
-def _tiles(storage):
-  """{(starts, lengths): [positions of this process holding that tile]} for every distinct non-empty tile, or None
-  when some tile is held by another process only."""
-  if storage.sharding.is_maximal:
-    p = storage.sharding.maximal
-    return {storage.tile_extent(p): [p]} if p in storage.positions else None
+def _local_tiles(storage):
+  """{(starts, lengths): [this process's positions holding that tile]} for every non-empty tile held here."""
   out = {}
   for p in storage.positions:
     extent = storage.tile_extent(p)
     if all(extent[1]):
       out.setdefault(extent, []).append(p)
-  covered = {storage.tile_extent(p) for p in range(len(storage.devices)) if all(storage.tile_extent(p)[1])}
-  return out if covered <= set(out) else None
+  return out
 
 
-def _streamable(value):
-  """The ShardedStorage of `value` when it is a variable tf_gspmd stores sharded and every tile of it lives in
-  this process, else None."""
+def _save_tiles(storage):
+  """The tiles to write, one position each to read it from, when this process holds every distinct tile of the
+  variable; else None."""
+  if storage.sharding.is_maximal:
+    p = storage.sharding.maximal
+    return {storage.tile_extent(p): [p]} if p in storage.positions else None
+  local = _local_tiles(storage)
+  every = {storage.tile_extent(p) for p in range(len(storage.devices)) if all(storage.tile_extent(p)[1])}
+  return local if every <= set(local) else None
+
+
+def _sharded(value):
+  """The ShardedStorage of `value` when it is a variable tf_gspmd stores sharded (and has created its shards),
+  else None."""
   if not tf.executing_eagerly() or isinstance(value, (np.ndarray, tf.Tensor)):
     return None
   try:
     storage = _state.storage_of(value)
   except (AttributeError, TypeError):
     return None
-  if storage is None or not storage.components or _tiles(storage) is None:
-    return None
-  return storage
+  return storage if storage is not None and storage.components else None
+
+
+def _streamable(value):
+  """The ShardedStorage of `value` when it is stored sharded and every tile of it lives in this process (so it
+  can be written from here), else None."""
+  storage = _sharded(value)
+  return storage if storage is not None and _save_tiles(storage) is not None else None
 
 
 def _index(starts, lengths):
@@ -86,7 +97,7 @@ def _write(group, key, storage):
   ds = group.create_dataset(key, shape=storage.shape, dtype=dtype)
   if storage.dtype == tf.bfloat16:
     ds.attrs["dtype"] = "bfloat16"   # as Keras marks it
-  for (starts, lengths), positions in _tiles(storage).items():
+  for (starts, lengths), positions in _save_tiles(storage).items():
     p = positions[0]
     comp = storage.components[storage.positions.index(p)]
     with tf.device(storage.devices[p]):
@@ -122,7 +133,8 @@ def _optimizer_save_own_variables(original):
   def save_own_variables(self, store):
     """Keras's (each variable as `store[str(i)]`), handing sharded slots to the store as variables, which write
     tile by tile, instead of as whole NumPy values."""
-    if not any(_streamable(v) is not None for v in self.variables):
+    if not isinstance(store, _compat.keras_weight_store_classes()) or not any(
+        _streamable(v) is not None for v in self.variables):
       return original(self, store)
     for i, variable in enumerate(self.variables):
       store[str(i)] = variable if _streamable(variable) is not None else variable.numpy()
@@ -144,7 +156,9 @@ def _map(ds):
   """Dataset `ds` as a copy-on-write NumPy array mapped from its file, or None when it cannot be mapped (not a
   plain file, chunked or compressed storage, a scalar, no stored data, a non-numeric type)."""
   dtype = _mapped_dtype(ds)
-  if _LIBC_MMAP is None or dtype is None or not ds.shape or ds.size == 0 or ds.chunks is not None or ds.compression is not None:
+  if _LIBC_MMAP is None or dtype is None or not ds.shape or ds.size == 0:
+    return None
+  if ds.chunks is not None or ds.compression is not None:
     return None
   if ds.file.driver != "sec2" or not os.path.isfile(ds.file.filename):
     return None
@@ -259,10 +273,11 @@ def _read_slice(value, starts, lengths):
 
 
 def _assign_tiles(storage, value):
-  """Writes NumPy array `value` (the global value) into the shards of this process, one distinct tile at a time,
-  reading only those slices of `value`."""
+  """Writes NumPy array `value` (the global value) into the shards this process holds, one distinct tile at a
+  time, reading only those slices of `value` (over several processes, each reads its own)."""
   shard_shape = tuple(storage.shard_shape)
-  for (starts, lengths), positions in _tiles(storage).items():
+  tiles = _local_tiles(storage)
+  for (starts, lengths), positions in tiles.items():
     piece = tf.convert_to_tensor(_read_slice(value, starts, lengths))
     if piece.dtype != storage.dtype:
       piece = tf.cast(piece, storage.dtype)
@@ -273,9 +288,8 @@ def _assign_tiles(storage, value):
         storage.components[storage.positions.index(p)].assign(piece)
     del piece
   if not storage.sharding.is_maximal and not storage.sharding.is_replicated:
-    covered = {e for e in _tiles(storage)}
     for p, comp in zip(storage.positions, storage.components):   # tiles of padding only
-      if storage.tile_extent(p) not in covered:
+      if storage.tile_extent(p) not in tiles:
         with tf.device(storage.devices[p]):
           comp.assign(tf.zeros(shard_shape, storage.dtype))
   storage.shards_newer = True   # the variable's own buffer is stale; an eager read puts the shards together
@@ -287,7 +301,7 @@ def _variable_assign(original):
     """Keras's `assign`; a NumPy value (a weights file's array, `set_weights`) given to a variable stored sharded
     goes to the shards slice by slice, never converted whole."""
     if isinstance(value, np.ndarray) and tf.executing_eagerly() and not _compat.keras_in_stateless_scope():
-      storage = _streamable(self)
+      storage = _sharded(self)
       if storage is not None and tuple(value.shape) == tuple(storage.shape):
         _assign_tiles(storage, value)
         return self
