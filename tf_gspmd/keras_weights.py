@@ -233,11 +233,13 @@ def _store_close(original):
   def close(self):
     if self.__dict__.get("_gspmd_reading"):
       return original(self)
-    for ref in self.__dict__.pop("_gspmd_mappings", []):
-      mapping = ref()
-      if mapping is not None:   # an array from this store outlives the load
-        _make_private(mapping)
-    return original(self)
+    try:
+      for ref in self.__dict__.pop("_gspmd_mappings", []):
+        mapping = ref()
+        if mapping is not None:   # an array from this store outlives the load
+          _make_private(mapping)
+    finally:
+      original(self)
   return close
 
 
