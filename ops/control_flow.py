@@ -11,10 +11,14 @@ import tensorflow as tf
 
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.ops.registry import Rule, register
+from tf_gspmd.ops.tensor_list import ListShape
 
 
 def _shapes(node, first=0):
-  return [node.input_info(i).shape for i in range(first, len(node.inputs))]
+  """The shapes of the inputs from `first` on, as a function body's parameters get them (a TensorList: its
+  elements' shape, `ListShape`)."""
+  infos = [node.input_info(i) for i in range(first, len(node.inputs))]
+  return [ListShape(i.value_shape, i.value_dtype) if i.is_list else i.shape for i in infos]
 
 
 def _func_attr(name):
