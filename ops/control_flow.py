@@ -51,6 +51,7 @@ class While(Rule):
   """Loop variables keep one layout through the loop."""
 
   priority = 0
+  rank_free = True
   forward_without_operands = True   # annotations inside the body speak even when nothing outside does
 
   def forward(self, ctx, node, operands):
@@ -88,6 +89,7 @@ class If(Rule):
   """Both branches see the arguments' layouts; results take the If's completed layouts."""
 
   priority = 1
+  rank_free = True
   forward_without_operands = True
 
   def forward(self, ctx, node, operands):
@@ -123,6 +125,7 @@ class Call(Rule):
   """A function call left after inlining: its body is completed and partitioned like an If branch."""
 
   priority = 0
+  rank_free = True
   forward_without_operands = True
 
   def forward(self, ctx, node, operands):

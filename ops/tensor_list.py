@@ -71,6 +71,7 @@ class TensorList(Rule):
   """Handles and elements of one list share a layout; stacked tensors add a whole leading dim."""
 
   priority = 0
+  rank_free = True
 
   def _layouts(self, node, ins, outs):
     """The element layouts the node's handles and elements already have (completion merges them)."""
@@ -131,7 +132,8 @@ class TensorList(Rule):
         ctx.set_output(o, outs[o], layout)
       elif o in e_out or o in s_out:   # (the ops' shape functions read the handle, which knows no shape here)
         natural = layout if o in e_out else _stacked(layout)
-        outs[o].set_shape(natural.shard_shape(node.outputs[o].shape))
+        if node.outputs[o].shape is not None:   # (an element of unknown rank stays as the kernel makes it)
+          outs[o].set_shape(natural.shard_shape(node.outputs[o].shape))
         ctx.set_output(o, outs[o], natural)
       else:
         ctx.set_output(o, outs[o], Sharding(ctx.mesh))
@@ -156,6 +158,7 @@ class TensorListElementShape(Rule):
   a replicated value; the ops that take it as an element-shape input make it the shard's shape themselves."""
 
   priority = 0
+  rank_free = True
 
   def partition(self, ctx, node):
     info = node.input_info(0)

@@ -149,6 +149,9 @@ def run(program, seed=None):
     for r in n.inputs:
       users.setdefault(r, []).append(k)
   priority = [rules[n.name].priority for n in nodes]
+  for k, n in enumerate(nodes):   # a node with a tensor of unknown rank runs replicated: its rule is not asked
+    if rules[n.name].unknown_rank(n) is not None:
+      priority[k] = ROUNDS
 
   def touched(r, fwd, bwd, level):
     """Tensor r changed: its users look again in both directions, its producer looks backward again."""

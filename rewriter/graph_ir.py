@@ -42,6 +42,11 @@ class TensorInfo:
     return None if self.value_shape is None else len(self.value_shape)
 
 
+def _opaque_rank(info):
+  """Whether a tensor's rank is unknown (not a handle, whose own shape is a scalar)."""
+  return info.shape is None and info.dtype not in _SHAPELESS
+
+
 class Node:
   """One op: its NodeDef, data inputs as refs, control inputs, output infos, and its graph."""
 
@@ -139,6 +144,8 @@ class Graph:
     for nd in order:  # the first dynamic tensor in data-flow order is the cause
       if nd.name in dynamic:
         t, op = dynamic[nd.name]
+        if any(_opaque_rank(infos[x.op.name][x.value_index]) for x in op.inputs):
+          continue   # computed from a tensor of unknown rank (a loop gradient's, a call's): as opaque as it is
         raise ShapeError(f"tensor {t.name} produced by {op.type} has dynamic shape {t.shape}; tf_gspmd needs static "
                          "shapes: trace with fully defined TensorSpecs and avoid ops with data-dependent shapes",
                          node=op.name, op_type=op.type)

@@ -29,6 +29,7 @@ TABLES_SCOPE = "gspmd/tables/"   # per-device constant tables (one per distinct 
 # Ops that only read a variable through its handle; any other consumer of the handle may write it.
 READ_ONLY_VARIABLE_OPS = frozenset({"ReadVariableOp", "VariableShape", "ResourceGather", "ResourceGatherNd"})
 _warned_fallback = set()
+_warned_unknown_rank = set()
 
 
 def table_key(table):
@@ -410,6 +411,16 @@ def _partition_nodes(ctx):
         warnings.warn(f"tf_gspmd: op type {node.op} (first at {node.name}) has no partitioning rule; its operands "
                       "are replicated and it runs whole on every device", stacklevel=3)
       rule = op_rules.FALLBACK
+    else:
+      unknown = rule.unknown_rank(node)
+      if unknown is not None:
+        ctx.warn(f"{node.name} ({node.op}): {unknown} has unknown rank, so the op runs whole on every device "
+                 "(its operands replicated); give the value a static shape to partition it")
+        if node.op not in _warned_unknown_rank:
+          _warned_unknown_rank.add(node.op)
+          warnings.warn(f"tf_gspmd: {node.name} ({node.op}): {unknown} has unknown rank; the op runs replicated",
+                        stacklevel=3)
+        rule = op_rules.FALLBACK
     try:
       rule.partition(ctx, node)
     except PartitionError as e:
