@@ -16,7 +16,7 @@ from tf_gspmd import _compat
 from tf_gspmd import ops as op_rules
 from tf_gspmd._mesh import axes_text
 from tf_gspmd._sharding import Sharding
-from tf_gspmd.errors import PartitionError, UnsupportedOpError
+from tf_gspmd.errors import PartitionError, ShapeError, UnsupportedOpError
 from tf_gspmd.ops import windows
 from tf_gspmd.rewriter import completion, functions, loops, reshard
 from tf_gspmd.rewriter.collectives import Backend
@@ -505,6 +505,12 @@ def run(program):
   stored layout and whether the program may write it (any use of its handle but a read), per output its
   sharding, global shape and dtype. Later passes keep these boundary nodes in place.
   """
+  for k, r in enumerate(program.ir.outputs):
+    info = program.ir.info(r)
+    if info.shape is None and info.dtype not in (tf.resource, tf.variant):
+      raise ShapeError(f"result {k} ({public_key(r)}, {info.dtype.name}) has unknown rank; a function's results need "
+                       "static shapes: give it one (tf.ensure_shape or tf.reshape to a static shape) before returning "
+                       "it", node=split_ref(r)[0])
   weights = {tuple(program.ir.info(ref(name)).value_shape): (var.name if var is not None else name)
              for name, var in zip(program.variable_names, program.variables)
              if not program.shardings[ref(name)].is_replicated}
