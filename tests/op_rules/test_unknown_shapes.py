@@ -48,6 +48,7 @@ ATTRS = {
     "Cast": dict(DstT=tf.int32),
     "CheckNumerics": dict(message="checked"),
     "Einsum": dict(equation="ij,jk->ik"),
+    "Empty": dict(dtype=tf.float32),
     "EnsureShape": dict(shape=tf.TensorShape([None, None])),
     "MirrorPad": dict(mode="REFLECT"),
     "ReadVariableOp": dict(dtype=tf.float32),
