@@ -45,13 +45,18 @@ class Rule:
     device, and the op's known-rank operands are gathered to meet it."""
     if self.rank_free:
       return None
+    free_in, free_out = self.rank_free_ports(node)
     for i, r in enumerate(node.inputs):
-      if unknown_rank(node.input_info(i)):
+      if i not in free_in and unknown_rank(node.input_info(i)):
         return f"input {i} ({r})"
     for o, info in enumerate(node.outputs):
-      if unknown_rank(info):
+      if o not in free_out and unknown_rank(info):
         return f"output {o} ({node.ref(o)})"
     return None
+
+  def rank_free_ports(self, node):  # pylint: disable=unused-argument
+    """(input indices, output indices) the rule handles at unknown rank itself (e.g. a kernel's reserve space)."""
+    return (), ()
 
   def data_inputs(self, node):
     """Indices of the inputs that carry data to be partitioned (others are read whole, e.g. axis constants):
