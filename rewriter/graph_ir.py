@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gspmd.errors import ShapeError
+from tf_gspmd.ops.registry import unknown_rank
 from tf_gspmd.ops.tensor_list import LIST_OPS, ListShape
 from tf_gspmd.rewriter.graph_view import GraphView, ref, split_ref
 
@@ -40,11 +41,6 @@ class TensorInfo:
     if self.partitionable:
       return len(self.shape)
     return None if self.value_shape is None else len(self.value_shape)
-
-
-def _opaque_rank(info):
-  """Whether a tensor's rank is unknown (not a handle, whose own shape is a scalar)."""
-  return info.shape is None and info.dtype not in _SHAPELESS
 
 
 class Node:
@@ -144,7 +140,7 @@ class Graph:
     for nd in order:  # the first dynamic tensor in data-flow order is the cause
       if nd.name in dynamic:
         t, op = dynamic[nd.name]
-        if any(_opaque_rank(infos[x.op.name][x.value_index]) for x in op.inputs):
+        if any(unknown_rank(infos[x.op.name][x.value_index]) for x in op.inputs):
           continue   # computed from a tensor of unknown rank (a loop gradient's, a call's): as opaque as it is
         raise ShapeError(f"tensor {t.name} produced by {op.type} has dynamic shape {t.shape}; tf_gspmd needs static "
                          "shapes: trace with fully defined TensorSpecs and avoid ops with data-dependent shapes",
