@@ -175,9 +175,11 @@ def test_scan_over_stacked_weights_trains_without_gathering_them(rng):
   assert low.report.fallbacks == ()
 
 
-def test_loop_gradient_unstacking_a_value_of_unknown_rank(rng):
+def test_loop_gradient_unstacking_a_value_of_unknown_rank(rng, monkeypatch):
   """The gradient loop's Unpack of a gradient of unknown rank runs whole on every device (with a warning) instead
   of failing; the weights stay split: the only gathers are of the two activations stacked into the call."""
+  from tf_gspmd.rewriter import partition  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(partition, "_warned_unknown_rank", set())   # (warned once per op type and process)
   with pytest.warns(UserWarning, match="unknown rank"):
     low = _two_steps_match(rng, _sgd(_repeat_through_unshaped_call))
   assert any("(Unpack): input 0" in w and "unknown rank" in w for w in low.report.warnings)

@@ -13,6 +13,7 @@ import itertools
 import traceback
 import warnings
 
+import numpy as np
 import pytest
 import tensorflow as tf
 from tensorflow.python.framework import op_def_library
@@ -129,8 +130,7 @@ def _generic(op_type, value, variable_shape=None):
       else:
         kwargs[arg.name] = value(k, dtype, x)
       k += 1
-    inferred = {a.type_attr or a.type_list_attr or a.number_attr for a in op_def.input_arg} | \
-        {a.number_attr for a in op_def.input_arg}
+    inferred = {n for a in op_def.input_arg for n in (a.type_attr, a.type_list_attr, a.number_attr)}
     for attr in op_def.attr:
       if attr.HasField("default_value") and attr.name not in inferred:
         kwargs[attr.name] = _python_value(attr.default_value)
@@ -354,3 +354,25 @@ def test_unknown_rank_and_dims_never_raise_internal_errors(op_type):
   outcomes = {name: _outcome(op_type, fn) for name, fn in _cases(op_type).items()}
   assert outcomes.get("unknown rank", "traced out") != "traced out" or \
       any(o != "traced out" for o in outcomes.values()), f"{op_type}: TF refused every case: {outcomes}"
+
+
+def test_op_reading_a_value_of_unknown_rank_runs_whole_with_a_warning(rng, monkeypatch):
+  """x split, u = x of unknown rank: x + u runs whole on every device (x gathered), says so in the report and
+  gives the unpartitioned result."""
+  from tf_gspmd.rewriter import partition  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(partition, "_warned_unknown_rank", set())   # (warned once per op type and process)
+  def fn(x):
+    return tf.ensure_shape(x + _unknown_rank(x, tf.float32), SHAPE)
+
+  f = gs.function(fn, mesh=MESH, in_shardings=P("data", "model"))
+  with pytest.warns(UserWarning, match="unknown rank"):
+    low = f.lower(tf.TensorSpec(SHAPE))
+  assert any("(AddV2): input 1" in w and "unknown rank" in w for w in low.report.warnings)
+  x = rng.standard_normal(SHAPE).astype("float32")
+  np.testing.assert_array_equal(f(x).numpy(), fn(tf.constant(x)).numpy())
+
+
+def test_result_of_unknown_rank_is_a_typed_error():
+  f = gs.function(lambda x: _unknown_rank(x, tf.float32) * 2.0, mesh=MESH, in_shardings=P("data", "model"))
+  with pytest.raises(gs.ShapeError, match=r"result 0 .* has unknown rank"):
+    f.lower(tf.TensorSpec(SHAPE))
