@@ -20,6 +20,7 @@ class Parameter(Rule):
   """A function argument: arrives in the layout the caller's data has (scattered or already sharded)."""
 
   priority = 0
+  rank_free = True
 
   def partition(self, ctx, node):
     ctx.parameter(node)

@@ -1,5 +1,5 @@
-"""Joining and splitting along one dim: ConcatV2, Pack (stack), Unpack (unstack), Split, SplitV, and Roll
-(a rotation: the concatenation of a dim's two ends swapped).
+"""Joining and splitting along one dim: ConcatV2, Pack (stack), Unpack (unstack), Split, SplitV, Roll
+(a rotation: the concatenation of a dim's two ends swapped) and ReverseV2 (a dim read backwards).
 
 The dim an op joins or splits along carries no factor: it is whole on every device, so the op runs
 unchanged on the local shards while every other dim passes its split through. A concatenation whose result
@@ -7,7 +7,9 @@ is split along the concat dim instead assembles each device's window from its ne
 Split pieces of an operand split along the split dim are narrowings of it: only the pieces read move.
 A rotation along an evenly split dim moves whole shards between devices: each device's result shard is made of
 at most two other devices' shards (exactly one when the shift is a multiple of the shard size, as a pipeline's
-stage shift is), so it is one or two exact collective-permutes, never a gather.
+stage shift is), so it is one or two exact collective-permutes, never a gather. A reversal along a split dim
+swaps mirrored shards (shard t and shard n-1-t), one collective-permute; an uneven split then rotates the
+padding back to the end like a Roll.
 """
 
 import math
@@ -204,7 +206,7 @@ def _rotate_shards(ctx, node, x, dim, shift, c, axes):
   of shard t-q (cyclically): one collective-permute of whole shards when r = 0, else two, each moving only the
   rows it serves; a permute by a multiple of the group size is local."""
   q, r = divmod(shift, c)
-  reason = f"{node.name} (Roll) rotates dim {dim} by {shift} row(s) over {','.join(axes)}"
+  reason = f"{node.name} ({node.op}) rotates dim {dim} by {shift} row(s) over {','.join(axes)}"
   tiles = math.prod(ctx.mesh.axis_size(a) for a in axes)
 
   def moved(part, by, what):
@@ -224,3 +226,55 @@ def _rotate_shards(ctx, node, x, dim, shift, c, axes):
   tail = moved(tf.slice(x, tail_begin, [-1] * rank), q + 1, f"last {r} row(s) of each shard")
   front = moved(tf.slice(x, begin, head), q, f"first {c - r} row(s) of each shard")
   return tf.concat([tail, front], axis=dim)
+
+
+@register("ReverseV2")
+class Reverse(FactorRule):
+  """tf.reverse: every dim keeps its split. A reversed dim that is whole reverses locally; a reversed dim split
+  over mesh axes reverses each shard locally and swaps mirrored shards (device t takes shard n-1-t): one
+  collective-permute of whole shards. With an uneven split the mirrored shards hold the padding first, so the
+  result is then rotated by the padding's length (`_rotate_shards`, at most two more permutes of some rows).
+  Reversed dims read at run time stay whole."""
+
+  priority = 0
+
+  data = (0,)
+
+  def reversed_dims(self, node):
+    """The dims reversed (a set), or None when the axes are not constant."""
+    axis = node.const_input(1)
+    if axis is None:
+      return None
+    rank = len(node.input_shape(0))
+    return {int(a) % rank for a in np.asarray(axis).reshape(-1)}
+
+  def factors(self, node):
+    labels = dim_labels(len(node.input_shape(0)))
+    if self.reversed_dims(node) is None:
+      labels = unsplit(labels, set(range(len(labels))))
+    return Factors((labels,), (labels,))
+
+  def partition(self, ctx, node):
+    dims = self.reversed_dims(node)
+    target = ctx.target(0)
+    if dims is None or target.is_maximal:
+      return super().partition(ctx, node)
+    shape = node.input_shape(0)
+    target = target.with_rank(len(shape))
+    x = ctx.operand(0, target)
+    with ctx.helper_scope():
+      if dims:
+        x = tf.reverse(x, sorted(dims))
+      for d in sorted(dims):
+        axes = target.dims[d]
+        if not axes:
+          continue
+        n = target.tiles(d)
+        c = -(-shape[d] // n)
+        x = ctx.backend.collective_permute(x, axes, pairs=[(t, n - 1 - t) for t in range(n)], source=node.name,
+                                           reason=f"{node.name} (ReverseV2) reverses dim {d}, split over "
+                                                  f"{','.join(axes)}: each shard to its mirror")
+        pad = n * c - shape[d]
+        if pad:   # the mirrored padded dim starts with the padding: rotate it back to the end
+          x = _rotate_shards(ctx, node, x, d, n * c - pad, c, axes)
+    ctx.set_output(0, ctx.identity(x), target)

@@ -11,10 +11,14 @@ import tensorflow as tf
 
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.ops.registry import Rule, register
+from tf_gspmd.ops.tensor_list import ListShape
 
 
 def _shapes(node, first=0):
-  return [node.input_info(i).shape for i in range(first, len(node.inputs))]
+  """The shapes of the inputs from `first` on, as a function body's parameters get them (a TensorList: its
+  elements' shape, `ListShape`)."""
+  infos = [node.input_info(i) for i in range(first, len(node.inputs))]
+  return [ListShape(i.value_shape, i.value_dtype) if i.is_list else i.shape for i in infos]
 
 
 def _func_attr(name):
@@ -47,6 +51,7 @@ class While(Rule):
   """Loop variables keep one layout through the loop."""
 
   priority = 0
+  rank_free = True
   forward_without_operands = True   # annotations inside the body speak even when nothing outside does
 
   def forward(self, ctx, node, operands):
@@ -84,6 +89,7 @@ class If(Rule):
   """Both branches see the arguments' layouts; results take the If's completed layouts."""
 
   priority = 1
+  rank_free = True
   forward_without_operands = True
 
   def forward(self, ctx, node, operands):
@@ -119,6 +125,7 @@ class Call(Rule):
   """A function call left after inlining: its body is completed and partitioned like an If branch."""
 
   priority = 0
+  rank_free = True
   forward_without_operands = True
 
   def forward(self, ctx, node, operands):

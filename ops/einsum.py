@@ -40,6 +40,8 @@ def parse_equation(equation, ranks):
 class Einsum(FactorRule):
   """Any einsum: shared letters pass their split through; summed letters give partial sums + all-reduce."""
 
+  prefer_larger_operand = True
+
   def factors(self, node):
     eq = node.attr("equation")
     eq = eq.decode() if isinstance(eq, bytes) else eq

@@ -30,6 +30,11 @@ BINARY = (
 TERNARY = ("SelectV2", "ClipByValue", "Betainc")
 
 
+def _element_shape(info):
+  """The shape whose elements line up: a TensorList's element shape, else the tensor's own."""
+  return info.value_shape if info.is_list else info.shape
+
+
 @register(*UNARY, *BINARY, *TERNARY, "AddN")
 class Elementwise(FactorRule):
   """Same-position ops with broadcasting: the output is split like the operands."""
@@ -37,8 +42,9 @@ class Elementwise(FactorRule):
   priority = 0
 
   def factors(self, node):
-    out_shape = node.outputs[0].shape
-    ins, out = broadcast_labels(out_shape, [node.input_shape(i) for i in range(len(node.inputs))])
+    # (ZerosLike / OnesLike / AddN of TensorLists, in loop gradients: their elements line up instead)
+    out_shape = _element_shape(node.outputs[0])
+    ins, out = broadcast_labels(out_shape, [_element_shape(node.input_info(i)) for i in range(len(node.inputs))])
     return Factors(ins, (out,))
 
 

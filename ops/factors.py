@@ -150,6 +150,12 @@ def _diagonal_blocks(ctx, x, shape, layout, labels):
   return x
 
 
+def _elements(info):
+  """The number of elements of a tensor (a variable handle: of its value); 0 when unknown."""
+  shape = _layout_shape(info)
+  return math.prod(shape) if shape is not None else 0
+
+
 def _axes_by_label(labels, sharding):
   if sharding is None or sharding.is_maximal:
     return None
@@ -159,6 +165,10 @@ def _axes_by_label(labels, sharding):
 
 class FactorRule(Rule):
   """A rule fully described by `factors(node)`; subclasses may override `emit` for the local computation."""
+
+  # Forward candidates from the operand with more elements first (XLA's sharding propagation for dots: when
+  # both operands are split in ways that do not combine, the result follows the larger one).
+  prefer_larger_operand = False
 
   def factors(self, node) -> Factors:
     raise NotImplementedError
@@ -228,11 +238,15 @@ class FactorRule(Rule):
 
   def forward(self, ctx, node, operands):
     f = self.cached_factors(node)
-    operands = [operands[i] for i in self.data_inputs(node)]
+    data = self.data_inputs(node)
+    operands = [operands[i] for i in data]
+    order = list(range(min(len(f.operands), len(operands))))
+    if self.prefer_larger_operand:   # candidates are merged in order: a tie keeps the first
+      order.sort(key=lambda j: -_elements(node.input_info(data[j])))
     result = []
     for out_labels in f.outputs:
       cands = []
-      for labels, s in zip(f.operands, operands):
+      for labels, s in ((f.operands[j], operands[j]) for j in order):
         axes_of = _axes_by_label(labels, s)
         if axes_of is not None:
           cands.append(Sharding(s.mesh, dims_from(out_labels, axes_of)))

@@ -15,6 +15,7 @@ class Fallback(Rule):
 
   name = "Fallback"
   priority = 3
+  rank_free = True
 
   def partition(self, ctx, node):
     mesh = ctx.mesh
@@ -33,6 +34,8 @@ class Fallback(Rule):
     inputs = {i: ctx.operand(i, Sharding(mesh)) for i in range(len(node.inputs))}
     outs = ctx.clone(node, inputs)
     for o, value in enumerate(outs):
+      if node.outputs[o].partitionable:   # the whole value (TF may not know it from operands of unknown rank)
+        value.set_shape(node.outputs[o].shape)
       ctx.set_output(o, value, Sharding(mesh))
 
 

@@ -1,6 +1,6 @@
-"""Ops whose output does not depend on operand values: Fill, Range, the Shape family.
+"""Ops whose output does not depend on operand values: Fill, Empty, Range, the Shape family.
 
-Fill is produced directly at its local shard shape (any split is free); so is a split Range, each device computing
+Fill and Empty are produced directly at its local shard shape (any split is free); so is a split Range, each device computing
 its own piece from its offset. Replicated, a Range is produced whole.
 Shape, Size, Rank and ShapeN describe the *global* tensor: they become constants, never local shapes.
 """
@@ -12,9 +12,10 @@ from tf_gspmd._sharding import Sharding
 from tf_gspmd.ops.registry import Rule, register
 
 
-@register("Fill")
+@register("Fill", "Empty")
 class Fill(Rule):
-  """fill(dims, value): every device fills its own shard."""
+  """fill(dims, value), empty(shape) (uninitialised, or zeros with init=True): every device makes its own
+  shard, the shape input being the shard's shape."""
 
   priority = 0
 

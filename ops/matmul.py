@@ -12,6 +12,8 @@ from tf_gspmd.ops.registry import register
 class MatMul(FactorRule):
   """[m,k]@[k,n] with optional transposes: k is reduced, m and n pass through."""
 
+  prefer_larger_operand = True
+
   def factors(self, node):
     a = ("k", "m") if node.attr("transpose_a") else ("m", "k")
     b = ("n", "k") if node.attr("transpose_b") else ("k", "n")
@@ -21,6 +23,8 @@ class MatMul(FactorRule):
 @register("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
 class BatchMatMul(FactorRule):
   """Batched matmul with broadcast batch dims: batch factors pass through, k is reduced."""
+
+  prefer_larger_operand = True
 
   def factors(self, node):
     x_shape, y_shape = node.input_shape(0), node.input_shape(1)

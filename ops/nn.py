@@ -368,6 +368,10 @@ class FusedBatchNorm(FactorRule):
     others = _per_channel([node.input_shape(i) for i in range(1, len(node.inputs))])
     return Factors((x,) + others, (x,) + _per_channel([o.shape for o in node.outputs[1:]]))
 
+  def rank_free_ports(self, node):
+    """The statistics and reserve spaces (`_per_channel` gives one of unknown shape no factor)."""
+    return range(1, len(node.inputs)), range(1, len(node.outputs))
+
 
 def _per_channel(shapes):
   """Labels of per-channel vectors; other (e.g. opaque reserve-space) operands carry no factor."""
@@ -382,3 +386,7 @@ class FusedBatchNormGrad(FactorRule):
     x = _nhwc(node, None, "c", len(node.input_shape(0)))
     others = _per_channel([node.input_shape(i) for i in range(2, len(node.inputs))])
     return Factors((x, x) + others, (x,) + _per_channel([o.shape for o in node.outputs[1:]]))
+
+  def rank_free_ports(self, node):
+    """The statistics and reserve spaces (`_per_channel` gives one of unknown shape no factor)."""
+    return range(2, len(node.inputs)), range(1, len(node.outputs))

@@ -16,7 +16,15 @@ inside `ctx.helper_scope()` (and `ctx.after_control_inputs()` for a side effect)
 names the op that stands for the node when it is built by hand.
 """
 
+import tensorflow as tf
+
 _RULES = {}
+_HANDLES = (tf.resource, tf.variant, tf.string)   # (their shapes are not what a layout splits)
+
+
+def unknown_rank(info):
+  """Whether a tensor's rank is unknown (a value a loop gradient or a call leaves unshaped); handles are not."""
+  return info.shape is None and info.dtype not in _HANDLES
 
 
 class Rule:
@@ -27,6 +35,28 @@ class Rule:
   forward_without_operands = False   # ask `forward` even when no operand has a sharding yet
 
   data = None   # indices of the inputs that carry data, when they are fixed (None: every input)
+
+  rank_free = False   # True: the rule itself handles tensors of unknown rank (parameters, control flow, lists)
+
+  def unknown_rank(self, node):
+    """The first input or output of the node whose rank is unknown ("input 0 (name)"), or None. Unless the rule is
+    `rank_free`, completion does not ask it about such a node (its tensors keep what the rest of the graph gives
+    them) and the partitioner runs the node replicated, with a warning: a value of unknown rank is whole on every
+    device, and the op's known-rank operands are gathered to meet it."""
+    if self.rank_free:
+      return None
+    free_in, free_out = self.rank_free_ports(node)
+    for i, r in enumerate(node.inputs):
+      if i not in free_in and unknown_rank(node.input_info(i)):
+        return f"input {i} ({r})"
+    for o, info in enumerate(node.outputs):
+      if o not in free_out and unknown_rank(info):
+        return f"output {o} ({node.ref(o)})"
+    return None
+
+  def rank_free_ports(self, node):  # pylint: disable=unused-argument
+    """(input indices, output indices) the rule handles at unknown rank itself (e.g. a kernel's reserve space)."""
+    return (), ()
 
   def data_inputs(self, node):
     """Indices of the inputs that carry data to be partitioned (others are read whole, e.g. axis constants):

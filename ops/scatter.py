@@ -1,5 +1,5 @@
-"""Writes and sums of rows at indexed positions: ScatterNd, TensorScatter*, ResourceScatter* (into a
-variable), UnsortedSegmentSum.
+"""Writes and sums of rows at indexed positions: ScatterNd, TensorScatter*, Inplace{Update,Add,Sub},
+ResourceScatter* (into a variable), UnsortedSegmentSum.
 
 ScatterNd and UnsortedSegmentSum sum rows into a zero tensor: the update rows are summed factors (partial
 sums + one all-reduce when split), the indexed output dims are whole, trailing dims pass. TensorScatter*
@@ -45,6 +45,17 @@ class TensorScatter(FactorRule):
     rest = tuple(f"d{i}" for i in range(k, rank))
     t = (None,) * k + rest
     return Factors((t, (None,) * len(idx), (None,) * (len(idx) - 1) + rest), (t,))
+
+
+@register("InplaceUpdate", "InplaceAdd", "InplaceSub")
+class Inplace(FactorRule):
+  """x[i] = v, x[i] += v, x[i] -= v along dim 0 (the step accumulators of Lingvo's Recurrent): like a
+  TensorScatter with one indexed dim, the rows of x and v are whole, the other dims pass their split."""
+
+  def factors(self, node):
+    rest = tuple(f"d{k}" for k in range(1, len(node.outputs[0].shape)))
+    t = (None,) + rest
+    return Factors((t, (None,) * len(node.input_shape(1)), (None,) + rest), (t,))
 
 
 @register("UnsortedSegmentSum")

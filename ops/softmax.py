@@ -20,12 +20,21 @@ def _tiles(mesh, axes):
 
 
 def _class_stats(ctx, x, shape, sharding, source):
-  """(max, sum of exp(x - max)) over the last dim, all-reduced over the axes that split it; and exp(x - max)."""
+  """(max, sum of exp(x - max)) over the last dim, all-reduced over the axes that split it; and exp(x - max).
+
+  The max is taken over the finite and -inf values; a row holding a NaN or +inf anywhere gets the max +inf on
+  every device (one flag folded into the same all-reduce), so that every shard sees the same non-finite row
+  whichever shard holds the NaN: exp(x - max) is then 0 at its finite values and NaN at its NaN and +inf values,
+  and the sum NaN, as in the unpartitioned kernel.
+  """
   axes = sharding.dims[-1]
   last = len(shape) - 1
   uneven = bool(axes) and shape[last] % sharding.tiles(last)
   xm = ctx.mask(x, shape, sharding, last, x.dtype.min) if uneven else x
-  m = tf.reduce_max(xm, axis=-1, keepdims=True)
+  inf = tf.constant(np.inf, x.dtype)
+  bad = tf.logical_or(tf.math.is_nan(xm), tf.equal(xm, inf))
+  m = tf.reduce_max(tf.where(bad, -inf, xm), axis=-1, keepdims=True)
+  m = tf.where(tf.reduce_any(bad, axis=-1, keepdims=True), inf, m)
   if axes:
     m = ctx.backend.all_reduce(m, axes, "Max", source, f"max over the class dim split by {axes_text(axes)}")
   e = tf.exp(x - m)
@@ -35,6 +44,11 @@ def _class_stats(ctx, x, shape, sharding, source):
   if axes:
     s = ctx.backend.all_reduce(s, axes, "Add", source, f"sum of exp over the class dim split by {axes_text(axes)}")
   return m, s, e
+
+
+# TF's CPU Softmax kernel for these dtypes returns, on a row holding a NaN or +inf, NaN at those values and 0
+# elsewhere (its vectorised exp of the shifted row feeds a finite normaliser); for float64 the whole row is NaN.
+_NONFINITE_STAYS_LOCAL = (tf.float32, tf.float16, tf.bfloat16)
 
 
 @register("Softmax", "LogSoftmax")
@@ -64,7 +78,12 @@ class Softmax(FactorRule):
     x = ctx.operand(0, target)
     with ctx.helper_scope():
       m, s, e = _class_stats(ctx, x, shape, target, node.name)
-      y = e / s if node.op == "Softmax" else x - m - tf.math.log(s)
+      if node.op == "LogSoftmax":
+        y = x - m - tf.math.log(s)   # a NaN or +inf makes the sum NaN: the whole row NaN, as TF's kernel gives
+      elif x.dtype in _NONFINITE_STAYS_LOCAL:
+        y = tf.where(tf.equal(m, tf.constant(np.inf, x.dtype)), e, e / s)
+      else:
+        y = e / s
     ctx.set_output(0, y, target)
 
 

@@ -35,6 +35,20 @@ LIST_OPS = {
 }
 
 
+class ListShape(collections.namedtuple("ListShape", "element_shape element_dtype")):
+  """What a function body is told of a TensorList argument in place of its shape (the handle is a scalar): its
+  elements' shape and dtype, so that a list a loop body only carries along keeps its element rank there."""
+
+  __slots__ = ()
+
+  ATTRS = ("_gspmd_list_element_shape", "_gspmd_list_element_dtype")   # where the body's parameter holds it
+
+  def attrs(self):
+    """The body parameter's node attributes that say it (see rewriter/graph_ir.py)."""
+    return {self.ATTRS[0]: tf.compat.v1.AttrValue(shape=tf.TensorShape(self.element_shape).as_proto()),
+            self.ATTRS[1]: tf.compat.v1.AttrValue(type=self.element_dtype.as_datatype_enum)}
+
+
 def _element_ports(kind):
   """(element inputs, element outputs, stacked inputs, stacked outputs) of a list op."""
   ports = ([], [], [], [])
@@ -57,6 +71,7 @@ class TensorList(Rule):
   """Handles and elements of one list share a layout; stacked tensors add a whole leading dim."""
 
   priority = 0
+  rank_free = True
 
   def _layouts(self, node, ins, outs):
     """The element layouts the node's handles and elements already have (completion merges them)."""
@@ -117,7 +132,8 @@ class TensorList(Rule):
         ctx.set_output(o, outs[o], layout)
       elif o in e_out or o in s_out:   # (the ops' shape functions read the handle, which knows no shape here)
         natural = layout if o in e_out else _stacked(layout)
-        outs[o].set_shape(natural.shard_shape(node.outputs[o].shape))
+        if node.outputs[o].shape is not None:   # (an element of unknown rank stays as the kernel makes it)
+          outs[o].set_shape(natural.shard_shape(node.outputs[o].shape))
         ctx.set_output(o, outs[o], natural)
       else:
         ctx.set_output(o, outs[o], Sharding(ctx.mesh))
@@ -134,3 +150,27 @@ class TensorList(Rule):
     with ctx.helper_scope():
       return tf.constant(layout.shard_shape(info.value_shape), dtype=node.input_info(i).dtype,
                          name="local_element_shape")
+
+
+@register("TensorListElementShape")
+class TensorListElementShape(Rule):
+  """The elements' shape of a list (a gradient's accumulator is reserved with it): the whole element's shape,
+  a replicated value; the ops that take it as an element-shape input make it the shard's shape themselves."""
+
+  priority = 0
+  rank_free = True
+
+  def partition(self, ctx, node):
+    info = node.input_info(0)
+    layout = ctx.current(0)
+    if info.is_list:
+      with ctx.helper_scope():
+        value = tf.constant(info.value_shape, dtype=node.attr("shape_type"), name="element_shape")
+      ctx.record(value.op)
+    elif layout is None or layout.is_maximal or layout.is_replicated:
+      (value,) = ctx.clone(node, {0: ctx.operand(0, Sharding(ctx.mesh))})
+    else:
+      raise PartitionError(f"the element shape of the list read by {node.name} (TensorListElementShape) is not known "
+                           f"statically, but its elements are split as {layout}; give the list a static element "
+                           "shape", node=node.name, op_type=node.op)
+    ctx.set_output(0, value, Sharding(ctx.mesh))

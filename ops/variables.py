@@ -33,9 +33,12 @@ class VarHandle(Rule):
 
   def partition(self, ctx, node):
     layout = ctx.target(0)
-    local = layout.shard_shape(node.outputs[0].value_shape or ())
-    shape = tf.compat.v1.AttrValue(shape=tf.TensorShape(local).as_proto())
-    (handle,) = ctx.clone(node, {}, attrs={"shape": shape})
+    if node.outputs[0].value_shape is None:   # a variable of unknown shape is whole on every device
+      (handle,) = ctx.clone(node, {})
+    else:
+      local = layout.shard_shape(node.outputs[0].value_shape)
+      shape = tf.compat.v1.AttrValue(shape=tf.TensorShape(local).as_proto())
+      (handle,) = ctx.clone(node, {}, attrs={"shape": shape})
     ctx.set_output(0, handle, layout)
 
 

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from tf_gspmd import ops as op_rules
 from tf_gspmd._sharding import Sharding
+from tf_gspmd.ops.tensor_list import ListShape
 from tf_gspmd.rewriter import functions, import_annotations
 
 ROUNDS = 4
@@ -71,7 +72,12 @@ def body_program(parent, fname, arg_shapes, param_shardings, out_shardings):
   key = (fname, tuple(arg_shapes), tuple(param_shardings), tuple(out_shardings) if out_shardings else None)
   cache = parent.function_cache
   if key not in cache:
-    gd, inputs, outputs = functions.body_graph_def(parent.graph_def.library, fname, arg_shapes)
+    plain = [() if isinstance(s, ListShape) else s for s in arg_shapes]
+    gd, inputs, outputs = functions.body_graph_def(parent.graph_def.library, fname, plain)
+    for node in gd.node:   # a TensorList parameter keeps its elements' shape (rewriter/graph_ir reads it)
+      if node.name in inputs and isinstance(arg_shapes[inputs.index(node.name)], ListShape):
+        for k, v in arg_shapes[inputs.index(node.name)].attrs().items():
+          node.attr[k].CopyFrom(v)
     program = type(parent).body(parent, gd, inputs, outputs, param_shardings, out_shardings)
     cache[key] = run(import_annotations.run(program))
   return cache[key]
@@ -143,6 +149,9 @@ def run(program, seed=None):
     for r in n.inputs:
       users.setdefault(r, []).append(k)
   priority = [rules[n.name].priority for n in nodes]
+  for k, n in enumerate(nodes):   # a node with a tensor of unknown rank runs replicated: its rule is not asked
+    if rules[n.name].unknown_rank(n) is not None:
+      priority[k] = ROUNDS
 
   def touched(r, fwd, bwd, level):
     """Tensor r changed: its users look again in both directions, its producer looks backward again."""

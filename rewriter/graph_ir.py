@@ -10,7 +10,8 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gspmd.errors import ShapeError
-from tf_gspmd.ops.tensor_list import LIST_OPS
+from tf_gspmd.ops.registry import unknown_rank
+from tf_gspmd.ops.tensor_list import LIST_OPS, ListShape
 from tf_gspmd.rewriter.graph_view import GraphView, ref, split_ref
 
 _SHAPELESS = (tf.resource, tf.variant, tf.string)
@@ -139,6 +140,8 @@ class Graph:
     for nd in order:  # the first dynamic tensor in data-flow order is the cause
       if nd.name in dynamic:
         t, op = dynamic[nd.name]
+        if any(unknown_rank(infos[x.op.name][x.value_index]) for x in op.inputs):
+          continue   # computed from a tensor of unknown rank (a loop gradient's, a call's): as opaque as it is
         raise ShapeError(f"tensor {t.name} produced by {op.type} has dynamic shape {t.shape}; tf_gspmd needs static "
                          "shapes: trace with fully defined TensorSpecs and avoid ops with data-dependent shapes",
                          node=op.name, op_type=op.type)
@@ -203,6 +206,7 @@ def _attach_variable_shapes(tf_graph, infos):
 
 
 _PASS_THROUGH = ("Identity", "While", "StatelessWhile")
+_SAME_ELEMENTS = ("AddN", "ZerosLike", "OnesLike")   # on lists (loop gradients): every list has the same elements
 _HANDLES = (tf.variant, tf.resource)   # carry their lists' elements' or variables' value shape through loops
 
 
@@ -235,6 +239,11 @@ def _attach_list_element_shapes(tf_graph, infos):
     return False
 
   ops = tf_graph.get_operations()
+  for op in ops:   # a function body's TensorList parameter, told its elements' shape (completion.body_program)
+    if op.type == "Placeholder" and ListShape.ATTRS[0] in op.node_def.attr:
+      element = tf.TensorShape(op.get_attr(ListShape.ATTRS[0]))
+      if element.is_fully_defined():
+        give(op.outputs[0], tuple(element.as_list()), op.get_attr(ListShape.ATTRS[1]))
   changed = True
   while changed:
     changed = False
@@ -246,6 +255,13 @@ def _attach_list_element_shapes(tf_graph, infos):
         if known is None:
           known = next(((infos[h.op.name][h.value_index].value_shape, infos[h.op.name][h.value_index].value_dtype)
                         for h in handles if infos[h.op.name][h.value_index].value_shape is not None), None)
+        if known is not None:
+          for h in handles:
+            changed |= give(h, *known)
+      elif op.type in _SAME_ELEMENTS and op.outputs[0].dtype == tf.variant:
+        handles = list(op.inputs) + list(op.outputs)
+        known = next(((infos[h.op.name][h.value_index].value_shape, infos[h.op.name][h.value_index].value_dtype)
+                      for h in handles if infos[h.op.name][h.value_index].value_shape is not None), None)
         if known is not None:
           for h in handles:
             changed |= give(h, *known)

@@ -16,7 +16,7 @@ from tf_gspmd import _compat
 from tf_gspmd import ops as op_rules
 from tf_gspmd._mesh import axes_text
 from tf_gspmd._sharding import Sharding
-from tf_gspmd.errors import PartitionError, UnsupportedOpError
+from tf_gspmd.errors import PartitionError, ShapeError, UnsupportedOpError
 from tf_gspmd.ops import windows
 from tf_gspmd.rewriter import completion, functions, loops, reshard
 from tf_gspmd.rewriter.collectives import Backend
@@ -29,6 +29,7 @@ TABLES_SCOPE = "gspmd/tables/"   # per-device constant tables (one per distinct 
 # Ops that only read a variable through its handle; any other consumer of the handle may write it.
 READ_ONLY_VARIABLE_OPS = frozenset({"ReadVariableOp", "VariableShape", "ResourceGather", "ResourceGatherNd"})
 _warned_fallback = set()
+_warned_unknown_rank = set()
 
 
 def table_key(table):
@@ -410,6 +411,16 @@ def _partition_nodes(ctx):
         warnings.warn(f"tf_gspmd: op type {node.op} (first at {node.name}) has no partitioning rule; its operands "
                       "are replicated and it runs whole on every device", stacklevel=3)
       rule = op_rules.FALLBACK
+    else:
+      unknown = rule.unknown_rank(node)
+      if unknown is not None:
+        ctx.warn(f"{node.name} ({node.op}): {unknown} has unknown rank, so the op runs whole on every device "
+                 "(its operands replicated); give the value a static shape to partition it")
+        if node.op not in _warned_unknown_rank:
+          _warned_unknown_rank.add(node.op)
+          warnings.warn(f"tf_gspmd: {node.name} ({node.op}): {unknown} has unknown rank; the op runs replicated",
+                        stacklevel=3)
+        rule = op_rules.FALLBACK
     try:
       rule.partition(ctx, node)
     except PartitionError as e:
@@ -494,6 +505,12 @@ def run(program):
   stored layout and whether the program may write it (any use of its handle but a read), per output its
   sharding, global shape and dtype. Later passes keep these boundary nodes in place.
   """
+  for k, r in enumerate(program.ir.outputs):
+    info = program.ir.info(r)
+    if info.shape is None and info.dtype not in (tf.resource, tf.variant):
+      raise ShapeError(f"result {k} ({public_key(r)}, {info.dtype.name}) has unknown rank; a function's results need "
+                       "static shapes: give it one (tf.ensure_shape or tf.reshape to a static shape) before returning "
+                       "it", node=split_ref(r)[0])
   weights = {tuple(program.ir.info(ref(name)).value_shape): (var.name if var is not None else name)
              for name, var in zip(program.variable_names, program.variables)
              if not program.shardings[ref(name)].is_replicated}

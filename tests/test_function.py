@@ -196,22 +196,22 @@ def test_sharded_tensor_with_other_sharding_is_resharded_inside(rng):
 
 def test_fallback_is_correct_reported_and_warned_once(rng, monkeypatch):
   from tf_gspmd.rewriter import partition  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(partition, "_warned_fallback", set())   # (other tests may have met ReverseV2 first)
+  monkeypatch.setattr(partition, "_warned_fallback", set())   # (other tests may have met ReverseSequence first)
 
-  def f(x):
-    return tf.reverse(tf.exp(x), axis=[0]) * 2.0
+  def f(x):   # ReverseSequence has no rule
+    return tf.reverse_sequence(tf.exp(x), [16, 9, 3, 1], seq_axis=0, batch_axis=1) * 2.0
 
   g = gs.function(f, mesh=MESH8, in_shardings=P("batch", None), out_shardings=P("batch", None))
   x = rng.standard_normal((16, 4), np.float32)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     low = g.lower(tf.TensorSpec([16, 4]))
-  assert [op for _, op in low.report.fallbacks] == ["ReverseV2"]
-  assert any("ReverseV2" in str(w.message) for w in caught)
+  assert [op for _, op in low.report.fallbacks] == ["ReverseSequence"]
+  assert any("ReverseSequence" in str(w.message) for w in caught)
   assert low.report.counts() == {"all-gather": 1}
   assert_close(g(x).numpy(), f(x))
   strict = gs.function(f, mesh=MESH8, in_shardings=P("batch", None), strict=True)
-  with pytest.raises(gs.UnsupportedOpError, match=r"ReverseV2.*strict=True"):
+  with pytest.raises(gs.UnsupportedOpError, match=r"ReverseSequence.*strict=True"):
     strict.lower(tf.TensorSpec([16, 4]))
 
 

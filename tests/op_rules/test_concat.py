@@ -121,3 +121,36 @@ def test_roll_gradient_is_the_opposite_rotation(rng):
   low = check_partitioned(fn, [x], P("stage", "data"), mesh, out=P("stage", "data"))
   assert set(low.report.counts()) <= {"collective-permute", "all-reduce"}, low.report.counts()
   assert "all-gather" not in low.report.counts()
+
+
+@pytest.mark.parametrize("mesh_shape,spec,shape,axis", [
+    ((4, 2), P("a", "b"), (8, 6, 3), [0]),         # each shard to its mirror: one permute
+    ((4, 2), P("a", "b"), (8, 6, 3), [0, 1]),      # two split dims, one permute each
+    ((4, 2), P("a", "b"), (8, 6, 3), [2]),         # a whole dim reverses locally
+    ((4, 2), P("a", "b"), (8, 6, 3), [-1, 0]),
+    ((2, 4), P(("a", "b"), None), (8, 5), [0]),    # a dim split over two axes
+    ((8,), P("a", None), (13, 5), [0]),            # uneven: mirror, then the padding rotated to the end
+    ((4, 2), P("a", "b"), (6, 7, 3), [0, 1]),
+], ids=str)
+def test_reverse_along_a_split_dim_swaps_mirrored_shards(rng, mesh_shape, spec, shape, axis):
+  mesh = gs.Mesh(mesh_shape, ("a", "b")[:len(mesh_shape)])
+  x = rng.standard_normal(shape).astype(np.float32)
+  fn = lambda t: tf.reverse(t * 2.0, axis)
+  low = check_partitioned(fn, [x], spec, mesh, out=spec, tol=0)
+  assert low.report.fallbacks == ()
+  counts = low.report.counts()
+  assert set(counts) <= {"collective-permute"}, counts
+  split = [d % len(shape) for d in axis if d % len(shape) < len(spec) and spec[d % len(shape)]]
+  even = all(shape[d] % np.prod([mesh.axis_size(a) for a in ((spec[d],) if isinstance(spec[d], str)
+                                                              else spec[d])]) == 0 for d in split)
+  if even:
+    assert counts.get("collective-permute", 0) == len(split)
+  else:
+    assert counts.get("collective-permute", 0) >= len(split)
+
+
+def test_reverse_with_axes_read_at_run_time_keeps_reversed_dims_whole(rng):
+  x = rng.standard_normal((8, 6)).astype(np.float32)
+  fn = lambda t, k: tf.reverse(t, tf.reshape(k, [1]))
+  mesh = gs.Mesh((2, 4), ("a", "b"))
+  check_partitioned(fn, [x, np.array(1, np.int32)], (P("a", "b"), P()), mesh, tol=0)

@@ -39,3 +39,39 @@ def test_segment_sum_over_split_ids_is_partial_sum_all_reduce(rng):
   low = check_partitioned(lambda i, d: tf.math.unsorted_segment_sum(d, i, 5), [ids, data],
                           (P("data"), P("data", None)), MESH)
   assert low.report.counts() == {"all-reduce": 1}
+
+
+def _steps(x, k):
+  """Lingvo's Recurrent accumulators: an Empty [steps, ...] seeded row by row with InplaceUpdate, then rows added
+  to and subtracted from."""
+  acc = tf.raw_ops.Empty(shape=[4, 8, 16], dtype=tf.float32, init=k == 0)
+  for t in range(4):
+    acc = tf.raw_ops.InplaceUpdate(x=acc, i=[t], v=tf.expand_dims(tf.tanh(x * (t + 1.0)), 0))
+  acc = tf.raw_ops.InplaceAdd(x=acc, i=[1, 3], v=tf.stack([x, 2.0 * x]))
+  return tf.raw_ops.InplaceSub(x=acc, i=[0], v=tf.expand_dims(x * x, 0))
+
+
+@pytest.mark.parametrize("spec,result", [(P("data", "model"), P(None, "data", "model")),
+                                         (P(None, "model"), P(None, None, "model")), (P(), P())], ids=str)
+@pytest.mark.parametrize("init", [0, 1], ids=["init", "uninitialised"])
+def test_empty_and_inplace_updates_keep_the_step_dims_split(rng, spec, result, init):
+  x = rng.standard_normal((8, 16)).astype(np.float32)
+  low = check_partitioned(lambda t: _steps(t, init), [x], spec, MESH, tol=1e-6)
+  assert low.report.fallbacks == ()
+  assert low.report.collectives == ()   # every device writes its own shard of every row
+  assert low.out_shardings[0].spec in (result, P(None, None, None) if result == P() else result)
+
+
+def test_inplace_update_in_a_loop_at_the_step_index(rng):
+  """The accumulator written at the loop counter (Recurrent's forward loop): rows whole, others split."""
+  def fn(x):
+    def body(i, acc):
+      row = tf.expand_dims(tf.nn.relu(x * tf.cast(i + 1, tf.float32)), 0)
+      return i + 1, tf.raw_ops.InplaceUpdate(x=acc, i=tf.reshape(i, [1]), v=row)
+    acc = tf.raw_ops.Empty(shape=[3, 8, 16], dtype=tf.float32, init=True)
+    return tf.while_loop(lambda i, acc: i < 3, body, [0, acc])[1]
+
+  x = rng.standard_normal((8, 16)).astype(np.float32)
+  low = check_partitioned(fn, [x], P("data", "model"), MESH, tol=1e-6)
+  assert low.report.fallbacks == () and low.report.collectives == ()
+  assert low.out_shardings[0].spec == P(None, "data", "model")

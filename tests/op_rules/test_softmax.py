@@ -83,3 +83,34 @@ def test_softmax_xent_workload_is_small_all_reduces():
   low = f.lower(tf.TensorSpec([64, 32000]), tf.TensorSpec([64], tf.int32))
   assert set(low.report.counts()) == {"all-reduce"}
   assert all(c.bytes <= 32 * 4 for c in low.report.collectives)
+
+
+def _nonfinite_rows(rng, rows, classes, dtype):
+  x = rng.standard_normal((rows, classes)).astype(dtype)
+  x[0, 3] = np.nan              # a NaN on the first device's shard of the class dim
+  x[1, 5] = np.inf              # +inf on the second device's
+  x[2, classes - 1] = -np.inf   # -inf: a masked class, finite elsewhere
+  x[3, :] = -np.inf             # every class masked
+  x[4, 2] = x[4, classes - 2] = np.inf   # +inf on two shards
+  x[5, 1] = np.nan
+  x[5, classes - 3] = np.inf
+  return x
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("classes", [32, 30])
+def test_softmax_over_split_classes_with_nan_and_inf_equals_tf(rng, dtype, classes):
+  """NaN, +inf and -inf logits with the class dim split over "model": the same values and NaNs as TF's kernels
+  (float32: NaN only where the row holds NaN or +inf, 0 elsewhere in that row; float64 and log-softmax: the whole
+  row NaN; -inf gives 0 / -inf; a row of -inf only is NaN)."""
+  x = _nonfinite_rows(rng, 8, classes, dtype)
+  fn = lambda t: (tf.nn.softmax(t, 1), tf.nn.log_softmax(t, 1))
+  f = gs.function(fn, mesh=MESH, in_shardings=P("data", "model"))
+  got = [g.numpy() for g in f(x)]
+  want = [w.numpy() for w in fn(tf.constant(x))]
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+    assert_close(g, w, rtol=1e-5, atol=1e-6)   # (equal_nan, and -inf where TF has -inf)
+  assert np.isnan(want[0][:2]).sum() == (2 if dtype == np.float32 else 2 * classes)   # the kernels' rules above
+  low = f.lower(tf.TensorSpec(x.shape, tf.as_dtype(dtype)))
+  assert set(low.report.counts()) == {"all-reduce"}

@@ -204,3 +204,23 @@ def test_completion_is_deterministic_and_never_overwrites_annotations(ops, ann):
   for k in range(len(ops)):
     if _SPECS[ann[k]] is not None:
       assert first[f"ann{k}"] == Sharding.from_spec(MESH, _SPECS[ann[k]], rank=2)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,want", [
+    ((8, 16), (16, 64), P(None, "model")),    # w is larger: the result follows w
+    ((64, 16), (16, 8), P("model", None)),    # x is larger: the result follows x
+    ((16, 16), (16, 16), P("model", None)),   # equal sizes: the first operand
+], ids=str)
+@pytest.mark.parametrize("op", ["matmul", "einsum"])
+def test_dot_of_operands_split_differently_follows_the_larger_one(rng, x_shape, w_shape, want, op):
+  """XLA's sharding propagation for a dot whose operands are split in ways that do not combine (both split over
+  "model", on different result dims): the result takes the layout of the operand with more elements."""
+  dot = (lambda x, w: tf.matmul(x, w)) if op == "matmul" else (lambda x, w: tf.einsum("mk,kn->mn", x, w))
+  fn = lambda x, w: tf.identity(dot(x, w), name="y")
+  specs = (P("model", None), P(None, "model"))
+  s = complete(fn, x_shape, w_shape, in_shardings=specs)
+  assert spec(s, "y") == want
+  x = rng.standard_normal(x_shape).astype(np.float32)
+  w = rng.standard_normal(w_shape).astype(np.float32)
+  got = gs.function(fn, mesh=MESH, in_shardings=specs)(x, w)
+  np.testing.assert_allclose(got.numpy(), fn(x, w).numpy(), rtol=1e-5, atol=1e-5)
