@@ -265,6 +265,14 @@ def keras_backend_distribution_lib():
   return distribution_lib
 
 
+def set_keras_backend_converters(to_mesh, to_layout):
+  """Installs what `DeviceMesh.backend_mesh` and `TensorLayout.backend_layout` call on the TF backend (Keras's
+  private `_to_backend_mesh` / `_to_backend_layout` of its distribution_lib)."""
+  backend_dl = keras_backend_distribution_lib()
+  backend_dl._to_backend_mesh = to_mesh  # pylint: disable=protected-access
+  backend_dl._to_backend_layout = to_layout  # pylint: disable=protected-access
+
+
 # ---- Graphs and functions as data (TF 2.21) ---------------------------------------------------------------------
 # TF has no public way to turn a FunctionDef into a GraphDef or a graph into a FunctionDef (tf.function builds
 # them only from Python code), nor to read an op type's OpDef.

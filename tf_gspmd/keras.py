@@ -30,11 +30,14 @@ Example:
 
 import collections
 import contextlib
+import difflib
 import importlib.abc
 import math
 import re
 import sys
 import threading
+import warnings
+import weakref
 import zlib
 
 import keras
@@ -47,7 +50,7 @@ from tf_gspmd import initializers
 from tf_gspmd._annotations import current_mesh, shard
 from tf_gspmd._function import function as gs_function
 from tf_gspmd._mesh import Mesh, P, device_order
-from tf_gspmd._sharding import to_sharding
+from tf_gspmd._sharding import Sharding, to_sharding
 from tf_gspmd.errors import InputError, MeshError, SpecError
 from tf_gspmd.runtime import parallel as _parallel
 from tf_gspmd.runtime import state as _state
@@ -98,12 +101,15 @@ class LayoutMap(collections.abc.MutableMapping):
 
 
 class _Plan:
-  """What the partitioned Keras functions need: mesh, batch axis, spec for a path (or None)."""
+  """What the partitioned Keras functions need: mesh, batch axis, spec for a path (or None), and the layout map's
+  keys (checked once per model against its variables and layer outputs: `_warn_unmatched_keys`)."""
 
-  def __init__(self, mesh, batch_axis, spec_for):
+  def __init__(self, mesh, batch_axis, spec_for, keys=()):
     self.mesh = mesh
     self.batch_axis = batch_axis
     self.spec_for = spec_for
+    self.keys = keys
+    self.checked = weakref.WeakSet()   # the models whose paths were checked against the keys
 
 
 def _mesh_of(device_mesh):
@@ -123,7 +129,7 @@ def _plan_of(source):
   if isinstance(source, _Plan):
     return source
   if isinstance(source, LayoutMap):
-    return _Plan(source.mesh, source.batch_axis, lambda path: source[path])
+    return _Plan(source.mesh, source.batch_axis, lambda path: source[path], keys=lambda: list(source))
   if isinstance(source, _compat.keras_distribution_class()):
     mesh = _mesh_of(source.device_mesh)
 
@@ -133,7 +139,8 @@ def _plan_of(source):
       except NotImplementedError:
         layout = None
       return P(*layout.axes) if layout is not None else None
-    return _Plan(mesh, source.batch_dim_name, spec_for)
+    layout_map = getattr(source, "_layout_map", None)   # ModelParallel's (DataParallel has none)
+    return _Plan(mesh, source.batch_dim_name, spec_for, keys=lambda: list(layout_map or ()))
   raise InputError(f"gs.keras.scope takes a Keras distribution or a gs.keras.LayoutMap; got {source!r}")
 
 
@@ -149,6 +156,45 @@ def _active_plan():
   if cached is None or cached[0] is not dist:
     _local.from_keras = (dist, _plan_of(dist))
   return _local.from_keras[1]
+
+
+def _paths(model):
+  """Every path a layout map key may name in `model`: its variables' (optimizer and metrics included) and
+  `"<layer path>/output"` for each of its layers (and nested layers)."""
+  paths = set()
+  groups = [getattr(model, "variables", ()), getattr(model, "weights", ()), getattr(model, "metrics_variables", ())]
+  if getattr(model, "optimizer", None) is not None:
+    groups.append(model.optimizer.variables)
+  for group in groups:
+    paths.update(v.path for v in group if getattr(v, "path", None))
+  for layer in [model] + list(model._flatten_layers(include_self=False)):  # pylint: disable=protected-access
+    for name in {getattr(layer, "path", None), layer.name}:
+      if name:
+        paths.add(f"{name}/output")
+  return paths
+
+
+def _warn_unmatched_keys(plan, model):
+  """Warns, once per key, about each layout map key that names none of `model`'s variables or layer outputs: such
+  a key does nothing, and what it was meant to split stays replicated (a renamed layer, a typo in a regex)."""
+  keys = plan.keys() if callable(plan.keys) else plan.keys
+  if not keys or model in plan.checked:
+    return
+  plan.checked.add(model)
+  paths = sorted(_paths(model))
+  for key in keys:
+    try:
+      matches = any(key == p or re.fullmatch(key, p) for p in paths)
+    except re.error as e:
+      warnings.warn(f"layout map key {key!r} is not a valid regular expression ({e}); it matches nothing in model "
+                    f"{model.name!r}", stacklevel=3)
+      continue
+    if not matches:
+      near = difflib.get_close_matches(key, paths, n=3, cutoff=0.5)
+      hint = f"; nearest paths: {near}" if near else ""
+      warnings.warn(f"layout map key {key!r} matches no variable path or \"<layer path>/output\" of model "
+                    f"{model.name!r} ({len(paths)} paths, matched with re.fullmatch): what it was meant to lay out "
+                    f"stays replicated. Fix the key{hint}", stacklevel=3)
 
 
 @contextlib.contextmanager
@@ -168,21 +214,21 @@ def _eager(value):
   return value
 
 
-def _distribute_eagerly(tensor, layout, plan):
-  """`tensor` as a ShardedTensor laid out by Keras TensorLayout `layout` over the plan's mesh (or the layout's own
-  device mesh); raises SpecError naming the tensor, dimension and mesh axis for a layout that does not fit it.
-  An uneven split is allowed: the last tiles are padded, as everywhere in tf_gspmd."""
-  mesh = plan.mesh
+def _layout_sharding(layout, shape, what, mesh=None):
+  """(mesh, Sharding) of a Keras TensorLayout (or a gs.Sharding, the layout's `backend_layout`) for a value of
+  `shape`, over the layout's own device mesh, else `mesh` (the active distribution's). Raises SpecError naming
+  the value, dimension and mesh axis for a layout that does not fit it. An uneven split is allowed: the last tiles
+  are padded, as everywhere in tf_gspmd."""
+  if isinstance(layout, Sharding):
+    return layout.mesh, layout.with_rank(len(shape), what)
   device_mesh = getattr(layout, "device_mesh", None)
   if device_mesh is not None:
     own = _mesh_of(device_mesh)
-    mesh = plan.mesh if own == plan.mesh else own
-  if isinstance(tensor, ShardedTensor):
-    shape, dtype = tuple(tensor.shape.as_list()), tensor.dtype
-  else:
-    tensor = tf.convert_to_tensor(tensor)
-    shape, dtype = tuple(tensor.shape.as_list()), tensor.dtype
-  what = f"the tensor of shape {shape} ({dtype.name}) given to keras.distribution.distribute_tensor"
+    mesh = mesh if own == mesh else own
+  if mesh is None:
+    raise SpecError(f"layout {tuple(layout.axes)} for {what} has no device mesh and no distribution is active: "
+                    f"create the TensorLayout with a keras.distribution.DeviceMesh, or call this under a "
+                    f"distribution's scope()")
   axes = tuple(layout.axes)
   if len(axes) != len(shape):
     raise SpecError(f"layout {axes} has {len(axes)} entries but {what} has rank {len(shape)}; give the layout one "
@@ -200,7 +246,17 @@ def _distribute_eagerly(tensor, layout, plan):
         raise SpecError(f"layout {axes} splits dimensions {seen[a]} and {d} of {what} over the same mesh axis "
                         f"{a!r}; a mesh axis may split one dimension only")
       seen[a] = d
-  sharding = to_sharding(P(*axes), mesh, rank=len(shape), what=what)
+  return mesh, to_sharding(P(*axes), mesh, rank=len(shape), what=what)
+
+
+def _distribute_eagerly(tensor, layout, plan):
+  """`tensor` as a ShardedTensor laid out by `layout` (a Keras TensorLayout or a gs.Sharding) over the plan's mesh
+  (or the layout's own); validated as `_layout_sharding` says."""
+  if not isinstance(tensor, ShardedTensor):
+    tensor = tf.convert_to_tensor(tensor)
+  shape, dtype = tuple(tensor.shape.as_list()), tensor.dtype
+  what = f"the tensor of shape {shape} ({dtype.name}) given to keras.distribution.distribute_tensor"
+  mesh, sharding = _layout_sharding(layout, shape, what, plan.mesh if plan is not None else None)
   if isinstance(tensor, ShardedTensor) and tensor.sharding == sharding:
     return tensor   # already laid out so
   value = tensor.numpy()
@@ -211,6 +267,47 @@ def _distribute_eagerly(tensor, layout, plan):
     with tf.device(devices[p]):
       comps.append(tf.identity(tf.constant(piece, dtype)))
   return ShardedTensor(comps, sharding, shape, dtype, devices=devices, positions=positions)
+
+
+class _HostValue(initializers.Initializer):
+  """An initializer that gives the blocks of one host value (each shard of a variable cut from it on its device)."""
+
+  def __init__(self, value):
+    self.value = value
+
+  def block(self, shape, starts, lengths, dtype):
+    return tf.constant(self.value[tuple(slice(s, s + n) for s, n in zip(starts, lengths))], dtype)
+
+
+def _distribute_variable(value, layout):
+  """The backend's `distribute_variable`: a variable stored sharded as `layout` says (`gs.sharding_of` reads it).
+
+  A tf.Variable or Keras variable is re-laid out in place and returned; any other value (array, tensor,
+  ShardedTensor) becomes a new tf.Variable created shard by shard, each device holding only its piece. The layout
+  is validated as for distribute_tensor (rank, mesh axes, an axis used once)."""
+  plan = _active_plan()
+  variable = value if _compat.is_resource_variable(value) or isinstance(value, keras.Variable) else None
+  if variable is not None:
+    shape, dtype = tuple(variable.shape), tf.as_dtype(variable.dtype)
+    what = f"variable {getattr(variable, 'path', variable.name)!r} {list(shape)} given to distribute_variable"
+  else:
+    value = value.numpy() if isinstance(value, ShardedTensor) else np.asarray(value)
+    shape, dtype = value.shape, tf.as_dtype(value.dtype)
+    what = f"the value of shape {shape} ({dtype.name}) given to distribute_variable"
+  mesh, sharding = _layout_sharding(layout, shape, what, plan.mesh if plan is not None else None)
+  if variable is not None:
+    _state.manage(variable, sharding, mesh.resolve_devices(), what=what)
+    return variable
+  return _state.variable(_HostValue(value), shape, dtype, mesh=mesh, spec=sharding)
+
+
+def _backend_layout(tensor_layout):
+  """`TensorLayout.backend_layout` on the TF backend: the gs.Sharding over the layout's mesh (`backend_mesh`)."""
+  if tensor_layout.device_mesh is None:
+    raise SpecError(f"TensorLayout {tuple(tensor_layout.axes)}: cannot create a sharding when the device mesh is "
+                    f"not set; give the TensorLayout a DeviceMesh (or put it in a LayoutMap, which sets its own)")
+  axes = tuple(tensor_layout.axes)
+  return _layout_sharding(tensor_layout, (0,) * len(axes), f"TensorLayout {axes}")[1]
 
 
 class _Partitioned:
@@ -346,6 +443,7 @@ def _partition_generate():
     plan = _active_plan()
     if plan is None:
       return original(self)
+    _warn_unmatched_keys(plan, self)
     current = getattr(self, "generate_function", None)
     if not (isinstance(current, _Partitioned) and current.plan is plan):
       self.generate_function = _Partitioned(self, "generate", plan)
@@ -414,6 +512,7 @@ def _install():
         return current
       if kind == "train" and self.optimizer is not None and not self.optimizer.built:
         self.optimizer.build(self.trainable_variables)
+      _warn_unmatched_keys(plan, self)
       setattr(self, attr, _Partitioned(self, kind, plan))
       return getattr(self, attr)
     return make_function
@@ -433,11 +532,6 @@ def _install():
     if current_mesh() is None:
       return tensor
     return shard(tensor, P(*layout.axes))
-
-  def distribute_variable(value, layout):  # pylint: disable=unused-argument
-    """Variables keep their value here; their layout is applied where they are used (partitioned steps). Keras's
-    TF backend does not call this: variables with a layout are created sharded (`initialize_sharded`)."""
-    return value
 
   def get_device_count(device_type=None):
     return len(backend_dl.list_devices(device_type))
@@ -466,7 +560,8 @@ def _install():
 
   _compat.set_keras_variable_initializer(initialize_sharded)
   backend_dl.distribute_tensor = distribute_tensor
-  backend_dl.distribute_variable = distribute_variable
+  backend_dl.distribute_variable = _distribute_variable
+  _compat.set_keras_backend_converters(_mesh_of, _backend_layout)
   backend_dl.get_device_count = get_device_count
   backend_dl.initialize = _initialize_processes
   backend_dl.list_devices = _list_devices
