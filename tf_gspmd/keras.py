@@ -52,6 +52,7 @@ from tf_gspmd._function import function as gs_function
 from tf_gspmd._mesh import Mesh, P, device_order
 from tf_gspmd._sharding import Sharding, to_sharding
 from tf_gspmd.errors import InputError, MeshError, SpecError
+from tf_gspmd.rewriter.graph_view import ref
 from tf_gspmd.runtime import parallel as _parallel
 from tf_gspmd.runtime import state as _state
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor, shard_host_value
@@ -333,9 +334,19 @@ class _Partitioned:
       model, plan, structure = self.model, self.plan, data
       present = [t is not None for t in leaves]
 
+      optimizer = getattr(model, "optimizer", None)
+      variables = list(model.weights) + (list(optimizer.variables) if optimizer is not None else [])
+      specs = [(v, plan.spec_for(v.path)) for v in variables]   # (the optimizer's too: a map may name its slots)
+      devices = plan.mesh.resolve_devices()
+      for v, spec in specs:
+        # Stored as the layout map says (as under JAX), also when created before the distribution: the step then
+        # keeps it so (a variable stored sharded is pinned) instead of storing what its update is computed in.
+        if spec is not None and _compat.keras_inner_variable(v) is not None:
+          shape = tuple(v.shape)
+          _state.manage(v, to_sharding(spec, plan.mesh, rank=len(shape), what=v.path), devices, what=v.path)
+
       def step(*xs):
-        for v in model.weights:
-          spec = plan.spec_for(v.path)
+        for v, spec in specs:
           if spec is not None:
             shard(v, spec)
         it = iter(xs)
@@ -368,6 +379,122 @@ class _Partitioned:
     if logs is None:
       raise StopIteration
     return logs
+
+
+class AutoLayoutMap(keras.distribution.LayoutMap):
+  """A Keras LayoutMap written by `auto_layout_map`: one key per variable (its exact path, as a regular
+  expression), the TensorLayout automatic sharding chose for it. Edit it as any LayoutMap; `str()` prints it as
+  the Python that builds it.
+
+  Attributes:
+    auto_plan: what the solver chose and why (`rewriter.auto.AutoPlan`: each choice, its runner-up and cost).
+    memory: the memory account of the train step laid out by this map (`report.memory`: the plan's count, what
+      `memory_budget` bounds, and the per-device program's estimate).
+    batch_dim_name: the mesh axis the batch was split over (give it to ModelParallel).
+  """
+
+  def __init__(self, device_mesh, batch_dim_name, auto_plan=None, memory=None):
+    super().__init__(device_mesh)
+    self.batch_dim_name = batch_dim_name
+    self.auto_plan = auto_plan
+    self.memory = memory
+
+  def __str__(self):
+    mesh = self.device_mesh
+    lines = [f"# chosen by automatic sharding over mesh {dict(zip(mesh.axis_names, mesh.shape))}, batch over "
+             f"{self.batch_dim_name!r}" + (f"; {self.memory.plan.peak_bytes:,} B per device (plan)"
+                                           if self.memory is not None else ""),
+             "layout_map = keras.distribution.LayoutMap(device_mesh)"]
+    lines += [f"layout_map[{key!r}] = {tuple(layout.axes)!r}" for key, layout in self.items()]
+    return "\n".join(lines)
+
+
+def _tensor_layout(sharding, rank, device_mesh):
+  """The Keras TensorLayout of a gs.Sharding of a tensor of `rank` (a dim over several mesh axes: their tuple)."""
+  dims = sharding.with_rank(rank).dims if rank else ()
+  axes = tuple(None if not a else a[0] if len(a) == 1 else tuple(a) for a in dims)
+  if any(isinstance(a, tuple) for a in axes):   # a dim split over several mesh axes
+    return _compat.keras_tensor_layout(axes, device_mesh)
+  return keras.distribution.TensorLayout(axes, device_mesh)
+
+
+def auto_layout_map(model, device_mesh, memory_budget=None, *, data, batch_dim_name=None, axis_cost=None,
+                    flops_per_byte=1000.0, solver_time_limit=None, include_optimizer=True):
+  """A Keras LayoutMap for `model` chosen by automatic sharding (`in_shardings="auto"`) of its train step.
+
+  The compiled model's `train_step` on one batch of `data` is lowered over `device_mesh` (plan mode: no device
+  runs it) with the batch split over `batch_dim_name`, as ModelParallel splits it, and every variable's layout
+  left to the solver under `memory_budget` (bytes per device of the step: arguments, variables and optimizer
+  state, constants and the activations live at the peak). The layouts it chose are returned as an explicit
+  LayoutMap: a key per variable -- its exact path -- and a TensorLayout, the optimizer's included
+  (`include_optimizer`). Only the batch and the variables are pinned while solving (`auto_pins="state"`), the
+  rest completed as the step ModelParallel runs with the map completes it, so the count the budget bounds is that
+  step's (`.memory`).
+
+  Args:
+    model: a compiled Keras model (built here from `data` if it is not yet).
+    device_mesh: the `keras.distribution.DeviceMesh`.
+    memory_budget: bytes per device the plan may hold at its peak, or None (then a small model stays replicated:
+      the solver also prices arithmetic against bytes moved, see `flops_per_byte`).
+    data: one batch as `train_step` takes it: `(x, y)` or `(x, y, sample_weight)` (arrays or tensors; only shapes
+      and dtypes are used).
+    batch_dim_name: the mesh axis of the batch (default: "batch" if the mesh has it, else its first axis).
+    axis_cost, flops_per_byte, solver_time_limit: as for `gs.function`.
+    include_optimizer: also list the optimizer's variables (slots, step counter).
+
+  Returns:
+    An `AutoLayoutMap` (a `keras.distribution.LayoutMap`; `.auto_plan`, `.memory`, `.batch_dim_name`).
+
+  Raises:
+    AutoShardingError: no layout fits the budget.
+
+  Example:
+    >>> layout_map = gs.keras.auto_layout_map(model, mesh, memory_budget=64 << 20, data=(x[:8], y[:8]))
+    >>> print(layout_map)      # the Python that builds it: edit any entry
+    >>> with keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch").scope():
+    ...   model.fit(x, y, batch_size=8)
+  """
+  if not isinstance(device_mesh, keras.distribution.DeviceMesh):
+    raise InputError(f"auto_layout_map needs a keras.distribution.DeviceMesh; got {device_mesh!r}")
+  names = list(device_mesh.axis_names)
+  if batch_dim_name is None:
+    batch_dim_name = "batch" if "batch" in names else names[0]
+  if batch_dim_name not in names:
+    raise MeshError(f"batch_dim_name {batch_dim_name!r} is not an axis of the device mesh {names}; give one of them")
+  if getattr(model, "optimizer", None) is None:
+    raise InputError(f"auto_layout_map lays out model {model.name!r}'s train step: compile the model first")
+  leaves = [None if t is None else tf.convert_to_tensor(t) for t in tf.nest.flatten(data)]
+  structure = data
+  _compat.keras_symbolic_build(model, data)
+  if not model.optimizer.built:
+    model.optimizer.build(model.trainable_variables)
+  mesh = _mesh_of(device_mesh)
+  present = [t is not None for t in leaves]
+  flat = [t for t in leaves if t is not None]
+  variables = list(model.weights) + (list(model.optimizer.variables) if include_optimizer else [])
+
+  def step(*xs):
+    it = iter(shard(t, P(batch_dim_name)) if t.shape.rank else t for t in xs)
+    return model.train_step(tf.nest.pack_sequence_as(structure, [next(it) if p else None for p in present]))
+
+  # Only the batch and the variables are pinned (auto_pins="state"): a LayoutMap lays out nothing else, so the
+  # plan the budget bounds is the one ModelParallel runs with the map, completed as it completes it.
+  f = gs_function(tf.autograph.experimental.do_not_convert(step), mesh=mesh, in_shardings="auto",
+                  memory_budget=memory_budget, axis_cost=axis_cost, flops_per_byte=flops_per_byte,
+                  solver_time_limit=solver_time_limit, auto_pins="state")
+  low = f.lower(*[tf.TensorSpec(t.shape, t.dtype) for t in flat])
+  program = low.program
+  chosen = {id(v): program.shardings[ref(name)] for name, v in zip(program.variable_names, program.variables)}
+  layout_map = AutoLayoutMap(device_mesh, batch_dim_name, auto_plan=low.auto_plan, memory=low.report.memory)
+  done = set()
+  for v in variables:
+    sharding = chosen.get(id(_compat.keras_inner_variable(v))) or chosen.get(id(v))
+    if sharding is None or v.path in done:
+      continue   # not read by the train step (or a variable listed twice)
+    done.add(v.path)
+    key = v.path if re.escape(v.path) == v.path else re.escape(v.path)
+    layout_map[key] = _tensor_layout(sharding, len(v.shape), device_mesh)
+  return layout_map
 
 
 # Variables with a layout up to this size (bytes) are initialised exactly as Keras does without a distribution
