@@ -313,9 +313,9 @@ def _auto_options(mesh, in_shardings, memory_budget, axis_cost, flops_per_byte, 
       raise InputError(f"in_shardings entry {k} is the string {s!r}; the only string accepted is \"auto\" (the "
                        "layout is chosen by the auto-sharding solver)")
   if not any(_is_auto(s) for s in entries):
-    if memory_budget is not None or axis_cost is not None or time_limit is not None:
-      raise InputError("memory_budget, axis_cost and solver_time_limit apply to automatic sharding: give "
-                       "in_shardings=\"auto\" (or \"auto\" for some arguments)")
+    if memory_budget is not None or axis_cost is not None or time_limit is not None or pins != "all":
+      raise InputError("memory_budget, axis_cost, solver_time_limit and auto_pins apply to automatic sharding: "
+                       "give in_shardings=\"auto\" (or \"auto\" for some arguments)")
     return None
   axis_cost = dict(axis_cost or {})
   for a, c in axis_cost.items():
