@@ -114,6 +114,11 @@ def test_distribute_tensor_traced_lays_out_inside_a_partitioned_step_and_nothing
   low = f.lower(tf.TensorSpec([8, 8]))
   assert low.out_shardings[0].spec == P("batch", "model")   # the annotation carried to the result
   assert low.report.fallbacks == ()
+  # The backend layout (a gs.Sharding) is taken as well.
+  g = gs.function(lambda t: dist.distribute_tensor(t * 2.0, dist.TensorLayout((None, "model"), mesh).backend_layout),
+                  mesh=mesh.backend_mesh, in_shardings=P())
+  assert g.lower(tf.TensorSpec([8, 8])).out_shardings[0].spec == P(None, "model")
+  np.testing.assert_allclose(g(x).numpy(), x * 2.0, rtol=1e-6)
 
 
 def test_distribute_variable_creates_a_variable_laid_out_shard_by_shard():

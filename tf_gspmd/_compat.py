@@ -271,6 +271,11 @@ def keras_symbolic_build(model, data_batch):
   model._symbolic_build(data_batch=data_batch)  # pylint: disable=protected-access
 
 
+def keras_nested_layers(model):
+  """Every layer inside a Keras model or layer, nested ones included (Keras's `_flatten_layers`)."""
+  return list(model._flatten_layers(include_self=False))  # pylint: disable=protected-access
+
+
 def keras_tensor_layout(axes, device_mesh):
   """A Keras TensorLayout whose entries may be tuples of mesh axes (one dim split over several), which JAX's
   PartitionSpec and tf_gspmd's P take but TensorLayout's own check refuses (it accepts one axis name per dim)."""

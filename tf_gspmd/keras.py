@@ -12,7 +12,12 @@ the TensorFlow backend: its TF `distribution_lib` is a stub. Importing this modu
   `distribute_tensor` after every layer call);
 * a keras-hub CausalLM's `generate()` runs partitioned too, whichever of keras_hub and this module is imported
   first;
-* `keras.distribution.distribute_tensor` run eagerly returns the value laid out (a gs.ShardedTensor).
+* `keras.distribution.distribute_tensor` run eagerly returns the value laid out (a gs.ShardedTensor), the
+  backend's `distribute_variable` a variable stored sharded; `DeviceMesh.backend_mesh` is the gs.Mesh and
+  `TensorLayout.backend_layout` the gs.Sharding;
+* a layout map key that matches no variable or layer output of the model warns (once per key);
+* `auto_layout_map(model, mesh, memory_budget, data=...)` writes a LayoutMap for a model that ships none, chosen
+  by automatic sharding of its train step.
 
 Model code, `compile`, callbacks, metrics, the progress bar, `save_weights` / `load_weights` and
 `tf.train.Checkpoint` keep working: variables are stored sharded from the first step (`gs.sharding_of`)
@@ -168,7 +173,7 @@ def _paths(model):
     groups.append(model.optimizer.variables)
   for group in groups:
     paths.update(v.path for v in group if getattr(v, "path", None))
-  for layer in [model] + list(model._flatten_layers(include_self=False)):  # pylint: disable=protected-access
+  for layer in [model] + _compat.keras_nested_layers(model):
     for name in {getattr(layer, "path", None), layer.name}:
       if name:
         paths.add(f"{name}/output")
@@ -658,7 +663,7 @@ def _install():
       return tensor if plan is None else _distribute_eagerly(tensor, layout, plan)
     if current_mesh() is None:
       return tensor
-    return shard(tensor, P(*layout.axes))
+    return shard(tensor, layout if isinstance(layout, Sharding) else P(*layout.axes))
 
   def get_device_count(device_type=None):
     return len(backend_dl.list_devices(device_type))
