@@ -265,6 +265,35 @@ def keras_backend_distribution_lib():
   return distribution_lib
 
 
+def keras_symbolic_build(model, data_batch):
+  """Builds a compiled Keras model, its compile metrics, loss and optimizer from one batch's shapes, as `fit` does
+  before its first step (the trainer's `_symbolic_build`)."""
+  model._symbolic_build(data_batch=data_batch)  # pylint: disable=protected-access
+
+
+def keras_nested_layers(model):
+  """Every layer inside a Keras model or layer, nested ones included (Keras's `_flatten_layers`)."""
+  return list(model._flatten_layers(include_self=False))  # pylint: disable=protected-access
+
+
+def keras_tensor_layout(axes, device_mesh):
+  """A Keras TensorLayout whose entries may be tuples of mesh axes (one dim split over several), which JAX's
+  PartitionSpec and tf_gspmd's P take but TensorLayout's own check refuses (it accepts one axis name per dim)."""
+  from keras.src.distribution import distribution_lib  # pylint: disable=g-import-not-at-top
+  layout = distribution_lib.TensorLayout(tuple(None for _ in axes))
+  layout._axes = tuple(axes)  # pylint: disable=protected-access
+  layout._device_mesh = device_mesh  # pylint: disable=protected-access
+  return layout
+
+
+def set_keras_backend_converters(to_mesh, to_layout):
+  """Installs what `DeviceMesh.backend_mesh` and `TensorLayout.backend_layout` call on the TF backend (Keras's
+  private `_to_backend_mesh` / `_to_backend_layout` of its distribution_lib)."""
+  backend_dl = keras_backend_distribution_lib()
+  backend_dl._to_backend_mesh = to_mesh  # pylint: disable=protected-access
+  backend_dl._to_backend_layout = to_layout  # pylint: disable=protected-access
+
+
 # ---- Keras weight files (Keras 3.15) -----------------------------------------------------------------------------
 # `save_weights` / `load_weights` (and keras-hub presets) go through saving_lib's H5IOStore and ShardedH5IOStore:
 # `store[key] = variable` writes one variable, `store[key]` reads one into memory. Neither class is public; the

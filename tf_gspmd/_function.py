@@ -142,7 +142,7 @@ class ShardedFunction:
 
   def __init__(self, fn, mesh, in_shardings, out_shardings, strict, collective_timeout, weight_update_sharding=None,
                jit_compile="auto", memory_budget=None, axis_cost=None, flops_per_byte=1000.0, exchange="auto",
-               partitioner=None):
+               partitioner=None, solver_time_limit=None, auto_pins="all"):
     if not isinstance(mesh, Mesh):
       raise MeshError(f"gs.function needs mesh=gs.Mesh(...); got {mesh!r}")
     self.fn = fn
@@ -163,7 +163,8 @@ class ShardedFunction:
     self.options = pipeline.Options(strict=strict, collective_timeout=collective_timeout,
                                     weight_update_sharding=weight_update_sharding, jit_compile=jit_compile,
                                     exchange=exchange)
-    self._auto = _auto_options(mesh, in_shardings, memory_budget, axis_cost, flops_per_byte)
+    self._auto = _auto_options(mesh, in_shardings, memory_budget, axis_cost, flops_per_byte, solver_time_limit,
+                               auto_pins)
     self._cache = {}
     self._last = None      # (per argument (shape, sharding, dtype) objects, Lowered) of the last call
     self._lock = threading.Lock()
@@ -303,7 +304,7 @@ def _is_auto(s):
   return isinstance(s, str) and s == auto_pass.AUTO
 
 
-def _auto_options(mesh, in_shardings, memory_budget, axis_cost, flops_per_byte):
+def _auto_options(mesh, in_shardings, memory_budget, axis_cost, flops_per_byte, time_limit=None, pins="all"):
   """AutoOptions when some in_shardings entry is "auto" (None otherwise); the other arguments checked."""
   single = in_shardings is None or isinstance(in_shardings, (P, Sharding, str))
   entries = (in_shardings,) if single or not isinstance(in_shardings, (tuple, list)) else in_shardings
@@ -312,9 +313,9 @@ def _auto_options(mesh, in_shardings, memory_budget, axis_cost, flops_per_byte):
       raise InputError(f"in_shardings entry {k} is the string {s!r}; the only string accepted is \"auto\" (the "
                        "layout is chosen by the auto-sharding solver)")
   if not any(_is_auto(s) for s in entries):
-    if memory_budget is not None or axis_cost is not None:
-      raise InputError("memory_budget and axis_cost apply to automatic sharding: give in_shardings=\"auto\" (or "
-                       "\"auto\" for some arguments)")
+    if memory_budget is not None or axis_cost is not None or time_limit is not None or pins != "all":
+      raise InputError("memory_budget, axis_cost, solver_time_limit and auto_pins apply to automatic sharding: "
+                       "give in_shardings=\"auto\" (or \"auto\" for some arguments)")
     return None
   axis_cost = dict(axis_cost or {})
   for a, c in axis_cost.items():
@@ -326,8 +327,14 @@ def _auto_options(mesh, in_shardings, memory_budget, axis_cost, flops_per_byte):
     raise InputError(f"memory_budget={memory_budget!r}: give bytes per device (a positive number) or None")
   if not flops_per_byte > 0:
     raise InputError(f"flops_per_byte={flops_per_byte!r}: give a positive number")
-  return auto_pass.AutoOptions(memory_budget=None if memory_budget is None else int(memory_budget),
-                               axis_cost=tuple(sorted(axis_cost.items())), flops_per_byte=float(flops_per_byte))
+  if time_limit is not None and not time_limit > 0:
+    raise InputError(f"solver_time_limit={time_limit!r}: give seconds (a positive number) or None")
+  if pins not in ("all", "state"):
+    raise InputError(f"auto_pins={pins!r}: give \"all\" or \"state\"")
+  options = auto_pass.AutoOptions(memory_budget=None if memory_budget is None else int(memory_budget),
+                                  axis_cost=tuple(sorted(axis_cost.items())), flops_per_byte=float(flops_per_byte),
+                                  pin_intermediates=pins == "all")
+  return options if time_limit is None else dataclasses.replace(options, time_limit=float(time_limit))
 
 
 def _retrace_reason(old, new):
@@ -364,7 +371,7 @@ def _as_spec(s, k):
 
 def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=False, collective_timeout=300.0,
              weight_update_sharding=None, jit_compile="auto", memory_budget=None, axis_cost=None,
-             flops_per_byte=1000.0, exchange="auto", partitioner=None):
+             flops_per_byte=1000.0, exchange="auto", partitioner=None, solver_time_limit=None, auto_pins="all"):
   """Partitions `fn` over `mesh` and runs it as one SPMD program on every mesh device.
 
   Args:
@@ -388,6 +395,11 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=Fal
     axis_cost: with "auto": {mesh axis: relative time per byte} (default 1.0; e.g. 8.0 for an axis across hosts).
     flops_per_byte: with "auto": arithmetic a device does in the time a link moves one byte (weighs splitting the
       work against the bytes it costs).
+    solver_time_limit: with "auto": seconds the solver may take (default 60), after which it keeps the best plan
+      it found (within the budget).
+    auto_pins: with "auto": "all" (default) pins every tensor the solver priced, so the partitioner does what it
+      priced; "state" pins only the arguments and variables and leaves the rest to completion (what a program
+      given only those layouts runs, e.g. a Keras LayoutMap's; the budget still bounds the completed plan).
     exchange: "auto": on CPU devices of one process, every device's program runs as one TF graph in which
       each collective is the ops that compute its result from the members' tensors, passed between the devices
       by reference (no collective runtime; the same results and the same report); elsewhere TF's collectives.
@@ -408,6 +420,7 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=Fal
   """
   def wrap(f):
     return ShardedFunction(f, mesh, in_shardings, out_shardings, strict, collective_timeout, weight_update_sharding,
-                           jit_compile, memory_budget, axis_cost, flops_per_byte, exchange, partitioner)
+                           jit_compile, memory_budget, axis_cost, flops_per_byte, exchange, partitioner,
+                           solver_time_limit, auto_pins)
 
   return wrap(fn) if fn is not None else wrap

@@ -12,7 +12,12 @@ the TensorFlow backend: its TF `distribution_lib` is a stub. Importing this modu
   `distribute_tensor` after every layer call);
 * a keras-hub CausalLM's `generate()` runs partitioned too, whichever of keras_hub and this module is imported
   first;
-* `keras.distribution.distribute_tensor` run eagerly returns the value laid out (a gs.ShardedTensor).
+* `keras.distribution.distribute_tensor` run eagerly returns the value laid out (a gs.ShardedTensor), the
+  backend's `distribute_variable` a variable stored sharded; `DeviceMesh.backend_mesh` is the gs.Mesh and
+  `TensorLayout.backend_layout` the gs.Sharding;
+* a layout map key that matches no variable or layer output of the model warns (once per key);
+* `auto_layout_map(model, mesh, memory_budget, data=...)` writes a LayoutMap for a model that ships none, chosen
+  by automatic sharding of its train step.
 
 Model code, `compile`, callbacks, metrics, the progress bar, `save_weights` / `load_weights` and
 `tf.train.Checkpoint` keep working: variables are stored sharded from the first step (`gs.sharding_of`)
@@ -35,6 +40,7 @@ import math
 import re
 import sys
 import threading
+import weakref
 import zlib
 
 import keras
@@ -47,12 +53,14 @@ from tf_gspmd import initializers
 from tf_gspmd import keras_weights
 from tf_gspmd._annotations import current_mesh, shard
 from tf_gspmd._function import function as gs_function
+from tf_gspmd._keras_layouts import AutoLayoutMap, auto_layout_map  # noqa: F401  (public: gs.keras.auto_layout_map)
+from tf_gspmd._keras_layouts import (backend_layout, distribute_eagerly, distribute_variable, mesh_of,
+                                     warn_unmatched_keys)
 from tf_gspmd._mesh import Mesh, P, device_order
-from tf_gspmd._sharding import to_sharding
-from tf_gspmd.errors import InputError, MeshError, SpecError
-from tf_gspmd.runtime import parallel as _parallel
+from tf_gspmd._sharding import Sharding, to_sharding
+from tf_gspmd.errors import InputError, MeshError
 from tf_gspmd.runtime import state as _state
-from tf_gspmd.runtime.sharded_tensor import ShardedTensor, shard_host_value
+from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
 _local = threading.local()
 
@@ -99,23 +107,15 @@ class LayoutMap(collections.abc.MutableMapping):
 
 
 class _Plan:
-  """What the partitioned Keras functions need: mesh, batch axis, spec for a path (or None)."""
+  """What the partitioned Keras functions need: mesh, batch axis, spec for a path (or None), and the layout map's
+  keys (checked once per model against its variables and layer outputs: `_check_keys`)."""
 
-  def __init__(self, mesh, batch_axis, spec_for):
+  def __init__(self, mesh, batch_axis, spec_for, keys=()):
     self.mesh = mesh
     self.batch_axis = batch_axis
     self.spec_for = spec_for
-
-
-def _mesh_of(device_mesh):
-  devices = []
-  for d in np.asarray(device_mesh.devices).reshape(-1):
-    if str(d).startswith("/job:"):   # a full name (list_devices over several processes)
-      devices.append(str(d))
-      continue
-    kind, _, index = str(d).rpartition(":")
-    devices.append(f"/device:{kind.split('/')[-1].upper()}:{index}")
-  return Mesh(tuple(device_mesh.shape), tuple(device_mesh.axis_names), devices=devices)
+    self.keys = keys
+    self.checked = weakref.WeakSet()   # the models whose paths were checked against the keys
 
 
 def _plan_of(source):
@@ -124,9 +124,9 @@ def _plan_of(source):
   if isinstance(source, _Plan):
     return source
   if isinstance(source, LayoutMap):
-    return _Plan(source.mesh, source.batch_axis, lambda path: source[path])
+    return _Plan(source.mesh, source.batch_axis, lambda path: source[path], keys=lambda: list(source))
   if isinstance(source, _compat.keras_distribution_class()):
-    mesh = _mesh_of(source.device_mesh)
+    mesh = mesh_of(source.device_mesh)
 
     def spec_for(path):
       try:
@@ -134,7 +134,8 @@ def _plan_of(source):
       except NotImplementedError:
         layout = None
       return P(*layout.axes) if layout is not None else None
-    return _Plan(mesh, source.batch_dim_name, spec_for)
+    layout_map = getattr(source, "_layout_map", None)   # ModelParallel's (DataParallel has none)
+    return _Plan(mesh, source.batch_dim_name, spec_for, keys=lambda: list(layout_map or ()))
   raise InputError(f"gs.keras.scope takes a Keras distribution or a gs.keras.LayoutMap; got {source!r}")
 
 
@@ -152,6 +153,21 @@ def _active_plan():
   return _local.from_keras[1]
 
 
+def _check_keys(plan, model):
+  """Warns about the plan's layout map keys that match nothing in `model` (once per model)."""
+  if model in plan.checked:
+    return
+  plan.checked.add(model)
+  warn_unmatched_keys(plan.keys() if callable(plan.keys) else plan.keys, model)
+
+
+def _distribute_variable(value, layout):
+  """The backend's `distribute_variable` (see `_keras_layouts.distribute_variable`), over the active distribution's
+  mesh where the layout has none."""
+  plan = _active_plan()
+  return distribute_variable(value, layout, plan.mesh if plan is not None else None)
+
+
 @contextlib.contextmanager
 def scope(distribution):
   """Within the block, Keras models train, evaluate and predict partitioned by `distribution`."""
@@ -167,51 +183,6 @@ def _eager(value):
   if isinstance(value, ShardedTensor):
     return tf.constant(value.numpy())
   return value
-
-
-def _distribute_eagerly(tensor, layout, plan):
-  """`tensor` as a ShardedTensor laid out by Keras TensorLayout `layout` over the plan's mesh (or the layout's own
-  device mesh); raises SpecError naming the tensor, dimension and mesh axis for a layout that does not fit it.
-  An uneven split is allowed: the last tiles are padded, as everywhere in tf_gspmd."""
-  mesh = plan.mesh
-  device_mesh = getattr(layout, "device_mesh", None)
-  if device_mesh is not None:
-    own = _mesh_of(device_mesh)
-    mesh = plan.mesh if own == plan.mesh else own
-  if isinstance(tensor, ShardedTensor):
-    shape, dtype = tuple(tensor.shape.as_list()), tensor.dtype
-  else:
-    tensor = tf.convert_to_tensor(tensor)
-    shape, dtype = tuple(tensor.shape.as_list()), tensor.dtype
-  what = f"the tensor of shape {shape} ({dtype.name}) given to keras.distribution.distribute_tensor"
-  axes = tuple(layout.axes)
-  if len(axes) != len(shape):
-    raise SpecError(f"layout {axes} has {len(axes)} entries but {what} has rank {len(shape)}; give the layout one "
-                    f"entry per dimension (None keeps a dimension whole)")
-  names = tuple(mesh.axis_names)
-  seen = {}
-  for d, entry in enumerate(axes):
-    for a in (entry if isinstance(entry, (tuple, list)) else (entry,)):
-      if a is None:
-        continue
-      if a not in names:
-        raise SpecError(f"layout {axes} splits dimension {d} of {what} over mesh axis {a!r}, which the mesh "
-                        f"{dict(zip(names, mesh.shape))} does not have; use one of {list(names)} or None")
-      if a in seen:
-        raise SpecError(f"layout {axes} splits dimensions {seen[a]} and {d} of {what} over the same mesh axis "
-                        f"{a!r}; a mesh axis may split one dimension only")
-      seen[a] = d
-  sharding = to_sharding(P(*axes), mesh, rank=len(shape), what=what)
-  if isinstance(tensor, ShardedTensor) and tensor.sharding == sharding:
-    return tensor   # already laid out so
-  value = tensor.numpy()
-  devices = mesh.resolve_devices()
-  positions = _parallel.local(devices).positions
-  comps = []
-  for p, piece in zip(positions, shard_host_value(value, sharding, shape, positions)):
-    with tf.device(devices[p]):
-      comps.append(tf.identity(tf.constant(piece, dtype)))
-  return ShardedTensor(comps, sharding, shape, dtype, devices=devices, positions=positions)
 
 
 class _Partitioned:
@@ -237,9 +208,19 @@ class _Partitioned:
       model, plan, structure = self.model, self.plan, data
       present = [t is not None for t in leaves]
 
+      optimizer = getattr(model, "optimizer", None)
+      variables = list(model.weights) + (list(optimizer.variables) if optimizer is not None else [])
+      specs = [(v, plan.spec_for(v.path)) for v in variables]   # (the optimizer's too: a map may name its slots)
+      devices = plan.mesh.resolve_devices()
+      for v, spec in specs:
+        # Stored as the layout map says (as under JAX), also when created before the distribution: the step then
+        # keeps it so (a variable stored sharded is pinned) instead of storing what its update is computed in.
+        if spec is not None and _compat.keras_inner_variable(v) is not None:
+          shape = tuple(v.shape)
+          _state.manage(v, to_sharding(spec, plan.mesh, rank=len(shape), what=v.path), devices, what=v.path)
+
       def step(*xs):
-        for v in model.weights:
-          spec = plan.spec_for(v.path)
+        for v, spec in specs:
           if spec is not None:
             shard(v, spec)
         it = iter(xs)
@@ -347,6 +328,7 @@ def _partition_generate():
     plan = _active_plan()
     if plan is None:
       return original(self)
+    _check_keys(plan, self)
     current = getattr(self, "generate_function", None)
     if not (isinstance(current, _Partitioned) and current.plan is plan):
       self.generate_function = _Partitioned(self, "generate", plan)
@@ -416,6 +398,7 @@ def _install():
         return current
       if kind == "train" and self.optimizer is not None and not self.optimizer.built:
         self.optimizer.build(self.trainable_variables)
+      _check_keys(plan, self)
       setattr(self, attr, _Partitioned(self, kind, plan))
       return getattr(self, attr)
     return make_function
@@ -431,15 +414,10 @@ def _install():
     tensor unchanged."""
     if tf.executing_eagerly():
       plan = _active_plan()
-      return tensor if plan is None else _distribute_eagerly(tensor, layout, plan)
+      return tensor if plan is None else distribute_eagerly(tensor, layout, plan.mesh)
     if current_mesh() is None:
       return tensor
-    return shard(tensor, P(*layout.axes))
-
-  def distribute_variable(value, layout):  # pylint: disable=unused-argument
-    """Variables keep their value here; their layout is applied where they are used (partitioned steps). Keras's
-    TF backend does not call this: variables with a layout are created sharded (`initialize_sharded`)."""
-    return value
+    return shard(tensor, layout if isinstance(layout, Sharding) else P(*layout.axes))
 
   def get_device_count(device_type=None):
     return len(backend_dl.list_devices(device_type))
@@ -468,7 +446,8 @@ def _install():
 
   _compat.set_keras_variable_initializer(initialize_sharded)
   backend_dl.distribute_tensor = distribute_tensor
-  backend_dl.distribute_variable = distribute_variable
+  backend_dl.distribute_variable = _distribute_variable
+  _compat.set_keras_backend_converters(mesh_of, backend_layout)
   backend_dl.get_device_count = get_device_count
   backend_dl.initialize = _initialize_processes
   backend_dl.list_devices = _list_devices

@@ -84,6 +84,21 @@ def test_budget_below_the_replicated_weights_splits_them_and_meets_it(rng):
   _assert_same_results(auto, tm.mlp_train_step, args)
 
 
+def test_state_pins_bound_the_program_that_pins_only_the_arguments(rng):
+  """auto_pins="state": only arguments and variables are pinned, so the plan the budget bounds is the program a
+  user gets by writing the chosen layouts as in_shardings (completion lays out the rest the same way)."""
+  args = _mlp_args(rng)
+  budget = _replicated_memory(tm.mlp_train_step, args) // 3
+  f = gs.function(tm.mlp_train_step, mesh=M24, in_shardings="auto", memory_budget=budget, auto_pins="state",
+                  solver_time_limit=30.0)
+  low = f.lower(*_specs(args))
+  assert _memory(low) <= budget
+  written = gs.function(tm.mlp_train_step, mesh=M24, in_shardings=tuple(low.in_shardings)).lower(*_specs(args))
+  assert _memory(written) == _memory(low)
+  assert written.shardings == low.shardings
+  _assert_same_results(f, tm.mlp_train_step, args)
+
+
 def test_megatron_mlp_step_no_more_bytes_than_megatron_at_its_memory(rng):
   args = _mlp_args(rng)
   hand = gs.function(tm.mlp_train_step, mesh=M24, in_shardings=MEGATRON_MLP).lower(*_specs(args))
@@ -222,6 +237,12 @@ def test_bad_auto_arguments_are_typed_errors():
     gs.function(tm.mlp_train_step, mesh=M24, in_shardings="auto", axis_cost={"host": 8.0})
   with pytest.raises(InputError, match="positive"):
     gs.function(tm.mlp_train_step, mesh=M24, in_shardings="auto", memory_budget=-5)
+  with pytest.raises(InputError, match="solver_time_limit=0"):
+    gs.function(tm.mlp_train_step, mesh=M24, in_shardings="auto", solver_time_limit=0)
+  with pytest.raises(InputError, match="auto_pins='some'"):
+    gs.function(tm.mlp_train_step, mesh=M24, in_shardings="auto", auto_pins="some")
+  with pytest.raises(InputError, match="apply to automatic sharding"):
+    gs.function(tm.mlp_train_step, mesh=M24, in_shardings=P(), solver_time_limit=5.0)
 
 
 def _every_even_split(mesh, sizes):
