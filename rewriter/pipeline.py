@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from tf_gspmd.errors import PartitionError, ShardingError
 from tf_gspmd.rewriter import (auto, cleanup, combine, completion, constants, grappler, import_annotations, in_process,
-                               jit, memory, partition, report, trace, weight_update, xla_export)
+                               jit, memory, ordering, partition, report, trace, weight_update, xla_export)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,13 +162,14 @@ PASSES = (
     ("optimize", grappler.run_local),              # TF's graph optimizer on the per-device program, once
     ("constants", constants.run),                  # its constants per device (report.constants); strict: none > 1 MiB
     ("in_process", in_process.run),                # CPUs of one process: one graph, collectives as device edges
+    ("order", ordering.run),                       # every device launches its collectives in one order
     ("schedules", report.pipeline_schedules),      # gs.pipeline schedules stated in the report
     ("device_program", device_program),            # the record the runtime runs
     ("xla_planned", xla_export.mark_planned),      # partitioner="xla": the report is marked as our plan only
 )
 # With partitioner="xla", XLA partitions and runs the exported program: the passes above that prepare tf_gspmd's
 # per-device program to run are skipped; those before them still plan it, for the report.
-RUN_ONLY = frozenset(("collective_keys", "compile", "optimize", "in_process", "device_program"))
+RUN_ONLY = frozenset(("collective_keys", "compile", "optimize", "in_process", "order", "device_program"))
 
 
 def run(program):

@@ -79,6 +79,22 @@ def test_call_flat_passes_flat_tensors_and_captures():
   assert [float(t) for t in out] == [15.0, 6.0]
 
 
+# ---- The configuration a function call carries -------------------------------------------------------------------
+
+def test_calls_with_sets_this_threads_call_configuration_and_restores_it():
+  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+  before = context.context().function_call_options.config_proto_serialized
+  options = _compat.call_options_without_graph_optimizer()
+  config = tf.compat.v1.ConfigProto.FromString(options.config_proto_serialized)
+  assert config.graph_options.rewrite_options.disable_meta_optimizer
+  assert not tf.compat.v1.ConfigProto.FromString(before).graph_options.rewrite_options.disable_meta_optimizer
+  fn = tf.function(lambda a: (a * 2.0, a + 1.0)).get_concrete_function(tf.TensorSpec([]))
+  with _compat.calls_with(options):
+    assert context.context().function_call_options is options
+    assert [float(t) for t in _compat.call_flat(fn, [tf.constant(3.0)])] == [6.0, 4.0]
+  assert context.context().function_call_options.config_proto_serialized == before
+
+
 # ---- Setting an attribute of a graph op --------------------------------------------------------------------------
 
 def test_set_op_attr_is_written_into_the_graph_def():

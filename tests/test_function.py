@@ -258,6 +258,84 @@ def test_lower_of_sharded_tensors_is_the_lowering_their_call_runs(rng):
   assert_close(got.numpy(), np.maximum(x.numpy(), 0) * 2.0)
 
 
+def _regression_step(v):
+  """A training step of a linear model: the weight `w` passes through as an argument and a result, the bias is the
+  variable `v` (updated in place)."""
+
+  def step(x, y, w):
+    with tf.GradientTape() as tape:
+      tape.watch(w)
+      loss = tf.reduce_mean(tf.square(x @ w + v - y))
+    gw, gv = tape.gradient(loss, [w, v])
+    v.assign_sub(0.1 * gv)
+    return w - 0.1 * gw, loss
+
+  return step
+
+
+@pytest.mark.parametrize("exchange", ["auto", "collectives"])
+def test_a_training_loop_lowers_once(rng, monkeypatch, exchange):
+  """Step 0 gets the weight as a host value, later steps the ShardedTensor the step before returned (in the layout
+  the program takes) and a variable the first step stored sharded: one lowering serves them all, and every call
+  runs under one configuration (TF instantiates the program once; a call under other options would instantiate
+  and optimize it again)."""
+  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+  from tf_gspmd import _compat  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.rewriter import pipeline  # pylint: disable=g-import-not-at-top
+  lowered, configs = [], []
+  run, call_flat = pipeline.run, _compat.call_flat
+
+  def counting_run(program):
+    lowered.append(program.arriving_in)
+    return run(program)
+
+  def recording_call_flat(fn, args):
+    configs.append(context.context().function_call_options.config_proto_serialized)
+    return call_flat(fn, args)
+
+  monkeypatch.setattr(pipeline, "run", counting_run)
+  monkeypatch.setattr(_compat, "call_flat", recording_call_flat)
+  xs = [rng.standard_normal((16, 32)).astype(np.float32) for _ in range(3)]
+  ys = [rng.standard_normal((16, 8)).astype(np.float32) for _ in range(3)]
+  w0 = (rng.standard_normal((32, 8)) * 0.1).astype(np.float32)
+  v = tf.Variable(np.zeros(8, np.float32))
+  f = gs.function(_regression_step(v), mesh=MESH24, in_shardings=(P("data", None), P("data", None), P(None, "model")),
+                  out_shardings=(P(None, "model"), P()), exchange=exchange)
+  v_ref = tf.Variable(np.zeros(8, np.float32))
+  ref = tf.function(_regression_step(v_ref))
+  w, w_ref = w0, tf.constant(w0)
+  for x, y in zip(xs, ys):
+    w, loss = f(x, y, w)
+    w_ref, loss_ref = ref(tf.constant(x), tf.constant(y), w_ref)
+    assert isinstance(w, gs.ShardedTensor)
+    assert_close(loss.numpy(), loss_ref.numpy())
+  assert lowered == [(None, None, None)]   # the first step's lowering ran every step
+  assert_close(w.numpy(), w_ref.numpy())
+  assert_close(v.numpy(), v_ref.numpy())
+  assert len(configs) == 3 and len(set(configs)) == 1
+  config = tf.compat.v1.ConfigProto.FromString(configs[0])
+  assert config.graph_options.rewrite_options.disable_meta_optimizer   # optimized once, at lowering
+
+
+def test_a_sharded_tensor_in_another_layout_is_lowered_for(rng, monkeypatch):
+  """A ShardedTensor in a layout other than the one the cached program takes gets a lowering of its own."""
+  from tf_gspmd.rewriter import pipeline  # pylint: disable=g-import-not-at-top
+  lowered = []
+  run = pipeline.run
+  monkeypatch.setattr(pipeline, "run", lambda program: lowered.append(program.arriving_in) or run(program))
+  x = rng.standard_normal((8, 8)).astype(np.float32)
+  g = gs.function(lambda a: a + 1.0, mesh=MESH24, in_shardings=P(), out_shardings=P())
+  assert_close(g(x).numpy(), x + 1)
+  y = gs.function(lambda a: a * 2.0, mesh=MESH24, in_shardings=P("data", "model"))(x)
+  lowered.clear()
+  assert_close(g(y).numpy(), x * 2 + 1)
+  assert lowered == [(y.sharding.with_rank(2),)]
+  replicated = g(x)   # the result of the first lowering, in the layout it takes
+  lowered.clear()
+  assert_close(g(replicated).numpy(), x + 2)
+  assert lowered == []
+
+
 def test_lowered_inspection(rng):
   f = gs.function(mlp, mesh=MESH24, in_shardings=(P("data", None), P(None, "model"), P("model", None)))
   args = _mlp_inputs(rng)

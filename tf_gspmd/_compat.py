@@ -91,6 +91,34 @@ def call_flat(fn, args):
   return fn._call_flat(list(args), fn.captured_inputs)  # pylint: disable=protected-access
 
 
+# ---- The configuration a function call carries (TF 2.21) ---------------------------------------------------------
+# An eager call passes the context's ConfigProto (its Grappler options) to the runtime, which instantiates the
+# function once per distinct configuration: a call under other options instantiates (and optimizes) it again.
+
+def call_options_without_graph_optimizer():
+  """Function-call options that carry the context's configuration with TF's graph optimizer turned off."""
+  config = tf.compat.v1.ConfigProto.FromString(_context.context().function_call_options.config_proto_serialized)
+  config.graph_options.rewrite_options.disable_meta_optimizer = True
+  return _context.FunctionCallOptions(config_proto=config)
+
+
+class calls_with:  # pylint: disable=invalid-name
+  """Context manager: eager function calls of this thread carry `options` (from `call_options_...`)."""
+
+  __slots__ = ("_options", "_before")
+
+  def __init__(self, options):
+    self._options = options
+
+  def __enter__(self):
+    ctx = _context.context()
+    self._before = ctx._thread_local_data.function_call_options  # pylint: disable=protected-access
+    ctx.function_call_options = self._options
+
+  def __exit__(self, *exc):
+    _context.context().function_call_options = self._before
+
+
 # ---- Setting an attribute of a graph op (TF 2.21) ----------------------------------------------------------------
 # Annotations are attributes of an existing Identity op (as TF's own xla_sharding writes them).
 

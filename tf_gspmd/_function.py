@@ -220,6 +220,9 @@ class ShardedFunction:
       logging.info("tf_gspmd: retracing %s: a captured variable is now stored in another layout",
                    getattr(self.fn, "__name__", self.fn))
     else:
+      same = self._same_program(key)
+      if same is not None:
+        return same
       with self._lock:
         previous = [k for k in self._cache if k[2:] == (devices, processes)]
       if previous:
@@ -237,6 +240,26 @@ class ShardedFunction:
     with self._lock:
       self._cache[key] = lowered
     return lowered
+
+  def _same_program(self, key):
+    """A cached lowering that runs a call of signature `key` as it is, or None; found, it is cached under `key` too.
+
+    The arriving layouts differ between the calls of a training loop: its first step gets host values, later
+    ones the ShardedTensors earlier steps returned. A lowering for the same argument specs, devices and
+    processes takes such a call when every argument arrives as it did for that lowering or already in the layout
+    the program takes (used in place): lowering again would build the same program. (A host value where that
+    lowering got a ShardedTensor is lowered for: it may be scattered in a layout that needs no resharding.)"""
+    specs, arriving = key[:2]
+    with self._lock:
+      candidates = [(k, v) for k, v in self._cache.items() if k[0] == specs and k[2:] == key[2:]]
+    for k, lowered in candidates:
+      taken = lowered.program.param_shardings
+      if len(taken) == len(arriving) and all(a == was or a == t for a, was, t in zip(arriving, k[1], taken)):
+        if self._still_valid(lowered):
+          with self._lock:
+            self._cache[key] = lowered
+          return lowered
+    return None
 
   def _still_valid(self, lowered):
     """Whether a cached lowering still holds: every captured variable is stored as it was when lowered, or in

@@ -147,7 +147,7 @@ class Executable:
     self._fn = None
     self._in_process = None
     self.n_outputs = len(program.outputs)
-    self._instantiated = False
+    self._call_options = None   # the function-call options of every call (see _instantiation)
     # What each call's results are made of, built once (a training step has hundreds of results).
     self._results = [(sharding, tf.TensorShape(shape), tf.as_dtype(dtype))
                      for sharding, shape, dtype in program.results]
@@ -202,21 +202,16 @@ class Executable:
         comps.append(tf.identity(tf.constant(shard)))
     return comps
 
-  @contextlib.contextmanager
   def _instantiation(self):
-    """The first call instantiates the program (on every device, or as the in-process graph: a lowering runs one
-    of the two, fixed by `program.in_process`); when the lowering already ran TF's graph optimizer on it, TF's
-    runtime does not run it again."""
-    if not self.program.locally_optimized or self._instantiated:
-      yield
-      return
-    before = tf.config.optimizer.get_experimental_options()
-    tf.config.optimizer.set_experimental_options({**before, "disable_meta_optimizer": True})
-    try:
-      yield
-    finally:
-      tf.config.optimizer.set_experimental_options(before)
-      self._instantiated = True
+    """The options every call runs under. When the lowering already ran TF's graph optimizer on the program, TF's
+    runtime does not run it again: each call carries one configuration with the optimizer off, made on the first
+    call. TF instantiates a function once per configuration a call carries, so every call after the first finds
+    the first call's instance (a call under the context's own options would instantiate and optimize it anew)."""
+    if not self.program.locally_optimized:
+      return contextlib.nullcontext()
+    if self._call_options is None:
+      self._call_options = _compat.call_options_without_graph_optimizer()
+    return _compat.calls_with(self._call_options)
 
   def run_packed(self, pd, pid, packed):
     """Run the per-device program on the parallel device `pd`, aborting its collectives past the deadline.

@@ -78,9 +78,17 @@ def _new_parallel_device(devices):
 
 
 @tf.function(autograph=False)
-def _all_gather(x, group_size, group_key, instance_key):
-  return tf.raw_ops.CollectiveGatherV2(input=x, group_size=group_size, group_key=group_key, instance_key=instance_key,
-                                       ordering_token=[], timeout_seconds=HOST_GATHER_TIMEOUT)
+def _all_gather(rows, ids, group_size, group_key, rows_key, ids_key):
+  """Every device's `rows` and `ids`, gathered over the group: two all-gathers, the second launched after the first
+  (a control edge: every device launches them in one order)."""
+  def gather(x, instance_key):
+    return tf.raw_ops.CollectiveGatherV2(input=x, group_size=group_size, group_key=group_key,
+                                         instance_key=instance_key, ordering_token=[],
+                                         timeout_seconds=HOST_GATHER_TIMEOUT)
+
+  gathered = gather(rows, rows_key)
+  with tf.control_dependencies([gathered]):
+    return gathered, gather(ids, ids_key)
 
 
 def gather_to_host(devices, components):
@@ -104,8 +112,7 @@ def gather_to_host(devices, components):
   key = _HOST_GATHER_GROUPS + (zlib.crc32("|".join(where.devices).encode()) & 0x3FFFFFF)
   consts = [where.broadcast(v) for v in (len(where.devices), key, next(_host_instances), next(_host_instances))]
   with tf.device(where.name):
-    rows = where.pd.unpack(_all_gather(where.pd.pack(flat), *consts[:3]))[0]
-    order = where.pd.unpack(_all_gather(ids, consts[0], consts[1], consts[3]))[0]
+    rows, order = (where.pd.unpack(t)[0] for t in _all_gather(where.pd.pack(flat), ids, *consts))
   rows = tf.cast(rows, dtype).numpy()
   return {int(p): rows[k].reshape(shape) for k, p in enumerate(order.numpy())}
 
