@@ -3,8 +3,8 @@ assert_all_finite and tf.debugging.Assert raise InvalidArgumentError exactly whe
 otherwise give its results; on a split tensor every device checks its own piece. tf.print prints once per call on
 one process of CPUs (exchange="auto") and once per device through TF's collectives (exchange="collectives").
 
-Both exchanges, XLA on and off. A failed check aborts the step's collectives (the process's collective executor
-cannot be used afterwards), so every case runs in a subprocess.
+Both exchanges, XLA on and off. A failed check may abort the step's collectives, so the cases run in subprocesses
+(which then check that later steps still run).
 """
 
 import json
@@ -124,3 +124,31 @@ def test_checks_raise_exactly_when_tf_function_does_and_prints_print(program, ex
   assert printed == ["PRINTED sum 30"] * devices, out.stdout[-2000:]
   assert errs == ["PRINTED err [0 0.25]"] * devices, out.stderr[-2000:]
   assert "Requested return node" not in out.stdout + out.stderr
+
+
+def test_xla_on_gpus_keeps_checks_or_refuses_them_at_lowering():
+  """On GPUs XLA compiles a program whole (and would drop a check): lowering refuses the check instead. A program
+  with collectives XLA does not lower is cut into segments, and the check stays outside them."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
+  gpus = [f"/job:worker/replica:0/task:0/device:GPU:{i}" for i in range(8)]
+  mesh = gs.Mesh((8,), ("d",), devices=gpus)
+
+  def check(x):
+    return tf.debugging.check_numerics(x, "bad") * 2.0
+
+  with pytest.raises(gs.UnsupportedOpError, match=r"CheckNumerics cannot be compiled by XLA on GPU; run with "
+                                                  r"jit_compile=False"):
+    gs.function(check, mesh=mesh, in_shardings=gs.P("d")).lower(tf.TensorSpec([16]))
+  low = gs.function(check, mesh=mesh, in_shardings=gs.P("d"), jit_compile=False).lower(tf.TensorSpec([16]))
+  assert "CheckNumerics" in {n.op for n in low.program.local_graph_def.node}
+
+  def guarded(x):   # the condition is all-reduced, the message's data all-gathered: segments
+    with tf.control_dependencies([tf.debugging.Assert(tf.reduce_all(x < 5.0), [x])]):
+      return x * 2.0
+
+  low = gs.function(guarded, mesh=mesh, in_shardings=gs.P("d")).lower(tf.TensorSpec([16]))
+  assert low.program.jit == "segments"
+  top = {n.name: n.op for n in low.program.local_graph_def.node}
+  assert any(op == "If" for op in top.values()), top          # the AssertGuard, outside every compiled segment
+  assert any(top.get(s) == "If" for s in low.program.side_effects), low.program.side_effects
