@@ -8,6 +8,7 @@ import tensorflow as tf
 
 import tf_gspmd as gs
 from tf_gspmd import P
+from tf_gspmd import _cluster
 
 
 def test_mesh_values():
@@ -80,6 +81,6 @@ def test_a_mesh_over_absent_devices_is_planned_but_refuses_to_run():
                                          r"more \(it has 8 CPU\).*f\.lower"):
     f(np.ones(8, np.float32))
   cpus = gs.Mesh((2,), ("d",), devices=["/device:CPU:6", "/device:CPU:7"])
-  assert cpus.runnable_devices() == cpus.resolve_devices()
+  assert _cluster.runnable_devices(cpus) == cpus.resolve_devices()
   np.testing.assert_array_equal(gs.function(lambda x: x * 2.0, mesh=cpus, in_shardings=gs.P("d"))(
       np.ones(8, np.float32)).numpy(), np.full(8, 2.0))

@@ -19,6 +19,7 @@ import threading
 
 from tf_gspmd import _compat
 from tf_gspmd._mesh import JOB_ORDER
+from tf_gspmd._mesh import _device_name  # the canonical device name meshes use
 from tf_gspmd.errors import ClusterJoinError, MeshError
 
 DEVICES_ENV = "TF_GSPMD_CPU_DEVICES_PER_PROCESS"   # logical CPUs per process, from the launcher
@@ -179,6 +180,32 @@ def process_of(device):
 def local_devices(mesh):
   """The devices of `mesh` this process drives (all of them unless the mesh spans several processes)."""
   return tuple(d for d in mesh.resolve_devices() if is_local(d))
+
+
+_PRESENT = set()   # device tuples runnable_devices found in this process (devices never disappear)
+
+
+def runnable_devices(mesh):
+  """`mesh.resolve_devices()`, checked against the devices TensorFlow has: the devices a program on `mesh` runs on
+  now. Raises MeshError naming the devices this process should drive but does not have (e.g. GPUs on a machine
+  without them); a mesh of absent devices can still be planned (`lower`)."""
+  devices = mesh.resolve_devices()
+  if devices in _PRESENT:
+    return devices
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  have = {_device_name(d) for d in tf.config.list_logical_devices()}
+  missing = [d for d in devices if is_local(d) and d not in have]
+  if missing:
+    counts = {}
+    for d in have:
+      kind = tf.DeviceSpec.from_string(d).device_type
+      counts[kind] = counts.get(kind, 0) + 1
+    more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+    raise MeshError(f"{mesh} is over devices this process does not have: {missing[0]!r}{more} (it has "
+                    f"{', '.join(f'{n} {k}' for k, n in sorted(counts.items()))}); build the mesh over devices this "
+                    "machine has (gs.Mesh without devices= picks them), or plan for absent ones with f.lower(...)")
+  _PRESENT.add(devices)
+  return devices
 
 
 def split_cpu_devices(n, intra_op_threads=None):

@@ -271,7 +271,7 @@ class ShardedFunction:
         t = _dense_argument(a, k)
         specs.append(tf.TensorSpec(t.shape, t.dtype))
         arriving.append(None)
-    lowered = self._lower(tuple(specs), tuple(arriving), self.mesh.runnable_devices())
+    lowered = self._lower(tuple(specs), tuple(arriving), _cluster.runnable_devices(self.mesh))
     if all(type(a) is ShardedTensor for a in args):  # pylint: disable=unidiomatic-typecheck
       self._last = (tuple((a.shape, a.sharding, a.dtype) for a in args), lowered)
     return self._run(lowered, args)

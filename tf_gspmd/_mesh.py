@@ -184,34 +184,10 @@ class Mesh:
           f"tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * {self.size})")
     return tuple(_device_name(d) for d in avail[:self.size])
 
-  def runnable_devices(self):
-    """`resolve_devices()`, checked against the devices TensorFlow has in this process: the devices a program on
-    this mesh runs on now. Raises MeshError naming the devices this process should drive but does not have (e.g.
-    GPUs on a machine without them); a mesh of absent devices can still be planned (`lower`)."""
-    devices = self.resolve_devices()
-    if devices in _PRESENT:
-      return devices
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from tf_gspmd import _cluster  # pylint: disable=g-import-not-at-top
-    have = {_device_name(d) for d in tf.config.list_logical_devices()}
-    missing = [d for d in devices if _cluster.is_local(d) and d not in have]
-    if missing:
-      counts = {}
-      for d in have:
-        kind = tf.DeviceSpec.from_string(d).device_type
-        counts[kind] = counts.get(kind, 0) + 1
-      more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-      raise MeshError(f"{self} is over devices this process does not have: {missing[0]!r}{more} (it has "
-                      f"{', '.join(f'{n} {k}' for k, n in sorted(counts.items()))}); build the mesh over devices this "
-                      "machine has (gs.Mesh without devices= picks them), or plan for absent ones with f.lower(...)")
-    _PRESENT.add(devices)
-    return devices
-
   def __str__(self):
     return "Mesh(" + ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape)) + ")"
 
 
-_PRESENT = set()   # device tuples runnable_devices found in this process (devices never disappear)
 JOB_ORDER = ("chief", "worker")   # the jobs whose tasks drive devices, in process order
 
 
