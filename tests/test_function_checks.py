@@ -41,6 +41,15 @@ def assert_op(x):
   with tf.control_dependencies([tf.debugging.Assert(tf.reduce_all(x < 5.0), [x])]):
     return x - 1.0
 
+@tf.function
+def _finite_plus_one(x):
+  tf.debugging.assert_all_finite(x, "x not finite inside")
+  return x + 1.0
+
+def nested(x):   # a check inside a called function whose result nobody reads
+  _finite_plus_one(x)
+  return x * 4.0
+
 good = np.arange(16, dtype=np.float32) / 4.0            # every value < 4
 inputs = {"good": good}
 for k in (0, 13, 15):                                  # device 0's, device 6's and device 7's piece
@@ -49,7 +58,7 @@ for k in (0, 13, 15):                                  # device 0's, device 6's 
     x[k] = v
     inputs[f"{name}{k}"] = x
 
-for fn in (check_numerics, assert_less, assert_all_finite, assert_op):
+for fn in (check_numerics, assert_less, assert_all_finite, assert_op, nested):
   f = gs.function(fn, mesh=mesh, in_shardings=gs.P("d"), exchange=exchange, jit_compile=jit)
   for label, x in inputs.items():
     row = {"fn": fn.__name__, "input": label}
@@ -104,7 +113,7 @@ def _run(program, exchange, jit):
 @pytest.mark.parametrize("exchange", ["auto", "collectives"])
 def test_checks_raise_exactly_when_tf_function_does_and_prints_print(program, exchange, jit):
   rows, out = _run(program, exchange, jit)
-  assert len(rows) == 4 * 10, out.stdout[-3000:]
+  assert len(rows) == 5 * 10, out.stdout[-3000:]
   for row in rows:
     assert row["ours"] == row["plain"], row   # the same values, or InvalidArgumentError where TF raises
     if row["plain"] == "InvalidArgumentError":
@@ -115,7 +124,7 @@ def test_checks_raise_exactly_when_tf_function_does_and_prints_print(program, ex
   for k in (0, 13, 15):
     assert {("check_numerics", f"nan{k}"), ("check_numerics", f"inf{k}"), ("assert_all_finite", f"nan{k}"),
             ("assert_less", f"big{k}"), ("assert_less", f"inf{k}"),
-            ("assert_op", f"big{k}"), ("assert_op", f"inf{k}")} <= raised, sorted(raised)
+            ("assert_op", f"big{k}"), ("assert_op", f"inf{k}"), ("nested", f"nan{k}")} <= raised, sorted(raised)
   assert "AFTER true" in out.stdout, out.stdout[-2000:]
   assert "PRINT_RESULT true" in out.stdout
   printed = [line for line in out.stdout.splitlines() if line.startswith("PRINTED sum")]
