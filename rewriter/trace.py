@@ -78,7 +78,7 @@ def _checks(graph, gd):
   names = []
   for op in graph.control_outputs:
     nd = op.node_def
-    if nd.op in CHECK_OPS or any(runs_check(c) for c in _called(nd)):
+    if nd.op in CHECK_OPS or runs_check(nd.op) or any(runs_check(c) for c in _called(nd)):
       names.append(op.name)
   return tuple(names)
 
