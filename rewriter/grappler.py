@@ -17,14 +17,17 @@ from tf_gspmd.rewriter.graph_view import prune, side_effect_nodes, split_ref
 OPTIMIZERS = ("function", "constfold", "shape", "arithmetic")
 # What TF's runtime would run on the per-device program when it instantiates it on each device; run once here
 # instead (TF then instantiates it without its optimizer: 8 devices meant 8 identical optimizations). Remapper
-# fusions are CPU kernels, so they run only for CPU meshes; other meshes keep TF's runtime optimizer.
-LOCAL_OPTIMIZERS = ("pruning", "function", "common_subgraph_elimination", "debug_stripper", "constfold", "shape",
-                    "arithmetic", "loop", "dependency", "remapper")
+# fusions are CPU kernels, so they run only for CPU meshes; other meshes keep TF's runtime optimizer. Not
+# "debug_stripper": TF's runtime does not strip assertions (Assert, CheckNumerics) or prints either, and a
+# gs.function raises and prints when the tf.function would.
+LOCAL_OPTIMIZERS = ("pruning", "function", "common_subgraph_elimination", "constfold", "shape", "arithmetic", "loop",
+                    "dependency", "remapper")
 
 
 def run(program):
   gd = program.graph_def
   keep = set(program.input_names) | set(program.variable_names) | {split_ref(r)[0] for r in program.output_refs}
+  keep |= set(program.checks)   # assertions and prints run as in the tf.function
   # Annotations, and Identity nodes: the names users give tensors (tf.identity(x, name="h")) must survive.
   keep |= {n.name for n in gd.node if SHARDING_ATTR in n.attr or SPEC_ATTR in n.attr or
            n.op in ("XlaSharding", "Identity")}

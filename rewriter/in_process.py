@@ -52,6 +52,11 @@ class InProcess:
   side_effects: Tuple[str, ...]
 
 
+# A print's operands are replicated (ops/fallback.py), so every device's copy prints the same text: in one graph
+# device 0's prints, once per call, as the tf.function would. (Through TF's collectives each device prints.)
+PRINT_OPS = frozenset(("PrintV2",))
+
+
 def _one_process_of_cpus(program):
   return program.options.exchange == "auto" and program.processes is None and program.on_cpus
 
@@ -185,8 +190,12 @@ def _build(program):
   for x in graph_view.GraphView(gd).order():
     if x.op in ("Identity", "IdentityN") and any(graph_view.node_of(i) in handles for i in x.input):
       handles.add(x.name)
+  printed = {}   # device p's print -> device 0's (see PRINT_OPS)
   for p in range(n):
     for x in gd.node:
+      if p and x.op in PRINT_OPS:
+        printed[ref(p, x.name)] = ref(0, x.name)
+        continue
       node = out.node.add()
       node.CopyFrom(x)
       # What touches a device's variables runs on that device, everything else on the first (see the docstring).
@@ -198,12 +207,14 @@ def _build(program):
         _become_const(node, np.int32(p))
       elif x.op in vocabulary.EMITTED:   # (collectives.Backend emits none over a group of one)
         vocabulary.EMITTED[x.op].in_process(edges, x, node, p)
-  graph, same = _deduplicated(out, _same_tiles(program, ref), {ref(p, h) for h in handles for p in range(n)})
+  graph, same = _deduplicated(out, {**_same_tiles(program, ref), **printed},
+                              {ref(p, h) for h in handles for p in range(n)})
   inputs = list(program.local_inputs) + list(program.local_variables)
   return InProcess(graph, tuple(ref(p, graph_view.normalize(t)) for t in inputs for p in range(n)),
                    tuple(_renamed(ref(p, graph_view.normalize(t)), same) for t in program.local_outputs
                          for p in range(n)),
-                   tuple(ref(p, s) for s in program.side_effects for p in range(n)))
+                   # a side effect merged with an equal one (a check of the same tile) runs once, as that one
+                   tuple(dict.fromkeys(_renamed(ref(p, s), same) for s in program.side_effects for p in range(n))))
 
 
 def _creates_resource(node):

@@ -35,7 +35,8 @@ from tf_gspmd.rewriter.graph_view import (GraphView, dedupe_controls, is_control
 # (every collective: XLA on CPU refuses them).
 UNCOMPILABLE = vocabulary.TF_COLLECTIVE_OPS | frozenset({
     "Placeholder", "NoOp", "VarHandleOp", "While", "StatelessWhile", "If", "StatelessIf", "PartitionedCall",
-    "StatefulPartitionedCall", "PrintV2", "StringFormat", "Assert", "ResourceScatterNdUpdate", "UnsortedSegmentProd",
+    "StatefulPartitionedCall", "PrintV2", "StringFormat", "Assert", "CheckNumerics", "CheckNumericsV2",
+    "ResourceScatterNdUpdate", "UnsortedSegmentProd",
 })
 MIN_SEGMENT_OPS = 2
 _function_ids = itertools.count()

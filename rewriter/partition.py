@@ -524,8 +524,9 @@ def run(program):
     for k, r in enumerate(program.ir.outputs):
       value, _ = ctx.values[r]
       outputs.append(tf.identity(value, name=f"gspmd/output_{k}").op.name)
+  checks = set(program.checks)
   side_effects = [op.name for name, op in ctx.ops.items()
-                  if not program.ir.node(name).outputs and program.ir.node(name).op not in ("NoOp",)]
+                  if (not program.ir.node(name).outputs and program.ir.node(name).op not in ("NoOp",)) or name in checks]
   graph_def = graph.as_graph_def()
   graph_def.library.function.extend(ctx.functions)
   ir = program.ir

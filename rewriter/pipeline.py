@@ -75,6 +75,7 @@ class Program:
   variables: Tuple[Any, ...] = ()        # the captured tf.Variables, in the same order
   variable_pins: Tuple[Any, ...] = ()    # the stored layout of each captured variable when lowered (or None)
   pipelines: Tuple[Any, ...] = ()        # the `gs.pipeline` schedules built while tracing (_annotations.PipelineSpec)
+  checks: Tuple[str, ...] = ()           # assertions and prints that must run though no result reads them
   # import_annotations / complete
   ir: Any = None
   annotations: Any = None                # ref -> Sharding, pinned
@@ -184,6 +185,8 @@ def run(program):
       program = fn(program)
     except ShardingError:
       raise
+    except trace.UserCodeError as e:   # the user's own error, as tf.function would raise it
+      raise e.error from None
     except Exception as e:  # pylint: disable=broad-except
       raise PartitionError(f"pass '{name}' failed: {type(e).__name__}: {e}") from e
     times[name] = time.perf_counter() - start

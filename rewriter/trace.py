@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gspmd._annotations import mesh_scope, recording_schedules
-from tf_gspmd.errors import InputError, ShapeError
+from tf_gspmd.errors import InputError, ShapeError, ShardingError
 from tf_gspmd.rewriter.graph_view import node_def, ref, split_ref
 
 _CONVERSIONS = {
@@ -19,12 +19,26 @@ _CONVERSIONS = {
 }
 
 
+class UserCodeError(Exception):
+  """The user's function raised `error` while it was traced: the pass manager re-raises `error` itself (its type
+  and message, as a plain tf.function would), not a PartitionError about this pass."""
+
+  def __init__(self, error):
+    super().__init__(str(error))
+    self.error = error
+
+
 def run(program):
   fn = program.fn
   if not hasattr(fn, "get_concrete_function"):
     fn = tf.function(fn)
-  with mesh_scope(program.mesh), recording_schedules() as schedules:
-    cf = fn.get_concrete_function(*program.arg_specs)
+  try:
+    with mesh_scope(program.mesh), recording_schedules() as schedules:
+      cf = fn.get_concrete_function(*program.arg_specs)
+  except ShardingError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    raise UserCodeError(e) from e
   graph = cf.graph
   gd = graph.as_graph_def(add_shapes=True)   # static shapes survive re-import (e.g. of variable reads)
   n_args = len(program.arg_specs)
@@ -38,7 +52,46 @@ def run(program):
   gd, outputs, structure = _dense_results(gd, cf, getattr(program.fn, "__name__", "the function"))
   return program.replace(graph_def=gd, input_names=tuple(inputs), output_refs=tuple(outputs),
                          output_structure=structure, variable_names=tuple(n for n, _ in variables),
-                         variables=tuple(v for _, v in variables), pipelines=tuple(schedules))
+                         variables=tuple(v for _, v in variables), pipelines=tuple(schedules),
+                         checks=_checks(cf.graph, gd))
+
+
+# Ops a program runs to check or show values (TF's debug ops): they run whenever the function runs, as in a
+# tf.function, though no result reads them.
+CHECK_OPS = frozenset(("Assert", "CheckNumerics", "CheckNumericsV2", "PrintV2", "Print"))
+
+
+def _checks(graph, gd):
+  """Names of the function's control outputs (the ops tf.function runs though no result reads them) that check or
+  print values: an op of CHECK_OPS, or a call or control-flow op whose functions run one (an `AssertGuard` If)."""
+  functions = {f.signature.name: f for f in gd.library.function}
+  memo = {}
+
+  def runs_check(fname):
+    if fname not in memo:
+      memo[fname] = False
+      fdef = functions.get(fname)
+      memo[fname] = fdef is not None and any(
+          n.op in CHECK_OPS or any(runs_check(c) for c in _called(n)) or runs_check(n.op) for n in fdef.node_def)
+    return memo[fname]
+
+  names = []
+  for op in graph.control_outputs:
+    nd = op.node_def
+    if nd.op in CHECK_OPS or runs_check(nd.op) or any(runs_check(c) for c in _called(nd)):
+      names.append(op.name)
+  return tuple(names)
+
+
+def _called(nd):
+  """Names of the functions NodeDef `nd` calls through its attributes (branches, bodies, `f`)."""
+  out = []
+  for value in nd.attr.values():
+    if value.HasField("func"):
+      out.append(value.func.name)
+    elif value.HasField("list"):
+      out.extend(f.name for f in value.list.func)
+  return out
 
 
 def _dense_results(gd, cf, fname):

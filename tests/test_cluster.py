@@ -105,6 +105,67 @@ def test_launcher_forwards_output_and_exits_with_the_failing_worker_status():
   assert [c["task"]["index"] for c in configs] == [0, 1, 2] and all(c["cluster"]["worker"] == hosts for c in configs)
 
 
+_JOIN = """
+import json, os, sys, time
+import tf_gspmd as gs
+print("JOINING", flush=True)
+start = time.monotonic()
+try:
+  gs.initialize(join_timeout=float(sys.argv[1]))
+  print("JOINED", flush=True)
+except gs.ClusterJoinError as e:
+  print("ERROR " + json.dumps({"type": type(e).__name__, "message": str(e), "missing": list(e.missing),
+                               "mesh_error": isinstance(e, gs.MeshError), "took": time.monotonic() - start}),
+        flush=True)
+"""
+
+
+def _alone(index, join_timeout):
+  """Task `index` of a 2-worker TF_CONFIG, started without the other task."""
+  env = launch.worker_envs(2, base=_env())[index]
+  return subprocess.Popen([sys.executable, "-c", _JOIN, str(join_timeout)], env=env, cwd=ROOT, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL), json.loads(env["TF_CONFIG"])
+
+
+def test_initialize_with_a_missing_peer_fails_in_time_naming_it():
+  # Task 0 (the coordination leader) waits for task 1; task 1 waits for the leader. Both run at once.
+  runs = [_alone(k, 15) for k in (0, 1)]
+  for k, (proc, config) in enumerate(runs):
+    try:
+      out, _ = proc.communicate(timeout=120)
+    finally:
+      proc.kill()
+    lines = [l for l in out.splitlines() if l.startswith("ERROR ")]
+    assert lines, out[-2000:]
+    e = json.loads(lines[0][6:])
+    other = 1 - k
+    assert e["type"] == "ClusterJoinError" and e["mesh_error"], e
+    assert e["missing"] == [f"/job:worker/replica:0/task:{other}"], e
+    address = config["cluster"]["worker"][other]
+    assert f"task(s) worker:{other} ({address}) did not connect" in e["message"], e
+    assert "join_timeout=15 s" in e["message"] and "Start every process" in e["message"], e
+    assert e["took"] < 15 + 10, e
+
+
+@pytest.mark.parametrize("text,match", [
+    ("{'cluster': 1", r"TF_CONFIG is not valid JSON"),
+    ("[1, 2]", r"TF_CONFIG is a JSON list, not an object"),
+    ('{"cluster": {"worker": "127.0.0.1:1"}, "task": {"type": "worker", "index": 0}}', r"\"cluster\" must map"),
+    ('{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker"}}', r"\"task\" must give"),
+])
+def test_malformed_tf_config_is_named(monkeypatch, text, match):
+  monkeypatch.setenv("TF_CONFIG", text)
+  with pytest.raises(gs.MeshError, match=match) as e:
+    gs.initialize()
+  assert e.value.node == "TF_CONFIG" and '"task": {"type": "worker", "index": 0}' in str(e.value)
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan")])
+def test_initialize_timeouts_must_be_positive(timeout):
+  with pytest.raises(gs.MeshError, match="join_timeout=.*positive number of seconds"):
+    gs.initialize(join_timeout=timeout)
+
+
 @pytest.fixture(scope="module")
 def one_process():
   """The step in this process on 8 CPUs: what every multi-process run must reproduce."""

@@ -511,3 +511,67 @@ def test_the_sessions_exchange_is_the_one_its_programs_take(rng, exchange):
   np.testing.assert_allclose(f(x, w).numpy(), x @ w, rtol=1e-5, atol=1e-5)
   low = f.lower(tf.TensorSpec(x.shape), tf.TensorSpec(w.shape))
   assert (low.program.device_program.in_process is None) == (exchange == "collectives")
+
+
+@pytest.mark.parametrize("value,kind,fix", [
+    (lambda: tf.ragged.constant([[1.0], [2.0, 3.0]]), "RaggedTensor", "to_tensor"),
+    (lambda: tf.sparse.from_dense(tf.ones([4, 4])), "SparseTensor", "tf.sparse.to_dense"),
+    (lambda: {"a": tf.ones([4])}, "dict", "separate arguments"),
+    (lambda: [tf.ones([4]), tf.ones([4])], "list", "separate arguments"),
+    (lambda: object(), "object", "numpy array"),
+], ids=["ragged", "sparse", "dict", "list", "object"])
+def test_arguments_that_are_not_dense_tensors_are_typed_errors(value, kind, fix):
+  f = gs.function(lambda x: x * 2.0, mesh=MESH8)
+  with pytest.raises(gs.InputError, match=rf"argument 1 is a {kind}|argument 1 \({kind}\)") as e:
+    f(tf.ones([8]), value())
+  assert fix in str(e.value) and e.value.node == "argument 1"
+
+
+def test_the_users_own_error_surfaces_unchanged():
+  def own(x):
+    raise KeyError("no such feature: 'age'")
+
+  def shapes(x):
+    return x + tf.ones([3])
+
+  for fn in (own, shapes):
+    with pytest.raises(Exception) as plain:
+      tf.function(fn)(tf.ones([8]))
+    with pytest.raises(Exception) as ours:
+      gs.function(fn, mesh=MESH8)(tf.ones([8]))
+    assert type(ours.value) is type(plain.value) and not isinstance(ours.value, gs.ShardingError)
+    assert str(plain.value).splitlines()[-1] == str(ours.value).splitlines()[-1]
+  with pytest.raises(KeyError, match="no such feature"):
+    gs.function(own, mesh=MESH8).lower(tf.TensorSpec([8]))
+
+
+@pytest.mark.parametrize("name", ["in_shardings", "out_shardings"])
+@pytest.mark.parametrize("value", [42, 1.5, (P("batch"), 7), {"x": P()}])
+def test_shardings_of_the_wrong_type_are_refused_at_construction(name, value):
+  with pytest.raises(gs.InputError, match=rf"{name}=.*is not a sharding; give None.*gs\.P") as e:
+    gs.function(lambda x: x, mesh=MESH8, **{name: value})
+  assert e.value.node == name
+  # What they accept: one spec, a tuple of specs, a spec tuple per value.
+  gs.function(lambda x: x, mesh=MESH8, **{name: (P("batch"), None, ("batch", None))})
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), "10", True])
+def test_collective_timeout_must_be_positive_seconds(timeout):
+  with pytest.raises(gs.InputError, match="collective_timeout=.*positive number") as e:
+    gs.function(lambda x: x, mesh=MESH8, collective_timeout=timeout)
+  assert e.value.node == "collective_timeout"
+
+
+def test_memory_budget_takes_sizes_with_units():
+  from tf_gspmd._function import parse_bytes  # pylint: disable=g-import-not-at-top
+  assert parse_bytes("64MB", "m") == 64_000_000 and parse_bytes("2GiB", "m") == 2 << 30
+  assert parse_bytes("1.5 kib", "m") == 1536 and parse_bytes(4096, "m") == 4096 and parse_bytes(" 7 ", "m") == 7
+  assert parse_bytes(np.int64(5), "m") == 5 and parse_bytes(None, "m") is None
+  f = gs.function(lambda x: x * 2.0, mesh=MESH24, in_shardings="auto", memory_budget="64MB")
+  assert f._auto.memory_budget == 64_000_000   # pylint: disable=protected-access
+  x = np.arange(32, dtype=np.float32).reshape(8, 4)
+  np.testing.assert_array_equal(f(x).numpy(), x * 2.0)
+  for bad in ("64 parsecs", "MB", "-3GB", "0", 0, -1.0, [64]):
+    with pytest.raises(gs.InputError, match=r"memory_budget=.*\"64MB\"") as e:
+      gs.function(lambda x: x, mesh=MESH24, in_shardings="auto", memory_budget=bad)
+    assert e.value.node == "memory_budget"

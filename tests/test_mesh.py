@@ -4,9 +4,11 @@ import pickle
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tf_gspmd as gs
 from tf_gspmd import P
+from tf_gspmd import _cluster
 
 
 def test_mesh_values():
@@ -69,3 +71,16 @@ def test_unconstrained_entry():
   assert repr(spec) == "P('data', P.UNCONSTRAINED, ('a', 'b'))"
   assert pickle.loads(pickle.dumps(spec)) == spec and P(P.UNCONSTRAINED) != P(None)
   assert hash(P("a", P.UNCONSTRAINED)) == hash(P("a", P.UNCONSTRAINED))
+
+
+def test_a_mesh_over_absent_devices_is_planned_but_refuses_to_run():
+  mesh = gs.Mesh((2,), ("d",), devices=["/device:GPU:0", "/device:GPU:1"])   # this machine has CPUs only
+  f = gs.function(lambda x: x * 2.0, mesh=mesh, in_shardings=gs.P("d"))
+  assert f.lower(tf.TensorSpec([8])).report is not None     # planning needs no devices
+  with pytest.raises(gs.MeshError, match=r"does not have: '/job:localhost/replica:0/task:0/device:GPU:0' and 1 "
+                                         r"more \(it has 8 CPU\).*f\.lower"):
+    f(np.ones(8, np.float32))
+  cpus = gs.Mesh((2,), ("d",), devices=["/device:CPU:6", "/device:CPU:7"])
+  assert _cluster.runnable_devices(cpus) == cpus.resolve_devices()
+  np.testing.assert_array_equal(gs.function(lambda x: x * 2.0, mesh=cpus, in_shardings=gs.P("d"))(
+      np.ones(8, np.float32)).numpy(), np.full(8, 2.0))

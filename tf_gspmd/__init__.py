@@ -22,7 +22,7 @@ from tf_gspmd._pipeline import pipeline, stack_stages, unstack_stages
 from tf_gspmd._plan_scope import plan_scope
 from tf_gspmd._sharding import Sharding
 from tf_gspmd._visualize import visualize_sharding
-from tf_gspmd.errors import (AutoShardingError, InputError, MeshError, PartitionError, ProcessLostError, ShapeError,
+from tf_gspmd.errors import (AutoShardingError, ClusterJoinError, InputError, MeshError, PartitionError, ProcessLostError, ShapeError,
                              ShardingError, SpecError, UnsupportedOpError)
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor, from_process_local_data
 from tf_gspmd.runtime.state import Shard, sharding_of, shards_of, variable
@@ -33,7 +33,7 @@ __all__ = [
     "Mesh", "P", "Sharding", "split_cpu_devices", "initialize", "process_count", "process_index", "is_local", "local_devices", "mesh_split", "shard", "replicate", "function", "ShardedFunction",
     "Lowered", "ShardedTensor", "plan_scope", "pipeline", "stack_stages", "unstack_stages",
     "from_process_local_data", "sharding_of", "shards_of", "Shard", "variable", "initializers", "visualize_sharding", "ShardingError",
-    "MeshError", "SpecError", "ShapeError", "PartitionError", "UnsupportedOpError", "InputError", "ProcessLostError",
+    "MeshError", "SpecError", "ShapeError", "PartitionError", "UnsupportedOpError", "InputError", "ProcessLostError", "ClusterJoinError",
     "AutoShardingError", "tpu", "tpu_mesh",
 ]
 __version__ = "0.1.0"

@@ -12,12 +12,15 @@ exchanging any Python state.
 A process that never calls `initialize` (or whose resolver describes no cluster) is a cluster of one.
 """
 
+import json
 import os
+import re
 import threading
 
 from tf_gspmd import _compat
 from tf_gspmd._mesh import JOB_ORDER
-from tf_gspmd.errors import MeshError
+from tf_gspmd._mesh import _device_name  # the canonical device name meshes use
+from tf_gspmd.errors import ClusterJoinError, MeshError
 
 DEVICES_ENV = "TF_GSPMD_CPU_DEVICES_PER_PROCESS"   # logical CPUs per process, from the launcher
 _lock = threading.Lock()
@@ -35,7 +38,8 @@ def initialize(cluster_resolver=None, *, cpu_devices=None, heartbeat_timeout=30.
       2 x 4 with `cpu_devices=8`.
     heartbeat_timeout: seconds after which the cluster declares a silent process lost (its peers' collectives
       then fail naming it instead of waiting for the collective deadline).
-    join_timeout: seconds to wait for every process to start.
+    join_timeout: seconds to wait for every process to start (registering with the cluster and the first barrier
+      each get this long); past it, ClusterJoinError names the tasks that did not connect.
 
   Returns:
     (process index, process count).
@@ -43,7 +47,11 @@ def initialize(cluster_resolver=None, *, cpu_devices=None, heartbeat_timeout=30.
   import os  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   per_process = os.environ.get(DEVICES_ENV)
+  for name, value in (("join_timeout", join_timeout), ("heartbeat_timeout", heartbeat_timeout)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+      raise MeshError(f"gs.initialize({name}={value!r}): give a positive number of seconds")
   if cluster_resolver is None:
+    _check_tf_config(os.environ.get("TF_CONFIG"))
     cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
   spec = cluster_resolver.cluster_spec()
   jobs = spec.jobs
@@ -76,12 +84,65 @@ def initialize(cluster_resolver=None, *, cpu_devices=None, heartbeat_timeout=30.
       _configure_cpu_devices(cpu_devices // len(tasks))
     leader = f"/job:{tasks[0][0]}/replica:0/task:{tasks[0][1]}"
     try:
-      _compat.enable_cluster_collectives(spec, job, task, leader, heartbeat_timeout)
+      _compat.enable_cluster_collectives(spec, job, task, leader, heartbeat_timeout, join_timeout)
       _compat.coordination_barrier("tf_gspmd_initialize", join_timeout)
     except (RuntimeError, ValueError, tf.errors.OpError) as e:
-      raise MeshError(f"task {job}:{task} could not join the cluster {spec.as_dict()}: {e}") from e
+      raise _join_error(e, spec, tasks, (job, task), join_timeout) from e
     _state.update(job=job, task=task, tasks=tasks)
     return tasks.index((job, task)), len(tasks)
+
+
+_TF_CONFIG_EXAMPLE = ('{"cluster": {"worker": ["host0:port", "host1:port"]}, '
+                      '"task": {"type": "worker", "index": 0}}')
+
+
+def _check_tf_config(text):
+  """MeshError naming TF_CONFIG unless `text` (the variable's value; None or empty: no cluster) is a cluster
+  description TFConfigClusterResolver reads."""
+  if not text or not text.strip():
+    return
+  fix = f"set TF_CONFIG to JSON like {_TF_CONFIG_EXAMPLE}, or unset it to run as one process"
+  try:
+    config = json.loads(text)
+  except ValueError as e:
+    raise MeshError(f"the environment variable TF_CONFIG is not valid JSON ({e}): {fix}", node="TF_CONFIG") from None
+  if not isinstance(config, dict):
+    raise MeshError(f"TF_CONFIG is a JSON {type(config).__name__}, not an object: {fix}", node="TF_CONFIG")
+  cluster, task = config.get("cluster", {}), config.get("task", {})
+  if not isinstance(cluster, dict) or not all(isinstance(v, (list, dict)) for v in cluster.values()):
+    raise MeshError(f"TF_CONFIG's \"cluster\" must map each job to a list of \"host:port\" addresses; got "
+                    f"{cluster!r}: {fix}", node="TF_CONFIG")
+  if not isinstance(task, dict) or (cluster and not (isinstance(task.get("type"), str) and isinstance(
+      task.get("index"), int) and not isinstance(task.get("index"), bool))):
+    raise MeshError(f"TF_CONFIG's \"task\" must give this process's job \"type\" (a string) and \"index\" (an int); "
+                    f"got {task!r}: {fix}", node="TF_CONFIG")
+
+
+_TASK_NAME = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
+
+
+def _join_error(error, spec, tasks, me, join_timeout):
+  """ClusterJoinError for `error` of the coordination service: the tasks that did not connect, by name and address.
+
+  The leader's service names the tasks missing at its registration barrier; the other tasks time out registering
+  with the leader, so then the leader is the one missing."""
+  text = str(error)
+  timed_out = text.split("timed out task names:", 1)
+  if len(timed_out) == 2:
+    missing = [(j, int(t)) for j, t in _TASK_NAME.findall(timed_out[1])]
+  elif "RegisterTask" in text and me != tasks[0]:
+    missing = [tasks[0]]
+  else:
+    missing = []
+  missing = [m for m in dict.fromkeys(missing) if m in tasks and m != me]
+  where = ", ".join(f"{j}:{t} ({spec.task_address(j, t)})" for j, t in missing)
+  what = f"task(s) {where} did not connect" if missing else "the cluster did not form"
+  first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+  return ClusterJoinError(
+      f"task {me[0]}:{me[1]} could not join the cluster {spec.as_dict()} within join_timeout={join_timeout:g} s: "
+      f"{what}. Start every process of the cluster (the same cluster spec, its own task index), check that their "
+      f"addresses are reachable, or give gs.initialize a larger join_timeout. (TensorFlow: {first})",
+      missing=[f"/job:{j}/replica:0/task:{t}" for j, t in missing], node=f"{me[0]}:{me[1]}")
 
 
 def process_count():
@@ -119,6 +180,32 @@ def process_of(device):
 def local_devices(mesh):
   """The devices of `mesh` this process drives (all of them unless the mesh spans several processes)."""
   return tuple(d for d in mesh.resolve_devices() if is_local(d))
+
+
+_PRESENT = set()   # device tuples runnable_devices found in this process (devices never disappear)
+
+
+def runnable_devices(mesh):
+  """`mesh.resolve_devices()`, checked against the devices TensorFlow has: the devices a program on `mesh` runs on
+  now. Raises MeshError naming the devices this process should drive but does not have (e.g. GPUs on a machine
+  without them); a mesh of absent devices can still be planned (`lower`)."""
+  devices = mesh.resolve_devices()
+  if devices in _PRESENT:
+    return devices
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  have = {_device_name(d) for d in tf.config.list_logical_devices()}
+  missing = [d for d in devices if is_local(d) and d not in have]
+  if missing:
+    counts = {}
+    for d in have:
+      kind = tf.DeviceSpec.from_string(d).device_type
+      counts[kind] = counts.get(kind, 0) + 1
+    more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+    raise MeshError(f"{mesh} is over devices this process does not have: {missing[0]!r}{more} (it has "
+                    f"{', '.join(f'{n} {k}' for k, n in sorted(counts.items()))}); build the mesh over devices this "
+                    "machine has (gs.Mesh without devices= picks them), or plan for absent ones with f.lower(...)")
+  _PRESENT.add(devices)
+  return devices
 
 
 def split_cpu_devices(n, intra_op_threads=None):

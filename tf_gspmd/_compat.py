@@ -61,14 +61,19 @@ def abort_collectives(code, message):
 # the coordination service, then the eager context enabled for collectives with the cluster's ServerDef. No public
 # API does this without also building a tf.distribute strategy.
 
-def enable_cluster_collectives(cluster_spec, job_name, task_index, leader, heartbeat_timeout_s):
-  """Starts this process's gRPC server and lets collectives span every task of `cluster_spec` (before TF runs)."""
+def enable_cluster_collectives(cluster_spec, job_name, task_index, leader, heartbeat_timeout_s, register_timeout_s):
+  """Starts this process's gRPC server and lets collectives span every task of `cluster_spec` (before TF runs);
+  the coordination service gives up when not every task has registered within `register_timeout_s`."""
   ctx = _context.context()
   ctx.configure_collective_ops(collective_leader=leader, device_filters=(f"/job:{job_name}/task:{task_index}",))
   jobs = [_coordination_config_pb2.CoordinatedJob(name=j, num_tasks=cluster_spec.num_tasks(j))
           for j in cluster_spec.jobs]
   ctx.configure_coordination_service(service_type="standalone", service_leader=leader, coordinated_jobs=jobs,
-                                     heartbeat_timeout_in_ms=int(heartbeat_timeout_s * 1000))
+                                     heartbeat_timeout_in_ms=int(heartbeat_timeout_s * 1000),
+                                     cluster_register_timeout_in_ms=int(register_timeout_s * 1000))
+  # Registration as a barrier: every task's Connect fails when a task has not connected within the timeout (not
+  # only the leader's service), so a missing peer is an error instead of a wait in WaitForAllTasks.
+  ctx._coordination_service_config.cluster_register_with_barrier = True  # pylint: disable=protected-access
   config = tf.compat.v1.ConfigProto()
   config.CopyFrom(ctx.config)
   server_def = tf.compat.v1.train.ServerDef(cluster=cluster_spec.as_cluster_def(), job_name=job_name,

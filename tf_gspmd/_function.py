@@ -2,6 +2,8 @@
 
 import dataclasses
 import functools
+import numbers
+import re
 import threading
 
 import tensorflow as tf
@@ -145,6 +147,10 @@ class ShardedFunction:
                partitioner=None, solver_time_limit=None, auto_pins="all"):
     if not isinstance(mesh, Mesh):
       raise MeshError(f"gs.function needs mesh=gs.Mesh(...); got {mesh!r}")
+    _check_shardings_argument(in_shardings, "in_shardings")
+    _check_shardings_argument(out_shardings, "out_shardings")
+    collective_timeout = _checked_timeout(collective_timeout)
+    memory_budget = parse_bytes(memory_budget, "memory_budget")
     self.fn = fn
     self.mesh = mesh
     self._in = in_shardings
@@ -286,10 +292,10 @@ class ShardedFunction:
         specs.append(tf.TensorSpec(a.shape, a.dtype))
         arriving.append(_arriving(a))
       else:
-        t = a if isinstance(a, tf.Tensor) else tf.convert_to_tensor(a)
+        t = _dense_argument(a, k)
         specs.append(tf.TensorSpec(t.shape, t.dtype))
         arriving.append(None)
-    lowered = self._lower(tuple(specs), tuple(arriving), self.mesh.resolve_devices())
+    lowered = self._lower(tuple(specs), tuple(arriving), _cluster.runnable_devices(self.mesh))
     if all(type(a) is ShardedTensor for a in args):  # pylint: disable=unidiomatic-typecheck
       self._last = (tuple((a.shape, a.sharding, a.dtype) for a in args), lowered)
     return self._run(lowered, args)
@@ -323,6 +329,81 @@ def _run_exported(program, args):
   return flat
 
 
+_DENSE = {
+    tf.RaggedTensor: "x.to_tensor() (padded), or x.flat_values and x.nested_row_splits as separate arguments",
+    tf.SparseTensor: "tf.sparse.to_dense(x), or x.indices, x.values and x.dense_shape as separate arguments",
+    tf.IndexedSlices: "tf.convert_to_tensor(x)",
+}
+
+
+def _dense_argument(a, k):
+  """Argument `a` (number `k`) as a dense tf.Tensor; InputError for values a gs.function cannot take."""
+  if isinstance(a, tf.Tensor):
+    return a
+  for kind, fix in _DENSE.items():
+    if isinstance(a, kind):
+      raise InputError(f"argument {k} is a {kind.__name__}; a gs.function takes dense tensors (arrays, tf.Tensor, "
+                       f"ShardedTensor): pass {fix}", node=f"argument {k}")
+  if isinstance(a, dict) or (isinstance(a, (tuple, list)) and any(
+      isinstance(e, (tf.Tensor, ShardedTensor, dict, tf.RaggedTensor, tf.SparseTensor)) for e in a)):
+    raise InputError(f"argument {k} is a {type(a).__name__} of tensors; a gs.function takes one dense tensor per "
+                     "positional argument: pass its tensors as separate arguments (f(*values) and a matching "
+                     "in_shardings tuple), or stack them into one array", node=f"argument {k}")
+  try:
+    return tf.convert_to_tensor(a)
+  except (TypeError, ValueError) as e:
+    raise InputError(f"argument {k} ({type(a).__name__}) is not a tensor: {e}; pass a numpy array, a tf.Tensor "
+                     "or a ShardedTensor", node=f"argument {k}") from e
+
+
+def _check_shardings_argument(value, what):
+  """InputError unless `value` is what `in_shardings`/`out_shardings` take: None, "auto", a P, a Sharding, an
+  OpSharding (or its bytes), a spec tuple, or a tuple/list of those, one per value."""
+  def leaf(v):
+    return v is None or isinstance(v, (P, Sharding, str, bytes)) or type(v).__name__ == "OpSharding"
+
+  def spec_tuple(v):
+    return isinstance(v, (tuple, list)) and all(e is None or isinstance(e, str) or (
+        isinstance(e, tuple) and all(isinstance(a, str) for a in e)) for e in v)
+
+  if leaf(value) or (isinstance(value, (tuple, list)) and all(leaf(v) or spec_tuple(v) for v in value)):
+    return
+  bad = value if not isinstance(value, (tuple, list)) else next(v for v in value if not (leaf(v) or spec_tuple(v)))
+  raise InputError(f"{what}={value!r}: {bad!r} ({type(bad).__name__}) is not a sharding; give None (completion "
+                   f"decides), gs.P(...) or a gs.Sharding for every value, or a tuple of them with one entry per "
+                   f"{'argument' if what == 'in_shardings' else 'result'}", node=what)
+
+
+def _checked_timeout(seconds):
+  """`collective_timeout` as a float: InputError unless a finite number of seconds above 0."""
+  if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not 0 < seconds < float("inf"):
+    raise InputError(f"collective_timeout={seconds!r}: give the seconds (a positive number, e.g. 300) after which a "
+                     "stuck collective raises DeadlineExceededError", node="collective_timeout")
+  return float(seconds)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value, what):
+  """A byte count from a number or a string with a unit ("64MB", "2GiB", "1.5 GB"; KB/MB/GB/TB are powers of 1000,
+  KiB/MiB/GiB/TiB of 1024); None stays None. InputError for anything else."""
+  if value is None:
+    return None
+  if isinstance(value, str):
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    unit = m.group(2).lower() if m else None
+    if unit not in _UNITS:
+      raise InputError(f"{what}={value!r} is not a size; give bytes as a number or a string like \"64MB\" or "
+                       f"\"2GiB\" (units {sorted(set(u.upper().replace('I', 'i') for u in _UNITS if u))})", node=what)
+    value = float(m.group(1)) * _UNITS[unit]
+  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float("inf"):
+    raise InputError(f"{what}={value!r}: give bytes per device (a positive number, or a string like \"64MB\") or None",
+                     node=what)
+  return int(value)
+
+
 def _is_auto(s):
   return isinstance(s, str) and s == auto_pass.AUTO
 
@@ -346,8 +427,6 @@ def _auto_options(mesh, in_shardings, memory_budget, axis_cost, flops_per_byte, 
       raise MeshError(f"axis_cost names {a!r}, which is not an axis of {mesh}; give costs for {mesh.axis_names}")
     if not c > 0:
       raise InputError(f"axis_cost[{a!r}] = {c!r}: give a positive relative time per byte (1.0 = the default)")
-  if memory_budget is not None and not memory_budget > 0:
-    raise InputError(f"memory_budget={memory_budget!r}: give bytes per device (a positive number) or None")
   if not flops_per_byte > 0:
     raise InputError(f"flops_per_byte={flops_per_byte!r}: give a positive number")
   if time_limit is not None and not time_limit > 0:

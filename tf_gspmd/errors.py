@@ -51,6 +51,15 @@ class InputError(ShardingError):
   carry (e.g. a split string argument, a SparseTensor result)."""
 
 
+class ClusterJoinError(MeshError):
+  """`gs.initialize` could not join the cluster: a task of it did not start (or could not be reached) within
+  `join_timeout`. Attributes: `missing`, the names of the tasks that did not connect (when known)."""
+
+  def __init__(self, message, missing=(), node=None):
+    self.missing = tuple(missing)
+    super().__init__(message, node=node)
+
+
 class ProcessLostError(ShardingError):
   """Another process of a mesh that spans several processes stopped answering during a step (it died, hung or
   lost its network); the step's collectives were aborted. Restart every process (e.g. with --resume)."""

@@ -61,7 +61,14 @@ def _forward(stream, prefix, out, lock):
 
 def launch(command, workers, devices_per_worker=None, grace=60.0, timeout=None, out=None):
   """Runs `command` (a list, e.g. [sys.executable, "train.py", ...]) as `workers` processes; returns the exit
-  status (the first failing worker's, else 0)."""
+  status (the first failing worker's, else 0).
+
+  Every worker is polled every 0.1 s; once one fails, the others get `grace` seconds to exit before they are sent
+  SIGTERM (and killed 10 s later)."""
+  if int(workers) < 1:
+    raise ValueError(f"workers={workers}: the launcher needs at least one worker process; pass --workers=1 or more")
+  if grace < 0:
+    raise ValueError(f"grace={grace}: give the seconds (0 or more) the other workers get after one fails")
   out = out or sys.stdout
   lock = threading.Lock()
   procs, threads = [], []
@@ -73,13 +80,16 @@ def launch(command, workers, devices_per_worker=None, grace=60.0, timeout=None, 
     threads.append(t)
   start = time.monotonic()
   status, failed_at = 0, None
-  while any(p.poll() is None for p in procs):
+  while True:
+    codes = [p.poll() for p in procs]   # every worker, every round: a failure is seen wherever it happens
     now = time.monotonic()
-    for k, p in enumerate(procs):
-      if p.returncode not in (None, 0) and status == 0:
-        status, failed_at = p.returncode, now
+    for k, code in enumerate(codes):
+      if code not in (None, 0) and failed_at is None:
+        status, failed_at = code, now
         with lock:
-          out.write(f"[launch] worker {k} exited with status {p.returncode}\n")
+          out.write(f"[launch] worker {k} exited with status {code}; the others get {grace:g} s to finish\n")
+    if all(code is not None for code in codes):
+      break
     late = (failed_at is not None and now - failed_at > grace) or (timeout is not None and now - start > timeout)
     if late:
       for k, p in enumerate(procs):
@@ -116,6 +126,10 @@ def main(argv=None):
   parser.add_argument("command", nargs=argparse.REMAINDER, help="-- program.py [flags] (a .py file runs with this "
                       "Python)")
   args = parser.parse_args(argv)
+  if args.workers < 1:
+    parser.error(f"--workers={args.workers}: give at least 1 worker process")
+  if args.grace < 0:
+    parser.error(f"--grace={args.grace:g}: give 0 or more seconds")
   command = args.command[1:] if args.command[:1] == ["--"] else args.command
   if not command:
     parser.error("give the program after --")
