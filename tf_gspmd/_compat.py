@@ -19,6 +19,7 @@ from tensorflow.core.framework import cpp_shape_inference_pb2 as _cpp_shape_infe
 from tensorflow.python.compiler.xla.experimental import xla_sharding as _xla_sharding
 from tensorflow.python.distribute.parallel_device import parallel_device as _parallel_device
 from tensorflow.python.eager import context as _context
+from tensorflow.python.checkpoint import restore as _checkpoint_restore
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import function_def_to_graph as _function_def_to_graph
 from tensorflow.python.framework import graph_to_function_def as _graph_to_function_def
@@ -205,6 +206,42 @@ class CheckpointHook:
   def _restore_from_tensors(self, restored_tensors):
     self._gspmd_restore(restored_tensors[VARIABLE_VALUE_KEY])
     return None
+
+
+class SerializeHook:
+  """Mixin after `CheckpointHook`: what a wrapper that saves through `_serialize_to_tensors()` of its variable (a
+  Keras variable) gets is `self._gspmd_serialize()` ({VARIABLE_VALUE_KEY: tensor or {slice spec: tensor}}). TF
+  itself keeps saving the variable through `CheckpointHook` (its MRO walk meets `_gather_saveables_for_checkpoint`
+  first)."""
+
+  def _gspmd_serialize(self):
+    raise NotImplementedError
+
+  def _serialize_to_tensors(self):
+    return self._gspmd_serialize()
+
+
+def checkpoint_restore_target():
+  """While an eager `tf.train.Checkpoint` restore gathers what to read for one object: (checkpoint prefix, the
+  object being restored, {attribute name: checkpoint key}); None otherwise (saving, graph mode, no restore).
+
+  TF 2.21 reads every value of a process with one RestoreV2 before any object sees them; knowing the prefix lets
+  an object read its values itself, one slice at a time. Found on the call stack: the frame of
+  `CheckpointPosition.gather_ops_or_named_saveables`, whose `self` is the position being restored."""
+  if not tf.executing_eagerly():
+    return None
+  code = _checkpoint_restore.CheckpointPosition.gather_ops_or_named_saveables.__code__
+  f = sys._getframe(1)  # pylint: disable=protected-access
+  while f is not None:
+    if f.f_code is code:
+      position = f.f_locals.get("self")
+      path = getattr(position._checkpoint, "save_path_string", None)  # pylint: disable=protected-access
+      if not isinstance(path, str):
+        return None
+      keys = {a.name: a.checkpoint_key for a in position.object_proto.attributes}
+      return path, position.trackable, keys
+    f = f.f_back
+  return None
 
 
 # ---- Keras variables (Keras 3.15, TensorFlow backend) ------------------------------------------------------------

@@ -28,6 +28,9 @@ from tf_gspmd.runtime import parallel
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
 _lock = threading.RLock()
+# What a restore reads at a time into a shard: whole rows, a quarter of the tile or 8 MiB, whichever is more
+# (TF's reader holds the saved slice a read overlaps besides it; fewer, larger reads re-read it less often).
+_RESTORE_CHUNK_BYTES = 8 << 20
 
 
 def _inner(v):
@@ -254,7 +257,10 @@ class ShardedStorage:
 
   # ---- checkpoints -------------------------------------------------------------------------------------------------
   def slice_spec(self, p):
-    starts, lengths = self.tile_extent(p)
+    return self.slice_spec_of(*self.tile_extent(p))
+
+  def slice_spec_of(self, starts, lengths):
+    """The SaveV2/RestoreV2 slice spec of the block at `starts` of `lengths` ("" for a scalar)."""
     full = " ".join(str(n) for n in self.shape)
     if not self.shape:
       return ""
@@ -284,6 +290,59 @@ class ShardedStorage:
       if tuple(lengths) != tuple(self.shard_shape):
         x = x[tuple(slice(0, n) for n in lengths)]
     return x
+
+  def probe_spec(self):
+    """A one-element slice at the origin of the value ("" for a scalar or an empty value): what TF's own restore is
+    asked for while `stream_restore` reads the real slices."""
+    if not self.shape or not all(self.shape):
+      return ""
+    return " ".join(str(n) for n in self.shape) + " " + ":".join("0,1" for _ in self.shape)
+
+  def stream_restore(self, prefix, key):
+    """Restores checkpoint tensor `key` of checkpoint `prefix` into this process's shards, one distinct tile at a
+    time: RestoreV2 reads just the tile's slice (from however the checkpoint was sliced when saved), every local
+    shard holding that tile is assigned, and the slice is released before the next is read. No more than one
+    tile's worth of the value is ever held besides the shards."""
+    self.before_step()
+    split = not (self.sharding.is_maximal or self.sharding.is_replicated) and self.shape
+    done = {}
+    for p, comp in zip(self.positions, self.components):
+      starts, lengths = self.tile_extent(p)
+      device = self.devices[p]
+      with tf.device(device):
+        if not all(lengths) and lengths:   # a tile of padding only
+          comp.assign(tf.zeros(self.shard_shape, self.dtype))
+          continue
+        spec = self.slice_spec(p) if split else ""
+        if spec in done:
+          comp.assign(done[spec].read_value())
+          continue
+        if not split:
+          comp.assign(self._read_checkpoint_slice(prefix, key, "", self.shape, device))
+        else:
+          if tuple(lengths) != tuple(self.shard_shape):   # the padding is zero
+            comp.assign(tf.zeros(self.shard_shape, self.dtype))
+          row_bytes = self.dtype.size * int(np.prod(lengths[1:], dtype=np.int64))
+          step = max(1, max(_RESTORE_CHUNK_BYTES, row_bytes * lengths[0] // 4) // max(1, row_bytes))
+          for r in range(0, lengths[0], step):   # rows at a time: TF's reader holds a saved slice besides them
+            n = min(step, lengths[0] - r)
+            chunk_spec = self.slice_spec_of((starts[0] + r,) + tuple(starts[1:]), (n,) + tuple(lengths[1:]))
+            chunk = self._read_checkpoint_slice(prefix, key, chunk_spec, (n,) + tuple(lengths[1:]), device)
+            comp[(slice(r, r + n),) + tuple(slice(0, m) for m in lengths[1:])].assign(chunk)
+            del chunk
+        done[spec] = comp
+    self.shards_newer = True
+    self.host_newer = False
+
+  def _read_checkpoint_slice(self, prefix, key, spec, lengths, device):
+    with tf.device(_host_of(device)):
+      piece = tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=[key], shape_and_slices=[spec],
+                                   dtypes=[self.dtype])[0]
+    if tuple(piece.shape.as_list()) != tuple(lengths):
+      raise InputError(f"checkpoint tensor {key!r} of {prefix!r} restores as shape {piece.shape.as_list()} for "
+                       f"slice {spec!r}, expected {list(lengths)}: the checkpoint holds a value of another shape "
+                       f"than the variable's {list(self.shape)}")
+    return piece
 
   def restore(self, restored):
     """Assigns restored slices ({spec: tensor}, or one whole tensor) to the shards that hold them."""
@@ -315,11 +374,17 @@ def _plain_read(v):
   return _compat.read_unhooked(v)
 
 
+def _host_of(device):
+  """The CPU of the process (task) that holds `device`: where a checkpoint is read for it."""
+  spec = tf.DeviceSpec.from_string(device)
+  return spec.replace(device_type="CPU", device_index=0).to_string()
+
+
 def _tracing_for_gspmd():
   return current_mesh() is not None
 
 
-class _ManagedVariable(_compat.ReadHook, _compat.CheckpointHook):
+class _ManagedVariable(_compat.ReadHook, _compat.CheckpointHook, _compat.SerializeHook):
   """Mixin for a managed tf.Variable: eager reads see the shards, eager writes reach them, checkpoints save and
   restore the shards.
 
@@ -373,11 +438,35 @@ class _ManagedVariable(_compat.ReadHook, _compat.CheckpointHook):
     return self._gspmd_write("scatter_nd_update", *args, **kwargs)
 
   def _gspmd_saveable(self, name):
+    target = _compat.checkpoint_restore_target()
+    if target is not None and target[1] is self:
+      return _StreamingRestore(self, name, target[0])
     return _SliceSaveable(self, name)
 
+  def _gspmd_serialize(self):
+    # Reached when a wrapper (a Keras variable) saves or restores through its tf.Variable.
+    storage = self._gspmd_storage
+    target = _compat.checkpoint_restore_target()
+    key = target[2].get(_compat.VARIABLE_VALUE_KEY) if target is not None and _inner(target[1]) is self else None
+    if key is not None:   # a restore: TF reads one element, the slices are streamed by _gspmd_restore
+      self._gspmd_pending_restore = (target[0], key)
+      spec = storage.probe_spec()
+      return {_compat.VARIABLE_VALUE_KEY: {spec: _probe_value(storage)} if spec else _probe_value(storage)}
+    self._gspmd_pending_restore = None
+    specs = storage.slice_specs()
+    whole = storage.gather() if any(p not in storage.positions for p in specs.values()) else None
+    if list(specs) == [""]:
+      return {_compat.VARIABLE_VALUE_KEY: storage.read_slice("", whole)}
+    return {_compat.VARIABLE_VALUE_KEY: {spec: storage.read_slice(spec, whole) for spec in specs}}
+
   def _gspmd_restore(self, tensor):
-    # Reached when a wrapper (a Keras variable) restores through its tf.Variable: one whole tensor.
-    self._gspmd_storage.restore(tensor)
+    # Reached when a wrapper (a Keras variable) restores through its tf.Variable.
+    pending = getattr(self, "_gspmd_pending_restore", None)
+    if pending is not None:
+      self._gspmd_pending_restore = None
+      self._gspmd_storage.stream_restore(*pending)
+    else:   # one whole tensor
+      self._gspmd_storage.restore(tensor)
 
 
 class _SliceSaveable(_compat.SaveableObject):
@@ -400,6 +489,35 @@ class _SliceSaveable(_compat.SaveableObject):
   def restore(self, restored_tensors, restored_shapes):
     del restored_shapes
     self._storage.restore(dict(zip(self._order, restored_tensors)))
+    return None
+
+
+def _probe_value(storage):
+  """The value at the origin (the shape of `probe_spec`), read from the shard that holds it."""
+  p = storage.positions[0] if storage.sharding.is_replicated or not storage.shape else None
+  if p is None:
+    p = next((q for q in storage.positions if not any(storage.tile_extent(q)[0])), storage.positions[0])
+  comp = storage.components[storage.positions.index(p)]
+  with tf.device(storage.devices[p]):
+    x = comp.read_value()
+    return x[tuple(slice(0, 1) for _ in storage.shape)] if storage.shape and all(storage.shape) else x
+
+
+class _StreamingRestore(_compat.SaveableObject):
+  """A managed variable being restored eagerly: TF is asked for one element only; `restore` reads the variable's
+  tiles from the checkpoint one at a time (`ShardedStorage.stream_restore`)."""
+
+  def __init__(self, variable, name, prefix):
+    storage = variable._gspmd_storage  # pylint: disable=protected-access
+    self._storage, self._prefix, self._key = storage, prefix, name
+    spec = storage.probe_spec()
+    super().__init__(variable, [_compat.SaveSpec(functools.partial(_probe_value, storage), spec, name,
+                                                 dtype=variable.dtype, device=_host_of(storage.devices[
+                                                     storage.positions[0]]))], name)
+
+  def restore(self, restored_tensors, restored_shapes):
+    del restored_tensors, restored_shapes
+    self._storage.stream_restore(self._prefix, self._key)
     return None
 
 
