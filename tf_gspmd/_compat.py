@@ -19,6 +19,7 @@ from tensorflow.core.framework import cpp_shape_inference_pb2 as _cpp_shape_infe
 from tensorflow.python.compiler.xla.experimental import xla_sharding as _xla_sharding
 from tensorflow.python.distribute.parallel_device import parallel_device as _parallel_device
 from tensorflow.python.eager import context as _context
+from tensorflow.python.checkpoint import functional_saver as _functional_saver
 from tensorflow.python.checkpoint import restore as _checkpoint_restore
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import function_def_to_graph as _function_def_to_graph
@@ -219,6 +220,47 @@ class SerializeHook:
 
   def _serialize_to_tensors(self):
     return self._gspmd_serialize()
+
+
+def install_checkpoint_save_hook(hook):
+  """Every checkpoint save of the process (tf.train.Checkpoint, CheckpointManager, Keras) runs
+  `hook(saver, save, file_prefix, options)` instead of TF's `save(saver, file_prefix, options)`; `saver` is the
+  object whose `checkpoint_saver_tensors(saver)` lists what it writes. Installed once; TF 2.21's one place where
+  a process writes its checkpoint files and merges them (`MultiDeviceSaver.save`)."""
+  cls = _functional_saver.MultiDeviceSaver
+  if getattr(cls.save, "_gspmd_hook", None) is hook:
+    return
+  original = getattr(cls.save, "_gspmd_original", cls.save)
+
+  def save(self, file_prefix, options=None):
+    return hook(self, original, file_prefix, options)
+  save._gspmd_hook = hook   # pylint: disable=protected-access
+  save._gspmd_original = original   # pylint: disable=protected-access
+  cls.save = save
+
+
+def checkpoint_saver_tensors(saver):
+  """What a checkpoint saver writes: (checkpoint key, slice spec, the object that provided it, a zero-argument
+  function returning the tensor) for each value, in order. The object is the trackable itself (a variable saved
+  through SaveableObjects is unwrapped from TF's compatibility converter)."""
+  out = []
+  for shard in saver._shardable_tensors_by_task.values():  # pylint: disable=protected-access
+    for t in shard:
+      obj = t.trackable
+      obj = getattr(obj, "obj", obj) if type(obj).__name__ == "SaveableCompatibilityConverter" else obj
+      spec = t._tensor_save_spec  # pylint: disable=protected-access
+      out.append((t.checkpoint_key, t.slice_spec, obj, (lambda s=spec: s.tensor)))
+  return out
+
+
+def config_key_value_set(key, value):
+  """Stores `value` under `key` in the cluster's coordination service (visible to every process)."""
+  _context.context().set_config_key_value(key, value)
+
+
+def config_key_value_get(key, timeout_s):
+  """The value stored under `key` by some process (waits for it up to `timeout_s`)."""
+  return _context.context().get_config_key_value(key, int(timeout_s * 1000))
 
 
 def checkpoint_restore_target():

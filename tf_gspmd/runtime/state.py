@@ -24,6 +24,7 @@ from tf_gspmd import initializers
 from tf_gspmd._annotations import current_mesh
 from tf_gspmd._sharding import to_sharding
 from tf_gspmd.errors import InputError
+from tf_gspmd.runtime import checkpoint
 from tf_gspmd.runtime import parallel
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
@@ -276,14 +277,28 @@ class ShardedStorage:
         self._slice_specs = {self.slice_spec(p): p for p in self.owners() if all(self.tile_extent(p)[1])}
     return self._slice_specs
 
-  def read_slice(self, spec, whole=None):
-    """The current value of one slice (an eager tensor on its device; a slice only another process holds is
-    cut from `whole`, the gathered global value)."""
+  def written_slices(self):
+    """{slice spec: device position} of what this process writes in a checkpoint. In one process: every distinct
+    tile. Over several processes: the tiles whose lowest device is this process's, so each is written once and by
+    one process; a value not split (replicated, or a scalar) by the process of the mesh's first device."""
+    specs = self.slice_specs()
+    if len(self.positions) == len(self.devices):
+      return specs
+    if list(specs) == [""]:
+      owner = self.sharding.maximal if self.sharding.is_maximal else 0
+      return {"": owner} if owner in self.positions else {}
+    lowest = {}
+    for p in range(len(self.devices)):
+      extent = self.tile_extent(p)
+      if all(extent[1]):
+        lowest.setdefault(extent, p)
+    return {self.slice_spec(p): p for p in lowest.values() if p in self.positions}
+
+  def read_slice(self, spec):
+    """The current value of one slice this process holds (an eager tensor on its device)."""
     self.before_step()
-    p = self.slice_specs()[spec]
+    p = self.written_slices()[spec]
     starts, lengths = self.tile_extent(p)
-    if p not in self.positions:
-      return tf.constant(whole[tuple(slice(s, s + n) for s, n in zip(starts, lengths))] if spec else whole)
     comp = self.components[self.positions.index(p)]
     with tf.device(self.devices[p]):
       x = comp.read_value()
@@ -453,11 +468,12 @@ class _ManagedVariable(_compat.ReadHook, _compat.CheckpointHook, _compat.Seriali
       spec = storage.probe_spec()
       return {_compat.VARIABLE_VALUE_KEY: {spec: _probe_value(storage)} if spec else _probe_value(storage)}
     self._gspmd_pending_restore = None
-    specs = storage.slice_specs()
-    whole = storage.gather() if any(p not in storage.positions for p in specs.values()) else None
+    specs = storage.written_slices()
+    if len(storage.positions) < len(storage.devices):
+      checkpoint.note_split_variable()
     if list(specs) == [""]:
-      return {_compat.VARIABLE_VALUE_KEY: storage.read_slice("", whole)}
-    return {_compat.VARIABLE_VALUE_KEY: {spec: storage.read_slice(spec, whole) for spec in specs}}
+      return {_compat.VARIABLE_VALUE_KEY: storage.read_slice("")}
+    return {_compat.VARIABLE_VALUE_KEY: {spec: storage.read_slice(spec) for spec in specs}}
 
   def _gspmd_restore(self, tensor):
     # Reached when a wrapper (a Keras variable) restores through its tf.Variable.
@@ -475,14 +491,12 @@ class _SliceSaveable(_compat.SaveableObject):
   def __init__(self, variable, name):
     storage = variable._gspmd_storage  # pylint: disable=protected-access
     self._storage = storage
-    self._order = storage.slice_specs()
-    # Over several processes every process saves every slice (the chief's copy is the checkpoint): slices held
-    # elsewhere come from one all-gather, made here -- when the checkpoint collects its objects, in the same
-    # order in every process.
-    whole = storage.gather() if any(p not in storage.positions for p in self._order.values()) else None
-    here = storage.devices[storage.positions[0]]
-    specs = [_compat.SaveSpec(functools.partial(storage.read_slice, spec, whole), spec, name, dtype=variable.dtype,
-                              device=storage.devices[p] if p in storage.positions else here)
+    # Over several processes each process lists the tiles it writes (runtime/checkpoint.py merges the parts).
+    self._order = storage.written_slices()
+    if len(storage.positions) < len(storage.devices):
+      checkpoint.note_split_variable()
+    specs = [_compat.SaveSpec(functools.partial(storage.read_slice, spec), spec, name, dtype=variable.dtype,
+                              device=storage.devices[p])
              for spec, p in self._order.items()]
     super().__init__(variable, specs, name)
 
@@ -582,3 +596,6 @@ def variable(initializer, shape, dtype=tf.float32, *, mesh, spec, name=None, tra
   v._gspmd_init = lambda p, starts, lengths: init.chunked(shape, starts, lengths, dtype)
   manage(v, sharding, mesh.resolve_devices(), what=name)
   return v
+
+
+_compat.install_checkpoint_save_hook(checkpoint.save_hook(storage_of))
