@@ -317,3 +317,28 @@ def test_save_and_restore_hold_at_most_a_fraction_of_a_split_variable(kind, tmp_
     assert r["equal"]
     # A (2,4) tile is 1/8 of the value; TF's reader also holds the saved (8,) tile a read overlaps.
     assert r["restore"] <= 0.4 * r["bytes"], r
+
+
+def test_asynchronous_save_copies_the_tiles_then_writes_while_steps_run(rng, tmp_path):
+  """CheckpointOptions(experimental_enable_async_checkpoint=True): the save copies this process's tiles to the
+  host and returns; steps that update the shards meanwhile do not reach the checkpoint being written; the next
+  save waits for the previous one. Both checkpoints hold the values of their save's step."""
+  value = rng.standard_normal((64, 48)).astype(np.float32)
+  w = _stored(tf.Variable(value, name="w"), MESH, P("data", "model"))
+  step = gs.function(lambda: w.assign(w * 0.5 + 1.0), mesh=MESH)
+  step()
+  options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
+  ckpt = tf.train.Checkpoint(w=w)
+  first_value = w.numpy().copy()
+  first = ckpt.write(str(tmp_path / "first"), options=options)
+  step()
+  step()
+  second_value = w.numpy().copy()
+  second = ckpt.write(str(tmp_path / "second"), options=options)   # waits for the first write
+  step()
+  ckpt.sync()
+  for path, want in ((first, first_value), (second, second_value)):
+    np.testing.assert_array_equal(tf.train.load_checkpoint(path).get_tensor("w/.ATTRIBUTES/VARIABLE_VALUE"), want)
+  restored = _stored(tf.Variable(tf.zeros([64, 48])), MESH8, P(None, "x"))
+  tf.train.Checkpoint(w=restored).read(second).assert_existing_objects_matched()
+  np.testing.assert_array_equal(restored.numpy(), second_value)

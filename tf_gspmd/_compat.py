@@ -187,6 +187,7 @@ class ReadHook:
 # `_serialize_to_tensors` route hands a trackable only the first slice of a multi-slice key on restore.
 
 SaveableObject = _saveable_object.SaveableObject
+Trackable = _trackable.Trackable
 SaveSpec = _saveable_object.SaveSpec
 VARIABLE_VALUE_KEY = _trackable.VARIABLE_VALUE_KEY
 

@@ -475,6 +475,13 @@ class _ManagedVariable(_compat.ReadHook, _compat.CheckpointHook, _compat.Seriali
       return {_compat.VARIABLE_VALUE_KEY: storage.read_slice("")}
     return {_compat.VARIABLE_VALUE_KEY: {spec: storage.read_slice(spec) for spec in specs}}
 
+  def _copy_trackable_to_cpu(self, object_map):
+    # An asynchronous save (CheckpointOptions(experimental_enable_async_checkpoint=True)) first copies what it saves
+    # to the host, blocking the step; the copy of a sharded variable is this process's written tiles.
+    if self not in object_map:
+      object_map[self] = _HostSnapshot(self)
+    object_map[self].refresh()
+
   def _gspmd_restore(self, tensor):
     # Reached when a wrapper (a Keras variable) restores through its tf.Variable.
     pending = getattr(self, "_gspmd_pending_restore", None)
@@ -515,6 +522,38 @@ def _probe_value(storage):
   with tf.device(storage.devices[p]):
     x = comp.read_value()
     return x[tuple(slice(0, 1) for _ in storage.shape)] if storage.shape and all(storage.shape) else x
+
+
+class _HostSnapshot(_compat.Trackable):
+  """A host copy of the tiles a process writes of a sharded variable, taken when an asynchronous save starts;
+  the background writer saves it as the variable's slices."""
+
+  def __init__(self, variable):
+    self._variable = variable
+    self._storage = variable._gspmd_storage  # pylint: disable=protected-access
+    self._tiles = {}
+
+  def refresh(self):
+    """Copies the tiles into host variables (kept between saves: the step may update the shards meanwhile)."""
+    for spec, p in self._storage.written_slices().items():
+      x = self._storage.read_slice(spec)
+      host = self._tiles.get(spec)
+      if host is None:
+        with tf.init_scope(), tf.device(_host_of(self._storage.devices[p])):
+          host = self._tiles[spec] = tf.Variable(tf.zeros(x.shape, x.dtype), trainable=False)
+      host.assign(x)
+
+  def _serialize_to_tensors(self):
+    if len(self._storage.positions) < len(self._storage.devices):
+      checkpoint.note_split_variable()
+    if list(self._tiles) == [""]:
+      return {_compat.VARIABLE_VALUE_KEY: self._tiles[""].read_value()}
+    return {_compat.VARIABLE_VALUE_KEY: {spec: v.read_value() for spec, v in self._tiles.items()}}
+
+  def __tf_tensor__(self, dtype=None, name=None):
+    raise InputError(f"an asynchronous checkpoint of the Keras variable stored sharded as {self._variable.name!r} "
+                     f"(shape {list(self._storage.shape)}) needs its whole value, which Keras's host copy takes; "
+                     "save Keras models synchronously (without experimental_enable_async_checkpoint)")
 
 
 class _StreamingRestore(_compat.SaveableObject):
