@@ -315,9 +315,10 @@ class ShardedStorage:
 
   def stream_restore(self, prefix, key):
     """Restores checkpoint tensor `key` of checkpoint `prefix` into this process's shards, one distinct tile at a
-    time: RestoreV2 reads just the tile's slice (from however the checkpoint was sliced when saved), every local
-    shard holding that tile is assigned, and the slice is released before the next is read. No more than one
-    tile's worth of the value is ever held besides the shards."""
+    time: RestoreV2 reads the tile's slice a few rows at a time (from however the checkpoint was sliced when
+    saved), into every local shard holding that tile, each read released before the next. Besides the shards a
+    restore holds one read and what TF's reader buffers for it (the saved slices it overlaps), never the whole
+    value."""
     self.before_step()
     split = not (self.sharding.is_maximal or self.sharding.is_replicated) and self.shape
     done = {}
