@@ -249,3 +249,10 @@ def test_a_worker_killed_during_a_save_leaves_the_previous_checkpoint_and_names_
   assert int(ckpt.n.numpy()) == n
   manager.save()   # the manager continues where the interrupted run stopped
   assert tf.train.latest_checkpoint(str(tmp_path)) == manager.latest_checkpoint != latest
+
+
+def test_processes_saving_to_different_paths_all_raise_input_error(tmp_path):
+  results = _launch(2, "sharded_checkpoint.py", f"--save={tmp_path}", "--own_directory")
+  for r in results.values():
+    assert "different paths" in r["error"] and "process_0" in r["error"] and "process_1" in r["error"], r
+  assert not list(tmp_path.glob("process_*/ckpt*"))

@@ -3,6 +3,7 @@
   --save DIR       one step, then a save; prints what this process wrote and how much its memory grew
   --save DIR --loop   saves again and again (each save a step later), touching DIR/first_done after the first
   --restore PREFIX    restores onto --mesh and prints checksums of every variable
+  --own_directory     each process saves to a directory of its own (refused: one checkpoint needs one path)
 
 Variables: `a` split over both mesh axes (each process holds its own rows), `b` split over "model" only with an
 uneven dimension (replicated over "data"), `c` replicated, `n` a plain counter.
@@ -53,6 +54,7 @@ def main():
   parser.add_argument("--restore", default=None)
   parser.add_argument("--loop", action="store_true")
   parser.add_argument("--mesh", default="2,4")
+  parser.add_argument("--own_directory", action="store_true", help="each process saves under DIR/process_K")
   args = parser.parse_args()
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
@@ -69,10 +71,15 @@ def main():
   else:
     a, b, c, n = build(gs, tf, mesh)
     step = gs.function(lambda: (a.assign(a * 0.5 + 1.0), b.assign_add(tf.ones_like(b)), n.assign_add(1)), mesh=mesh)
-    manager = tf.train.CheckpointManager(tf.train.Checkpoint(a=a, b=b, c=c, n=n), args.save, max_to_keep=2)
+    directory = os.path.join(args.save, f"process_{k}") if args.own_directory else args.save
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(a=a, b=b, c=c, n=n), directory, max_to_keep=2)
     step()
     start = mark()
-    out["saved"] = manager.save()
+    try:
+      out["saved"] = manager.save()
+    except gs.InputError as e:
+      print("RESULT " + json.dumps(dict(out, error=str(e))), flush=True)
+      return 0
     out["growth"] = peak_growth(start)
     out["bytes_written"] = checkpoint.last_save.get("bytes_written")
     owned = 0
