@@ -256,6 +256,26 @@ def test_checkpoint_restore_target_names_the_prefix_object_and_keys_only_while_r
   assert restored == ("restored", [1.0, 2.0])
 
 
+def test_checkpoint_save_hook_sees_every_value_and_wraps_the_save(tmp_path):
+  from tf_gspmd.runtime import checkpoint, state  # pylint: disable=g-import-not-at-top
+  seen = []
+
+  def hook(saver, save, file_prefix, options):
+    seen.extend((key, spec, obj, read().numpy().tolist()) for key, spec, obj, read in
+                _compat.checkpoint_saver_tensors(saver) if key != "_CHECKPOINTABLE_OBJECT_GRAPH")
+    return save(saver, file_prefix, options)
+
+  v = tf.Variable([1.0, 2.0])
+  try:
+    _compat.install_checkpoint_save_hook(hook)
+    _compat.install_checkpoint_save_hook(hook)   # once
+    path = tf.train.Checkpoint(v=v).write(str(tmp_path / "ckpt"))
+  finally:
+    _compat.install_checkpoint_save_hook(checkpoint.save_hook(state.storage_of))
+  assert seen == [("v/.ATTRIBUTES/VARIABLE_VALUE", "", v, [1.0, 2.0])]
+  assert_close(tf.train.load_variable(path, "v/.ATTRIBUTES/VARIABLE_VALUE"), [1.0, 2.0])
+
+
 # ---- Keras -------------------------------------------------------------------------------------------------------
 
 def test_keras_variable_storage():
