@@ -148,10 +148,9 @@ def run(task):
   ckpt = tf.train.Checkpoint(step=step_var, **model.trackables)
   directory = os.path.join(FLAGS.logdir, task.name)
   checkpoints = os.path.join(directory, "checkpoints")
-  # Every process saves the whole checkpoint (slices other processes hold are all-gathered); the chief's copy is
-  # the checkpoint, the others write theirs aside. All resume from the chief's.
-  manager = tf.train.CheckpointManager(
-      ckpt, checkpoints if chief else os.path.join(directory, f"worker_{gs.process_index()}"), max_to_keep=3)
+  # Every process makes the same save to the same directory: each writes the tiles it holds (once over all
+  # processes), the chief merges them into one checkpoint.
+  manager = tf.train.CheckpointManager(ckpt, checkpoints, max_to_keep=3)
   latest = tf.train.latest_checkpoint(checkpoints)
   if FLAGS.resume and latest:
     ckpt.restore(latest).assert_existing_objects_matched()

@@ -222,3 +222,98 @@ def test_keras_fit_with_model_parallel_over_two_processes_matches_one():
     # One process sums in one order (in-process), two in the ring's: near-zero weights differ at float32 rounding
     # of the largest ones.
     np.testing.assert_allclose(r["weights"], want["weights"], rtol=1e-5, atol=1e-6 * np.abs(want["weights"]).max())
+
+
+import sharded_checkpoint  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+@pytest.fixture(scope="module")
+def shared_save(tmp_path_factory):
+  directory = tmp_path_factory.mktemp("shared_save")
+  return _launch(2, "sharded_checkpoint.py", f"--save={directory}"), directory
+
+
+def test_each_process_writes_its_own_tiles_into_one_checkpoint(shared_save):
+  """Every process makes the same CheckpointManager.save; each writes the distinct tiles whose lowest device is
+  its own (process 1 holds half of `a`'s rows; `b` and the unsplit values are the chief's), the chief merges."""
+  results, directory = shared_save
+  assert results[0]["saved"] == results[1]["saved"] == tf.train.latest_checkpoint(str(directory))
+  assert not [f for f in os.listdir(directory) if f.endswith("_temp")]   # the parts were merged and removed
+  a_bytes = sharded_checkpoint.ROWS * 2048 * 4
+  assert results[1]["owned_bytes"] == a_bytes // 2   # its half of a; b's tiles have their lowest device on process 0
+  for r in results.values():
+    assert abs(r["bytes_written"] - r["owned_bytes"]) <= 0.05 * r["owned_bytes"], r
+    # No gather: growth is a fraction of its own tiles, plus the checkpoint writer's fixed buffers (~9 MiB).
+    assert r["growth"] <= 0.25 * r["owned_bytes"] + (12 << 20), r
+  assert results[0]["checksums"] == results[1]["checksums"]
+
+
+def test_a_shared_checkpoint_restores_onto_one_process_four_processes_and_plain_tf(shared_save):
+  results, _ = shared_save
+  prefix, want = results[0]["saved"], results[0]["checksums"]
+  reader = tf.train.load_checkpoint(prefix)   # plain TF: whole values
+  plain = [reader.get_tensor(f"{k}/.ATTRIBUTES/VARIABLE_VALUE") for k in "abcn"]
+  assert plain[0].shape == (sharded_checkpoint.ROWS, 2048) and plain[1].shape == (40, 30)
+  got = sharded_checkpoint.checksums([type("V", (), {"numpy": lambda self, x=x: x})() for x in plain])
+  assert got == want
+  here = sharded_checkpoint.build(gs, tf, gs.Mesh((1, 8), ("data", "model")), init=False)   # 1 process x 8
+  tf.train.Checkpoint(a=here[0], b=here[1], c=here[2], n=here[3]).read(prefix).assert_existing_objects_matched()
+  assert sharded_checkpoint.checksums(here) == want
+  four = _launch(4, "sharded_checkpoint.py", f"--restore={prefix}", "--mesh=4,2")   # 4 processes x 2
+  for r in four.values():
+    assert r["checksums"] == want and r["a_spec"] == "P('data', 'model')"
+
+
+def test_a_worker_killed_during_a_save_leaves_the_previous_checkpoint_and_names_it(tmp_path):
+  """SIGKILL process 1 while the processes save again and again: process 0 exits with ProcessLostError naming
+  it; the latest checkpoint is whole (one step's values) and CheckpointManager keeps working on it."""
+  from tf_gspmd import launch  # pylint: disable=g-import-not-at-top
+  import signal  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  command = [sys.executable, os.path.join(PROGRAMS, "sharded_checkpoint.py"), f"--save={tmp_path}", "--loop"]
+  logs = [tmp_path / f"worker_{k}.log" for k in range(2)]
+  procs = [subprocess.Popen(command, env=dict(_env(), **env), cwd=ROOT, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)
+           for env, log in zip(launch.worker_envs(2, 4), logs)]
+  try:
+    deadline = time.time() + 300
+    while not (tmp_path / "first_done").exists():
+      assert all(p.poll() is None for p in procs) and time.time() < deadline, logs[0].read_text()[-3000:]
+      time.sleep(0.05)
+    time.sleep(1.5)   # several saves later, most likely in the middle of one
+    procs[1].send_signal(signal.SIGKILL)
+    procs[0].wait(120)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  survivor = logs[0].read_text()
+  assert procs[0].returncode not in (0, None), survivor[-3000:]
+  assert "ProcessLostError" in survivor and "task /job:worker/replica:0/task:1 (process 1) stopped answering" in \
+      survivor, survivor[-3000:]
+  latest = tf.train.latest_checkpoint(str(tmp_path))
+  assert latest is not None
+  reader = tf.train.load_checkpoint(latest)
+  n = int(reader.get_tensor("n/.ATTRIBUTES/VARIABLE_VALUE"))
+  b = reader.get_tensor("b/.ATTRIBUTES/VARIABLE_VALUE")
+  assert n >= 1
+  a = reader.get_tensor("a/.ATTRIBUTES/VARIABLE_VALUE")
+  start = sharded_checkpoint.build(gs, tf, gs.Mesh((1, 8), ("data", "model")))
+  want_a = start[0].numpy()
+  for _ in range(n):
+    want_a = want_a * 0.5 + 1.0
+  np.testing.assert_allclose(a, want_a, rtol=1e-6)   # every tile from the same step, both processes' parts
+  np.testing.assert_allclose(b, start[1].numpy() + n, rtol=1e-6)
+  ckpt = tf.train.Checkpoint(n=tf.Variable(0, dtype=tf.int64))
+  manager = tf.train.CheckpointManager(ckpt, str(tmp_path), max_to_keep=2)
+  ckpt.restore(manager.latest_checkpoint).expect_partial()
+  assert int(ckpt.n.numpy()) == n
+  manager.save()   # the manager continues where the interrupted run stopped
+  assert tf.train.latest_checkpoint(str(tmp_path)) == manager.latest_checkpoint != latest
+
+
+def test_processes_saving_to_different_paths_all_raise_input_error(tmp_path):
+  results = _launch(2, "sharded_checkpoint.py", f"--save={tmp_path}", "--own_directory")
+  for r in results.values():
+    assert "different paths" in r["error"] and "process_0" in r["error"] and "process_1" in r["error"], r
+  assert not list(tmp_path.glob("process_*/ckpt*"))

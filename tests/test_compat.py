@@ -237,6 +237,61 @@ def test_checkpoint_hook_saves_slices_and_restores_them(tmp_path):
   assert float(restored["whole"]) == 5.0
 
 
+def test_checkpoint_restore_target_names_the_prefix_object_and_keys_only_while_restoring(tmp_path):
+  seen = []
+
+  class Hooked(_compat.CheckpointHook, _compat.SerializeHook, type(tf.Variable(0.0))):
+    pass
+
+  class Saveable(_compat.SaveableObject):
+    def __init__(self, var, name):
+      super().__init__(var, [_compat.SaveSpec(var.read_value(), "", name, dtype=tf.float32)], name)
+
+    def restore(self, restored_tensors, restored_shapes):
+      del restored_shapes
+      seen.append(("restored", restored_tensors[0].numpy().tolist()))
+
+  v = tf.Variable([1.0, 2.0])
+  v.__class__ = Hooked
+
+  def saveable(name):
+    seen.append(("target", _compat.checkpoint_restore_target()))
+    return Saveable(v, name)
+  v._gspmd_saveable = saveable   # pylint: disable=protected-access
+  v._gspmd_serialize = lambda: {_compat.VARIABLE_VALUE_KEY: tf.constant([7.0, 8.0])}  # pylint: disable=protected-access
+  assert _compat.checkpoint_restore_target() is None
+  path = tf.train.Checkpoint(v=v).write(str(tmp_path / "ckpt"))
+  assert seen == [("target", None)]   # saving: no restore target
+  # TF still saves the variable through its SaveableObject (not the wrapper-facing _serialize_to_tensors).
+  assert_close(tf.train.load_variable(path, "v/.ATTRIBUTES/VARIABLE_VALUE"), [1.0, 2.0])
+  assert_close(v._serialize_to_tensors()[_compat.VARIABLE_VALUE_KEY], [7.0, 8.0])  # pylint: disable=protected-access
+  seen.clear()
+  tf.train.Checkpoint(v=v).read(path).assert_consumed()
+  (_, target), restored = seen
+  assert target[0] == path and target[1] is v and target[2] == {_compat.VARIABLE_VALUE_KEY: "v/.ATTRIBUTES/VARIABLE_VALUE"}
+  assert restored == ("restored", [1.0, 2.0])
+
+
+def test_checkpoint_save_hook_sees_every_value_and_wraps_the_save(tmp_path):
+  from tf_gspmd.runtime import checkpoint, state  # pylint: disable=g-import-not-at-top
+  seen = []
+
+  def hook(saver, save, file_prefix, options):
+    seen.extend((key, spec, obj, read().numpy().tolist()) for key, spec, obj, read in
+                _compat.checkpoint_saver_tensors(saver) if key != "_CHECKPOINTABLE_OBJECT_GRAPH")
+    return save(saver, file_prefix, options)
+
+  v = tf.Variable([1.0, 2.0])
+  try:
+    _compat.install_checkpoint_save_hook(hook)
+    _compat.install_checkpoint_save_hook(hook)   # once
+    path = tf.train.Checkpoint(v=v).write(str(tmp_path / "ckpt"))
+  finally:
+    _compat.install_checkpoint_save_hook(checkpoint.save_hook(state.storage_of))
+  assert seen == [("v/.ATTRIBUTES/VARIABLE_VALUE", "", v, [1.0, 2.0])]
+  assert_close(tf.train.load_variable(path, "v/.ATTRIBUTES/VARIABLE_VALUE"), [1.0, 2.0])
+
+
 # ---- Keras -------------------------------------------------------------------------------------------------------
 
 def test_keras_variable_storage():

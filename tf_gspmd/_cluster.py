@@ -177,6 +177,13 @@ def process_of(device):
   return _state["tasks"].index(_task_of(device))
 
 
+def host_device():
+  """This process's CPU (where it reads and writes files)."""
+  if not _state["tasks"]:
+    return "/device:CPU:0"
+  return f"/job:{_state['job']}/replica:0/task:{_state['task']}/device:CPU:0"
+
+
 def local_devices(mesh):
   """The devices of `mesh` this process drives (all of them unless the mesh spans several processes)."""
   return tuple(d for d in mesh.resolve_devices() if is_local(d))

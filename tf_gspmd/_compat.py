@@ -19,6 +19,8 @@ from tensorflow.core.framework import cpp_shape_inference_pb2 as _cpp_shape_infe
 from tensorflow.python.compiler.xla.experimental import xla_sharding as _xla_sharding
 from tensorflow.python.distribute.parallel_device import parallel_device as _parallel_device
 from tensorflow.python.eager import context as _context
+from tensorflow.python.checkpoint import functional_saver as _functional_saver
+from tensorflow.python.checkpoint import restore as _checkpoint_restore
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import function_def_to_graph as _function_def_to_graph
 from tensorflow.python.framework import graph_to_function_def as _graph_to_function_def
@@ -218,6 +220,7 @@ class ReadHook:
 # `_serialize_to_tensors` route hands a trackable only the first slice of a multi-slice key on restore.
 
 SaveableObject = _saveable_object.SaveableObject
+Trackable = _trackable.Trackable
 SaveSpec = _saveable_object.SaveSpec
 VARIABLE_VALUE_KEY = _trackable.VARIABLE_VALUE_KEY
 
@@ -238,6 +241,83 @@ class CheckpointHook:
   def _restore_from_tensors(self, restored_tensors):
     self._gspmd_restore(restored_tensors[VARIABLE_VALUE_KEY])
     return None
+
+
+class SerializeHook:
+  """Mixin after `CheckpointHook`: what a wrapper that saves through `_serialize_to_tensors()` of its variable (a
+  Keras variable) gets is `self._gspmd_serialize()` ({VARIABLE_VALUE_KEY: tensor or {slice spec: tensor}}). TF
+  itself keeps saving the variable through `CheckpointHook` (its MRO walk meets `_gather_saveables_for_checkpoint`
+  first)."""
+
+  def _gspmd_serialize(self):
+    raise NotImplementedError
+
+  def _serialize_to_tensors(self):
+    return self._gspmd_serialize()
+
+
+def install_checkpoint_save_hook(hook):
+  """Every checkpoint save of the process (tf.train.Checkpoint, CheckpointManager, Keras) runs
+  `hook(saver, save, file_prefix, options)` instead of TF's `save(saver, file_prefix, options)`; `saver` is the
+  object whose `checkpoint_saver_tensors(saver)` lists what it writes. Installed once; TF 2.21's one place where
+  a process writes its checkpoint files and merges them (`MultiDeviceSaver.save`)."""
+  cls = _functional_saver.MultiDeviceSaver
+  if getattr(cls.save, "_gspmd_hook", None) is hook:
+    return
+  original = getattr(cls.save, "_gspmd_original", cls.save)
+
+  def save(self, file_prefix, options=None):
+    return hook(self, original, file_prefix, options)
+  save._gspmd_hook = hook   # pylint: disable=protected-access
+  save._gspmd_original = original   # pylint: disable=protected-access
+  cls.save = save
+
+
+def checkpoint_saver_tensors(saver):
+  """What a checkpoint saver writes: (checkpoint key, slice spec, the object that provided it, a zero-argument
+  function returning the tensor) for each value, in order. The object is the trackable itself (a variable saved
+  through SaveableObjects is unwrapped from TF's compatibility converter)."""
+  out = []
+  for shard in saver._shardable_tensors_by_task.values():  # pylint: disable=protected-access
+    for t in shard:
+      obj = t.trackable
+      obj = getattr(obj, "obj", obj) if type(obj).__name__ == "SaveableCompatibilityConverter" else obj
+      spec = t._tensor_save_spec  # pylint: disable=protected-access
+      out.append((t.checkpoint_key, t.slice_spec, obj, (lambda s=spec: s.tensor)))
+  return out
+
+
+def config_key_value_set(key, value):
+  """Stores `value` under `key` in the cluster's coordination service (visible to every process)."""
+  _context.context().set_config_key_value(key, value)
+
+
+def config_key_value_get(key, timeout_s):
+  """The value stored under `key` by some process (waits for it up to `timeout_s`)."""
+  return _context.context().get_config_key_value(key, int(timeout_s * 1000))
+
+
+def checkpoint_restore_target():
+  """While an eager `tf.train.Checkpoint` restore gathers what to read for one object: (checkpoint prefix, the
+  object being restored, {attribute name: checkpoint key}); None otherwise (saving, graph mode, no restore).
+
+  TF 2.21 reads every value of a process with one RestoreV2 before any object sees them; knowing the prefix lets
+  an object read its values itself, one slice at a time. Found on the call stack: the frame of
+  `CheckpointPosition.gather_ops_or_named_saveables`, whose `self` is the position being restored."""
+  if not tf.executing_eagerly():
+    return None
+  code = _checkpoint_restore.CheckpointPosition.gather_ops_or_named_saveables.__code__
+  f = sys._getframe(1)  # pylint: disable=protected-access
+  while f is not None:
+    if f.f_code is code:
+      position = f.f_locals.get("self")
+      path = getattr(position._checkpoint, "save_path_string", None)  # pylint: disable=protected-access
+      if not isinstance(path, str):
+        return None
+      keys = {a.name: a.checkpoint_key for a in position.object_proto.attributes}
+      return path, position.trackable, keys
+    f = f.f_back
+  return None
 
 
 # ---- Keras variables (Keras 3.15, TensorFlow backend) ------------------------------------------------------------

@@ -1,7 +1,7 @@
 """A Megatron MLP training step on mesh (2, 4), run by every process of a cluster (or by one process).
 
 Prints one JSON line: the losses, sums of a result split over both axes and of the trained weights, and (with
---save DIR) saves a checkpoint: the chief's is the checkpoint, the other processes write theirs aside. With
+--save DIR) saves a checkpoint (every process the same call; one checkpoint). With
 --restore PREFIX it starts from that checkpoint instead of the seeded weights.
 """
 
@@ -50,9 +50,8 @@ def train(gs, tf, mesh, steps, restore=None, save=None):
     losses.append(float(loss))
   out.update(losses=losses, h_sum=float(np.abs(h.numpy()).sum()), h_local=h.is_fully_addressable,
              w1=float(np.abs(w1.numpy()).sum()), w2=float(np.abs(w2.numpy()).sum()))
-  if save:
-    k = gs.process_index()
-    out["saved"] = ckpt.write(os.path.join(save if k == 0 else os.path.join(save, f"worker_{k}"), "ckpt"))
+  if save:   # every process saves to the same path: each writes its own tiles, the chief merges them
+    out["saved"] = ckpt.write(os.path.join(save, "ckpt"))
   return out
 
 

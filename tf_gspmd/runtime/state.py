@@ -24,10 +24,14 @@ from tf_gspmd import initializers
 from tf_gspmd._annotations import current_mesh
 from tf_gspmd._sharding import to_sharding
 from tf_gspmd.errors import InputError
+from tf_gspmd.runtime import checkpoint
 from tf_gspmd.runtime import parallel
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
 _lock = threading.RLock()
+# What a restore reads at a time into a shard: whole rows, a quarter of the tile or 8 MiB, whichever is more
+# (TF's reader holds the saved slice a read overlaps besides it; fewer, larger reads re-read it less often).
+_RESTORE_CHUNK_BYTES = 8 << 20
 
 
 def _inner(v):
@@ -254,7 +258,10 @@ class ShardedStorage:
 
   # ---- checkpoints -------------------------------------------------------------------------------------------------
   def slice_spec(self, p):
-    starts, lengths = self.tile_extent(p)
+    return self.slice_spec_of(*self.tile_extent(p))
+
+  def slice_spec_of(self, starts, lengths):
+    """The SaveV2/RestoreV2 slice spec of the block at `starts` of `lengths` ("" for a scalar)."""
     full = " ".join(str(n) for n in self.shape)
     if not self.shape:
       return ""
@@ -270,20 +277,88 @@ class ShardedStorage:
         self._slice_specs = {self.slice_spec(p): p for p in self.owners() if all(self.tile_extent(p)[1])}
     return self._slice_specs
 
-  def read_slice(self, spec, whole=None):
-    """The current value of one slice (an eager tensor on its device; a slice only another process holds is
-    cut from `whole`, the gathered global value)."""
+  def written_slices(self):
+    """{slice spec: device position} of what this process writes in a checkpoint. In one process: every distinct
+    tile. Over several processes: the tiles whose lowest device is this process's, so each is written once and by
+    one process; a value not split (replicated, or a scalar) by the process of the mesh's first device."""
+    specs = self.slice_specs()
+    if len(self.positions) == len(self.devices):
+      return specs
+    if list(specs) == [""]:
+      owner = self.sharding.maximal if self.sharding.is_maximal else 0
+      return {"": owner} if owner in self.positions else {}
+    lowest = {}
+    for p in range(len(self.devices)):
+      extent = self.tile_extent(p)
+      if all(extent[1]):
+        lowest.setdefault(extent, p)
+    return {self.slice_spec(p): p for p in lowest.values() if p in self.positions}
+
+  def read_slice(self, spec):
+    """The current value of one slice this process holds (an eager tensor on its device)."""
     self.before_step()
-    p = self.slice_specs()[spec]
+    p = self.written_slices()[spec]
     starts, lengths = self.tile_extent(p)
-    if p not in self.positions:
-      return tf.constant(whole[tuple(slice(s, s + n) for s, n in zip(starts, lengths))] if spec else whole)
     comp = self.components[self.positions.index(p)]
     with tf.device(self.devices[p]):
       x = comp.read_value()
       if tuple(lengths) != tuple(self.shard_shape):
         x = x[tuple(slice(0, n) for n in lengths)]
     return x
+
+  def probe_spec(self):
+    """A one-element slice at the origin of the value ("" for a scalar or an empty value): what TF's own restore is
+    asked for while `stream_restore` reads the real slices."""
+    if not self.shape or not all(self.shape):
+      return ""
+    return " ".join(str(n) for n in self.shape) + " " + ":".join("0,1" for _ in self.shape)
+
+  def stream_restore(self, prefix, key):
+    """Restores checkpoint tensor `key` of checkpoint `prefix` into this process's shards, one distinct tile at a
+    time: RestoreV2 reads the tile's slice a few rows at a time (from however the checkpoint was sliced when
+    saved), into every local shard holding that tile, each read released before the next. Besides the shards a
+    restore holds one read and what TF's reader buffers for it (the saved slices it overlaps), never the whole
+    value."""
+    self.before_step()
+    split = not (self.sharding.is_maximal or self.sharding.is_replicated) and self.shape
+    done = {}
+    for p, comp in zip(self.positions, self.components):
+      starts, lengths = self.tile_extent(p)
+      device = self.devices[p]
+      with tf.device(device):
+        if not all(lengths) and lengths:   # a tile of padding only
+          comp.assign(tf.zeros(self.shard_shape, self.dtype))
+          continue
+        spec = self.slice_spec(p) if split else ""
+        if spec in done:
+          comp.assign(done[spec].read_value())
+          continue
+        if not split:
+          comp.assign(self._read_checkpoint_slice(prefix, key, "", self.shape, device))
+        else:
+          if tuple(lengths) != tuple(self.shard_shape):   # the padding is zero
+            comp.assign(tf.zeros(self.shard_shape, self.dtype))
+          row_bytes = self.dtype.size * int(np.prod(lengths[1:], dtype=np.int64))
+          step = max(1, max(_RESTORE_CHUNK_BYTES, row_bytes * lengths[0] // 4) // max(1, row_bytes))
+          for r in range(0, lengths[0], step):   # rows at a time: TF's reader holds a saved slice besides them
+            n = min(step, lengths[0] - r)
+            chunk_spec = self.slice_spec_of((starts[0] + r,) + tuple(starts[1:]), (n,) + tuple(lengths[1:]))
+            chunk = self._read_checkpoint_slice(prefix, key, chunk_spec, (n,) + tuple(lengths[1:]), device)
+            comp[(slice(r, r + n),) + tuple(slice(0, m) for m in lengths[1:])].assign(chunk)
+            del chunk
+        done[spec] = comp
+    self.shards_newer = True
+    self.host_newer = False
+
+  def _read_checkpoint_slice(self, prefix, key, spec, lengths, device):
+    with tf.device(_host_of(device)):
+      piece = tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=[key], shape_and_slices=[spec],
+                                   dtypes=[self.dtype])[0]
+    if tuple(piece.shape.as_list()) != tuple(lengths):
+      raise InputError(f"checkpoint tensor {key!r} of {prefix!r} restores as shape {piece.shape.as_list()} for "
+                       f"slice {spec!r}, expected {list(lengths)}: the checkpoint holds a value of another shape "
+                       f"than the variable's {list(self.shape)}")
+    return piece
 
   def restore(self, restored):
     """Assigns restored slices ({spec: tensor}, or one whole tensor) to the shards that hold them."""
@@ -315,11 +390,17 @@ def _plain_read(v):
   return _compat.read_unhooked(v)
 
 
+def _host_of(device):
+  """The CPU of the process (task) that holds `device`: where a checkpoint is read for it."""
+  spec = tf.DeviceSpec.from_string(device)
+  return spec.replace(device_type="CPU", device_index=0).to_string()
+
+
 def _tracing_for_gspmd():
   return current_mesh() is not None
 
 
-class _ManagedVariable(_compat.ReadHook, _compat.CheckpointHook):
+class _ManagedVariable(_compat.ReadHook, _compat.CheckpointHook, _compat.SerializeHook):
   """Mixin for a managed tf.Variable: eager reads see the shards, eager writes reach them, checkpoints save and
   restore the shards.
 
@@ -373,11 +454,43 @@ class _ManagedVariable(_compat.ReadHook, _compat.CheckpointHook):
     return self._gspmd_write("scatter_nd_update", *args, **kwargs)
 
   def _gspmd_saveable(self, name):
+    target = _compat.checkpoint_restore_target()
+    if target is not None and target[1] is self:
+      return _StreamingRestore(self, name, target[0])
     return _SliceSaveable(self, name)
 
+  def _gspmd_serialize(self):
+    # Reached when a wrapper (a Keras variable) saves or restores through its tf.Variable.
+    storage = self._gspmd_storage
+    target = _compat.checkpoint_restore_target()
+    key = target[2].get(_compat.VARIABLE_VALUE_KEY) if target is not None and _inner(target[1]) is self else None
+    if key is not None:   # a restore: TF reads one element, the slices are streamed by _gspmd_restore
+      self._gspmd_pending_restore = (target[0], key)
+      spec = storage.probe_spec()
+      return {_compat.VARIABLE_VALUE_KEY: {spec: _probe_value(storage)} if spec else _probe_value(storage)}
+    self._gspmd_pending_restore = None
+    specs = storage.written_slices()
+    if len(storage.positions) < len(storage.devices):
+      checkpoint.note_split_variable()
+    if list(specs) == [""]:
+      return {_compat.VARIABLE_VALUE_KEY: storage.read_slice("")}
+    return {_compat.VARIABLE_VALUE_KEY: {spec: storage.read_slice(spec) for spec in specs}}
+
+  def _copy_trackable_to_cpu(self, object_map):
+    # An asynchronous save (CheckpointOptions(experimental_enable_async_checkpoint=True)) first copies what it saves
+    # to the host, blocking the step; the copy of a sharded variable is this process's written tiles.
+    if self not in object_map:
+      object_map[self] = _HostSnapshot(self)
+    object_map[self].refresh()
+
   def _gspmd_restore(self, tensor):
-    # Reached when a wrapper (a Keras variable) restores through its tf.Variable: one whole tensor.
-    self._gspmd_storage.restore(tensor)
+    # Reached when a wrapper (a Keras variable) restores through its tf.Variable.
+    pending = getattr(self, "_gspmd_pending_restore", None)
+    if pending is not None:
+      self._gspmd_pending_restore = None
+      self._gspmd_storage.stream_restore(*pending)
+    else:   # one whole tensor
+      self._gspmd_storage.restore(tensor)
 
 
 class _SliceSaveable(_compat.SaveableObject):
@@ -386,20 +499,79 @@ class _SliceSaveable(_compat.SaveableObject):
   def __init__(self, variable, name):
     storage = variable._gspmd_storage  # pylint: disable=protected-access
     self._storage = storage
-    self._order = storage.slice_specs()
-    # Over several processes every process saves every slice (the chief's copy is the checkpoint): slices held
-    # elsewhere come from one all-gather, made here -- when the checkpoint collects its objects, in the same
-    # order in every process.
-    whole = storage.gather() if any(p not in storage.positions for p in self._order.values()) else None
-    here = storage.devices[storage.positions[0]]
-    specs = [_compat.SaveSpec(functools.partial(storage.read_slice, spec, whole), spec, name, dtype=variable.dtype,
-                              device=storage.devices[p] if p in storage.positions else here)
+    # Over several processes each process lists the tiles it writes (runtime/checkpoint.py merges the parts).
+    self._order = storage.written_slices()
+    if len(storage.positions) < len(storage.devices):
+      checkpoint.note_split_variable()
+    specs = [_compat.SaveSpec(functools.partial(storage.read_slice, spec), spec, name, dtype=variable.dtype,
+                              device=storage.devices[p])
              for spec, p in self._order.items()]
     super().__init__(variable, specs, name)
 
   def restore(self, restored_tensors, restored_shapes):
     del restored_shapes
     self._storage.restore(dict(zip(self._order, restored_tensors)))
+    return None
+
+
+def _probe_value(storage):
+  """The value at the origin (the shape of `probe_spec`), read from the shard that holds it."""
+  p = storage.positions[0] if storage.sharding.is_replicated or not storage.shape else None
+  if p is None:
+    p = next((q for q in storage.positions if not any(storage.tile_extent(q)[0])), storage.positions[0])
+  comp = storage.components[storage.positions.index(p)]
+  with tf.device(storage.devices[p]):
+    x = comp.read_value()
+    return x[tuple(slice(0, 1) for _ in storage.shape)] if storage.shape and all(storage.shape) else x
+
+
+class _HostSnapshot(_compat.Trackable):
+  """A host copy of the tiles a process writes of a sharded variable, taken when an asynchronous save starts;
+  the background writer saves it as the variable's slices."""
+
+  def __init__(self, variable):
+    self._variable = variable
+    self._storage = variable._gspmd_storage  # pylint: disable=protected-access
+    self._tiles = {}
+
+  def refresh(self):
+    """Copies the tiles into host variables (kept between saves: the step may update the shards meanwhile)."""
+    for spec, p in self._storage.written_slices().items():
+      x = self._storage.read_slice(spec)
+      host = self._tiles.get(spec)
+      if host is None:
+        with tf.init_scope(), tf.device(_host_of(self._storage.devices[p])):
+          host = self._tiles[spec] = tf.Variable(tf.zeros(x.shape, x.dtype), trainable=False)
+      host.assign(x)
+
+  def _serialize_to_tensors(self):
+    if len(self._storage.positions) < len(self._storage.devices):
+      checkpoint.note_split_variable()
+    if list(self._tiles) == [""]:
+      return {_compat.VARIABLE_VALUE_KEY: self._tiles[""].read_value()}
+    return {_compat.VARIABLE_VALUE_KEY: {spec: v.read_value() for spec, v in self._tiles.items()}}
+
+  def __tf_tensor__(self, dtype=None, name=None):
+    raise InputError(f"an asynchronous checkpoint of the Keras variable stored sharded as {self._variable.name!r} "
+                     f"(shape {list(self._storage.shape)}) needs its whole value, which Keras's host copy takes; "
+                     "save Keras models synchronously (without experimental_enable_async_checkpoint)")
+
+
+class _StreamingRestore(_compat.SaveableObject):
+  """A managed variable being restored eagerly: TF is asked for one element only; `restore` reads the variable's
+  tiles from the checkpoint one at a time (`ShardedStorage.stream_restore`)."""
+
+  def __init__(self, variable, name, prefix):
+    storage = variable._gspmd_storage  # pylint: disable=protected-access
+    self._storage, self._prefix, self._key = storage, prefix, name
+    spec = storage.probe_spec()
+    super().__init__(variable, [_compat.SaveSpec(functools.partial(_probe_value, storage), spec, name,
+                                                 dtype=variable.dtype, device=_host_of(storage.devices[
+                                                     storage.positions[0]]))], name)
+
+  def restore(self, restored_tensors, restored_shapes):
+    del restored_tensors, restored_shapes
+    self._storage.stream_restore(self._prefix, self._key)
     return None
 
 
@@ -464,3 +636,6 @@ def variable(initializer, shape, dtype=tf.float32, *, mesh, spec, name=None, tra
   v._gspmd_init = lambda p, starts, lengths: init.chunked(shape, starts, lengths, dtype)
   manage(v, sharding, mesh.resolve_devices(), what=name)
   return v
+
+
+_compat.install_checkpoint_save_hook(checkpoint.save_hook(storage_of))

@@ -1,0 +1,134 @@
+"""Checkpoints of sharded variables: one process x 8 CPUs vs 2 x 4 vs 4 x 2, same variables, same mesh (2,4).
+
+Four float32 variables of --mb MiB in all, split over both mesh axes (P("data","model") and P("model","data")),
+updated by a partitioned step. Each configuration (one process, or `python -m tf_gspmd.launch` workers on
+127.0.0.1) saves them with tf.train.CheckpointManager (every process the same call), restores them onto fresh
+variables laid out otherwise (each P("data","model") variable onto P("model","data") and back: every
+tile crosses processes), and compares a step right after a synchronous save
+with one right after an asynchronous save (CheckpointOptions(experimental_enable_async_checkpoint=True)).
+Per configuration it prints: save and restore wall time, bytes each process wrote, the largest resident-memory
+growth (VmHWM) of any process during the save and during the restore as a share of that process's own tiles,
+the step time alone, the blocking part of a synchronous and of an asynchronous save, and whether the restored
+values equal the saved ones.
+
+  python bench/checkpoint.py [--mb=2048] [--workers=1,2,4]
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+
+flags.DEFINE_integer("mb", 2048, "MiB of variables in all.")
+flags.DEFINE_list("workers", ["1", "2", "4"], "Process counts (each divides the mesh's 8 devices).")
+flags.DEFINE_string("worker_dir", None, "Internal: run as one worker saving under this directory.")
+FLAGS = flags.FLAGS
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+
+
+def _mark():
+  open("/proc/self/clear_refs", "w").write("5")   # VmHWM restarts from the current resident size
+  return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+
+def _peak_since(start):
+  for line in open("/proc/self/status"):
+    if line.startswith("VmHWM"):
+      return int(line.split()[1]) * 1024 - start
+  return 0
+
+
+def _worker(directory):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.runtime import checkpoint, state  # pylint: disable=g-import-not-at-top
+  k, n = gs.initialize(cpu_devices=8)
+  mesh = gs.Mesh((2, 4), ("data", "model"))
+  P = gs.P
+  rows = FLAGS.mb * 2**20 // 4 // 4 // 4096
+  specs = [P("data", "model"), P("model", "data")] * 3   # restored onto the other one
+  vs = [gs.variable("uniform", (rows, 4096), mesh=mesh, spec=s, name=f"v{i}", seed=i) for i, s in enumerate(specs[:4])]
+  step = gs.function(lambda: [v.assign(v * 0.5 + 1.0) for v in vs], mesh=mesh)
+  step()
+  own = sum(int(np.prod(state.storage_of(v).tile_extent(p)[1])) * 4
+            for v in vs for p in state.storage_of(v).written_slices().values())
+  ckpt = tf.train.Checkpoint(**{f"v{i}": v for i, v in enumerate(vs)})
+  manager = tf.train.CheckpointManager(ckpt, directory, max_to_keep=1)
+  out = {"process": k, "processes": n, "own_bytes": own}
+  start, t = _mark(), time.perf_counter()
+  path = manager.save()
+  out["save_s"], out["save_growth"] = time.perf_counter() - t, _peak_since(start)
+  out["bytes_written"] = (checkpoint.last_save.get("bytes_written") if n > 1 else
+                          sum(os.path.getsize(f) for f in tf.io.gfile.glob(path + ".data-*")))
+  def checksum(x):
+    x = tf.cast(x, tf.float64)
+    return float(tf.reduce_sum(x) + tf.reduce_sum(x * x))
+  sums = [checksum(s.value()) for v in vs for s in gs.shards_of(v)]
+  fresh = [gs.variable(0.0, (rows, 4096), mesh=mesh, spec=specs[i + 1], name=f"r{i}") for i in range(len(vs))]
+  start, t = _mark(), time.perf_counter()
+  tf.train.Checkpoint(**{f"v{i}": v for i, v in enumerate(fresh)}).read(path).assert_existing_objects_matched()
+  out["restore_s"], out["restore_growth"] = time.perf_counter() - t, _peak_since(start)
+  got = [checksum(s.value()) for v in fresh for s in gs.shards_of(v)]
+  # The same values: sums over every process's shards of the old layout and of the new one, compared in total.
+  out["sum_saved"], out["sum_restored"] = sum(sums), sum(got)
+  del fresh
+  times = []
+  for _ in range(3):
+    t = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - t)
+  out["step_s"] = min(times)
+  for name, options in (("sync", None),
+                        ("async", tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True))):
+    ck = tf.train.Checkpoint(**{f"v{i}": v for i, v in enumerate(vs)})
+    t = time.perf_counter()
+    ck.write(os.path.join(directory, name, "ck"), options=options)
+    blocked = time.perf_counter() - t
+    step()
+    out[f"{name}_save_plus_step_s"], out[f"{name}_blocked_s"] = time.perf_counter() - t, blocked
+    if options is not None:
+      ck.sync()
+  print("RESULT " + json.dumps(out), flush=True)
+
+
+def _run(workers, directory):
+  script = [os.path.abspath(__file__), f"--mb={FLAGS.mb}", f"--worker_dir={directory}"]
+  command = [sys.executable] + (script if workers == 1 else ["-m", "tf_gspmd.launch", f"--workers={workers}", "--",
+                                                            *script])
+  env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+  out = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
+  if out.returncode:
+    raise SystemExit(f"{workers} process(es) failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+  return [json.loads(line.split("RESULT ", 1)[1]) for line in out.stdout.splitlines() if "RESULT " in line]
+
+
+def main(_):
+  if FLAGS.worker_dir:
+    return _worker(FLAGS.worker_dir)
+  print(f"{FLAGS.mb} MiB of float32 variables (4 split over (2,4)), saved with CheckpointManager, restored onto "
+        "the transposed layout; growth = peak resident growth of the worst process / its own tiles")
+  print("| processes x devices | save s | restore s | MiB written per process | save growth | restore growth | "
+        "step ms | sync save blocks ms | async save blocks ms | step after async save ms | values equal |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  for w in (int(x) for x in FLAGS.workers):
+    with tempfile.TemporaryDirectory() as tmp:
+      rows = sorted(_run(w, tmp), key=lambda r: r["process"])
+    mib = "/".join(f"{r['bytes_written'] / 2**20:.0f}" for r in rows)
+    saved = sum(r["sum_saved"] for r in rows)
+    equal = abs(sum(r["sum_restored"] for r in rows) - saved) <= 1e-9 * abs(saved)
+    worst = lambda key: max(r[key] / r["own_bytes"] for r in rows)  # noqa: E731
+    print(f"| {w} x {8 // w} | {max(r['save_s'] for r in rows):.2f} | {max(r['restore_s'] for r in rows):.2f} | "
+          f"{mib} | {worst('save_growth'):.0%} | {worst('restore_growth'):.0%} | "
+          f"{max(r['step_s'] for r in rows) * 1e3:.0f} | {max(r['sync_blocked_s'] for r in rows) * 1e3:.0f} | "
+          f"{max(r['async_blocked_s'] for r in rows) * 1e3:.0f} | "
+          f"{max(r['async_save_plus_step_s'] - r['async_blocked_s'] for r in rows) * 1e3:.0f} | {equal} |", flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
