@@ -210,6 +210,38 @@ def plan_halo(shape, have, sharding, dim, rows):
   return HaloPlan(shape, dim, rows, tiles, own, left, right, sharding.dims[dim], sharding)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Shift:
+  """A windowed op along `dim` left unemitted so that its one reader's window reads its operand directly (one
+  halo exchange for both): row r of its result along `dim` is row r + `offset` of `source` when that row lies
+  in [lo, hi), else `fill`. `local(x)` applies the op to the other dims of such a window (a pad or slice of dims
+  that must be whole, `local_dims`); `cost` is what emitting the op itself would move per device."""
+
+  source: str
+  dim: int
+  offset: int
+  lo: int
+  hi: int
+  fill: Any
+  local_dims: Tuple[int, ...]
+  local: Any
+  cost: int
+
+  def rows(self, rows):
+    """The `Rows` of `source` that windows `rows` of the result read: the result's rows that matter are the
+    source rows inside [lo, hi) (the others are the op's `fill`)."""
+    first, length, lo, hi = rows
+    s_lo = np.clip(np.asarray(lo) + self.offset, self.lo, self.hi)
+    s_hi = np.clip(np.asarray(hi) + self.offset, self.lo, self.hi)
+    return Rows(np.asarray(first) + self.offset, length, s_lo, np.maximum(s_hi, s_lo))
+
+  def fills(self, rows):
+    """Whether some row that matters in `rows` (of the result) is the op's fill rather than a source row."""
+    first, length, lo, hi = rows
+    inside = self.rows(rows)
+    return bool(np.any((np.asarray(hi) - np.asarray(lo)) > (inside.hi - inside.lo)))
+
+
 def take_bounds(offset, count, extent):
   """Rows [offset[p], offset[p] + count) of a local dim of `extent` rows on device p, read from that dim
   zero-padded: (rows of zeros before, rows of zeros after, offset[p] into the padded dim)."""
