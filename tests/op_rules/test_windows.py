@@ -271,3 +271,44 @@ def test_transposed_stride_2_conv_and_gradients(rng):
 
   low = check_partitioned(step, [x, w], (ROWS24, P()), M24, out=(ROWS24, ROWS24, P()), tol=1e-4)
   _halos_only(low, filter_gradient=True)
+
+
+# ---- a pad before a convolution or pooling: one halo exchange for both ------------------------------------------
+PADDED = {
+    # name: (ops after the pad, pads, input shape, mesh, layout)
+    "conv_3x3_uneven": (lambda h, w: tf.nn.conv2d(h, w, 1, "VALID"), [[0, 0], [1, 1], [1, 1], [0, 0]],
+                        (2, 30, 9, 3), M8, P(None, "x", None, None)),
+    "conv_7x7_s2_2x4": (lambda h, w: tf.nn.conv2d(h, w, 2, "VALID"), [[0, 0], [3, 3], [3, 3], [0, 0]],
+                        (4, 32, 12, 3), M24, ROWS24),
+    "conv_5x5_lopsided": (lambda h, w: tf.nn.conv2d(h, w, 1, "VALID"), [[0, 0], [3, 1], [2, 2], [0, 0]],
+                          (2, 24, 8, 3), M8, P(None, "x", None, None)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PADDED))
+def test_pad_then_valid_conv_takes_one_exchange(rng, name):
+  """tf.pad then a VALID convolution: the conv's window reads the pad's operand directly (the pad's rows are its
+  fill), so the pair sends what the same convolution with the padding as its own (EXPLICIT) sends."""
+  conv, pads, shape, mesh, spec = PADDED[name]
+  x = rng.standard_normal(shape).astype(np.float32)
+  k = 7 if "7x7" in name else 5 if "5x5" in name else 3
+  w = (rng.standard_normal((k, k, 3, 4)) * 0.3).astype(np.float32)
+  low = check_partitioned(lambda a, b: conv(tf.pad(a, pads), b), [x, w], (spec, P()), mesh, out=spec, tol=1e-4)
+  assert_report_counts_program(low)
+  assert {c.kind for c in low.report.collectives} == {"collective-permute"}, str(low.report)
+  assert {c.source for c in low.report.collectives} == {"Conv2D"}, str(low.report)
+  stride = 2 if "s2" in name else 1
+  explicit = gs.function(lambda a, b: tf.nn.conv2d(a, b, stride, pads), mesh=mesh, in_shardings=(spec, P()),
+                         out_shardings=spec).lower(tf.TensorSpec(shape), tf.TensorSpec(w.shape))
+  assert low.report.bytes_per_device() == explicit.report.bytes_per_device(), (str(low.report), str(explicit.report))
+
+
+def test_zero_pad_then_max_pool_keeps_both_fills(rng):
+  """tf.pad (zeros) then a SAME max-pool of negative values: the pad's rows are 0 and win the max, the pool's
+  own padding is never read; one halo exchange of the pad's operand."""
+  x = -np.abs(rng.standard_normal((2, 29, 7, 3))).astype(np.float32) - 1.0
+  spec = P(None, "x", None, None)
+  low = check_partitioned(lambda a: tf.nn.max_pool2d(tf.pad(a, [[0, 0], [2, 1], [0, 0], [0, 0]]), 3, 2, "SAME"),
+                          [x], (spec,), M8, out=spec)
+  assert_report_counts_program(low)
+  assert {c.source for c in low.report.collectives} == {"MaxPool2d"}, str(low.report)
