@@ -158,8 +158,9 @@ class PartitionContext:
     _, emit, node = self._deferred.pop(r)
     reader = self.node
     self.node = node
-    try:
-      emit()
+    try:   # outside the reader's name scope and control dependencies, as if emitted in its place
+      with self.graph.name_scope(None), self.graph.control_dependencies(None):
+        emit()
     finally:
       self.node = reader
 

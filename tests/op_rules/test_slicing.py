@@ -280,3 +280,6 @@ def test_pad_read_whole_by_its_slice_is_emitted_first(rng):
   low = check_partitioned(fn, [x], (P("m", None),), M8, out=P())
   assert_report_counts_program(low)
   assert any(c.source == "PadV2" for c in low.report.collectives), str(low.report)
+  names = [nd.name for nd in low.graph_def.node]
+  assert any(n.startswith("PadV2/gspmd/") for n in names)   # under its own name, not inside its reader's scope
+  assert not any(n.startswith("strided_slice/") and "PadV2/" in n for n in names)
