@@ -30,7 +30,8 @@ from tf_gspmd.ops.windows import Shift
 
 # The readers whose windows a pad or slice before them folds into: one halo exchange for both ops (the windows
 # of the pair compose: a row of the reader's window is a row of the pad's or slice's operand, or its fill).
-FOLDING_READERS = frozenset({"Slice", "StridedSlice", "Pad", "PadV2", "Conv2D", "MaxPool", "AvgPool"})
+FOLDING_READERS = frozenset({"Slice", "StridedSlice", "Pad", "PadV2", "Conv2D", "Conv2DBackpropFilter", "MaxPool",
+                             "AvgPool", "MaxPoolGrad"})
 
 
 @dataclasses.dataclass(frozen=True)

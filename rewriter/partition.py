@@ -28,6 +28,9 @@ HELPER_SCOPE = "/gspmd/"   # the ops partitioning adds for node n are named `n/g
 TABLES_SCOPE = "gspmd/tables/"   # per-device constant tables (one per distinct content), read at the partition id
 # Ops that only read a variable through its handle; any other consumer of the handle may write it.
 READ_ONLY_VARIABLE_OPS = frozenset({"ReadVariableOp", "VariableShape", "ResourceGather", "ResourceGatherNd"})
+# Ops that read only their operand's static shape (ops/generators.py builds them as constants): a deferred op they
+# read stays deferred.
+STATIC_READERS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 _warned_fallback = set()
 
 
@@ -137,14 +140,15 @@ class PartitionContext:
     return extra + reshard.plan_bytes(info.shape, info.dtype.size, have, sharding.with_rank(len(info.shape)))
 
   def defer(self, shift, emit, readers):
-    """Leave output 0 of the node unemitted when its only reader is one node of a type in `readers`, reading it
-    as input 0, and nothing else waits on the node: that reader's windows (`window_rows`) then read
-    `shift.source` (a `windows.Shift`) directly, so both ops take one halo exchange. Whatever else reads the
-    output emits it first (`emit()`, run as the node). Returns whether the output was deferred."""
+    """Leave output 0 of the node unemitted when every node reading it is of a type in `readers`, reading it as
+    input 0, or reads only its shape (STATIC_READERS), and nothing else waits on the node: those readers'
+    windows (`window_rows`) then read `shift.source` (a `windows.Shift`) directly, so the ops take one halo
+    exchange (a convolution and its filter gradient share it). A reader that reads it otherwise emits it first
+    (`emit()`, run as the node; later readers read what it emitted). Returns whether the output was deferred."""
     r = self.node.ref(0)
     reading = self.ir.consumers.get(r, [])
-    if (len(self.node.outputs) != 1 or r in self.ir.outputs or len(reading) != 1 or reading[0][1] != 0 or
-        reading[0][0].op not in readers or shift.source in self._deferred):
+    if (len(self.node.outputs) != 1 or r in self.ir.outputs or not reading or shift.source in self._deferred or
+        any(reader.op not in STATIC_READERS and (k != 0 or reader.op not in readers) for reader, k in reading)):
       return False
     if any(self.node.name in n.control for n in self.ir.nodes):
       return False

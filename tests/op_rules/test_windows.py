@@ -312,3 +312,17 @@ def test_zero_pad_then_max_pool_keeps_both_fills(rng):
                           [x], (spec,), M8, out=spec)
   assert_report_counts_program(low)
   assert {c.source for c in low.report.collectives} == {"MaxPool2d"}, str(low.report)
+
+
+def test_pad_then_conv_and_its_filter_gradient_share_one_exchange(rng):
+  """ResNet's stem as tf.pad then a VALID 7x7/2 conv, with gradients: the conv's window (3 rows before, 2 after,
+  of the unpadded image) is exchanged once and read by the filter gradient too; the pad itself moves nothing."""
+  x = rng.standard_normal((2, 32, 32, 3)).astype(np.float32)
+  w = (rng.standard_normal((7, 7, 3, 8)) * 0.3).astype(np.float32)
+  low = check_partitioned(_conv_step(2, "VALID", pre_pad=[[0, 0], [3, 3], [3, 3], [0, 0]]), [x, w], (ROWS24, P()),
+                          M24, out=(ROWS24, ROWS24, P()), tol=1e-4)
+  assert_report_counts_program(low)
+  forward = [c for c in low.report.collectives if c.source == "Conv2D"]
+  assert sorted(c.shape for c in forward) == [(1, 2, 32, 3), (1, 3, 32, 3)], str(low.report)
+  assert not any(c.source.startswith("Pad") for c in low.report.collectives), str(low.report)
+  assert [c.kind for c in low.report.collectives if "BackpropFilter" in c.source] == ["all-reduce"], str(low.report)
