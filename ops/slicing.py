@@ -295,9 +295,11 @@ def _slice_shift(ctx, node, sel):
     return tf.slice(x, [sel.picks[k].start if k in others else 0 for k in range(rank)],
                     [sel.picks[k].size if k in others else -1 for k in range(rank)])
 
-  cost = ctx.window_bytes(0, w, d, p.size, p.start)
-  return Shift(node.inputs[0], d, p.start, p.start, p.start + p.size, 0, tuple(others), local,
-               ctx.operand_cost(0, _whole(ctx.mesh, rank)) if cost is None else cost)
+  def cost():
+    moved = ctx.window_bytes(0, w, d, p.size, p.start)
+    return ctx.operand_cost(0, _whole(ctx.mesh, rank)) if moved is None else moved
+
+  return Shift(node.inputs[0], d, p.start, p.start, p.start + p.size, 0, tuple(others), local, cost)
 
 
 class _Narrowing(FactorRule):
@@ -433,9 +435,11 @@ class Pad(FactorRule):
         return self.partition_with(ctx, node, self.factors(node, windowed=False))
       ctx.set_output(0, ctx.identity(local(x)), target)
 
-    cost = ctx.window_bytes(0, target, d, shape[d] + int(pads[d].sum()), -int(pads[d][0]))
+    def cost():
+      moved = ctx.window_bytes(0, target, d, shape[d] + int(pads[d].sum()), -int(pads[d][0]))
+      return ctx.operand_cost(0, _whole(ctx.mesh, len(shape))) if moved is None else moved
+
     shift = Shift(node.inputs[0], d, -int(pads[d][0]), 0, shape[d], fill,
-                  tuple(k for k in range(len(shape)) if rest[k].any()), local,
-                  ctx.operand_cost(0, Sharding(ctx.mesh, ((),) * len(shape))) if cost is None else cost)
+                  tuple(k for k in range(len(shape)) if rest[k].any()), local, cost)
     if not ctx.defer(shift, emit, FOLDING_READERS):
       emit()

@@ -215,7 +215,7 @@ class Shift:
   """A windowed op along `dim` left unemitted so that its one reader's window reads its operand directly (one
   halo exchange for both): row r of its result along `dim` is row r + `offset` of `source` when that row lies
   in [lo, hi), else `fill`. `local(x)` applies the op to the other dims of such a window (a pad or slice of dims
-  that must be whole, `local_dims`); `cost` is what emitting the op itself would move per device."""
+  that must be whole, `local_dims`); `cost()` is what emitting the op itself would move per device."""
 
   source: str
   dim: int
@@ -225,7 +225,7 @@ class Shift:
   fill: Any
   local_dims: Tuple[int, ...]
   local: Any
-  cost: int
+  cost: Any
 
   def rows(self, rows):
     """The `Rows` of `source` that windows `rows` of the result read: the result's rows that matter are the

@@ -7,6 +7,7 @@ ops are named under `<node>/gspmd/`; per-device constants (offsets, group keys) 
 partition id, so the program is identical on every device.
 """
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -63,7 +64,8 @@ class PartitionContext:
     self.ops = {}               # original node name -> local tf.Operation
     self._reshards = {}
     self._windows = {}
-    self._deferred = {}         # ref -> (windows.Shift, emit, node): an op its one reader's window folds in
+    self._deferred = {}         # ref -> (windows.Shift, emit, node): an op its readers' windows fold in
+    self._waited_on = None      # names of the nodes some node has as a control input (found on first use)
     self._tables = {}
     self.pid = tf.compat.v1.placeholder(tf.int32, [], name=PARTITION_ID)
     self.backend = Backend(self.mesh, devices, self.pid, self.lookup, report, processes)
@@ -130,7 +132,10 @@ class PartitionContext:
     info = self.ir.info(r)
     extra = 0
     if r in self._deferred:
-      extra, have = self._deferred[r][0].cost, self.program.shardings[r]
+      shift, _, node = self._deferred[r]
+      with self._as_node(node):
+        extra = shift.cost()
+      have = self.program.shardings[r]
     elif r in self.values:
       have = self.values[r][1]
     else:
@@ -150,7 +155,9 @@ class PartitionContext:
     if (len(self.node.outputs) != 1 or r in self.ir.outputs or not reading or shift.source in self._deferred or
         any(reader.op not in STATIC_READERS and (k != 0 or reader.op not in readers) for reader, k in reading)):
       return False
-    if any(self.node.name in n.control for n in self.ir.nodes):
+    if self._waited_on is None:
+      self._waited_on = {c for n in self.ir.nodes for c in n.control}
+    if self.node.name in self._waited_on:
       return False
     self._deferred[r] = (shift, emit, self.node)
     return True
@@ -160,11 +167,17 @@ class PartitionContext:
     if r not in self._deferred:
       return
     _, emit, node = self._deferred.pop(r)
+    # outside the reader's name scope and control dependencies, as if emitted in its place
+    with self._as_node(node), self.graph.name_scope(None), self.graph.control_dependencies(None):
+      emit()
+
+  @contextlib.contextmanager
+  def _as_node(self, node):
+    """The context seen from `node` (a deferred op's, while its reader is being partitioned)."""
     reader = self.node
     self.node = node
-    try:   # outside the reader's name scope and control dependencies, as if emitted in its place
-      with self.graph.name_scope(None), self.graph.control_dependencies(None):
-        emit()
+    try:
+      yield
     finally:
       self.node = reader
 
