@@ -283,3 +283,14 @@ def test_pad_read_whole_by_its_slice_is_emitted_first(rng):
   names = [nd.name for nd in low.graph_def.node]
   assert any(n.startswith("PadV2/gspmd/") for n in names)   # under its own name, not inside its reader's scope
   assert not any(n.startswith("strided_slice/") and "PadV2/" in n for n in names)
+
+
+@pytest.mark.parametrize("exchange_rows", [5, 9])
+def test_pad_whose_folded_window_reaches_too_far_is_emitted_first(rng, exchange_rows):
+  """tf.pad(x, [[k, 0], [0, 0]])[:30], x [30,6] over 8 (4 rows a shard): the shift by k > 4 rows is past the
+  neighbouring shard, so the pad is emitted and its slice reads it as before; the values are the same."""
+  x = rng.standard_normal((30, 6)).astype(np.float32)
+  fn = lambda t: tf.pad(t, [[exchange_rows, 0], [0, 0]])[:30]  # noqa: E731
+  low = check_partitioned(fn, [x], (P("m", None),), M8, out=P("m", None))
+  assert_report_counts_program(low)
+  assert any(c.source == "Pad" for c in low.report.collectives), str(low.report)
