@@ -326,3 +326,21 @@ def test_pad_then_conv_and_its_filter_gradient_share_one_exchange(rng):
   assert sorted(c.shape for c in forward) == [(1, 2, 32, 3), (1, 3, 32, 3)], str(low.report)
   assert not any(c.source.startswith("Pad") for c in low.report.collectives), str(low.report)
   assert [c.kind for c in low.report.collectives if "BackpropFilter" in c.source] == ["all-reduce"], str(low.report)
+
+
+@pytest.mark.parametrize("reader", ["conv_same", "max_pool_same"])
+def test_slice_then_windowed_op_takes_one_exchange(rng, reader):
+  """Rows 3..28 of an image (rows split over 8) convolved or max-pooled with SAME padding: the op's window reads
+  the image's rows directly (its padding rows, outside the slice, take the op's own fill: 0 or -inf)."""
+  x = (rng.standard_normal((2, 32, 6, 3)) - 3.0).astype(np.float32)
+  w = (rng.standard_normal((3, 3, 3, 4)) * 0.3).astype(np.float32)
+  spec = P(None, "x", None, None)
+  if reader == "conv_same":
+    fn = lambda a, b: tf.nn.conv2d(a[:, 3:29], b, 1, "SAME")  # noqa: E731
+  else:
+    fn = lambda a, b: tf.nn.max_pool2d(a[:, 3:29], 3, 1, "SAME") + tf.reduce_sum(b)  # noqa: E731
+  low = check_partitioned(fn, [x, w], (spec, P()), M8, out=spec, tol=1e-4)
+  assert_report_counts_program(low)
+  permutes = [c for c in low.report.collectives if c.kind == "collective-permute"]
+  assert permutes and len({c.source for c in permutes}) == 1, str(low.report)
+  assert "strided_slice" not in permutes[0].source, str(low.report)
