@@ -294,3 +294,17 @@ def test_pad_whose_folded_window_reaches_too_far_is_emitted_first(rng, exchange_
   low = check_partitioned(fn, [x], (P("m", None),), M8, out=P("m", None))
   assert_report_counts_program(low)
   assert any(c.source == "Pad" for c in low.report.collectives), str(low.report)
+
+
+def test_pad_then_slice_inside_a_loop_body(rng):
+  """The shift folded inside a while loop's body: one exchange per iteration, the unpartitioned values."""
+  x = rng.standard_normal((32, 6)).astype(np.float32)
+
+  def fn(t):
+    body = lambda i, y: (i + 1, tf.pad(y, [[1, 0], [0, 0]])[:32] * 0.5 + y)  # noqa: E731
+    return tf.while_loop(lambda i, y: i < 3, body, (0, t))[1]
+
+  low = check_partitioned(fn, [x], (P("m", None),), M8, out=P("m", None))
+  assert_report_counts_program(low)
+  assert [c.kind for c in low.report.collectives] == ["collective-permute"], str(low.report)
+  assert "Pad" in low.report.collectives[0].reason, str(low.report)
