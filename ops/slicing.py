@@ -14,6 +14,8 @@ Strided slices with new axes, an ellipsis, strides, shrunk dims or a start read 
 with a static size) are narrowed alike. Completion lets a contiguous slice keep its operand's split on the
 sliced dim when the result still gives every device a row; other narrowed dims take no split from it.
 StridedSliceGrad, the transpose of a plain strided slice, passes the split of the dims read whole.
+A constant pad, or a contiguous slice split on its picked dim, read only by windowed readers (FOLDING_READERS) is
+deferred as a `windows.Shift`: the readers' windows read its operand, so the pair takes one halo exchange.
 """
 
 import dataclasses

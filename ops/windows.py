@@ -10,6 +10,8 @@ windowed input). Nothing here emits a window; it is what the emitters compute fr
 - `rows_read_by`, `plan_halo` (a `HaloPlan`): per device, the input rows its window reads, the layout the input
   is read in, and the halo rows it takes from each neighbour. `PartitionContext.window_rows` emits the plan:
   `Backend.halo_exchange` moves the halos, then each device cuts its window at its offset (`take_bounds`);
+- `Shift`: a pad or slice along the split dim left unemitted, whose readers' windows read its operand (one
+  halo exchange for both ops; `PartitionContext.defer`);
 - `WindowedRule`: the rules of those ops, whose `partition` is their shared prologue (geometry, the one split
   spatial dim, the mesh axes left for batch and channels, the gathered fallback) before the op's own emission.
 """
