@@ -165,6 +165,10 @@ class PartitionContext(Protocol):
 
   def take_rows(self, x: Any, sharding: Sharding, dim: int, begin: Any, count: int) -> Any: ...
 
+  def defer(self, shift: Any, emit: Callable[[], None], readers: Any) -> bool:
+    """Leave output 0 unemitted for its one reader (of a type in `readers`) to fold into its window (a
+    windows.Shift); `emit()` builds it when something else reads it. Whether it was deferred."""
+
 
 CONTEXTS: Tuple[Tuple[str, Any], ...] = (("completion", CompletionContext), ("partition", PartitionContext))
 # The rule methods completion calls (with a CompletionContext); every other function of ops/ that takes `ctx` is

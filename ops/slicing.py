@@ -14,6 +14,8 @@ Strided slices with new axes, an ellipsis, strides, shrunk dims or a start read 
 with a static size) are narrowed alike. Completion lets a contiguous slice keep its operand's split on the
 sliced dim when the result still gives every device a row; other narrowed dims take no split from it.
 StridedSliceGrad, the transpose of a plain strided slice, passes the split of the dims read whole.
+A constant pad, or a contiguous slice split on its picked dim, read only by windowed readers (FOLDING_READERS) is
+deferred as a `windows.Shift`: the readers' windows read its operand, so the pair takes one halo exchange.
 """
 
 import dataclasses
@@ -26,6 +28,12 @@ from tf_gspmd._sharding import Sharding
 from tf_gspmd.ops.factors import dim_labels, Factors, FactorRule, unsplit
 from tf_gspmd.ops.gather import take_owned
 from tf_gspmd.ops.registry import register
+from tf_gspmd.ops.windows import Shift
+
+# The readers whose windows a pad or slice before them folds into: one halo exchange for both ops (the windows
+# of the pair compose: a row of the reader's window is a row of the pad's or slice's operand, or its fill).
+FOLDING_READERS = frozenset({"Slice", "StridedSlice", "Pad", "PadV2", "Conv2D", "Conv2DBackpropFilter", "MaxPool",
+                             "AvgPool", "MaxPoolGrad"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,6 +276,34 @@ def narrow(ctx, node, i, selections):
     ctx.set_output(o, x, natural, partial=partial)
 
 
+def _slice_shift(ctx, node, sel):
+  """The `Shift` of a slice whose result is split on one contiguous picked dim (its rows are its operand's,
+  offset by the pick's start), other picks constant runs cut locally; None for other slices."""
+  shape = ctx.input_shape(0)
+  rank = len(shape)
+  target = ctx.target(0)
+  if sel.out != tuple(range(rank)) or target.is_maximal or not all(p.contiguous for p in sel.picks.values()):
+    return None
+  window = _window_layout(ctx, sel, target.with_rank(rank), rank)
+  if window is None:
+    return None
+  w, d = window
+  p = sel.picks[d]
+  others = sorted(k for k in sel.picks if k != d)
+
+  def local(x):
+    if not others:
+      return x
+    return tf.slice(x, [sel.picks[k].start if k in others else 0 for k in range(rank)],
+                    [sel.picks[k].size if k in others else -1 for k in range(rank)])
+
+  def cost():
+    moved = ctx.window_bytes(0, w, d, p.size, p.start)
+    return ctx.operand_cost(0, _whole(ctx.mesh, rank)) if moved is None else moved
+
+  return Shift(node.inputs[0], d, p.start, p.start, p.start + p.size, 0, tuple(others), local, cost)
+
+
 class _Narrowing(FactorRule):
   """A rule whose output is its operand narrowed to `selection(node)` (None when it cannot say: then every
   dim is whole). Partitioned by `narrow`."""
@@ -301,7 +337,9 @@ class _Narrowing(FactorRule):
     sel = self.selection(node)
     if sel is None or not node.input_info(0).partitionable:
       return FactorRule.partition(self, ctx, node)
-    narrow(ctx, node, 0, [sel])
+    shift = _slice_shift(ctx, node, sel)
+    if shift is None or not ctx.defer(shift, lambda: narrow(ctx, node, 0, [sel]), FOLDING_READERS):
+      narrow(ctx, node, 0, [sel])
 
 
 @register("Slice")
@@ -387,11 +425,23 @@ class Pad(FactorRule):
     pads = np.asarray(node.const_input(1))
     fill = 0 if node.op == "Pad" else np.asarray(node.const_input(2)).item()
     shape = node.input_shape(0)
-    x = ctx.window(0, target, d, shape[d] + int(pads[d].sum()), -int(pads[d][0]), fill)
-    if x is None:
-      return self.partition_with(ctx, node, self.factors(node, windowed=False))
     rest = pads.copy()
     rest[d] = 0
-    if rest.any():   # the other padded dims are whole: pad them locally
-      x = tf.pad(x, rest, constant_values=fill)
-    ctx.set_output(0, ctx.identity(x), target)
+
+    def local(x):   # the other padded dims are whole: pad them locally
+      return tf.pad(x, rest, constant_values=fill) if rest.any() else x
+
+    def emit():
+      x = ctx.window(0, target, d, shape[d] + int(pads[d].sum()), -int(pads[d][0]), fill)
+      if x is None:
+        return self.partition_with(ctx, node, self.factors(node, windowed=False))
+      ctx.set_output(0, ctx.identity(local(x)), target)
+
+    def cost():
+      moved = ctx.window_bytes(0, target, d, shape[d] + int(pads[d].sum()), -int(pads[d][0]))
+      return ctx.operand_cost(0, _whole(ctx.mesh, len(shape))) if moved is None else moved
+
+    shift = Shift(node.inputs[0], d, -int(pads[d][0]), 0, shape[d], fill,
+                  tuple(k for k in range(len(shape)) if rest[k].any()), local, cost)
+    if not ctx.defer(shift, emit, FOLDING_READERS):
+      emit()

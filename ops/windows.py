@@ -10,6 +10,8 @@ windowed input). Nothing here emits a window; it is what the emitters compute fr
 - `rows_read_by`, `plan_halo` (a `HaloPlan`): per device, the input rows its window reads, the layout the input
   is read in, and the halo rows it takes from each neighbour. `PartitionContext.window_rows` emits the plan:
   `Backend.halo_exchange` moves the halos, then each device cuts its window at its offset (`take_bounds`);
+- `Shift`: a pad or slice along the split dim left unemitted, whose readers' windows read its operand (one
+  halo exchange for both ops; `PartitionContext.defer`);
 - `WindowedRule`: the rules of those ops, whose `partition` is their shared prologue (geometry, the one split
   spatial dim, the mesh axes left for batch and channels, the gathered fallback) before the op's own emission.
 """
@@ -208,6 +210,38 @@ def plan_halo(shape, have, sharding, dim, rows):
   if left > c_in or right > c_in:
     return None
   return HaloPlan(shape, dim, rows, tiles, own, left, right, sharding.dims[dim], sharding)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Shift:
+  """A windowed op along `dim` left unemitted so that its one reader's window reads its operand directly (one
+  halo exchange for both): row r of its result along `dim` is row r + `offset` of `source` when that row lies
+  in [lo, hi), else `fill`. `local(x)` applies the op to the other dims of such a window (a pad or slice of dims
+  that must be whole, `local_dims`); `cost()` is what emitting the op itself would move per device."""
+
+  source: str
+  dim: int
+  offset: int
+  lo: int
+  hi: int
+  fill: Any
+  local_dims: Tuple[int, ...]
+  local: Any
+  cost: Any
+
+  def rows(self, rows):
+    """The `Rows` of `source` that windows `rows` of the result read: the result's rows that matter are the
+    source rows inside [lo, hi) (the others are the op's `fill`)."""
+    first, length, lo, hi = rows
+    s_lo = np.clip(np.asarray(lo) + self.offset, self.lo, self.hi)
+    s_hi = np.clip(np.asarray(hi) + self.offset, self.lo, self.hi)
+    return Rows(np.asarray(first) + self.offset, length, s_lo, np.maximum(s_hi, s_lo))
+
+  def fills(self, rows):
+    """Whether some row that matters in `rows` (of the result) is the op's fill rather than a source row."""
+    first, length, lo, hi = rows
+    inside = self.rows(rows)
+    return bool(np.any((np.asarray(hi) - np.asarray(lo)) > (inside.hi - inside.lo)))
 
 
 def take_bounds(offset, count, extent):

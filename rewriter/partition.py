@@ -7,6 +7,7 @@ ops are named under `<node>/gspmd/`; per-device constants (offsets, group keys) 
 partition id, so the program is identical on every device.
 """
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -28,6 +29,9 @@ HELPER_SCOPE = "/gspmd/"   # the ops partitioning adds for node n are named `n/g
 TABLES_SCOPE = "gspmd/tables/"   # per-device constant tables (one per distinct content), read at the partition id
 # Ops that only read a variable through its handle; any other consumer of the handle may write it.
 READ_ONLY_VARIABLE_OPS = frozenset({"ReadVariableOp", "VariableShape", "ResourceGather", "ResourceGatherNd"})
+# Ops that read only their operand's static shape (ops/generators.py builds them as constants): a deferred op they
+# read stays deferred.
+STATIC_READERS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 _warned_fallback = set()
 _warned_unknown_rank = set()
 
@@ -61,6 +65,8 @@ class PartitionContext:
     self.ops = {}               # original node name -> local tf.Operation
     self._reshards = {}
     self._windows = {}
+    self._deferred = {}         # ref -> (windows.Shift, emit, node): an op its readers' windows fold in
+    self._waited_on = None      # names of the nodes some node has as a control input (found on first use)
     self._tables = {}
     self.pid = tf.compat.v1.placeholder(tf.int32, [], name=PARTITION_ID)
     self.backend = Backend(self.mesh, devices, self.pid, self.lookup, report, processes)
@@ -80,6 +86,8 @@ class PartitionContext:
 
   def current(self, i):
     r = self.node.inputs[i]
+    if r in self._deferred:   # the layout it has once emitted
+      return self.program.shardings[r]
     return self.values[r][1] if r in self.values else None
 
   def input_shape(self, i):
@@ -90,11 +98,15 @@ class PartitionContext:
 
   def operand(self, i, sharding):
     """Local value of input i laid out as `sharding` (resharded and cached as needed)."""
-    r = self.node.inputs[i]
+    return self._operand_of(self.node.inputs[i], sharding, f"operand {i} of {self.node.name} ({self.node.op})")
+
+  def _operand_of(self, r, sharding, what):
+    """Local value of tensor `r` laid out as `sharding`, for `what` (the node's operand it is)."""
+    self._emit_deferred(r)
     value, have = self.values[r]
     info = self.ir.info(r)
     if info.is_list and sharding is not None:
-      _check_list_layout(r, have, sharding, f"operand {i} of {self.node.name} ({self.node.op})")
+      _check_list_layout(r, have, sharding, what)
     if not info.partitionable or have == sharding:
       return value
     sharding = sharding.with_rank(len(info.shape))
@@ -107,18 +119,68 @@ class PartitionContext:
       pinned = self.program.annotations or {}
       requested = any(pinned.get(self.node.ref(o)) == sharding for o in range(len(self.node.outputs)))
       with tf.name_scope(self._scope()), self.report.resharding_of(public_key(r), have, sharding, requested):
-        reason = f"operand {i} of {self.node.name} ({self.node.op}) needs {sharding}, {public_key(r)} is {have}"
+        reason = f"{what} needs {sharding}, {public_key(r)} is {have}"
         self._reshards[key] = reshard.emit_reshard(self, value, info.shape, have, sharding, None, self.node.name,
                                                    reason)
     return self._reshards[key]
 
   def operand_cost(self, i, sharding):
     """Bytes per device that resharding input i to `sharding` would move."""
-    r = self.node.inputs[i]
+    return self._cost_of(self.node.inputs[i], sharding)
+
+  def _cost_of(self, r, sharding):
+    """Bytes per device that resharding tensor `r` to `sharding` would move (emitting it first if deferred)."""
     info = self.ir.info(r)
-    if not info.partitionable or r not in self.values:
+    extra = 0
+    if r in self._deferred:
+      shift, _, node = self._deferred[r]
+      with self._as_node(node):
+        extra = shift.cost()
+      have = self.program.shardings[r]
+    elif r in self.values:
+      have = self.values[r][1]
+    else:
       return 0
-    return reshard.plan_bytes(info.shape, info.dtype.size, self.values[r][1], sharding.with_rank(len(info.shape)))
+    if not info.partitionable:
+      return extra
+    return extra + reshard.plan_bytes(info.shape, info.dtype.size, have, sharding.with_rank(len(info.shape)))
+
+  def defer(self, shift, emit, readers):
+    """Leave output 0 of the node unemitted when every node reading it is of a type in `readers`, reading it as
+    input 0, or reads only its shape (STATIC_READERS), and nothing else waits on the node: those readers'
+    windows (`window_rows`) then read `shift.source` (a `windows.Shift`) directly, so the ops take one halo
+    exchange (a convolution and its filter gradient share it). A reader that reads it otherwise emits it first
+    (`emit()`, run as the node; later readers read what it emitted). Returns whether the output was deferred."""
+    r = self.node.ref(0)
+    reading = self.ir.consumers.get(r, [])
+    if (len(self.node.outputs) != 1 or r in self.ir.outputs or not reading or shift.source in self._deferred or
+        any(reader.op not in STATIC_READERS and (k != 0 or reader.op not in readers) for reader, k in reading)):
+      return False
+    if self._waited_on is None:
+      self._waited_on = {c for n in self.ir.nodes for c in n.control}
+    if self.node.name in self._waited_on:
+      return False
+    self._deferred[r] = (shift, emit, self.node)
+    return True
+
+  def _emit_deferred(self, r):
+    """Emit the deferred op behind tensor `r` (as its own node), when it is deferred."""
+    if r not in self._deferred:
+      return
+    _, emit, node = self._deferred.pop(r)
+    # outside the reader's name scope and control dependencies, as if emitted in its place
+    with self._as_node(node), self.graph.name_scope(None), self.graph.control_dependencies(None):
+      emit()
+
+  @contextlib.contextmanager
+  def _as_node(self, node):
+    """The context seen from `node` (a deferred op's, while its reader is being partitioned)."""
+    reader = self.node
+    self.node = node
+    try:
+      yield
+    finally:
+      self.node = reader
 
   def output_cost(self, o, natural, partial=None):
     """Bytes per device that bringing output o from `natural` (+ partial) to its completed sharding moves."""
@@ -243,7 +305,7 @@ class PartitionContext:
   def window_fits(self, i, sharding, dim, out_size, start, stride=1, size=1):
     """Whether `window` can serve input i from neighbours only (no emission)."""
     rows = self._rows_read(i, sharding, dim, out_size, start, stride, size)
-    return self._halo_plan(i, sharding, dim, rows) is not None
+    return self._window_plan(i, sharding, dim, rows)[1] is not None
 
   def window_rows(self, i, sharding, dim, first, length, lo, hi, fill):
     """Input i with rows [first[t], first[t] + length) along `dim` on the device of shard index t.
@@ -255,45 +317,78 @@ class PartitionContext:
     may differ between devices) and slices its window at a per-device offset (`windows.plan_halo`). Returns
     None when a device needs rows past its neighbours' shards.
     """
-    plan = self._halo_plan(i, sharding, dim, (first, length, lo, hi))
+    rows = windows.Rows(np.asarray(first), length, np.asarray(lo), np.asarray(hi))
+    r, plan, shift = self._window_plan(i, sharding, dim, rows)
     if plan is None:
       return None
     # A window is cached like a reshard: a gradient reading the forward op's window (a filter gradient) reuses
     # its halos instead of exchanging them again.
-    key = (self.node.inputs[i], sharding.with_rank(len(plan.shape)), dim, tuple(first.tolist()), length,
-           tuple(lo.tolist()), tuple(hi.tolist()), repr(np.asarray(fill).item()))
+    key = (self.node.inputs[i], sharding.with_rank(len(self.node.input_info(i).shape)), dim,
+           tuple(rows.first.tolist()), length, tuple(rows.lo.tolist()), tuple(rows.hi.tolist()),
+           repr(np.asarray(fill).item()))
     if key not in self._windows:
-      self._windows[key] = self._emit_window(i, plan, fill)
+      self._windows[key] = self._emit_window(i, r, plan, fill, shift, rows)
     return self._windows[key]
 
-  def _emit_window(self, i, plan, fill):
-    """Emit `plan` (a `windows.HaloPlan`) for input i: reshard, halo exchange, per-device cut, fill select."""
+  def _window_plan(self, i, sharding, dim, rows):
+    """(tensor, `windows.HaloPlan` of it, `windows.Shift` or None) for windows `rows` of input i: of the
+    deferred op's source when input i is one whose shift is along `dim` and the window fits there, else of
+    input i (plan None when it does not fit)."""
+    r = self.node.inputs[i]
+    rank = len(self.node.input_info(i).shape)
+    if r in self._deferred:
+      shift = self._deferred[r][0]
+      if shift.dim == dim and not any(sharding.with_rank(rank).dims[k] for k in shift.local_dims):
+        src = shift.source
+        plan = windows.plan_halo(self.ir.info(src).shape, self.values[src][1], sharding, dim, shift.rows(rows))
+        if plan is not None:
+          return src, plan, shift
+    return r, self._halo_plan(i, sharding, dim, rows), None
+
+  def _emit_window(self, i, r, plan, fill, shift, rows):
+    """Emit `plan` (a `windows.HaloPlan` of tensor r, input i or the source of its `shift`): reshard, halo
+    exchange, per-device cut, fill select (then, through a shift, the deferred op's own fill and other dims)."""
     dim, length = plan.dim, plan.rows.length
-    x = self.operand(i, plan.source)
+    what = f"operand {i} of {self.node.name} ({self.node.op})"
+    if shift is not None:
+      node = self._deferred[self.node.inputs[i]][2]
+      what += f" through {node.name} ({node.op})"
+    x = self._operand_of(r, plan.source, what)
     with tf.name_scope(self._scope()):
       if plan.left or plan.right:
+        via = "" if shift is None else f" of {public_key(r)} (through {node.name} ({node.op}))"
         x = self.backend.halo_exchange(x, dim, plan.axes, plan.left, plan.right, self.node.name,
-                                       f"{self.node.name} ({self.node.op}) moves its window along dim {dim}")
+                                       f"{self.node.name} ({self.node.op}) moves its window{via} along dim {dim}")
       x = self._take(x, dim, plan.offsets(), length, f"window_{dim}_{length}")
-      valid = plan.valid()
-      if valid is None:
+      x = self._keep(x, plan.valid(), len(plan.shape), dim, length, fill if shift is None else shift.fill)
+      if shift is None:
         return x
-      keep = self.lookup(valid, f"window_valid_{dim}_{length}")
-      bshape = [1] * len(plan.shape)
-      bshape[dim] = length
-      return tf.where(tf.reshape(keep, bshape), x, tf.constant(fill, x.dtype))
+      if repr(np.asarray(shift.fill).item()) != repr(np.asarray(fill).item()):
+        # rows no result reads take the reader's fill, not the deferred op's
+        wanted = windows.HaloPlan(plan.shape, dim, rows, plan.tiles, plan.own, 0, 0, (), plan.source).valid()
+        x = self._keep(x, wanted, len(plan.shape), dim, length, fill)
+      return shift.local(x)
+
+  def _keep(self, x, valid, rank, dim, length, fill):
+    """`x` with the window rows that are not `valid` (per device and row; None: all are) set to `fill`."""
+    if valid is None:
+      return x
+    keep = self.lookup(valid, f"window_valid_{dim}_{length}")
+    bshape = [1] * rank
+    bshape[dim] = length
+    return tf.where(tf.reshape(keep, bshape), x, tf.constant(fill, x.dtype))
 
   def window_rows_fit(self, i, sharding, dim, first, length, lo, hi):
     """Whether `window_rows` can serve input i from neighbours only (no emission)."""
-    return self._halo_plan(i, sharding, dim, (first, length, lo, hi)) is not None
+    return self._window_plan(i, sharding, dim, windows.Rows(first, length, lo, hi))[1] is not None
 
   def window_bytes(self, i, sharding, dim, out_size, start, stride=1, size=1):
     """Bytes per device that `window` moves (resharding input i to the layout it reads, then its halos); None
     when the window does not fit (the caller weighs it against other ways to compute the same result)."""
-    plan = self._halo_plan(i, sharding, dim, self._rows_read(i, sharding, dim, out_size, start, stride, size))
+    r, plan, _ = self._window_plan(i, sharding, dim, self._rows_read(i, sharding, dim, out_size, start, stride, size))
     if plan is None:
       return None
-    return self.operand_cost(i, plan.source) + plan.halo_elements() * self.input_dtype(i).size
+    return self._cost_of(r, plan.source) + plan.halo_elements() * self.input_dtype(i).size
 
   def take_rows(self, x, sharding, dim, begin, count):
     """Rows [begin[t], begin[t] + count) along `dim` of the local `x` on the device of shard index t (rows

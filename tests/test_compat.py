@@ -423,7 +423,7 @@ def test_cluster_collectives_span_two_processes():
       cpu = tf.config.list_physical_devices("CPU")[0]
       tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
       spec = tf.train.ClusterSpec(conf["cluster"])
-      _compat.enable_cluster_collectives(spec, "worker", k, "/job:worker/replica:0/task:0", 10.0)
+      _compat.enable_cluster_collectives(spec, "worker", k, "/job:worker/replica:0/task:0", 10.0, 60.0)
       _compat.coordination_barrier("test", 60.0)
       mine = [d.name for d in tf.config.list_logical_devices("CPU") if f"/task:{k}/" in d.name]
       pd = _compat.parallel_device(mine)

@@ -15,7 +15,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import oracle_programs  # noqa: E402  pylint: disable=g-import-not-at-top
 import xla_oracle  # noqa: E402  pylint: disable=g-import-not-at-top
 
-CASES = ("mlp_megatron", "moe_gshard", "conv_spatial", "uneven", "softmax_xent", "pipeline", "conv_halo", "pool_halo")
+CASES = ("mlp_megatron", "moe_gshard", "conv_spatial", "uneven", "softmax_xent", "pipeline", "conv_halo", "pool_halo",
+         "pad_shift", "pad_conv")
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,13 @@ def test_reference_figures(comparisons):
   assert comparisons["conv_spatial"].xla_counts() == {"collective-permute": 4}
   assert comparisons["conv_spatial"].xla_bytes == 393216
   assert comparisons["uneven"].xla_bytes == 532
+
+
+def test_pad_then_slice_is_xla_s_one_collective_permute(comparisons):
+  """The pad-by-7 shift: XLA and tf_gspmd each send the 7 rows before a device's own once (28,672 B)."""
+  c = comparisons["pad_shift"]
+  assert c.xla_counts() == {"collective-permute": 1} and c.xla_bytes == 28672, str(c)
+  assert c.ours.counts() == {"collective-permute": 1} and c.ours_bytes == 28672, str(c)
 
 
 def test_pipeline_loops_count_per_iteration(comparisons):

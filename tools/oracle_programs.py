@@ -159,6 +159,24 @@ def pool_halo():
              (P(None, "rows", None, None), P(None, "rows", None, None)))
 
 
+def pad_shift():
+  """tf.pad(x, [[7, 0], [0, 0]])[:64]: x [64,1024] over 8 rows shifted down by 7 (each device needs the 7 rows
+  before its own: one collective-permute)."""
+  x = np.random.default_rng(5).standard_normal((64, 1024)).astype(np.float32)
+  return Job("pad_shift", lambda t: tf.pad(t, [[7, 0], [0, 0]])[:64], [x], (P("rows", None),), gs.Mesh((8,), ("rows",)),
+             P("rows", None))
+
+
+def pad_conv():
+  """tf.pad by 3 then a VALID 7x7 stride-2 convolution (ResNet's stem as the pad and the conv), rows split 8
+  ways: XLA folds the pad into the convolution's padding."""
+  rng = np.random.default_rng(6)
+  args = [rng.standard_normal((2, 64, 32, 3)).astype(np.float32),
+          (rng.standard_normal((7, 7, 3, 8)) * 0.2).astype(np.float32)]
+  return Job("pad_conv", lambda x, k: tf.nn.conv2d(tf.pad(x, [[0, 0], [3, 3], [3, 3], [0, 0]]), k, 2, "VALID"), args,
+             (P(None, "rows", None, None), P()), gs.Mesh((8,), ("rows",)), P(None, "rows", None, None))
+
+
 def pipeline():
   """gs.pipeline: 4 stages of two residual tanh layers, 8 microbatches, on (stage 4, data 2); forward and the
   pipelined backward pass."""
@@ -197,4 +215,5 @@ KNOWN_DIFFERENCES = {
 
 PROGRAMS = {**{name: _workload(name) for name in REFERENCE},
             "transformer_megatron": transformer_megatron, "transformer_2d": transformer_2d, "moe_step": moe_step,
-            "conv_halo": conv_halo, "pool_halo": pool_halo, "pipeline": pipeline}
+            "conv_halo": conv_halo, "pool_halo": pool_halo, "pipeline": pipeline, "pad_shift": pad_shift,
+            "pad_conv": pad_conv}

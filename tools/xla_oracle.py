@@ -1,6 +1,6 @@
 """XLA's own SPMD partitioner as the oracle for tf_gspmd's: one annotated program, partitioned both ways.
 
-  python tools/xla_oracle.py                          # every program of tools/oracle_programs.py (16)
+  python tools/xla_oracle.py                          # every program of tools/oracle_programs.py (18)
   python tools/xla_oracle.py --only=mlp_megatron,pipeline --verbose
   python tools/xla_oracle.py --keep=/tmp/oracle       # keep the exported and the partitioned HLO there
 

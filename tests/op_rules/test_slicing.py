@@ -218,3 +218,93 @@ def test_dynamic_update_slice_writes_where_the_data_lives(rng, spec):
   low = check_partitioned(fn, [cache, update, np.array([4], np.int32)], (spec, upd_spec, P()), M8)
   if spec != P(None, "m", None):   # splitting the written dim is not kept: resharded around the write
     assert low.report.collectives == (), str(low.report)
+
+
+# ---- a pad and a slice next to each other take one halo exchange ----------------------------------------------
+M24 = gs.Mesh((2, 4), ("data", "model"))
+
+
+def _one_exchange(low):
+  """The program sends what its report says, in one halo exchange: the collective-permutes of one op's window
+  (one per direction rows come from)."""
+  assert_report_counts_program(low)
+  assert {c.kind for c in low.report.collectives} == {"collective-permute"}, str(low.report)
+  assert len({c.source for c in low.report.collectives}) == 1, str(low.report)
+  assert len(low.report.collectives) <= 2, str(low.report)
+
+
+def test_pad_then_slice_shift_sends_the_rows_once(rng):
+  """tf.pad(x, [[7, 0], [0, 0]])[:64], x [64,1024] over 8: each device takes the 7 rows before its own (XLA's one
+  collective-permute, 28,672 B), not the pad's window and then the slice's (53,248 B in two exchanges)."""
+  x = rng.standard_normal((64, 1024)).astype(np.float32)
+  low = check_partitioned(lambda t: tf.pad(t, [[7, 0], [0, 0]])[:64], [x], (P("m", None),), M8, out=P("m", None))
+  _one_exchange(low)
+  assert len(low.report.collectives) == 1, str(low.report)
+  assert low.report.bytes_per_device() <= 28_672, str(low.report)
+  assert low.report.collectives[0].shape == (7, 1024)
+
+
+FOLDED = {
+    # pad -> slice
+    "pad_slice_uneven": (lambda t: tf.pad(t, [[3, 2], [0, 1]], constant_values=2.0)[1:31, :], (30, 6), M8,
+                         P("m", None)),
+    "pad_slice_2x4": (lambda t: tf.pad(t, [[0, 0], [2, 1]])[:, 1:24], (12, 22), M24, P("data", "model")),
+    "pad_slice_both_ends": (lambda t: tf.pad(t, [[2, 3], [0, 0]], constant_values=-1.0)[4:37], (40, 5), M8,
+                            P("m", None)),
+    # slice -> pad
+    "slice_pad": (lambda t: tf.pad(t[3:60], [[5, 2], [0, 0]]), (64, 16), M8, P("m", None)),
+    "slice_pad_uneven": (lambda t: tf.pad(t[2:27, 1:5], [[1, 3], [0, 0]], constant_values=-1.0), (30, 6), M8,
+                         P("m", None)),
+    "slice_pad_2x4": (lambda t: tf.pad(t[:, 3:20], [[0, 0], [2, 2]], constant_values=0.5), (12, 22), M24,
+                      P("data", "model")),
+    # slice -> slice
+    "slice_slice": (lambda t: t[1:50][3:45], (48 + 8, 4), M8, P("m", None)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FOLDED))
+def test_pad_and_slice_pairs_take_one_exchange(rng, name):
+  """A pad or slice whose only reader is a slice or pad along the same split dim: the pair's windows compose
+  into one window of the first op's operand, so one collective-permute moves the rows each device lacks."""
+  fn, shape, mesh, spec = FOLDED[name]
+  x = (rng.standard_normal(shape) * 3).astype(np.float32)
+  low = check_partitioned(lambda t: fn(tf.exp(t) - 4.0), [x], (spec,), mesh, out=spec)
+  _one_exchange(low)
+
+
+def test_pad_read_whole_by_its_slice_is_emitted_first(rng):
+  """A pad whose slice reader is not split along the padded dim (replicated result): the pad is emitted as it
+  stands for the slice to read, with the same values."""
+  x = rng.standard_normal((30, 6)).astype(np.float32)
+  fn = lambda t: tf.pad(t, [[3, 2], [0, 0]], constant_values=2.0)[1:30:2]  # noqa: E731
+  low = check_partitioned(fn, [x], (P("m", None),), M8, out=P())
+  assert_report_counts_program(low)
+  assert any(c.source == "PadV2" for c in low.report.collectives), str(low.report)
+  names = [nd.name for nd in low.graph_def.node]
+  assert any(n.startswith("PadV2/gspmd/") for n in names)   # under its own name, not inside its reader's scope
+  assert not any(n.startswith("strided_slice/") and "PadV2/" in n for n in names)
+
+
+@pytest.mark.parametrize("exchange_rows", [5, 9])
+def test_pad_whose_folded_window_reaches_too_far_is_emitted_first(rng, exchange_rows):
+  """tf.pad(x, [[k, 0], [0, 0]])[:30], x [30,6] over 8 (4 rows a shard): the shift by k > 4 rows is past the
+  neighbouring shard, so the pad is emitted and its slice reads it as before; the values are the same."""
+  x = rng.standard_normal((30, 6)).astype(np.float32)
+  fn = lambda t: tf.pad(t, [[exchange_rows, 0], [0, 0]])[:30]  # noqa: E731
+  low = check_partitioned(fn, [x], (P("m", None),), M8, out=P("m", None))
+  assert_report_counts_program(low)
+  assert any(c.source == "Pad" for c in low.report.collectives), str(low.report)
+
+
+def test_pad_then_slice_inside_a_loop_body(rng):
+  """The shift folded inside a while loop's body: one exchange per iteration, the unpartitioned values."""
+  x = rng.standard_normal((32, 6)).astype(np.float32)
+
+  def fn(t):
+    body = lambda i, y: (i + 1, tf.pad(y, [[1, 0], [0, 0]])[:32] * 0.5 + y)  # noqa: E731
+    return tf.while_loop(lambda i, y: i < 3, body, (0, t))[1]
+
+  low = check_partitioned(fn, [x], (P("m", None),), M8, out=P("m", None))
+  assert_report_counts_program(low)
+  assert [c.kind for c in low.report.collectives] == ["collective-permute"], str(low.report)
+  assert "Pad" in low.report.collectives[0].reason, str(low.report)

@@ -271,3 +271,76 @@ def test_transposed_stride_2_conv_and_gradients(rng):
 
   low = check_partitioned(step, [x, w], (ROWS24, P()), M24, out=(ROWS24, ROWS24, P()), tol=1e-4)
   _halos_only(low, filter_gradient=True)
+
+
+# ---- a pad before a convolution or pooling: one halo exchange for both ------------------------------------------
+PADDED = {
+    # name: (ops after the pad, pads, input shape, mesh, layout)
+    "conv_3x3_uneven": (lambda h, w: tf.nn.conv2d(h, w, 1, "VALID"), [[0, 0], [1, 1], [1, 1], [0, 0]],
+                        (2, 30, 9, 3), M8, P(None, "x", None, None)),
+    "conv_7x7_s2_2x4": (lambda h, w: tf.nn.conv2d(h, w, 2, "VALID"), [[0, 0], [3, 3], [3, 3], [0, 0]],
+                        (4, 32, 12, 3), M24, ROWS24),
+    "conv_5x5_lopsided": (lambda h, w: tf.nn.conv2d(h, w, 1, "VALID"), [[0, 0], [3, 1], [2, 2], [0, 0]],
+                          (2, 24, 8, 3), M8, P(None, "x", None, None)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PADDED))
+def test_pad_then_valid_conv_takes_one_exchange(rng, name):
+  """tf.pad then a VALID convolution: the conv's window reads the pad's operand directly (the pad's rows are its
+  fill), so the pair sends what the same convolution with the padding as its own (EXPLICIT) sends."""
+  conv, pads, shape, mesh, spec = PADDED[name]
+  x = rng.standard_normal(shape).astype(np.float32)
+  k = 7 if "7x7" in name else 5 if "5x5" in name else 3
+  w = (rng.standard_normal((k, k, 3, 4)) * 0.3).astype(np.float32)
+  low = check_partitioned(lambda a, b: conv(tf.pad(a, pads), b), [x, w], (spec, P()), mesh, out=spec, tol=1e-4)
+  assert_report_counts_program(low)
+  assert {c.kind for c in low.report.collectives} == {"collective-permute"}, str(low.report)
+  assert {c.source for c in low.report.collectives} == {"Conv2D"}, str(low.report)
+  stride = 2 if "s2" in name else 1
+  explicit = gs.function(lambda a, b: tf.nn.conv2d(a, b, stride, pads), mesh=mesh, in_shardings=(spec, P()),
+                         out_shardings=spec).lower(tf.TensorSpec(shape), tf.TensorSpec(w.shape))
+  assert low.report.bytes_per_device() == explicit.report.bytes_per_device(), (str(low.report), str(explicit.report))
+
+
+def test_zero_pad_then_max_pool_keeps_both_fills(rng):
+  """tf.pad (zeros) then a SAME max-pool of negative values: the pad's rows are 0 and win the max, the pool's
+  own padding is never read; one halo exchange of the pad's operand."""
+  x = -np.abs(rng.standard_normal((2, 29, 7, 3))).astype(np.float32) - 1.0
+  spec = P(None, "x", None, None)
+  low = check_partitioned(lambda a: tf.nn.max_pool2d(tf.pad(a, [[0, 0], [2, 1], [0, 0], [0, 0]]), 3, 2, "SAME"),
+                          [x], (spec,), M8, out=spec)
+  assert_report_counts_program(low)
+  assert {c.source for c in low.report.collectives} == {"MaxPool2d"}, str(low.report)
+
+
+def test_pad_then_conv_and_its_filter_gradient_share_one_exchange(rng):
+  """ResNet's stem as tf.pad then a VALID 7x7/2 conv, with gradients: the conv's window (3 rows before, 2 after,
+  of the unpadded image) is exchanged once and read by the filter gradient too; the pad itself moves nothing."""
+  x = rng.standard_normal((2, 32, 32, 3)).astype(np.float32)
+  w = (rng.standard_normal((7, 7, 3, 8)) * 0.3).astype(np.float32)
+  low = check_partitioned(_conv_step(2, "VALID", pre_pad=[[0, 0], [3, 3], [3, 3], [0, 0]]), [x, w], (ROWS24, P()),
+                          M24, out=(ROWS24, ROWS24, P()), tol=1e-4)
+  assert_report_counts_program(low)
+  forward = [c for c in low.report.collectives if c.source == "Conv2D"]
+  assert sorted(c.shape for c in forward) == [(1, 2, 32, 3), (1, 3, 32, 3)], str(low.report)
+  assert not any(c.source.startswith("Pad") for c in low.report.collectives), str(low.report)
+  assert [c.kind for c in low.report.collectives if "BackpropFilter" in c.source] == ["all-reduce"], str(low.report)
+
+
+@pytest.mark.parametrize("reader", ["conv_same", "max_pool_same"])
+def test_slice_then_windowed_op_takes_one_exchange(rng, reader):
+  """Rows 3..28 of an image (rows split over 8) convolved or max-pooled with SAME padding: the op's window reads
+  the image's rows directly (its padding rows, outside the slice, take the op's own fill: 0 or -inf)."""
+  x = (rng.standard_normal((2, 32, 6, 3)) - 3.0).astype(np.float32)
+  w = (rng.standard_normal((3, 3, 3, 4)) * 0.3).astype(np.float32)
+  spec = P(None, "x", None, None)
+  if reader == "conv_same":
+    fn = lambda a, b: tf.nn.conv2d(a[:, 3:29], b, 1, "SAME")  # noqa: E731
+  else:
+    fn = lambda a, b: tf.nn.max_pool2d(a[:, 3:29], 3, 1, "SAME") + tf.reduce_sum(b)  # noqa: E731
+  low = check_partitioned(fn, [x, w], (spec, P()), M8, out=spec, tol=1e-4)
+  assert_report_counts_program(low)
+  permutes = [c for c in low.report.collectives if c.kind == "collective-permute"]
+  assert permutes and len({c.source for c in permutes}) == 1, str(low.report)
+  assert "strided_slice" not in permutes[0].source, str(low.report)
