@@ -1,4 +1,6 @@
-"""Checkpoints of a mesh that spans several processes: one standard TF checkpoint, written by every process.
+"""Checkpoints of sharded variables: how a managed variable saves and restores its tiles (SliceSaveable,
+StreamingRestore, HostSnapshot), and saves of a mesh that spans several processes: one standard TF checkpoint,
+written by every process.
 
 Every process calls the same `tf.train.Checkpoint.write` / `save` / `CheckpointManager.save` with the same path.
 When what is saved includes a variable stored over several processes, the save is shared:
@@ -15,6 +17,7 @@ makes the others raise ProcessLostError naming it; until the merge completes `<p
 previous checkpoint (and CheckpointManager's record of it) stays what a restore finds.
 """
 
+import functools
 import itertools
 import re
 import threading
@@ -128,3 +131,93 @@ def save_hook(storage_of):
     return result
 
   return hook
+
+
+# ---- a managed variable in a checkpoint ---------------------------------------------------------------------
+
+def host_of(device):
+  """The CPU of the process (task) that holds `device`: where a checkpoint is read for it."""
+  spec = tf.DeviceSpec.from_string(device)
+  return spec.replace(device_type="CPU", device_index=0).to_string()
+
+
+class SliceSaveable(_compat.SaveableObject):
+  """A managed variable in a checkpoint: every distinct tile saved from its device as a slice of the global value."""
+
+  def __init__(self, variable, name):
+    storage = variable._gspmd_storage  # pylint: disable=protected-access
+    self._storage = storage
+    # Over several processes each process lists the tiles it writes (runtime/checkpoint.py merges the parts).
+    self._order = storage.written_slices()
+    if len(storage.positions) < len(storage.devices):
+      note_split_variable()
+    specs = [_compat.SaveSpec(functools.partial(storage.read_slice, spec), spec, name, dtype=variable.dtype,
+                              device=storage.devices[p])
+             for spec, p in self._order.items()]
+    super().__init__(variable, specs, name)
+
+  def restore(self, restored_tensors, restored_shapes):
+    del restored_shapes
+    self._storage.restore(dict(zip(self._order, restored_tensors)))
+    return None
+
+
+def probe_value(storage):
+  """The value at the origin (the shape of `probe_spec`), read from the shard that holds it."""
+  p = storage.positions[0] if storage.sharding.is_replicated or not storage.shape else None
+  if p is None:
+    p = next((q for q in storage.positions if not any(storage.tile_extent(q)[0])), storage.positions[0])
+  comp = storage.components[storage.positions.index(p)]
+  with tf.device(storage.devices[p]):
+    x = comp.read_value()
+    return x[tuple(slice(0, 1) for _ in storage.shape)] if storage.shape and all(storage.shape) else x
+
+
+class HostSnapshot(_compat.Trackable):
+  """A host copy of the tiles a process writes of a sharded variable, taken when an asynchronous save starts;
+  the background writer saves it as the variable's slices."""
+
+  def __init__(self, variable):
+    self._variable = variable
+    self._storage = variable._gspmd_storage  # pylint: disable=protected-access
+    self._tiles = {}
+
+  def refresh(self):
+    """Copies the tiles into host variables (kept between saves: the step may update the shards meanwhile)."""
+    for spec, p in self._storage.written_slices().items():
+      x = self._storage.read_slice(spec)
+      host = self._tiles.get(spec)
+      if host is None:
+        with tf.init_scope(), tf.device(host_of(self._storage.devices[p])):
+          host = self._tiles[spec] = tf.Variable(tf.zeros(x.shape, x.dtype), trainable=False)
+      host.assign(x)
+
+  def _serialize_to_tensors(self):
+    if len(self._storage.positions) < len(self._storage.devices):
+      note_split_variable()
+    if list(self._tiles) == [""]:
+      return {_compat.VARIABLE_VALUE_KEY: self._tiles[""].read_value()}
+    return {_compat.VARIABLE_VALUE_KEY: {spec: v.read_value() for spec, v in self._tiles.items()}}
+
+  def __tf_tensor__(self, dtype=None, name=None):
+    raise InputError(f"an asynchronous checkpoint of the Keras variable stored sharded as {self._variable.name!r} "
+                     f"(shape {list(self._storage.shape)}) needs its whole value, which Keras's host copy takes; "
+                     "save Keras models synchronously (without experimental_enable_async_checkpoint)")
+
+
+class StreamingRestore(_compat.SaveableObject):
+  """A managed variable being restored eagerly: TF is asked for one element only; `restore` reads the variable's
+  tiles from the checkpoint one at a time (`ShardedStorage.stream_restore`)."""
+
+  def __init__(self, variable, name, prefix):
+    storage = variable._gspmd_storage  # pylint: disable=protected-access
+    self._storage, self._prefix, self._key = storage, prefix, name
+    spec = storage.probe_spec()
+    super().__init__(variable, [_compat.SaveSpec(functools.partial(probe_value, storage), spec, name,
+                                                 dtype=variable.dtype, device=host_of(storage.devices[
+                                                     storage.positions[0]]))], name)
+
+  def restore(self, restored_tensors, restored_shapes):
+    del restored_tensors, restored_shapes
+    self._storage.stream_restore(self._prefix, self._key)
+    return None

@@ -12,7 +12,6 @@ and restores slices shard by shard (TF's `SaveV2` slice specs), so checkpoints h
 mesh, or plain TF, can read.
 """
 
-import functools
 import threading
 import weakref
 
@@ -351,7 +350,7 @@ class ShardedStorage:
     self.host_newer = False
 
   def _read_checkpoint_slice(self, prefix, key, spec, lengths, device):
-    with tf.device(_host_of(device)):
+    with tf.device(checkpoint.host_of(device)):
       piece = tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=[key], shape_and_slices=[spec],
                                    dtypes=[self.dtype])[0]
     if tuple(piece.shape.as_list()) != tuple(lengths):
@@ -388,12 +387,6 @@ class ShardedStorage:
 
 def _plain_read(v):
   return _compat.read_unhooked(v)
-
-
-def _host_of(device):
-  """The CPU of the process (task) that holds `device`: where a checkpoint is read for it."""
-  spec = tf.DeviceSpec.from_string(device)
-  return spec.replace(device_type="CPU", device_index=0).to_string()
 
 
 def _tracing_for_gspmd():
@@ -456,8 +449,8 @@ class _ManagedVariable(_compat.ReadHook, _compat.CheckpointHook, _compat.Seriali
   def _gspmd_saveable(self, name):
     target = _compat.checkpoint_restore_target()
     if target is not None and target[1] is self:
-      return _StreamingRestore(self, name, target[0])
-    return _SliceSaveable(self, name)
+      return checkpoint.StreamingRestore(self, name, target[0])
+    return checkpoint.SliceSaveable(self, name)
 
   def _gspmd_serialize(self):
     # Reached when a wrapper (a Keras variable) saves or restores through its tf.Variable.
@@ -467,7 +460,7 @@ class _ManagedVariable(_compat.ReadHook, _compat.CheckpointHook, _compat.Seriali
     if key is not None:   # a restore: TF reads one element, the slices are streamed by _gspmd_restore
       self._gspmd_pending_restore = (target[0], key)
       spec = storage.probe_spec()
-      return {_compat.VARIABLE_VALUE_KEY: {spec: _probe_value(storage)} if spec else _probe_value(storage)}
+      return {_compat.VARIABLE_VALUE_KEY: {spec: checkpoint.probe_value(storage)} if spec else checkpoint.probe_value(storage)}
     self._gspmd_pending_restore = None
     specs = storage.written_slices()
     if len(storage.positions) < len(storage.devices):
@@ -480,7 +473,7 @@ class _ManagedVariable(_compat.ReadHook, _compat.CheckpointHook, _compat.Seriali
     # An asynchronous save (CheckpointOptions(experimental_enable_async_checkpoint=True)) first copies what it saves
     # to the host, blocking the step; the copy of a sharded variable is this process's written tiles.
     if self not in object_map:
-      object_map[self] = _HostSnapshot(self)
+      object_map[self] = checkpoint.HostSnapshot(self)
     object_map[self].refresh()
 
   def _gspmd_restore(self, tensor):
@@ -491,88 +484,6 @@ class _ManagedVariable(_compat.ReadHook, _compat.CheckpointHook, _compat.Seriali
       self._gspmd_storage.stream_restore(*pending)
     else:   # one whole tensor
       self._gspmd_storage.restore(tensor)
-
-
-class _SliceSaveable(_compat.SaveableObject):
-  """A managed variable in a checkpoint: every distinct tile saved from its device as a slice of the global value."""
-
-  def __init__(self, variable, name):
-    storage = variable._gspmd_storage  # pylint: disable=protected-access
-    self._storage = storage
-    # Over several processes each process lists the tiles it writes (runtime/checkpoint.py merges the parts).
-    self._order = storage.written_slices()
-    if len(storage.positions) < len(storage.devices):
-      checkpoint.note_split_variable()
-    specs = [_compat.SaveSpec(functools.partial(storage.read_slice, spec), spec, name, dtype=variable.dtype,
-                              device=storage.devices[p])
-             for spec, p in self._order.items()]
-    super().__init__(variable, specs, name)
-
-  def restore(self, restored_tensors, restored_shapes):
-    del restored_shapes
-    self._storage.restore(dict(zip(self._order, restored_tensors)))
-    return None
-
-
-def _probe_value(storage):
-  """The value at the origin (the shape of `probe_spec`), read from the shard that holds it."""
-  p = storage.positions[0] if storage.sharding.is_replicated or not storage.shape else None
-  if p is None:
-    p = next((q for q in storage.positions if not any(storage.tile_extent(q)[0])), storage.positions[0])
-  comp = storage.components[storage.positions.index(p)]
-  with tf.device(storage.devices[p]):
-    x = comp.read_value()
-    return x[tuple(slice(0, 1) for _ in storage.shape)] if storage.shape and all(storage.shape) else x
-
-
-class _HostSnapshot(_compat.Trackable):
-  """A host copy of the tiles a process writes of a sharded variable, taken when an asynchronous save starts;
-  the background writer saves it as the variable's slices."""
-
-  def __init__(self, variable):
-    self._variable = variable
-    self._storage = variable._gspmd_storage  # pylint: disable=protected-access
-    self._tiles = {}
-
-  def refresh(self):
-    """Copies the tiles into host variables (kept between saves: the step may update the shards meanwhile)."""
-    for spec, p in self._storage.written_slices().items():
-      x = self._storage.read_slice(spec)
-      host = self._tiles.get(spec)
-      if host is None:
-        with tf.init_scope(), tf.device(_host_of(self._storage.devices[p])):
-          host = self._tiles[spec] = tf.Variable(tf.zeros(x.shape, x.dtype), trainable=False)
-      host.assign(x)
-
-  def _serialize_to_tensors(self):
-    if len(self._storage.positions) < len(self._storage.devices):
-      checkpoint.note_split_variable()
-    if list(self._tiles) == [""]:
-      return {_compat.VARIABLE_VALUE_KEY: self._tiles[""].read_value()}
-    return {_compat.VARIABLE_VALUE_KEY: {spec: v.read_value() for spec, v in self._tiles.items()}}
-
-  def __tf_tensor__(self, dtype=None, name=None):
-    raise InputError(f"an asynchronous checkpoint of the Keras variable stored sharded as {self._variable.name!r} "
-                     f"(shape {list(self._storage.shape)}) needs its whole value, which Keras's host copy takes; "
-                     "save Keras models synchronously (without experimental_enable_async_checkpoint)")
-
-
-class _StreamingRestore(_compat.SaveableObject):
-  """A managed variable being restored eagerly: TF is asked for one element only; `restore` reads the variable's
-  tiles from the checkpoint one at a time (`ShardedStorage.stream_restore`)."""
-
-  def __init__(self, variable, name, prefix):
-    storage = variable._gspmd_storage  # pylint: disable=protected-access
-    self._storage, self._prefix, self._key = storage, prefix, name
-    spec = storage.probe_spec()
-    super().__init__(variable, [_compat.SaveSpec(functools.partial(_probe_value, storage), spec, name,
-                                                 dtype=variable.dtype, device=_host_of(storage.devices[
-                                                     storage.positions[0]]))], name)
-
-  def restore(self, restored_tensors, restored_shapes):
-    del restored_tensors, restored_shapes
-    self._storage.stream_restore(self._prefix, self._key)
-    return None
 
 
 _classes = {}
