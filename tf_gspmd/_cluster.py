@@ -177,6 +177,14 @@ def process_of(device):
   return _state["tasks"].index(_task_of(device))
 
 
+def task_name(k):
+  """The task name of process `k` ("/job:worker/replica:0/task:1")."""
+  if not _state["tasks"]:
+    return "/job:localhost/replica:0/task:0"
+  job, task = _state["tasks"][k]
+  return f"/job:{job}/replica:0/task:{task}"
+
+
 def host_device():
   """This process's CPU (where it reads and writes files)."""
   if not _state["tasks"]:

@@ -293,8 +293,16 @@ def config_key_value_set(key, value):
 
 
 def config_key_value_get(key, timeout_s):
-  """The value stored under `key` by some process (waits for it up to `timeout_s`)."""
+  """The value stored under `key` by some process (waits for it up to `timeout_s`; DeadlineExceededError then).
+  A waiting lookup is not ended when the process that should store the value dies: poll with short timeouts and
+  `check_peer` in between."""
   return _context.context().get_config_key_value(key, int(timeout_s * 1000))
+
+
+def check_peer(task, timeout_s):
+  """Raises (UnavailableError, ...) when task `task` ("/job:worker/replica:0/task:1") does not answer within
+  `timeout_s` seconds."""
+  _context.context().check_collective_ops_peer_health(task, int(timeout_s * 1000))
 
 
 def checkpoint_restore_target():

@@ -21,6 +21,7 @@ import functools
 import itertools
 import re
 import threading
+import time
 
 import tensorflow as tf
 
@@ -31,6 +32,7 @@ from tf_gspmd.errors import InputError, ProcessLostError
 # Seconds a process waits at a checkpoint barrier for the others (a lost process is usually reported sooner, by
 # the cluster's heartbeat).
 BARRIER_TIMEOUT_S = 600.0
+POLL_S = 2.0   # seconds between health checks of a process whose value a lookup waits for
 
 _saves = itertools.count()
 _lock = threading.Lock()
@@ -77,11 +79,29 @@ def _barrier(name, phase, path):
     raise _lost(e, phase, path) from e
 
 
-def _get(key, phase, path):
-  try:
-    return _compat.config_key_value_get(key, BARRIER_TIMEOUT_S)
-  except (tf.errors.OpError, RuntimeError, ValueError) as e:
-    raise _lost(e, phase, path) from e
+def _get(key, phase, path, process):
+  """The value process `process` stores under `key`, polled (a lookup TF keeps waiting on when that process dies)
+  with a health check of the process between polls."""
+  deadline = time.monotonic() + BARRIER_TIMEOUT_S
+  while True:
+    try:
+      return _compat.config_key_value_get(key, min(POLL_S, max(deadline - time.monotonic(), 0.001)))
+    except tf.errors.DeadlineExceededError as e:
+      if time.monotonic() >= deadline:
+        raise _lost(e, phase, path) from e
+      try:
+        _compat.check_peer(_cluster.task_name(process), POLL_S)
+      except (tf.errors.OpError, RuntimeError, ValueError) as gone:
+        raise _lost(_NamedLoss(_cluster.task_name(process), gone), phase, path) from gone
+    except (tf.errors.OpError, RuntimeError, ValueError) as e:
+      raise _lost(e, phase, path) from e
+
+
+class _NamedLoss(Exception):
+  """A failed health check of `task`, for `_lost` to name it."""
+
+  def __init__(self, task, error):
+    super().__init__(f"{task} does not answer: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
 
 
 def save_hook(storage_of):
@@ -101,7 +121,7 @@ def save_hook(storage_of):
       seq = next(_saves)
     tag = f"tf_gspmd_checkpoint_{seq}"
     _compat.config_key_value_set(f"{tag}/path/{k}", path)
-    paths = [_get(f"{tag}/path/{j}", "publishing its path", path) for j in range(n)]
+    paths = [_get(f"{tag}/path/{j}", "publishing its path", path, j) for j in range(n)]
     if len(set(paths)) > 1:
       raise InputError(f"the processes save one checkpoint to different paths ({dict(enumerate(paths))}): every "
                        f"process must call the same save with the same path (process 0 writes the merged "
@@ -124,7 +144,7 @@ def save_hook(storage_of):
     _compat.config_key_value_set(f"{tag}/part/{k}", part if wrote else "")
     _barrier(f"{tag}/written", "writing its part", path)
     if k == 0:
-      parts = [p for p in (_get(f"{tag}/part/{j}", "writing its part", path) for j in range(n)) if p]
+      parts = [p for p in (_get(f"{tag}/part/{j}", "writing its part", path, j) for j in range(n)) if p]
       with tf.device(_cluster.host_device()):
         tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=parts, destination_prefix=path, delete_old_dirs=True)
     _barrier(f"{tag}/merged", "waiting for the merge", path)
