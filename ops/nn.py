@@ -14,6 +14,8 @@ normalisation in training mode reduces over batch and space, so those dims are w
 (inference-mode batch norm is element-wise per channel and passes every split).
 """
 
+import math
+
 import numpy as np
 import tensorflow as tf
 
@@ -244,12 +246,20 @@ class _PoolRule(WindowedRule):
     return Factors(tuple(labels for _ in self.data_inputs(node)), (labels,))
 
   def unsplit(self, ctx, node):
-    """Spatial dims split only where pooling windows tile them and every shard holds whole windows."""
+    """Spatial dims split only where pooling windows tile them and every shard holds whole windows, under the
+    completed layout and under the strategy automatic sharding planned (which is taken only then)."""
     target = ctx.target(0)
     strides = _tiled_windows(node)
     shape = self.input_image_shape(node)
+    planned = ctx.planned_axes() or {}
+    labels = self._labels(node, True)
+
+    def tiles(d):
+      axes = planned.get(labels[d], ())
+      return max(target.tiles(d), math.prod(ctx.mesh.axis_size(a) for a in axes))
+
     ok = strides is not None and not target.is_maximal and all(
-        shape[d] % (target.tiles(d) * strides[d]) == 0 for d in range(1, len(shape) - 1))
+        shape[d] % (tiles(d) * strides[d]) == 0 for d in range(1, len(shape) - 1))
     self.partition_with(ctx, node, self.factors(node, spatial=ok))
 
   def input_image_shape(self, node):

@@ -5,6 +5,11 @@ local slicing of a replicated (or coarser) dimension, removal of padding after a
 all-to-all where a split moves from one dimension to another, and reduce-scatter where partial results
 are wanted split. An
 uneven dimension whose shards would not line up after a partial gather is gathered whole and re-sliced.
+
+An all-to-all serves uneven dimensions too (GShard's dispatch with fewer experts or groups than devices): the
+dimension that becomes split is padded to a whole number of chunks per member before the exchange, the one
+that becomes whole loses the padding its last shards carried after it. It still sends at most what the gather
+it replaces would: the local shard, its newly split dimension padded by less than one chunk per member.
 """
 
 import dataclasses
@@ -120,7 +125,8 @@ def _fuse_all_to_all(steps, shape, mesh, src):
 
   It moves 1/|A| of the data instead of gathering it all. A fusion is kept only if the whole plan stays
   valid step by step (A is the minor split of the source dim when it moves) and both dims stay aligned
-  (no padding would cross a shard boundary).
+  (no padding would cross a shard boundary). The gather's removal of padding goes with it: the all-to-all
+  drops the padding of the dim it gathers itself.
   """
   plan = list(steps)
   k = 0
@@ -130,9 +136,11 @@ def _fuse_all_to_all(steps, shape, mesh, src):
       for j, sl in enumerate(plan):
         if isinstance(sl, LocalSlice) and sl.dim != g.dim and sl.axes[:len(g.axes)] == g.axes:
           rest = sl.axes[len(g.axes):]
+          unpad = [i for i, x in enumerate(plan) if isinstance(x, Unpad) and x.dim == g.dim and i > k][:1]
           first_slice = next(i for i, x in enumerate(plan) if isinstance(x, LocalSlice))
-          others = [x for i, x in enumerate(plan) if i not in (k, j)]
-          pos = first_slice - (1 if k < first_slice else 0) - (1 if j < first_slice else 0)
+          dropped = [k, j] + unpad
+          others = [x for i, x in enumerate(plan) if i not in dropped]
+          pos = first_slice - sum(1 for i in dropped if i < first_slice)
           # Where the slices began, else earlier (before a reduce-scatter that would cover the moving split).
           for at in [pos] + [p for p in range(pos - 1, -1, -1)]:
             trial = others[:at] + [AllToAll(g.dim, sl.dim, g.axes)] + (
@@ -147,24 +155,39 @@ def _fuse_all_to_all(steps, shape, mesh, src):
 
 
 def _valid(steps, shape, mesh, src):
-  """Simulate `steps`: every move removes a minor split, and every all-to-all keeps both dims aligned."""
+  """Simulate `steps`: every move removes a minor split, every slice and all-to-all keeps its dims aligned (a
+  new split cuts each existing shard into whole chunks), and a reduce-scatter's dim divides evenly."""
   cur = list(src.dims)
   for st in steps:
     if isinstance(st, AllGather):
       if cur[st.dim][len(cur[st.dim]) - len(st.axes):] != st.axes:
         return False
       cur[st.dim] = cur[st.dim][:len(cur[st.dim]) - len(st.axes)]
-    elif isinstance(st, (LocalSlice, ReduceScatter)):
+    elif isinstance(st, LocalSlice):
+      if not _aligned(mesh, shape[st.dim], cur[st.dim], st.axes):
+        return False
       cur[st.dim] = cur[st.dim] + st.axes
+    elif isinstance(st, ReduceScatter):
+      cur[st.dim] = cur[st.dim] + st.axes
+      if shape[st.dim] % _tiles(mesh, cur[st.dim]):
+        return False
     elif isinstance(st, AllToAll):
-      if cur[st.src][len(cur[st.src]) - len(st.axes):] != st.axes or shape[st.src] % _tiles(mesh, cur[st.src]):
+      moving = cur[st.src][len(cur[st.src]) - len(st.axes):]
+      kept = cur[st.src][:len(cur[st.src]) - len(st.axes)]
+      if (moving != st.axes or not _aligned(mesh, shape[st.src], kept, st.axes)
+          or not _aligned(mesh, shape[st.dst], cur[st.dst], st.axes)):
         return False
-      cur[st.src] = cur[st.src][:len(cur[st.src]) - len(st.axes)]
+      cur[st.src] = kept
       cur[st.dst] = cur[st.dst] + st.axes
-      if shape[st.dst] % _tiles(mesh, cur[st.dst]):
-        return False
-  # A slice after an all-to-all on the same dim must stay aligned too.
-  return all(shape[d] % _tiles(mesh, cur[d]) == 0 for st in steps if isinstance(st, AllToAll) for d in (st.dst,))
+  return True
+
+
+def _all_to_all_shape(shape, mesh, cur, step):
+  """The local shape an all-to-all `step` sends from layout dims `cur`: the shard, its dim `step.dst` padded to
+  a whole chunk per member of the group."""
+  local = [_ceil(shape[d], _tiles(mesh, cur[d])) for d in range(len(shape))]
+  local[step.dst] = _tiles(mesh, step.axes) * _ceil(shape[step.dst], _tiles(mesh, cur[step.dst] + step.axes))
+  return local
 
 
 def plan_bytes(shape, itemsize, src, dst, partial=None):
@@ -188,13 +211,13 @@ def plan_cost(shape, itemsize, src, dst, partial=None, axis_cost=None):
     moved = 0
     if isinstance(step, AllReduce):
       moved = local()
-    elif isinstance(step, AllGather):
+    elif isinstance(step, AllGather):   # every member's shard, padding included (removed only after)
+      moved = local() * _tiles(mesh, step.axes)
       cur[step.dim] = cur[step.dim][:len(cur[step.dim]) - len(step.axes)]
-      moved = local()
     elif isinstance(step, LocalSlice):
       cur[step.dim] = cur[step.dim] + step.axes
     elif isinstance(step, AllToAll):
-      moved = local()
+      moved = math.prod(_all_to_all_shape(shape, mesh, cur, step)) * itemsize
       cur[step.src] = cur[step.src][:len(cur[step.src]) - len(step.axes)]
       cur[step.dst] = cur[step.dst] + step.axes
     elif isinstance(step, ReduceScatter):
@@ -232,9 +255,31 @@ def emit_reshard(ctx, x, shape, src, dst, partial, source, reason):
       x = ctx.backend.reduce_scatter(x, step.dim, step.axes, step.op, source, reason)
       cur[step.dim] = cur[step.dim] + step.axes
     elif isinstance(step, AllToAll):
-      x = ctx.backend.all_to_all(x, step.src, step.dst, step.axes, source, reason)
+      x = _all_to_all(ctx, x, shape, cur, step, source, reason)
       cur[step.src] = cur[step.src][:len(cur[step.src]) - len(step.axes)]
       cur[step.dst] = cur[step.dst] + step.axes
+  return x
+
+
+def _all_to_all(ctx, x, shape, cur, step, source, reason):
+  """One all-to-all `step` on local value `x` laid out by dims `cur`, uneven dims included.
+
+  1. Pad dim `step.dst` to a whole chunk per member (zeros past the global end: the padding its shards hold).
+  2. Exchange: chunk k of `dst` goes to member k, what arrives is concatenated along `src` in mesh order.
+  3. Cut `src` to its shard size under the split that remains: the members' padding past the end goes.
+  """
+  local = x.shape.as_list()
+  sent = _all_to_all_shape(shape, ctx.mesh, cur, step)
+  if local[step.dst] < sent[step.dst]:
+    pads = [[0, 0] for _ in local]
+    pads[step.dst][1] = sent[step.dst] - local[step.dst]
+    x = tf.pad(x, pads)
+  x = ctx.backend.all_to_all(x, step.src, step.dst, step.axes, source, reason)
+  kept = _ceil(shape[step.src], _tiles(ctx.mesh, cur[step.src][:len(cur[step.src]) - len(step.axes)]))
+  if x.shape[step.src] > kept:
+    size = [-1] * len(local)
+    size[step.src] = kept
+    x = tf.slice(x, [0] * len(local), size)
   return x
 
 
