@@ -148,6 +148,7 @@ class Executable:
     self._in_process = None
     self.n_outputs = len(program.outputs)
     self._call_options = None   # the function-call options of every call (see _instantiation)
+    self._storages = None   # the storages of the last call
     self._host_writes = _state.HostWrites()   # eager writes since the last step, copied into the shards
     # What each call's results are made of, built once (a training step has hundreds of results).
     self._results = [(sharding, tf.TensorShape(shape), tf.as_dtype(dtype))
@@ -251,8 +252,12 @@ class Executable:
 
   def storages(self):
     """The sharded storage of every captured variable (created on first use, in the completed layout)."""
-    program = self.program
-    return [_state.manage(v, sharding, self.devices, what=name) for name, v, sharding, _ in program.variables]
+    cached = self._storages
+    if cached is not None and all(st._variable()._gspmd_storage is st for st in cached):  # pylint: disable=protected-access
+      return cached   # none was laid out anew since the last call
+    self._storages = [_state.manage(v, sharding, self.devices, what=name)
+                      for name, v, sharding, _ in self.program.variables]
+    return self._storages
 
   def _in_process_fn(self):
     """Every device's program as one multi-device function (`in_process`), imported on first use."""

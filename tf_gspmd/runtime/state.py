@@ -353,7 +353,7 @@ class HostWrites:
     if entry[1] is None:
       entry = (pending, _loader(pending))
       self._seen[key] = entry
-    entry[1]()
+    _compat.call_flat(entry[1], [])
     for st in pending:
       st.host_newer = False
 
