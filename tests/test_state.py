@@ -318,3 +318,40 @@ def test_shards_of_a_sharded_variable_rebuilds_its_value(shape):
   np.testing.assert_array_equal(_rebuilt(gs.shards_of(v), shape, np.float32), np.ones(shape, np.float32))
   with pytest.raises(gs.InputError, match="shards_of"):
     gs.shards_of(tf.Variable(tf.ones(shape)))
+
+
+def test_eager_writes_between_steps_are_seen_by_the_next_step_exactly():
+  """Eager writes between steps (assign, assign_add, a Keras metric's reset, on split and replicated variables)
+  are what the next step reads, step after step: the first write of a set loads op by op, later ones in one call."""
+  import keras  # pylint: disable=g-import-not-at-top
+  w0 = np.arange(48, dtype=np.float32).reshape(8, 6) % 5
+  pairs = {k: (tf.Variable(v), tf.Variable(v)) for k, v in (("w", w0), ("c", np.float32(0)))}
+  metrics = (keras.metrics.Mean(), keras.metrics.Mean())
+  x = (np.arange(32, dtype=np.float32).reshape(4, 8) % 3)
+
+  def body(i, x, mean, shard=lambda t: t):
+    w, c = (pairs[k][i] for k in ("w", "c"))
+    y = x @ shard(w)
+    c.assign_add(tf.reduce_sum(y))
+    mean.update_state(y)
+    w.assign_add(tf.ones_like(w))
+    return y, c.read_value(), mean.result()
+
+  step = gs.function(lambda x: body(0, gs.shard(x, P("data", None)), metrics[0], lambda w: gs.shard(w, P(None, "model"))),
+                     mesh=MESH)
+  ref = tf.function(lambda x: body(1, x, metrics[1]))
+  writes = [lambda v: v.assign(v * 0 + 2), lambda v: v.assign_add(tf.ones_like(v) * 3), None]
+  for k in range(7):
+    for a, b in zip(step(x), ref(x)):
+      np.testing.assert_array_equal(a.numpy(), b.numpy())
+    write = writes[k % 3]
+    for i in (0, 1):
+      if write is None:
+        metrics[i].reset_state()
+      else:
+        write(pairs["w"][i])
+        write(pairs["c"][i])
+  storage = storage_of(pairs["w"][0])
+  assert storage is not None and not storage.sharding.is_replicated   # the split variable was written in place
+  np.testing.assert_array_equal(pairs["w"][0].numpy(), pairs["w"][1].numpy())
+  np.testing.assert_array_equal(pairs["c"][0].numpy(), pairs["c"][1].numpy())

@@ -148,6 +148,8 @@ class Executable:
     self._in_process = None
     self.n_outputs = len(program.outputs)
     self._call_options = None   # the function-call options of every call (see _instantiation)
+    self._storages = None   # the storages of the last call
+    self._host_writes = _state.HostWrites()   # eager writes since the last step, copied into the shards
     # What each call's results are made of, built once (a training step has hundreds of results).
     self._results = [(sharding, tf.TensorShape(shape), tf.as_dtype(dtype))
                      for sharding, shape, dtype in program.results]
@@ -180,9 +182,9 @@ class Executable:
       return value.packed_for(self.pd)
     return self.pd.pack(self.components(value, sharding, spec, what))
 
-  def components(self, value, sharding, spec, what):
+  def components(self, value, sharding, spec, what, on_devices=True):
     """An argument as this process's per-device tensors (mesh order): a matching ShardedTensor's own, else the
-    shards of the global value."""
+    shards of the global value (host tensors unless `on_devices`)."""
     if isinstance(value, ShardedTensor):
       if value.sharding != sharding:
         raise InputError(f"ShardedTensor {value} is not laid out as {sharding}", node=what)
@@ -192,14 +194,31 @@ class Executable:
                   self.devices[p] for p in self.local.positions)):
         raise InputError(f"ShardedTensor {value} lives on other devices than this mesh's", node=what)
       return value.components
+    return self._scatter(value, sharding, spec, on_devices)
+
+  def _scatter(self, value, sharding, spec, on_devices=True):
+    """The shards of a global host value, one per local position: one host tensor per distinct tile (devices that
+    hold the same tile share it), copied onto each device when `on_devices` (a parallel tensor's components must
+    live on their devices; the in-process program takes host tensors and places its arguments itself)."""
     if isinstance(value, tf.Tensor):
       value = value.numpy()
     host = np.asarray(value, dtype=spec.dtype.as_numpy_dtype)
-    comps = []
-    for p, shard in zip(self.local.positions, shard_host_value(host, sharding, tuple(spec.shape.as_list()),
-                                                               self.local.positions)):
-      with tf.device(self.devices[p]):
-        comps.append(tf.identity(tf.constant(shard)))
+    shape = tuple(spec.shape.as_list())
+    positions = self.local.positions
+    if sharding.is_maximal or sharding.is_replicated:
+      tiles = [()] * len(positions)
+    else:
+      tiled = sharding.with_rank(len(shape))
+      tiles = [tuple(tiled.tile_index(p, d) for d in range(len(shape))) for p in positions]
+    made, comps = {}, []
+    for p, tile, shard in zip(positions, tiles, shard_host_value(host, sharding, shape, positions)):
+      if tile not in made:
+        made[tile] = tf.constant(shard)
+      if on_devices:
+        with tf.device(self.devices[p]):
+          comps.append(tf.identity(made[tile]))
+      else:
+        comps.append(made[tile])
     return comps
 
   def _instantiation(self):
@@ -233,8 +252,12 @@ class Executable:
 
   def storages(self):
     """The sharded storage of every captured variable (created on first use, in the completed layout)."""
-    program = self.program
-    return [_state.manage(v, sharding, self.devices, what=name) for name, v, sharding, _ in program.variables]
+    cached = self._storages
+    if cached is not None and all(st._variable()._gspmd_storage is st for st in cached):  # pylint: disable=protected-access
+      return cached   # none was laid out anew since the last call
+    self._storages = [_state.manage(v, sharding, self.devices, what=name)
+                      for name, v, sharding, _ in self.program.variables]
+    return self._storages
 
   def _in_process_fn(self):
     """Every device's program as one multi-device function (`in_process`), imported on first use."""
@@ -247,11 +270,13 @@ class Executable:
   def __call__(self, args):
     program = self.program
     in_process = program.in_process is not None   # one graph for every device: no collectives to time out
-    take = self.components if in_process else self.place
-    flat = [take(value, sharding, spec, name) for value, (name, spec, sharding) in zip(args, program.arguments)]
+    if in_process:
+      flat = [self.components(value, sharding, spec, name, on_devices=False)
+              for value, (name, spec, sharding) in zip(args, program.arguments)]
+    else:
+      flat = [self.place(value, sharding, spec, name) for value, (name, spec, sharding) in zip(args, program.arguments)]
     storages = self.storages()
-    for st in storages:
-      st.before_step()
+    self._host_writes.before_step(storages)
     positions = self.local.positions
     if in_process:
       flat = [c for comps in flat for c in comps] + [c.handle for st in storages for c in st.components]

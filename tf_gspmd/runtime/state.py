@@ -244,6 +244,17 @@ class ShardedStorage:
       self.load(_plain_read(v))
       self.host_newer = False
 
+  def _load_ops(self, value):
+    """Writes the host value `value` (a tensor) into the shards: one assign per component, each of its device's
+    tile (eagerly, or traced into the function that loads several variables at once)."""
+    for p, comp in zip(self.positions, self.components):
+      piece = value
+      if not (self.sharding.is_maximal or self.sharding.is_replicated):
+        starts, lengths = self.tile_extent(p)
+        piece = value[tuple(slice(s, s + n) for s, n in zip(starts, lengths))]
+      with tf.device(self.devices[p]):
+        comp.assign(self._padded(piece), read_value=False)
+
   def after_step(self, written):
     if written:
       self.shards_newer = True
@@ -389,6 +400,49 @@ def _plain_read(v):
   return _compat.read_unhooked(v)
 
 
+class HostWrites:
+  """Brings eager writes since the last step into the shards of a step's variables, in one function call when the
+  same variables are written again and again (Keras resets its metric variables before every step).
+
+  Every variable whose tf.Variable was written outside a gs.function (`host_newer`) is copied into its shards
+  before the step reads them. A set of written variables seen once is loaded op by op; from its second time on, a
+  tf.function built for that set reads each variable and assigns every device's tile in one call. Owned by one
+  program (it holds that program's variables, which the program captures anyway).
+  """
+
+  def __init__(self):
+    self._seen = {}   # ids of a written set -> (its storages, the loading function or None)
+
+  def before_step(self, storages):
+    pending = tuple(st for st in storages if st.host_newer)
+    if not pending:
+      return
+    key = tuple(id(st) for st in pending)
+    entry = self._seen.get(key)
+    if entry is None or any(a is not b for a, b in zip(entry[0], pending)):
+      self._seen[key] = (pending, None)   # first time: op by op
+      for st in pending:
+        st.before_step()
+      return
+    if entry[1] is None:
+      entry = (pending, _loader(pending))
+      self._seen[key] = entry
+    _compat.call_flat(entry[1], [])
+    for st in pending:
+      st.host_newer = False
+
+
+def _loader(storages):
+  variables = [st._variable() for st in storages]  # pylint: disable=protected-access
+
+  @tf.function(autograph=False)
+  def load():
+    for st, v in zip(storages, variables):
+      st._load_ops(_plain_read(v))  # pylint: disable=protected-access
+
+  return load.get_concrete_function()   # called as is: no signature matching per call
+
+
 def _tracing_for_gspmd():
   return current_mesh() is not None
 
@@ -414,9 +468,15 @@ class _ManagedVariable(_compat.ReadHook, _compat.CheckpointHook, _compat.Seriali
     return [tf.py_function(lambda: storage.flush() or True, [], tf.bool, name="gspmd_sync_from_shards")]
 
   def _gspmd_write(self, method, *args, **kwargs):
+    storage = self._gspmd_storage
+    if method == "assign" and tf.executing_eagerly():
+      # The whole value is replaced: the shards' current value is not needed first.
+      out = super().assign(*args, **kwargs)
+      storage.shards_newer = False
+      storage.host_newer = True
+      return out
     with tf.control_dependencies(self._gspmd_before_read()):
       out = getattr(super(), method)(*args, **kwargs)
-    storage = self._gspmd_storage
     if tf.executing_eagerly():
       storage.host_newer = True
     elif not _tracing_for_gspmd():   # the next step copies what a plain tf.function wrote into the shards
