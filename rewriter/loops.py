@@ -19,6 +19,10 @@ Each comparison gives the iteration at which it first fails; the loop stops at t
 of any other form (a test on data) makes the trip count unknown; the comparisons that were read still bound it
 (`at_most`). Values of loop variables inside an enclosing body (a bound passed into a nested loop from outside
 it) are not followed: such a loop's trip count is unknown.
+
+It also finds a loop's *accumulators* (`accumulators`): loop variables that each iteration only adds to (a
+gradient loop's sums of the weight gradients). Their sum may stay pending over mesh axes across iterations
+and be reduced once after the loop (GSPMD keeps such loop-carried values partial).
 """
 
 import operator
@@ -234,3 +238,57 @@ class _Loop:
     if None in bounds and least != 0:
       return None, least
     return least, None
+
+
+# Ops whose output is a linear function of the inputs listed (None: all of them), so a sum pending over mesh
+# axes in those inputs stays pending in the output: what a gradient loop's accumulation is built from.
+_LINEAR = {"Identity": (0,), "Snapshot": (0,), "AddN": None, "AddV2": None, "Add": None, "StridedSliceGrad": (4,)}
+
+
+def linear_inputs(node):
+  """The inputs of `node` its output is linear in (a tuple of indices), or None when it is not such an op."""
+  if node.op not in _LINEAR or len(node.outputs) != 1:
+    return None
+  which = _LINEAR[node.op]
+  return tuple(range(len(node.inputs))) if which is None else tuple(i for i in which if i < len(node.inputs))
+
+
+def reads_parameter(fdef, k):
+  """Whether FunctionDef `fdef` reads its parameter k (by a node or as a result)."""
+  name = fdef.signature.input_arg[k].name
+  uses = [i for nd in fdef.node_def for i in nd.input if not is_control(i)] + list(fdef.ret.values())
+  return any(u == name or u.startswith(name + ":") for u in uses)
+
+
+def accumulators(body, candidates):
+  """{k: tensors of its accumulation} for the loop variables k (among `candidates`) that body `body` (a
+  graph_ir.Graph of a While's body) only adds to: the body's result k is a tree of linear ops (`_LINEAR`)
+  over parameter k and other values, every tensor of the tree read once, by the tree; parameter k is read by
+  nothing else. The tensors are the tree's, parameter k and result k included; the values at its leaves
+  other than parameter k are whatever the body computes."""
+  found = {}
+  for k in candidates:
+    param, result = f"{body.inputs[k]}:0", body.outputs[k]
+    info = body.info(param)
+    if not info.dtype.is_floating or info.shape is None or body.outputs.count(result) != 1 or \
+        body.consumers.get(result):
+      continue
+    tree, stack, reached = {result}, [result], 0
+    while stack:
+      t = stack.pop()
+      if t == param:
+        reached += 1
+        continue
+      node = body.producer(t)
+      which = linear_inputs(node)
+      for i in which or ():
+        s = node.inputs[i]
+        if s in tree or [c for c in body.consumers.get(s, ()) if c[0] is not node] or s in body.outputs:
+          if s == param:
+            reached = -1   # parameter k read elsewhere too: not only added to
+          continue
+        tree.add(s)
+        stack.append(s)
+    if reached == 1 and len(body.consumers.get(param, ())) == 1:
+      found[k] = frozenset(tree)
+  return found

@@ -32,6 +32,12 @@ _warned_fallback = set()
 _warned_unknown_rank = set()
 
 
+class _NotAccumulated(Exception):
+  """A loop variable taken for an accumulator turned out to need its pending sum inside the body (its
+  accumulation reshards, or meets a value pending over other axes): the body is partitioned again with every
+  loop variable reduced in each iteration."""
+
+
 def table_key(table):
   """What identifies a per-device table's content (dtype, shape, bytes)."""
   table = np.asarray(table)
@@ -68,6 +74,16 @@ class PartitionContext:
     self.local_inputs = []
     self.local_variables = []
     self.functions = [] if functions is None else functions   # per-device FunctionDefs of partitioned bodies
+    # A loop body's accumulators (rewriter/loops.accumulators): values of their accumulation trees may be held
+    # with a sum still pending over mesh axes. `pending`: ref -> (partial or None, loop variables inside it);
+    # partial None: nothing pending yet (only unreduced carried parameters); `carried`: k -> the partial
+    # loop variable k is carried with (None: reduced); `passing`: while a tree node is partitioned, what its
+    # output holds pending.
+    self.deferrable = frozenset()
+    self.tree_nodes = frozenset()
+    self.pending = {}
+    self.carried = {}
+    self.passing = None
 
   # ---- helpers for rules ------------------------------------------------------------------------------------
   def planned_axes(self):
@@ -91,6 +107,12 @@ class PartitionContext:
   def operand(self, i, sharding):
     """Local value of input i laid out as `sharding` (resharded and cached as needed)."""
     r = self.node.inputs[i]
+    if r in self.pending:
+      if self.passing is not None and i in loops.linear_inputs(self.node):
+        if self.values[r][1] != sharding.with_rank(len(self.ir.info(r).shape)):
+          raise _NotAccumulated(r)
+        return self.values[r][0]
+      self._settle(r)
     value, have = self.values[r]
     info = self.ir.info(r)
     if info.is_list and sharding is not None:
@@ -179,6 +201,27 @@ class PartitionContext:
     that part of the node's While loop (its collectives run once per iteration; the report counts them by the
     loop's trip count).
     """
+    return self._partition_function(fname, arg_shapes, param_shardings, out_shardings, return_pid, loop, {})[0]
+
+  def partition_loop_body(self, fname, cond, arg_shapes, shardings):
+    """Partition the body `fname` of the current While (condition `cond`) for loop-variable layouts `shardings`,
+    keeping the sums of its accumulators (rewriter/loops.accumulators; the condition does not read them)
+    pending across iterations. Returns (the per-device function's name, {k: partial}): loop variable k is carried
+    with that sum pending (its initial value given as one term of it, `one_term`, and the loop's output k
+    reduced after the loop)."""
+    sub = completion.body_program(self.program, fname, arg_shapes, shardings, shardings)
+    cond_def = next(f for f in self.ir.graph_def.library.function if f.signature.name == cond)
+    trees = loops.accumulators(sub.ir, [k for k in range(len(shardings)) if not loops.reads_parameter(cond_def, k)])
+    if trees:
+      mark = self.report.mark(), len(self.functions)
+      try:
+        return self._partition_function(fname, arg_shapes, shardings, shardings, True, "body", trees)
+      except _NotAccumulated:
+        self.report.rewind(mark[0])
+        del self.functions[mark[1]:]
+    return self._partition_function(fname, arg_shapes, shardings, shardings, True, "body", {})
+
+  def _partition_function(self, fname, arg_shapes, param_shardings, out_shardings, return_pid, loop, trees):
     sub = completion.body_program(self.program, fname, arg_shapes, param_shardings, out_shardings)
     where = None
     if loop is not None:
@@ -188,12 +231,17 @@ class PartitionContext:
     with graph.as_default(), self.report.inside(self.node.name, where):
       _import_library(sub)
       ctx = PartitionContext(sub, graph, self.backend.devices, self.report, self.functions, self.backend.processes)
+      if trees:
+        ctx.deferrable = frozenset().union(*trees.values())
+        ctx.tree_nodes = frozenset(split_ref(r)[0] for r in ctx.deferrable) - set(sub.ir.inputs)
+        ctx.pending = {f"{sub.ir.inputs[k]}:0": (None, frozenset([k])) for k in trees}
       _partition_nodes(ctx)
+      carried = ctx.accumulated(trees)
       outs = [ctx.values[r][0] for r in sub.ir.outputs] + ([tf.identity(ctx.pid)] if return_pid else [])
       params = [graph.get_tensor_by_name(ctx.ops[name].name + ":0") for name in sub.ir.inputs]
     name = f"{fname}_gspmd_{len(self.functions)}"
     self.functions.append(functions.to_function_def(graph, name, params + [ctx.pid], outs))
-    return name
+    return name, carried
 
   def used(self, r):
     """Whether tensor `r` of the global graph is read, by a node or as an output of the program."""
@@ -207,6 +255,14 @@ class PartitionContext:
     """Per-device shape of input i under `sharding` (None for opaque values)."""
     info = self.node.input_info(i)
     return sharding.with_rank(len(info.shape)).shard_shape(info.shape) if info.partitionable else None
+
+  def one_term(self, x, axes):
+    """`x` (the same on the devices of each group over mesh `axes`) as a sum pending over `axes`: x on the first
+    device of each group, zeros on the others (an exact split: the sum is x)."""
+    where = [self.mesh.axis_index(a) for a in axes]
+    first = np.array([not any(self.mesh.coords(p)[k] for k in where) for p in range(self.mesh.size)])
+    with tf.name_scope(self._scope()):
+      return tf.where(self.lookup(first, f"first_over_{'_'.join(axes)}"), x, tf.zeros_like(x))
 
   def lookup(self, table, name):
     """Row `partition_id` of a per-device constant table (deduplicated per graph)."""
@@ -351,6 +407,10 @@ class PartitionContext:
     r = self.node.ref(o)
     target = self.program.shardings[r]
     info = self.ir.info(r)
+    kept, partial = self._hold(r, natural, partial)
+    if kept:
+      self._store(r, value, target)
+      return
     if info.partitionable and (partial or natural != target.with_rank(len(info.shape))):
       requested = (self.program.annotations or {}).get(r) is not None   # the user pinned the result's layout
       with tf.name_scope(self._scope()), self.report.resharding_of(public_key(r), natural, target, requested):
@@ -362,6 +422,76 @@ class PartitionContext:
     elif info.is_list:
       _check_list_layout(r, natural, target, f"output {o} of {self.node.name} ({self.node.op})")
     self._store(r, value, target)
+
+  # ---- accumulators of a loop body --------------------------------------------------------------------------------
+  def begin_node(self, node):
+    """Before `node`'s rule runs: whether its output keeps a sum pending (`passing`). A node of an accumulation
+    tree passes one when all its linear inputs are pending over the same axes (or carry only unreduced
+    parameters); otherwise they are reduced as they are read."""
+    self.passing = None
+    which = loops.linear_inputs(node) if node.name in self.tree_nodes else None
+    if not which:
+      return
+    states = [self.pending.get(node.inputs[i]) for i in which]
+    axes = {p for p, _ in states if p is not None} if None not in states else None
+    if axes is None or len(axes) > 1:
+      return
+    self.passing = (next(iter(axes), None), frozenset().union(*(ks for _, ks in states)))
+
+  def _hold(self, r, natural, partial):
+    """(kept, partial): whether output `r` of the current node is kept with its sum pending instead of reduced
+    now, and else the partial its reshard has to reduce."""
+    if r not in self.deferrable:
+      return False, partial
+    target = self.program.shardings[r].with_rank(len(self.ir.info(r).shape))
+    if self.passing is not None:
+      held, ks = self.passing
+      if partial or natural != target:
+        if held is not None and (ks or partial):
+          raise _NotAccumulated(r)
+        return False, held or partial
+      for k in ks:   # the parameters inside are now known to carry `held`
+        if held is not None and self.carried.setdefault(k, held) != held:
+          raise _NotAccumulated(r)
+      self.pending[r] = (held, ks)
+      return True, None
+    if not partial or partial[1] != "Add" or natural != target or set(partial[0]) & set(target.used_axes):
+      return False, partial
+    self.pending[r] = (tuple(partial), frozenset())
+    return True, None
+
+  def _settle(self, r):
+    """Reduce the sum pending in `r` (it is read by an op that needs its value)."""
+    held, ks = self.pending.pop(r)
+    if held is None:
+      for k in ks:   # carried whole
+        self.carried.setdefault(k, None)
+      return
+    if ks:
+      raise _NotAccumulated(r)
+    value, have = self.values[r]
+    info = self.ir.info(r)
+    with tf.name_scope(self._scope()), self.report.resharding_of(public_key(r), have, have, False):
+      value = reshard.emit_reshard(self, value, info.shape, have, have, held, self.node.name,
+                                   f"{public_key(r)} is read by {self.node.name} ({self.node.op}) as a whole sum "
+                                   f"(pending {held[1]} over {axes_text(held[0])})")
+    self.values[r] = (value, have)
+
+  def accumulated(self, trees):
+    """Loop variable k -> the partial it is carried with, for the accumulators `trees` (k -> tensors) of this
+    body, once all its nodes are partitioned; raises _NotAccumulated when a result disagrees with its parameter."""
+    out = {}
+    for k, tree in trees.items():
+      state = self.pending.get(self.ir.outputs[k])
+      want = self.carried.get(k)
+      if state is None or state[0] is None:
+        if want is not None:
+          raise _NotAccumulated(self.ir.outputs[k])
+        continue
+      if k not in state[1] or state[0] != want:
+        raise _NotAccumulated(self.ir.outputs[k])
+      out[k] = want
+    return out
 
   # ---- internals --------------------------------------------------------------------------------------------------
   def _scope(self):
@@ -421,6 +551,7 @@ def _partition_nodes(ctx):
           warnings.warn(f"tf_gspmd: {node.name} ({node.op}): {unknown} has unknown rank; the op runs replicated",
                         stacklevel=3)
         rule = op_rules.FALLBACK
+    ctx.begin_node(node)
     try:
       rule.partition(ctx, node)
     except PartitionError as e:
@@ -431,7 +562,7 @@ def _partition_nodes(ctx):
                            "in_shardings) or convert it to a dtype TF collectives carry (floats, ints up to int64, "
                            "bool; a complex tensor as tf.math.real and tf.math.imag)", node=e.node,
                            op_type=e.op_type) from e
-  ctx.node = None
+  ctx.node = ctx.passing = None
 
 
 def _uncarried(dtype):
