@@ -242,7 +242,10 @@ class _Loop:
 
 # Ops whose output is a linear function of the inputs listed (None: all of them), so a sum pending over mesh
 # axes in those inputs stays pending in the output: what a gradient loop's accumulation is built from.
-_LINEAR = {"Identity": (0,), "Snapshot": (0,), "AddN": None, "AddV2": None, "Add": None, "StridedSliceGrad": (4,)}
+_LINEAR = {"Identity": (0,), "Snapshot": (0,), "AddN": None, "AddV2": None, "Add": None, "StridedSliceGrad": (4,),
+           "Reshape": (0,), "ExpandDims": (0,), "Squeeze": (0,), "Transpose": (0,),
+           # the same choice on every device of a group (the condition is not a pending sum) of pending sums
+           "Select": (1, 2), "SelectV2": (1, 2), "XlaSharding": (0,)}
 
 
 def linear_inputs(node):
@@ -262,10 +265,10 @@ def reads_parameter(fdef, k):
 
 def accumulators(body, candidates):
   """{k: tensors of its accumulation} for the loop variables k (among `candidates`) that body `body` (a
-  graph_ir.Graph of a While's body) only adds to: the body's result k is a tree of linear ops (`_LINEAR`)
-  over parameter k and other values, every tensor of the tree read once, by the tree; parameter k is read by
-  nothing else. The tensors are the tree's, parameter k and result k included; the values at its leaves
-  other than parameter k are whatever the body computes."""
+  graph_ir.Graph of a While's body) only adds to: the body's result k is computed by linear ops (`_LINEAR`)
+  from parameter k and other values, every consumer of a tensor of that computation (parameter k's included)
+  being one of its linear ops (on a linear input). The tensors are the computation's, parameter k and result k
+  included; its other inputs are whatever the body computes."""
   found = {}
   for k in candidates:
     param, result = f"{body.inputs[k]}:0", body.outputs[k]
@@ -273,22 +276,21 @@ def accumulators(body, candidates):
     if not info.dtype.is_floating or info.shape is None or body.outputs.count(result) != 1 or \
         body.consumers.get(result):
       continue
-    tree, stack, reached = {result}, [result], 0
-    while stack:
-      t = stack.pop()
-      if t == param:
-        reached += 1
-        continue
-      node = body.producer(t)
-      which = linear_inputs(node)
-      for i in which or ():
-        s = node.inputs[i]
-        if s in tree or [c for c in body.consumers.get(s, ()) if c[0] is not node] or s in body.outputs:
-          if s == param:
-            reached = -1   # parameter k read elsewhere too: not only added to
+    tree, changed = {result}, True
+    while changed:   # grow backwards: a tensor joins once all its readers are linear ops of the tree
+      changed = False
+      for t in list(tree):
+        if t == param:
           continue
-        tree.add(s)
-        stack.append(s)
-    if reached == 1 and len(body.consumers.get(param, ())) == 1:
+        node = body.producer(t)
+        for i in linear_inputs(node) or ():
+          s = node.inputs[i]
+          if s in tree or s in body.outputs:
+            continue
+          readers = body.consumers.get(s, ())
+          if readers and all(r.ref(0) in tree and j in (linear_inputs(r) or ()) for r, j in readers):
+            tree.add(s)
+            changed = True
+    if param in tree:
       found[k] = frozenset(tree)
   return found

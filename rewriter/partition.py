@@ -432,11 +432,19 @@ class PartitionContext:
     which = loops.linear_inputs(node) if node.name in self.tree_nodes else None
     if not which:
       return
-    states = [self.pending.get(node.inputs[i]) for i in which]
+    states = [self.pending.get(node.inputs[i], (None, frozenset()) if self._zero(node.inputs[i]) else None)
+              for i in which]
     axes = {p for p, _ in states if p is not None} if None not in states else None
     if axes is None or len(axes) > 1:
       return
     self.passing = (next(iter(axes), None), frozenset().union(*(ks for _, ks in states)))
+
+  def _zero(self, r):
+    """Whether tensor `r` is zeros (a sum pending over any axes, each device's term zero)."""
+    if self.ir.producer(r).op in ("ZerosLike", "Zeros"):
+      return True
+    value = self.ir.const_value(r)
+    return value is not None and not np.any(value)
 
   def _hold(self, r, natural, partial):
     """(kept, partial): whether output `r` of the current node is kept with its sum pending instead of reduced
