@@ -270,6 +270,22 @@ def test_an_accumulator_read_inside_the_loop_is_reduced_in_every_iteration(rng, 
   assert [(c.bytes, len(c.loops)) for c in reduced] == [(ALL_REDUCE_BYTES, 1)], str(low.report)   # in the body
 
 
+def test_an_accumulator_of_sums_pending_over_different_axes_is_reduced_in_every_iteration(rng, exchange):  # pylint: disable=unused-argument
+  """acc + (a sum pending over model) + (a sum pending over data): the two cannot be carried as one pending sum,
+  so the body is partitioned again with both reduced in every iteration."""
+  def fn(x, w, z, v, acc):
+    return tf.while_loop(lambda i, a: i < 5, lambda i, a: (i + 1, a + tf.tanh(x * 0.5) @ w + tf.tanh(z) @ v),
+                         [0, acc])[1]
+
+  x, w, acc = _acc_args(rng)
+  z, v = x * 0.25, (rng.standard_normal((K, K)) * 0.3).astype(np.float32)
+  specs = (P(None, "model"), P("model", None), P(None, "data"), P("data", None), P())
+  low = check_partitioned(fn, (x, w, z, v, acc), specs, MESH, out=P())
+  assert_report_counts_program(low)
+  assert sorted((c.axes, c.times) for c in low.report.collectives if c.kind == "all-reduce") == \
+      [(("data",), 5), (("model",), 5)], str(low.report)
+
+
 def _data_bytes(rep, in_loops):
   return sum(c.bytes * c.times for c in rep.collectives if "data" in c.axes and bool(c.loops) == in_loops)
 
