@@ -258,7 +258,10 @@ class PartitionContext:
 
   def one_term(self, x, axes):
     """`x` (the same on the devices of each group over mesh `axes`) as a sum pending over `axes`: x on the first
-    device of each group, zeros on the others (an exact split: the sum is x)."""
+    device of each group, zeros on the others (an exact split: the sum is x). Zeros are such a sum already."""
+    static = tf.get_static_value(x)
+    if static is not None and not np.any(static):
+      return x
     where = [self.mesh.axis_index(a) for a in axes]
     first = np.array([not any(self.mesh.coords(p)[k] for k in where) for p in range(self.mesh.size)])
     with tf.name_scope(self._scope()):
