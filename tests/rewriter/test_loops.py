@@ -253,7 +253,7 @@ def _acc_args(rng):
   return x, w, rng.standard_normal((N, K)).astype(np.float32)   # a nonzero initial value: one term of the sum
 
 
-def test_an_accumulator_is_reduced_once_after_the_loop(rng, exchange):  # pylint: disable=unused-argument
+def test_an_accumulator_is_reduced_once_after_the_loop(rng):
   low = check_partitioned(_accumulate, _acc_args(rng), ACC_SPECS, MESH, out=P())
   assert_report_counts_program(low)
   (record,) = low.report.collectives
@@ -270,7 +270,7 @@ def test_an_accumulator_read_inside_the_loop_is_reduced_in_every_iteration(rng, 
   assert [(c.bytes, len(c.loops)) for c in reduced] == [(ALL_REDUCE_BYTES, 1)], str(low.report)   # in the body
 
 
-def test_an_accumulator_of_sums_pending_over_different_axes_is_reduced_in_every_iteration(rng, exchange):  # pylint: disable=unused-argument
+def test_sums_pending_over_different_axes_are_reduced_in_every_iteration(rng):
   """acc + (a sum pending over model) + (a sum pending over data): the two cannot be carried as one pending sum,
   so the body is partitioned again with both reduced in every iteration."""
   def fn(x, w, z, v, acc):
