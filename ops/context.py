@@ -140,6 +140,14 @@ class PartitionContext(Protocol):
     """The per-device function of body `fname`; `loop` ("body" or "cond") when it is that part of the node's
     While (the report counts its collectives per iteration)."""
 
+  def partition_loop_body(self, body: str, cond: str, arg_shapes: Sequence[Any],
+                          shardings: Sequence[Any]) -> Tuple[str, Dict[int, Any]]:
+    """The per-device body of the node's While (loop variables laid out as `shardings`) and {k: partial}: the
+    accumulators carried with their sum pending (each iteration only adds to them), to be reduced after the
+    loop."""
+
+  def one_term(self, x: Any, axes: Sequence[str]) -> Any: ...   # x as a sum pending over `axes` (x on one device)
+
   def lookup(self, table: Any, name: str) -> Any: ...   # this device's row of a per-device numpy table
 
   def mask(self, x: Any, shape: Sequence[int], sharding: Sharding, dim: int, value: Any) -> Any:

@@ -69,19 +69,24 @@ class While(Rule):
     return [[s] if s is not None else [] for s in outputs]
 
   def partition(self, ctx, node):
+    """The body keeps an accumulator's sum pending across iterations (each iteration only adds to it: a gradient
+    loop's weight gradients, partial over the data axes): its initial value enters as one term of that sum, and
+    the loop's output is reduced once, after the loop, instead of in every iteration."""
     n = len(node.inputs)
     loop = [ctx.target(i) for i in range(n)]
     values = [ctx.operand(i, loop[i]) for i in range(n)]
     shapes = _shapes(node)
-    body = ctx.partition_function(node.attr("body").name, shapes, loop, loop, return_pid=True, loop="body")
+    body, carried = ctx.partition_loop_body(node.attr("body").name, node.attr("cond").name, shapes, loop)
     cond = ctx.partition_function(node.attr("cond").name, shapes, loop, [Sharding(ctx.mesh)], loop="cond")
+    for k, partial in carried.items():
+      values[k] = ctx.one_term(values[k], partial[0])
     local = [ctx.local_shape(i, loop[i]) for i in range(n)] + [[]]
     outs = ctx.clone(node, dict(enumerate(values)), extra_inputs=[ctx.pid], extra_dtypes=[tf.int32], attrs={
         "body": _func_attr(body), "cond": _func_attr(cond),
         "T": _type_list_attr([o.dtype for o in node.outputs] + [tf.int32]),
         "output_shapes": _shape_list_attr([s if s is not None else None for s in local])})
     for i in range(n):
-      ctx.set_output(i, outs[i], loop[i])
+      ctx.set_output(i, outs[i], loop[i], partial=carried.get(i))
 
 
 @register("If", "StatelessIf")

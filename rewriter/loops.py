@@ -19,6 +19,10 @@ Each comparison gives the iteration at which it first fails; the loop stops at t
 of any other form (a test on data) makes the trip count unknown; the comparisons that were read still bound it
 (`at_most`). Values of loop variables inside an enclosing body (a bound passed into a nested loop from outside
 it) are not followed: such a loop's trip count is unknown.
+
+It also finds a loop's *accumulators* (`accumulators`): loop variables that each iteration only adds to (a
+gradient loop's sums of the weight gradients). Their sum may stay pending over mesh axes across iterations
+and be reduced once after the loop (GSPMD keeps such loop-carried values partial).
 """
 
 import operator
@@ -234,3 +238,59 @@ class _Loop:
     if None in bounds and least != 0:
       return None, least
     return least, None
+
+
+# Ops whose output is a linear function of the inputs listed (None: all of them), so a sum pending over mesh
+# axes in those inputs stays pending in the output: what a gradient loop's accumulation is built from.
+_LINEAR = {"Identity": (0,), "Snapshot": (0,), "AddN": None, "AddV2": None, "Add": None, "StridedSliceGrad": (4,),
+           "Reshape": (0,), "ExpandDims": (0,), "Squeeze": (0,), "Transpose": (0,),
+           # the same choice on every device of a group (the condition is not a pending sum) of pending sums
+           "Select": (1, 2), "SelectV2": (1, 2), "XlaSharding": (0,)}
+
+
+def linear_inputs(node):
+  """The inputs of `node` its output is linear in (a tuple of indices), or None when it is not such an op."""
+  if node.op not in _LINEAR or len(node.outputs) != 1:
+    return None
+  which = _LINEAR[node.op]
+  return tuple(range(len(node.inputs))) if which is None else tuple(i for i in which if i < len(node.inputs))
+
+
+def reads_parameter(fdef, k):
+  """Whether FunctionDef `fdef` reads its parameter k (by a node or as a result)."""
+  name = fdef.signature.input_arg[k].name
+  uses = [i for nd in fdef.node_def for i in nd.input if not is_control(i)] + list(fdef.ret.values())
+  return any(u == name or u.startswith(name + ":") for u in uses)
+
+
+def accumulators(body, candidates):
+  """{k: tensors of its accumulation} for the loop variables k (among `candidates`) that body `body` (a
+  graph_ir.Graph of a While's body) only adds to: the body's result k is computed by linear ops (`_LINEAR`)
+  from parameter k and other values, every consumer of a tensor of that computation (parameter k's included)
+  being one of its linear ops (on a linear input). The tensors are the computation's, parameter k and result k
+  included; its other inputs are whatever the body computes."""
+  found = {}
+  for k in candidates:
+    param, result = f"{body.inputs[k]}:0", body.outputs[k]
+    info = body.info(param)
+    if not info.dtype.is_floating or info.shape is None or body.outputs.count(result) != 1 or \
+        body.consumers.get(result):
+      continue
+    tree, changed = {result}, True
+    while changed:   # grow backwards: a tensor joins once all its readers are linear ops of the tree
+      changed = False
+      for t in list(tree):
+        if t == param:
+          continue
+        node = body.producer(t)
+        for i in linear_inputs(node) or ():
+          s = node.inputs[i]
+          if s in tree or s in body.outputs:
+            continue
+          readers = body.consumers.get(s, ())
+          if readers and all(r.ref(0) in tree and j in (linear_inputs(r) or ()) for r, j in readers):
+            tree.add(s)
+            changed = True
+    if param in tree:
+      found[k] = frozenset(tree)
+  return found

@@ -18,8 +18,7 @@ from tf_gspmd import ops as op_rules
 from tf_gspmd._mesh import axes_text
 from tf_gspmd._sharding import Sharding
 from tf_gspmd.errors import PartitionError, ShapeError, UnsupportedOpError
-from tf_gspmd.ops import windows
-from tf_gspmd.rewriter import completion, functions, halo, loops, reshard
+from tf_gspmd.rewriter import accumulation, completion, functions, halo, loops, reshard
 from tf_gspmd.rewriter.collectives import Backend
 from tf_gspmd.rewriter.graph_view import public_key, ref, split_ref
 from tf_gspmd.rewriter.report import Loop, ReportBuilder, StateRecord
@@ -52,7 +51,7 @@ def table_constant(tables, table, name):
   return tables[key]
 
 
-class PartitionContext(halo.WindowedOperands):
+class PartitionContext(halo.WindowedOperands, accumulation.PendingSums):
   """What a rule's `partition` sees: the node's operands (resharded on demand) and where to put results."""
 
   def __init__(self, program, graph, devices, report, functions=None, processes=None):
@@ -74,6 +73,16 @@ class PartitionContext(halo.WindowedOperands):
     self.local_inputs = []
     self.local_variables = []
     self.functions = [] if functions is None else functions   # per-device FunctionDefs of partitioned bodies
+    # A loop body's accumulators (rewriter/loops.accumulators): values of their accumulation trees may be held
+    # with a sum still pending over mesh axes. `pending`: ref -> (partial or None, loop variables inside it);
+    # partial None: nothing pending yet (only unreduced carried parameters); `carried`: k -> the partial
+    # loop variable k is carried with (None: reduced); `passing`: while a tree node is partitioned, what its
+    # output holds pending.
+    self.deferrable = frozenset()
+    self.tree_nodes = frozenset()
+    self.pending = {}
+    self.carried = {}
+    self.passing = None
 
   # ---- helpers for rules ------------------------------------------------------------------------------------
   def planned_axes(self):
@@ -98,10 +107,17 @@ class PartitionContext(halo.WindowedOperands):
 
   def operand(self, i, sharding):
     """Local value of input i laid out as `sharding` (resharded and cached as needed)."""
-    return self._operand_of(self.node.inputs[i], sharding, f"operand {i} of {self.node.name} ({self.node.op})")
+    r = self.node.inputs[i]
+    if r in self.pending and self.passing is not None and i in loops.linear_inputs(self.node):
+      if self.values[r][1] != sharding.with_rank(len(self.ir.info(r).shape)):
+        raise accumulation.NotAccumulated(r)
+      return self.values[r][0]   # an accumulator's term: its sum stays pending
+    return self._operand_of(r, sharding, f"operand {i} of {self.node.name} ({self.node.op})")
 
   def _operand_of(self, r, sharding, what):
     """Local value of tensor `r` laid out as `sharding`, for `what` (the node's operand it is)."""
+    if r in self.pending:
+      self._settle(r)
     self._emit_deferred(r)
     value, have = self.values[r]
     info = self.ir.info(r)
@@ -241,6 +257,27 @@ class PartitionContext(halo.WindowedOperands):
     that part of the node's While loop (its collectives run once per iteration; the report counts them by the
     loop's trip count).
     """
+    return self._partition_function(fname, arg_shapes, param_shardings, out_shardings, return_pid, loop, {})[0]
+
+  def partition_loop_body(self, fname, cond, arg_shapes, shardings):
+    """Partition the body `fname` of the current While (condition `cond`) for loop-variable layouts `shardings`,
+    keeping the sums of its accumulators (rewriter/loops.accumulators; the condition does not read them)
+    pending across iterations. Returns (the per-device function's name, {k: partial}): loop variable k is carried
+    with that sum pending (its initial value given as one term of it, `one_term`, and the loop's output k
+    reduced after the loop)."""
+    sub = completion.body_program(self.program, fname, arg_shapes, shardings, shardings)
+    cond_def = next(f for f in self.ir.graph_def.library.function if f.signature.name == cond)
+    trees = loops.accumulators(sub.ir, [k for k in range(len(shardings)) if not loops.reads_parameter(cond_def, k)])
+    if trees:
+      mark = self.report.mark(), len(self.functions)
+      try:
+        return self._partition_function(fname, arg_shapes, shardings, shardings, True, "body", trees)
+      except accumulation.NotAccumulated:
+        self.report.rewind(mark[0])
+        del self.functions[mark[1]:]
+    return self._partition_function(fname, arg_shapes, shardings, shardings, True, "body", {})
+
+  def _partition_function(self, fname, arg_shapes, param_shardings, out_shardings, return_pid, loop, trees):
     sub = completion.body_program(self.program, fname, arg_shapes, param_shardings, out_shardings)
     where = None
     if loop is not None:
@@ -250,12 +287,17 @@ class PartitionContext(halo.WindowedOperands):
     with graph.as_default(), self.report.inside(self.node.name, where):
       _import_library(sub)
       ctx = PartitionContext(sub, graph, self.backend.devices, self.report, self.functions, self.backend.processes)
+      if trees:
+        ctx.deferrable = frozenset().union(*trees.values())
+        ctx.tree_nodes = frozenset(split_ref(r)[0] for r in ctx.deferrable) - set(sub.ir.inputs)
+        ctx.pending = {f"{sub.ir.inputs[k]}:0": (None, frozenset([k])) for k in trees}
       _partition_nodes(ctx)
+      carried = ctx.accumulated(trees)
       outs = [ctx.values[r][0] for r in sub.ir.outputs] + ([tf.identity(ctx.pid)] if return_pid else [])
       params = [graph.get_tensor_by_name(ctx.ops[name].name + ":0") for name in sub.ir.inputs]
     name = f"{fname}_gspmd_{len(self.functions)}"
     self.functions.append(functions.to_function_def(graph, name, params + [ctx.pid], outs))
-    return name
+    return name, carried
 
   def used(self, r):
     """Whether tensor `r` of the global graph is read, by a node or as an output of the program."""
@@ -301,6 +343,10 @@ class PartitionContext(halo.WindowedOperands):
     r = self.node.ref(o)
     target = self.program.shardings[r]
     info = self.ir.info(r)
+    kept, partial = self._hold(r, natural, partial)
+    if kept:
+      self._store(r, value, target)
+      return
     if info.partitionable and (partial or natural != target.with_rank(len(info.shape))):
       requested = (self.program.annotations or {}).get(r) is not None   # the user pinned the result's layout
       with tf.name_scope(self._scope()), self.report.resharding_of(public_key(r), natural, target, requested):
@@ -371,6 +417,7 @@ def _partition_nodes(ctx):
           warnings.warn(f"tf_gspmd: {node.name} ({node.op}): {unknown} has unknown rank; the op runs replicated",
                         stacklevel=3)
         rule = op_rules.FALLBACK
+    ctx.begin_node(node)
     try:
       rule.partition(ctx, node)
     except PartitionError as e:
@@ -381,7 +428,7 @@ def _partition_nodes(ctx):
                            "in_shardings) or convert it to a dtype TF collectives carry (floats, ints up to int64, "
                            "bool; a complex tensor as tf.math.real and tf.math.imag)", node=e.node,
                            op_type=e.op_type) from e
-  ctx.node = None
+  ctx.node = ctx.passing = None
 
 
 def _uncarried(dtype):

@@ -279,6 +279,16 @@ class ReportBuilder:
     finally:
       self.within, self.loops = previous
 
+  def mark(self):
+    """Where the records stand now (for `rewind`)."""
+    return tuple(len(x) for x in (self.collectives, self.fallbacks, self.reshards, self.warnings,
+                                  self.rematerializations))
+
+  def rewind(self, mark):
+    """Drop what was recorded since `mark` (a body partitioned again another way)."""
+    for x, n in zip((self.collectives, self.fallbacks, self.reshards, self.warnings, self.rematerializations), mark):
+      del x[n:]
+
   @contextlib.contextmanager
   def resharding_of(self, tensor, have, want, requested):
     """Collectives recorded inside reshard `tensor` from layout `have` to `want`. `requested`: the user pinned

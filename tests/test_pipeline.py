@@ -124,9 +124,12 @@ def test_pipelined_transformer_trains_like_the_unpartitioned_model(mesh_shape, s
   microbatch_shard = (CFG.batch // M // 2) * CFG.seq * CFG.d_model * 4   # batch rows over data = 2
   assert sched.shift_permutes == 1 and sched.shift_bytes == microbatch_shard
   assert [c.split()[0] for c in sched.loop_stage_collectives] == ["collective-permute"] * 2
-  loops = [c for c in rep.collectives if "_loop/" in c.source]
-  assert all(set(c.axes) <= {"stage", "data", "model"} for c in loops)
-  if megatron:   # Megatron's all-reduces inside the stages run over model (and data for the weight gradients) only
+  loops = [c for c in rep.collectives if c.loops]
+  assert all(set(c.axes) <= {"stage", "model"} for c in loops)
+  # the weight gradients stay partial over data through the gradient loop and are all-reduced once after it
+  after = [c for c in rep.collectives if "data" in c.axes and c.source.endswith("_loop_grad")]
+  assert len(after) == 12 and all(c.kind == "all-reduce" and c.times == 1 for c in after)   # one per stage weight
+  if megatron:   # Megatron's all-reduces inside the stages run over model only
     assert any(c.axes == ("model",) for c in loops if c.kind == "all-reduce")
     assert all("stage" not in c.axes for c in loops if c.kind == "all-reduce")
   layer_bytes = sum(np.prod(s) for k, s in tm.param_shapes(CFG).items() if k not in tm.GLOBAL_LEAVES) * 4

@@ -223,3 +223,93 @@ def test_report_counts_loops_by_their_trip_counts():
   replaced = rep.with_ops_replaced({"a/ar": None, "top/ar": None})
   assert replaced.bytes_per_device(per_iteration=True) == 16 + 32 + 64 + 128 + 256
   assert rep.without_bodies_of({"outer"}).bytes_per_device() == 8 + 256
+
+
+# ---- accumulators: a loop variable each iteration only adds to keeps its sum pending until after the loop ----------
+# x [N, K] split over model on its columns, w [K, K] over model on its rows: x @ w is a sum pending over model.
+ACC_SPECS = (P(None, "model"), P("model", None), P())
+
+
+def _accumulate(x, w, acc):
+  """acc + sum over 5 iterations of a partial product: the loop only adds to acc."""
+  return tf.while_loop(lambda i, a: i < 5, lambda i, a: (i + 1, a + tf.tanh(x * tf.cast(i, x.dtype)) @ w),
+                       [0, acc])[1]
+
+
+def _accumulate_and_read(x, w, acc):
+  """The same, but each iteration also reads acc (through tanh): its sum is needed inside the loop."""
+  return tf.while_loop(lambda i, a: i < 5,
+                       lambda i, a: (i + 1, a + 0.1 * tf.tanh(a) + tf.tanh(x * tf.cast(i, x.dtype)) @ w), [0, acc])[1]
+
+
+def _accumulate_and_test(x, w, acc):
+  """The same, but the loop's condition reads acc."""
+  return tf.while_loop(lambda i, a: tf.logical_and(i < 5, tf.reduce_sum(a) < 1e9),
+                       lambda i, a: (i + 1, a + tf.tanh(x * tf.cast(i, x.dtype)) @ w), [0, acc])[1]
+
+
+def _acc_args(rng):
+  x, w = _args(rng)
+  return x, w, rng.standard_normal((N, K)).astype(np.float32)   # a nonzero initial value: one term of the sum
+
+
+def test_an_accumulator_is_reduced_once_after_the_loop(rng):
+  low = check_partitioned(_accumulate, _acc_args(rng), ACC_SPECS, MESH, out=P())
+  assert_report_counts_program(low)
+  (record,) = low.report.collectives
+  assert (record.kind, record.axes, record.bytes, record.loops, record.times) == \
+      ("all-reduce", ("model",), ALL_REDUCE_BYTES, (), 1), str(low.report)
+  assert low.report.bytes_per_device() == ALL_REDUCE_BYTES
+
+
+@pytest.mark.parametrize("fn", [_accumulate_and_read, _accumulate_and_test], ids=lambda f: f.__name__)
+def test_an_accumulator_read_inside_the_loop_is_reduced_in_every_iteration(rng, fn):
+  low = check_partitioned(fn, _acc_args(rng), ACC_SPECS, MESH, out=P())
+  assert_report_counts_program(low)
+  reduced = [c for c in low.report.collectives if c.kind == "all-reduce" and c.axes == ("model",)]
+  assert [(c.bytes, len(c.loops)) for c in reduced] == [(ALL_REDUCE_BYTES, 1)], str(low.report)   # in the body
+
+
+def test_sums_pending_over_different_axes_are_reduced_in_every_iteration(rng):
+  """acc + (a sum pending over model) + (a sum pending over data): the two cannot be carried as one pending sum,
+  so the body is partitioned again with both reduced in every iteration."""
+  def fn(x, w, z, v, acc):
+    return tf.while_loop(lambda i, a: i < 5, lambda i, a: (i + 1, a + tf.tanh(x * 0.5) @ w + tf.tanh(z) @ v),
+                         [0, acc])[1]
+
+  x, w, acc = _acc_args(rng)
+  z, v = x * 0.25, (rng.standard_normal((K, K)) * 0.3).astype(np.float32)
+  specs = (P(None, "model"), P("model", None), P(None, "data"), P("data", None), P())
+  low = check_partitioned(fn, (x, w, z, v, acc), specs, MESH, out=P())
+  assert_report_counts_program(low)
+  assert sorted((c.axes, c.times) for c in low.report.collectives if c.kind == "all-reduce") == \
+      [(("data",), 5), (("model",), 5)], str(low.report)
+
+
+def _data_bytes(rep, in_loops):
+  return sum(c.bytes * c.times for c in rep.collectives if "data" in c.axes and bool(c.loops) == in_loops)
+
+
+def test_pipeline_weight_gradients_are_reduced_over_data_once_per_step(rng, monkeypatch):
+  """The gradient loop only adds each iteration's weight gradient (partial over the data axis) to its
+  accumulator: the sum stays pending over data across the 11 iterations and is all-reduced once after the loop,
+  so the step's bytes over data fall by the trip count (compared with reducing in every iteration)."""
+  stages, d, b = 4, 8, 16
+  x = rng.standard_normal((b, d)).astype(np.float32)
+  w = gs.stack_stages((rng.standard_normal((2 * stages, d, d)) * 0.3).astype(np.float32), stages)
+  mesh = gs.Mesh((4, 2), ("stage", "data"))
+  specs = (P("data", None), P("stage"))
+  low = check_partitioned(_pipeline_step, (x, w), specs, mesh, tol=1e-5)
+  assert_report_counts_program(low)
+  rep = low.report
+  (sched,) = rep.pipelines
+  gradient_shard = (stages // 4) * 2 * d * d * 4   # dw [S, 2, d, d] split over stage: [1, 2, d, d] float32
+  assert _data_bytes(rep, in_loops=True) == 0, str(rep)
+  after = [c for c in rep.collectives if c.axes == ("data",) and not c.loops]
+  assert [(c.kind, c.bytes, c.times) for c in after] == [("all-reduce", gradient_shard, 1)], str(rep)
+  # the same program with every loop variable reduced in each iteration
+  monkeypatch.setattr(loops, "accumulators", lambda body, candidates: {})
+  every = gs.function(_pipeline_step, mesh=mesh, in_shardings=specs).lower(
+      tf.TensorSpec(x.shape), tf.TensorSpec(w.shape)).report
+  assert _data_bytes(every, in_loops=False) == 0
+  assert _data_bytes(every, in_loops=True) == sched.iterations * _data_bytes(rep, in_loops=False) == 11 * gradient_shard
