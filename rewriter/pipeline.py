@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from tf_gspmd.errors import PartitionError, ShardingError
 from tf_gspmd.rewriter import (auto, cleanup, combine, completion, constants, grappler, import_annotations, in_process,
-                               jit, memory, ordering, partition, report, trace, weight_update, xla_export)
+                               jit, memory, ordering, partition, schedules, trace, weight_update, xla_export)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +164,7 @@ PASSES = (
     ("constants", constants.run),                  # its constants per device (report.constants); strict: none > 1 MiB
     ("in_process", in_process.run),                # CPUs of one process: one graph, collectives as device edges
     ("order", ordering.run),                       # every device launches its collectives in one order
-    ("schedules", report.pipeline_schedules),      # gs.pipeline schedules stated in the report
+    ("schedules", schedules.run),                  # gs.pipeline schedules stated in the report
     ("device_program", device_program),            # the record the runtime runs
     ("xla_planned", xla_export.mark_planned),      # partitioner="xla": the report is marked as our plan only
 )

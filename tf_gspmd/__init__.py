@@ -25,7 +25,8 @@ from tf_gspmd._visualize import visualize_sharding
 from tf_gspmd.errors import (AutoShardingError, ClusterJoinError, InputError, MeshError, PartitionError, ProcessLostError, ShapeError,
                              ShardingError, SpecError, UnsupportedOpError)
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor, from_process_local_data
-from tf_gspmd.runtime.state import Shard, sharding_of, shards_of, variable
+from tf_gspmd.runtime.shards import Shard, shards_of
+from tf_gspmd.runtime.state import sharding_of, variable
 
 tpu_mesh = tpu.mesh
 
