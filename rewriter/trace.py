@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from tf_gspmd._annotations import mesh_scope, recording_schedules
 from tf_gspmd.errors import InputError, ShapeError, ShardingError
-from tf_gspmd.rewriter.graph_view import node_def, ref, split_ref
+from tf_gspmd.rewriter.graph_view import function_names, node_def, ref, split_ref
 
 _CONVERSIONS = {
     "SparseTensor": "tf.sparse.to_dense(x), or x.indices, x.values and x.dense_shape as separate results",
@@ -72,26 +72,15 @@ def _checks(graph, gd):
       memo[fname] = False
       fdef = functions.get(fname)
       memo[fname] = fdef is not None and any(
-          n.op in CHECK_OPS or any(runs_check(c) for c in _called(n)) or runs_check(n.op) for n in fdef.node_def)
+          n.op in CHECK_OPS or any(runs_check(c) for c in function_names(n)) for n in fdef.node_def)
     return memo[fname]
 
   names = []
   for op in graph.control_outputs:
     nd = op.node_def
-    if nd.op in CHECK_OPS or runs_check(nd.op) or any(runs_check(c) for c in _called(nd)):
+    if nd.op in CHECK_OPS or any(runs_check(c) for c in function_names(nd)):
       names.append(op.name)
   return tuple(names)
-
-
-def _called(nd):
-  """Names of the functions NodeDef `nd` calls through its attributes (branches, bodies, `f`)."""
-  out = []
-  for value in nd.attr.values():
-    if value.HasField("func"):
-      out.append(value.func.name)
-    elif value.HasField("list"):
-      out.extend(f.name for f in value.list.func)
-  return out
 
 
 def _dense_results(gd, cf, fname):
