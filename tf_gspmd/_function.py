@@ -295,7 +295,9 @@ class ShardedFunction:
         t = _dense_argument(a, k)
         specs.append(tf.TensorSpec(t.shape, t.dtype))
         arriving.append(None)
-    lowered = self._lower(tuple(specs), tuple(arriving), _cluster.runnable_devices(self.mesh))
+    # A TPU mesh runs through its TPUStrategy (tf_gspmd.tpu), which places the program on the cores itself.
+    devices = self.mesh.resolve_devices() if _tpu.is_tpu_mesh(self.mesh) else _cluster.runnable_devices(self.mesh)
+    lowered = self._lower(tuple(specs), tuple(arriving), devices)
     if all(type(a) is ShardedTensor for a in args):  # pylint: disable=unidiomatic-typecheck
       self._last = (tuple((a.shape, a.sharding, a.dtype) for a in args), lowered)
     return self._run(lowered, args)
