@@ -87,6 +87,7 @@ class Exported:
     key = ("hlo", stage)
     with self._lock:
       if key not in self._cache:
+        _compat.define_functions(self.graph_def.library.function)
         self._cache[key] = self.function().experimental_get_compiler_ir(*self.arg_specs)(stage=stage)
       return self._cache[key]
 

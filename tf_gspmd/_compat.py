@@ -292,6 +292,15 @@ def config_key_value_set(key, value):
   _context.context().set_config_key_value(key, value)
 
 
+def define_functions(function_defs):
+  """Defines FunctionDefs `function_defs` in the eager context (each one not defined there now): a graph imported
+  into a tf.function refers to its library's functions by name, and XLA's compiler IR looks them up there."""
+  ctx = _context.context()
+  for fdef in function_defs:
+    if not ctx.has_function(fdef.signature.name):
+      ctx.add_function_def(fdef)
+
+
 def config_key_value_get(key, timeout_s):
   """The value stored under `key` by some process (waits for it up to `timeout_s`; DeadlineExceededError then).
   A waiting lookup is not ended when the process that should store the value dies: poll with short timeouts and
