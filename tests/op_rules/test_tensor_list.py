@@ -54,20 +54,7 @@ def _sgd_step_colocated(x, w1s, w2s):
 
 @pytest.mark.parametrize("step", [_sgd_step_tape, _sgd_step_colocated], ids=["tape", "colocated"])
 def test_stacked_weight_loop_trains_without_gathering_the_stack(rng, step):
-  x = rng.standard_normal((BATCH, D)).astype(np.float32)
-  w1s = (rng.standard_normal((LAYERS, D, H)) * 0.2).astype(np.float32)
-  w2s = (rng.standard_normal((LAYERS, H, D)) * 0.2).astype(np.float32)
-  specs = (P("data", None), P(None, None, "model"), P(None, "model", None))
-  f = gs.function(step, mesh=MESH, in_shardings=specs)
-  ref = tf.function(step)
-  got, want = (w1s, w2s), (w1s, w2s)
-  for _ in range(2):
-    loss, *got = f(x, *got)
-    want_loss, *want = ref(x, *want)
-    assert_close(loss.numpy(), want_loss.numpy(), rtol=1e-5, atol=1e-4)
-    for g, w in zip(got, want):
-      assert_close(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-5)
-  low = f.lower(tf.TensorSpec([BATCH, D]), tf.TensorSpec([LAYERS, D, H]), tf.TensorSpec([LAYERS, H, D]))
+  low = _two_steps_match(rng, step)
   assert set(low.report.counts()) == {"all-reduce"}   # Megatron's all-reduces only: no gather, forward or backward
   assert low.report.fallbacks == ()
   lists = [k for k in low.shardings if "accumulator" in k and "element_shape" not in k]
