@@ -1,0 +1,240 @@
+"""Cross-mesh resharding: a ShardedTensor on one mesh becomes a ShardedTensor on another (Alpa's cross-mesh
+resharding between pipeline stages), each destination device receiving exactly its slice.
+
+Plan, then move. `plan_transfer` is pure: for every destination device it intersects the device's slice of the
+global value (padding excluded) with the source tiles. The intersections of two tilings form a grid, so the
+slice is covered by pieces, one per source tile it meets; each piece comes from one device holding that tile:
+the destination device itself when it holds a copy (a local copy), else the replica that has sent the fewest
+bytes so far (replicas share the load). `move` runs the plan: each piece is cut on the device that holds the
+source tile and copied to its destination device, where the pieces are concatenated and padded to the
+destination's shard shape. Nothing is gathered: a device receives the bytes of its slice and no more.
+
+The two meshes may share devices or not; their shardings are independent (uneven splits included). Within one
+process only: a mesh whose devices live in several processes is refused.
+"""
+
+import dataclasses
+import math
+from typing import Tuple
+
+import tensorflow as tf
+
+from tf_gspmd._sharding import to_sharding
+from tf_gspmd.errors import InputError
+from tf_gspmd.runtime.sharded_tensor import ShardedTensor
+
+
+def tile_extent(sharding, shape, position):
+  """(starts, lengths) of the global slice the device at mesh `position` holds under `sharding` for a value of
+  `shape`: lengths exclude padding (a padding-only tile has length 0; its start may lie past the end)."""
+  if sharding.is_maximal or sharding.is_replicated:
+    return (0,) * len(shape), tuple(shape)
+  s = sharding.with_rank(len(shape))
+  local = s.shard_shape(shape)
+  starts = tuple(s.tile_index(position, d) * local[d] for d in range(len(shape)))
+  return starts, tuple(max(0, min(c, n - a)) for c, n, a in zip(local, shape, starts))
+
+
+def holds_tile(sharding, position):
+  """Whether the device at `position` holds a tile of `sharding` (every device but the others of a maximal one)."""
+  return not sharding.is_maximal or sharding.maximal == position
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+  """One piece of a cross-mesh move: the global box `index` (a slice per dim) sent from mesh position
+  `src_position` (device `src_device`) to position `dst_position` (device `dst_device`). `local`: both are one
+  device (a copy in its memory, nothing crosses devices)."""
+
+  src_position: int
+  dst_position: int
+  src_device: str
+  dst_device: str
+  index: Tuple[slice, ...]
+  bytes: int
+
+  @property
+  def local(self):
+    return self.src_device == self.dst_device
+
+
+class TransferLog:
+  """What cross-mesh moves sent, piece by piece: bytes per (source device, destination device), per destination
+  device, and in total (`moved_bytes`: between different devices only). Pass one to `reshard` (or several
+  moves' worth: it accumulates)."""
+
+  def __init__(self):
+    self.transfers = []
+
+  def extend(self, transfers):
+    self.transfers.extend(transfers)
+
+  def bytes_by_pair(self):
+    out = {}
+    for t in self.transfers:
+      out[(t.src_device, t.dst_device)] = out.get((t.src_device, t.dst_device), 0) + t.bytes
+    return out
+
+  def bytes_received(self):
+    """{destination device: bytes it received (local copies included)}."""
+    out = {}
+    for t in self.transfers:
+      out[t.dst_device] = out.get(t.dst_device, 0) + t.bytes
+    return out
+
+  def bytes_sent(self):
+    """{source device: bytes it sent to other devices}."""
+    out = {}
+    for t in self.transfers:
+      if not t.local:
+        out[t.src_device] = out.get(t.src_device, 0) + t.bytes
+    return out
+
+  @property
+  def total_bytes(self):
+    return sum(t.bytes for t in self.transfers)
+
+  @property
+  def moved_bytes(self):
+    return sum(t.bytes for t in self.transfers if not t.local)
+
+  def __str__(self):
+    lines = [f"{len(self.transfers)} pieces, {self.total_bytes} bytes ({self.moved_bytes} between devices)"]
+    for (src, dst), n in sorted(self.bytes_by_pair().items()):
+      lines.append(f"  {_short(src)} -> {_short(dst)}: {n} bytes")
+    return "\n".join(lines)
+
+
+def _short(device):
+  spec = tf.DeviceSpec.from_string(device)
+  return f"{spec.device_type}:{spec.device_index}" if spec.job in (None, "localhost") else device
+
+
+def _segments(lo, n, tile):
+  """[lo, lo + n) cut at multiples of `tile` (None: one source tile spans the dim): [(start, length, tile no.)]."""
+  if n <= 0:
+    return []
+  if tile is None:
+    return [(lo, n, 0)]
+  out, a = [], lo
+  while a < lo + n:
+    k = a // tile
+    b = min(lo + n, (k + 1) * tile)
+    out.append((a, b - a, k))
+    a = b
+  return out
+
+
+def plan_transfer(shape, dtype, src, dst, src_devices, dst_devices, src_positions=None):
+  """The pieces that move a value of `shape`/`dtype` laid out as Sharding `src` over `src_devices` to Sharding
+  `dst` over `dst_devices`: {destination position: [Transfer]} (pieces in row-major order of the grid they form;
+  an empty list for a padding-only or empty slice). `src_positions`: the source positions that hold data
+  (default all). Pure: no tensors, sized by the number of pieces only."""
+  shape = tuple(int(n) for n in shape)
+  rank = len(shape)
+  itemsize = tf.as_dtype(dtype).size
+  src_positions = tuple(range(src.mesh.size)) if src_positions is None else tuple(src_positions)
+  # Source tiles: start of the tile per dim -> the positions holding it.
+  replicas = {}
+  whole = src.is_maximal or src.is_replicated
+  s_tile = None if whole else src.with_rank(rank).shard_shape(shape)
+  for p in src_positions:
+    if holds_tile(src, p):
+      replicas.setdefault(tile_extent(src, shape, p)[0], []).append(p)
+  sent = {p: 0 for p in src_positions}
+  plan = {}
+  for q in range(dst.mesh.size):
+    d_start, d_len = tile_extent(dst, shape, q)
+    if not holds_tile(dst, q):
+      d_len = (0,) * rank
+    segs = [_segments(a, n, None if whole else s_tile[d]) for d, (a, n) in enumerate(zip(d_start, d_len))]
+    pieces = []
+    for combo in (_product(segs) if rank else [()]):
+      tile_start = tuple(0 if whole else k * s_tile[d] for d, (_, _, k) in enumerate(combo))
+      options = replicas.get(tile_start)
+      if not options:
+        raise InputError(f"no device holds the source tile starting at {tile_start} of the value laid out as {src}")
+      here = [p for p in options if src_devices[p] == dst_devices[q]]
+      p = here[0] if here else min(options, key=lambda o: (sent[o], o))
+      n = math.prod(length for _, length, _ in combo) * itemsize
+      if not here:
+        sent[p] += n
+      pieces.append(Transfer(p, q, src_devices[p], dst_devices[q],
+                             tuple(slice(a, a + length) for a, length, _ in combo), n))
+    plan[q] = pieces
+  return plan
+
+
+def _product(segs):
+  out = [()]
+  for s in segs:
+    out = [c + (x,) for c in out for x in s]
+  return out
+
+
+def reshard(x, mesh, spec, log=None):
+  """`x` (a ShardedTensor) moved to `mesh` laid out as `spec` (a `P`, `Sharding` or spec tuple over `mesh`).
+
+  Every device of `mesh` receives exactly its slice: pieces of the source tiles it intersects, each from one
+  device holding that tile (itself when it holds one; else the replica that has sent least). `log`: a
+  `TransferLog` that records every piece. Raises InputError for a value this process does not wholly hold.
+
+  Example:
+    >>> y = gs.reshard(x, gs.Mesh((2, 2), ("a", "b"), devices=devs[4:]), gs.P("a", "b"))
+  """
+  if not isinstance(x, ShardedTensor):
+    raise InputError(f"reshard moves a ShardedTensor between meshes; got {type(x).__name__} (a host value goes to a "
+                     "mesh by passing it to a gs.function)")
+  shape = tuple(x.shape.as_list())
+  dst = to_sharding(spec, mesh, rank=len(shape), what="the resharded value")
+  if dst is None:
+    raise InputError("reshard needs the destination layout: give spec=gs.P(...) (gs.P() for replicated)")
+  src = x.sharding
+  src_devices = x._mesh_devices or src.mesh.resolve_devices()  # pylint: disable=protected-access
+  dst_devices = mesh.resolve_devices()
+  if not x.is_fully_addressable or len(x.positions) != src.mesh.size:
+    raise InputError(f"a value over {src.mesh} whose devices span several processes cannot be resharded to another "
+                     "mesh here; reshard within one process (cross-process moves are not supported)")
+  plan = plan_transfer(shape, x.dtype, src, dst, src_devices, dst_devices, x.positions)
+  comps = dict(zip(x.positions, x.components))
+  starts = {p: tile_extent(src, shape, p)[0] for p in x.positions}
+  out = []
+  d_shard = dst.shard_shape(shape) if not dst.is_maximal else shape
+  for q in range(mesh.size):
+    out.append(_assemble(plan[q], comps, starts, dst_devices[q], d_shard, x.dtype))
+    if log is not None:
+      log.extend(plan[q])
+  return ShardedTensor(out, dst, shape, x.dtype, devices=dst_devices, positions=tuple(range(mesh.size)))
+
+
+def _assemble(pieces, comps, starts, device, shard_shape, dtype):
+  """The destination device's component: its pieces cut where their source tiles live, copied to `device`,
+  concatenated along the grid they form, and zero-padded to `shard_shape`."""
+  with tf.device(device):
+    if not pieces:
+      return tf.zeros(shard_shape, dtype)
+  moved = []
+  for t in pieces:
+    comp = comps[t.src_position]
+    begin = [s.start - a for s, a in zip(t.index, starts[t.src_position])]
+    size = [s.stop - s.start for s in t.index]
+    with tf.device(comp.device):
+      cut = comp if list(comp.shape) == size else tf.slice(comp, begin, size)
+    with tf.device(device):
+      moved.append(tf.identity(cut))
+  with tf.device(device):
+    value = _concat_grid(pieces, moved)
+    pad = [(0, c - n) for c, n in zip(shard_shape, value.shape)]
+    return tf.pad(value, pad) if any(b for _, b in pad) else value
+
+
+def _concat_grid(pieces, values, axis=0):
+  """The box that `pieces` (a grid of segments) tile, from their `values`: along `axis`, the pieces sharing a
+  start form a sub-grid over the later dims; those are concatenated in order of their starts."""
+  if axis == len(pieces[0].index) or len(values) == 1:
+    return values[0]
+  parts = []
+  for a in sorted({t.index[axis].start for t in pieces}):
+    group = [k for k, t in enumerate(pieces) if t.index[axis].start == a]
+    parts.append(_concat_grid([pieces[k] for k in group], [values[k] for k in group], axis + 1))
+  return parts[0] if len(parts) == 1 else tf.concat(parts, axis)
