@@ -1,0 +1,190 @@
+"""gs.mpmd_pipeline: different stages on submeshes of different shapes, GPipe and 1F1B, against the
+unpartitioned program (loss, gradients, SGD steps), the executed orders, the activations alive, the bytes moved
+between stages, and the errors."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_gspmd as gs
+from tf_gspmd import P
+
+from conftest import assert_close
+
+DEVS = [d.name for d in tf.config.list_logical_devices("CPU")]
+V, D, H, T, N = 32, 16, 24, 6, 16   # vocabulary, model dim, hidden dim, tokens per row, batch rows
+
+
+def embed(params, ids):   # embedding-like first stage: a table lookup, averaged over the tokens
+  (table,) = params
+  return tf.reduce_mean(tf.gather(table, ids), axis=1)
+
+
+def blocks(params, h):    # two residual dense blocks
+  w1, w2, w3, w4 = params
+  h = h + tf.tanh(h @ w1) @ w2
+  return h + tf.nn.relu(h @ w3) @ w4
+
+
+def head(params, h, labels):   # vocabulary head with softmax cross-entropy
+  (w,) = params
+  return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, h @ w))
+
+
+def _mesh(shape, names, first):
+  return gs.Mesh(shape, names, devices=DEVS[first:first + int(np.prod(shape))])
+
+
+M0, M1, M2 = _mesh((1, 2), ("d", "m"), 0), _mesh((2, 2), ("d", "m"), 2), _mesh((2,), ("m",), 6)
+
+
+def _stages(m0=M0, m1=M1, m2=M2):
+  return [gs.Stage(embed, m0, (P(None, "m"),), P("d", None), P(None, "m")),
+          gs.Stage(blocks, m1, (P(None, "m"), P("m", None), P(None, "m"), P("m", None)), P("d", None), P("d", None)),
+          gs.Stage(head, m2, (P(None, "m"),), P(None, None), target_sharding=P())]
+
+
+def _data(seed=0):
+  rng = np.random.default_rng(seed)
+  f = lambda *s: (rng.normal(size=s) * 0.3).astype(np.float32)  # noqa: E731
+  params = [(f(V, D) * 3,), (f(D, H), f(H, D), f(D, H), f(H, D)), (f(D, V),)]
+  ids = rng.integers(0, V, size=(N, T)).astype(np.int32)
+  labels = rng.integers(0, V, size=(N,)).astype(np.int32)
+  return params, ids, labels
+
+
+def _reference(params, ids, labels):
+  """The unpartitioned step: the whole batch through the three stages, loss and gradients (plain TF)."""
+  ps = [tuple(tf.Variable(p) for p in stage) for stage in params]
+  with tf.GradientTape() as tape:
+    loss = head(ps[2], blocks(ps[1], embed(ps[0], ids)), labels)
+  grads = tape.gradient(loss, ps)
+  return loss.numpy(), [tuple(tf.convert_to_tensor(g).numpy() for g in stage) for stage in grads]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_loss_and_gradients_equal_the_unpartitioned_step(schedule):
+  params, ids, labels = _data()
+  pipe = gs.mpmd_pipeline(_stages(), microbatches=4, schedule=schedule)
+  loss, grads = pipe(params, ids, labels)
+  want_loss, want_grads = _reference(params, ids, labels)
+  assert_close(loss, want_loss)
+  for i, (got, want) in enumerate(zip(grads, want_grads)):
+    assert len(got) == len(want)
+    for g, w, p in zip(got, want, pipe.stages[i].param_shardings):
+      assert g.sharding == gs.Sharding.from_spec(pipe.stages[i].mesh, p, rank=2)   # laid out like the parameter
+      assert_close(g.numpy(), w)
+  run = pipe.last_run
+  assert run.order == gs.schedule_order(schedule, 3, 4)
+  # 1F1B: stage i holds at most S - i microbatch inputs (here exactly, B >= S); GPipe holds all B
+  assert run.peak_alive == ([3, 2, 1] if schedule == "1f1b" else [4, 4, 4])
+
+
+def test_schedule_orders():
+  assert gs.schedule_order("1f1b", 3, 4) == [
+      [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)],
+      [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)],
+      [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)]]
+  assert gs.schedule_order("gpipe", 2, 2) == [[("F", 0), ("F", 1), ("B", 0), ("B", 1)]] * 2
+  for s, b in [(4, 2), (4, 8), (1, 3)]:   # fewer microbatches than stages: warm-up stops at B
+    for i, order in enumerate(gs.schedule_order("1f1b", s, b)):
+      assert sorted(order) == sorted([("F", m) for m in range(b)] + [("B", m) for m in range(b)])
+      alive = peak = 0
+      for kind, m in order:
+        alive += 1 if kind == "F" else -1
+        peak = max(peak, alive)
+        assert kind == "F" or ("F", m) in order[:order.index((kind, m))]
+      assert peak == min(s - i, b)
+
+
+def test_bytes_between_stages_are_the_receivers_slices():
+  params, ids, labels = _data()
+  pipe = gs.mpmd_pipeline(_stages(), microbatches=4)
+  pipe(params, ids, labels)
+  mb, f32 = N // 4, 4
+  per_mb = {   # per destination device, per microbatch: activations forward, their gradients backward
+      **{d: mb // 2 * D * f32 for d in M1.resolve_devices()},          # stage 0 -> 1: rows split over d
+      **{d: mb * D * f32 for d in M2.resolve_devices()},               # stage 1 -> 2: replicated
+      **{d: mb * (D // 2) * f32 for d in M0.resolve_devices()},        # stage 1 -> 0: stage 0's P(None, "m")
+  }
+  received = pipe.last_run.transfers.bytes_received()
+  for d, n in per_mb.items():
+    want = 4 * n + (4 * mb // 2 * D * f32 if d in M1.resolve_devices() else 0)   # stage 2 -> 1 gradients too
+    assert received[d] == want, (d, str(pipe.last_run.transfers))
+
+
+def test_sgd_steps_equal_plain_tensorflow():
+  params, ids, labels = _data(1)
+  pipe = gs.mpmd_pipeline(_stages(), microbatches=2, schedule="1f1b")
+  ref = [tuple(tf.Variable(p) for p in stage) for stage in params]
+  got_losses, want_losses = [], []
+  for _ in range(3):
+    loss, grads = pipe(params, ids, labels)
+    got_losses.append(loss)
+    params = [tuple(p - 0.5 * g.numpy() for p, g in zip(ps, gs_)) for ps, gs_ in zip(params, grads)]
+    with tf.GradientTape() as tape:
+      want = head(ref[2], blocks(ref[1], embed(ref[0], ids)), labels)
+    for v, g in zip(tf.nest.flatten(ref), tf.nest.flatten(tape.gradient(want, ref))):
+      v.assign_sub(0.5 * tf.convert_to_tensor(g))
+    want_losses.append(want.numpy())
+  assert_close(got_losses, want_losses)
+  assert got_losses[-1] < got_losses[0]
+
+
+def test_sharded_parameters_and_loss_fn():
+  """Parameters given as ShardedTensors on their stage's mesh (the gradients' layout), and a loss_fn applied to
+  the last stage's logits."""
+  params, ids, labels = _data(2)
+  stages = _stages()
+  logits = lambda ps, h: h @ ps[0]   # noqa: E731
+  xent = lambda z, y: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, z))  # noqa: E731
+  stages[2] = gs.Stage(logits, M2, (P(None, "m"),), P(), target_sharding=P())
+  pipe = gs.mpmd_pipeline(stages, microbatches=2, loss_fn=xent)
+  loss, grads = pipe(params, ids, labels)
+  loss2, grads2 = pipe([tuple(g) for g in grads], ids, labels)   # ShardedTensors in place of arrays
+  want, _ = _reference(params, ids, labels)
+  assert_close(loss, want)
+  want2, want_grads2 = _reference([tuple(g.numpy() for g in s) for s in grads], ids, labels)
+  assert_close(loss2, want2)
+  for got, w in zip(tf.nest.flatten(grads2), tf.nest.flatten(want_grads2)):
+    assert_close(got.numpy(), w)
+
+
+def test_one_thread_allows_shared_devices():
+  params, ids, labels = _data()
+  stages = _stages(m2=_mesh((2,), ("m",), 0))   # the head on stage 0's devices
+  with pytest.raises(gs.MeshError, match=r"stage 0 and stage 2 both use device .*CPU:0.*concurrent=False"):
+    gs.mpmd_pipeline(stages, microbatches=4)
+  pipe = gs.mpmd_pipeline(stages, microbatches=4, concurrent=False)
+  loss, grads = pipe(params, ids, labels)
+  want_loss, want_grads = _reference(params, ids, labels)
+  assert_close(loss, want_loss)
+  for g, w in zip(tf.nest.flatten(grads), tf.nest.flatten(want_grads)):
+    assert_close(g.numpy(), w)
+  assert pipe.last_run.order == gs.schedule_order("1f1b", 3, 4)
+
+
+def test_errors_name_the_stage_tensor_and_fix():
+  params, ids, labels = _data()
+  pipe = gs.mpmd_pipeline(_stages(), microbatches=3)
+  with pytest.raises(gs.InputError, match=r"batch of shape \[16, 6\] does not split into microbatches=3"):
+    pipe(params, ids, labels)
+  pipe = gs.mpmd_pipeline(_stages(), microbatches=4)
+  narrow = [(params[0][0][:, :12],), params[1], params[2]]   # stage 0 returns 12 features; stage 1 takes 16
+  with pytest.raises(gs.InputError, match=r"\[stage 1\] stage 1 cannot run on the activations stage 0 returns, "
+                                          r"float32\[4, 12\].*make stage 0's output match"):
+    pipe(narrow, ids, labels)
+  with pytest.raises(gs.InputError, match="params has 2 entries for 3 stages"):
+    pipe(params[:2], ids, labels)
+  with pytest.raises(gs.InputError, match="targets of shape"):
+    pipe(params, ids, labels[:8])
+  stages = _stages()
+  stages[1] = gs.Stage(blocks, M1, stages[1].param_shardings, P("d", None, None))
+  with pytest.raises(gs.SpecError, match=r"boundary into stage 1: its in_sharding does not fit the 2-D"):
+    gs.mpmd_pipeline(stages, microbatches=4)(params, ids, labels)
+  stages = _stages()
+  stages[2] = gs.Stage(lambda ps, h, y: h @ ps[0], M2, (P(None, "m"),), P())
+  with pytest.raises(gs.InputError, match=r"last stage \(stage 2\) returns shape \[4, 32\].*scalar loss"):
+    gs.mpmd_pipeline(stages, microbatches=4)(params, ids, labels)
+  with pytest.raises(gs.InputError, match="schedule='zb'"):
+    gs.mpmd_pipeline(_stages(), microbatches=4, schedule="zb")
