@@ -93,7 +93,9 @@ class RunRecord:
     order: per stage, the ("F" | "B", microbatch) steps in the order the stage ran them.
     peak_alive: per stage, the most microbatch inputs it held at once (kept from a forward for its backward).
     transfers: the cross-mesh moves' `TransferLog` (activations forward, gradients backward).
-    seconds: wall time of the step; busy: per stage, seconds its programs ran.
+    seconds: wall time of the step; busy: per stage, seconds its programs ran (moves to the next stage
+      included); spans: per stage, (kind, microbatch, start, end) seconds since the step began.
+      sum(busy) / seconds > 1 means stages ran at the same time.
   """
 
   order: list
@@ -101,6 +103,7 @@ class RunRecord:
   transfers: cross_mesh.TransferLog
   seconds: float = 0.0
   busy: list = dataclasses.field(default_factory=list)
+  spans: list = dataclasses.field(default_factory=list)
 
 
 class _Mailbox:
@@ -298,47 +301,48 @@ class MpmdPipeline:
     micro = tf.split(batch, b)
     micro_t = tf.split(targets, b)
     orders = schedule_order(self.schedule, n, b)
+    t0 = time.perf_counter()
     box = _Mailbox()
-    record = RunRecord([[] for _ in range(n)], [0] * n, cross_mesh.TransferLog(), busy=[0.0] * n)
+    record = RunRecord([[] for _ in range(n)], [0] * n, cross_mesh.TransferLog(), busy=[0.0] * n,
+                       spans=[[] for _ in range(n)])
     losses, grads = [None] * b, [None] * n
-    log_lock = threading.Lock()
+    log = _Locked(record.transfers, threading.Lock())
     out_layout = [None] * n   # the layout each stage's forward returned its activations in
+
+    saved_inputs = [{} for _ in range(n)]   # per stage: microbatch -> its input, kept from F for B
 
     def step(i, kind, m):
       s, prog, last = self.stages[i], self._programs[i], i == n - 1
-      saved = self._saved[i]
-      start = time.perf_counter()
+      saved = saved_inputs[i]
       if kind == "F":
-        h = micro[m] if i == 0 else box.take(("act", i, m), f"{self._name(i)}")
+        h = micro[m] if i == 0 else box.take(("act", i, m), self._name(i))
         saved[m] = h
         record.peak_alive[i] = max(record.peak_alive[i], len(saved))
-        args = params[i] + ((h, micro_t[m]) if last else (h,))
-        y = self._call(prog.forward_fn(s, len(params[i]), self.exchange, last), args)
+        start = time.perf_counter()
+        y = self._call(prog.forward_fn(s, len(params[i]), self.exchange, last),
+                       params[i] + ((h, micro_t[m]) if last else (h,)))
         if last:
           losses[m] = y
         else:
           out_layout[i] = y.sharding
           nxt = self.stages[i + 1]
-          moved = self._move(y, nxt, record, log_lock)
-          box.put(("act", i + 1, m), moved)
+          box.put(("act", i + 1, m), cross_mesh.reshard(y, nxt.mesh, _or_replicated(nxt.in_sharding), log=log))
       else:
+        seed = micro_t[m] if last else box.take(("grad", i, m), self._name(i))
         h = saved.pop(m)
-        seed = micro_t[m] if last else box.take(("grad", i, m), f"{self._name(i)}")
+        start = time.perf_counter()
         acc = grads[i] is not None
         fn = prog.backward_fn(s, len(params[i]), self.exchange, i > 0, last, acc, out_layout[i])
         out = self._call(fn, params[i] + (h, seed) + (tuple(grads[i]) if acc else ()))
         out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         grads[i] = out[:len(params[i])]
         if i > 0:
-          prev = self.stages[i - 1]
-          dh = cross_mesh.reshard(out[-1], prev.mesh, out_layout[i - 1] if out_layout[i - 1] is not None else P(),
-                                  log=_Locked(record.transfers, log_lock))
-          box.put(("grad", i - 1, m), dh)
-      record.busy[i] += time.perf_counter() - start
+          box.put(("grad", i - 1, m), cross_mesh.reshard(out[-1], self.stages[i - 1].mesh, out_layout[i - 1], log=log))
+      end = time.perf_counter()
+      record.busy[i] += end - start
+      record.spans[i].append((kind, m, start - t0, end - t0))
       record.order[i].append((kind, m))
 
-    self._saved = [{} for _ in range(n)]
-    t0 = time.perf_counter()
     if self.concurrent:
       self._run_threads(orders, step, box)
     else:
@@ -347,10 +351,6 @@ class MpmdPipeline:
     self.last_run = record
     loss = np.mean([np.float64(l.numpy()) for l in losses]).astype(losses[0].dtype.as_numpy_dtype)
     return loss, [tuple(g) for g in grads]
-
-  def _move(self, y, nxt, record, log_lock):
-    spec = nxt.in_sharding if nxt.in_sharding is not None else P()
-    return cross_mesh.reshard(y, nxt.mesh, spec, log=_Locked(record.transfers, log_lock))
 
   def _call(self, fn, args):
     """`fn(*args)`; the first call of a signature (which lowers the program) holds a lock, so lowering never
