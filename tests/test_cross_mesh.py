@@ -116,3 +116,24 @@ def test_errors():
     gs.reshard(sx, b, P("x"))
   with pytest.raises(gs.SpecError, match="rank 2"):
     gs.reshard(sx, b, P("y", None, None))
+
+
+def test_between_processes_each_destination_receives_its_slice():
+  """2 processes x 4 CPUs (tests/cluster_programs/cross_mesh_move.py): meshes within one process, across both,
+  uneven and 3-D; every destination shard holds its slice, received as exactly its bytes, and only the pieces
+  the slices need cross between the processes (none when the receiving process holds a replica)."""
+  from test_cluster import _launch  # pylint: disable=g-import-not-at-top
+  results = _launch(2, "cross_mesh_move.py")
+  for k, r in results.items():
+    for name, case in r.items():
+      if name == "process":
+        continue
+      assert case["values"], (k, name, case)
+      assert all(got == want for got, want in case["received"]), (k, name, case)
+      assert case["crossing"] == case["need"], (k, name, case)
+  assert results[1]["p0_to_p1_uneven"]["received"] == [[56, 56], [56, 56], [28, 28], [0, 0]]   # 5 cols over 4
+  assert results[0]["p1_to_p0_3d"]["shards"] == 4 and results[1]["p1_to_p0_3d"]["shards"] == 0
+  assert results[0]["replicated_stays_in_process"]["crossing"] == 0
+  assert results[1]["replicated_stays_in_process"]["crossing"] == 0
+  both = results[0]["both_to_both"]
+  assert 0 < both["crossing"] < both["whole_value_bytes"]

@@ -25,7 +25,7 @@ from tf_gspmd._sharding import Sharding
 from tf_gspmd._visualize import visualize_sharding
 from tf_gspmd.errors import (AutoShardingError, ClusterJoinError, InputError, MeshError, PartitionError, ProcessLostError, ShapeError,
                              ShardingError, SpecError, UnsupportedOpError)
-from tf_gspmd.runtime.cross_mesh import Transfer, TransferLog, plan_transfer, reshard
+from tf_gspmd.runtime.cross_mesh import Transfer, TransferLog, plan_transfer, reshard, value_elsewhere, wait_for_sends
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor, from_process_local_data
 from tf_gspmd.runtime.shards import Shard, shards_of
 from tf_gspmd.runtime.state import sharding_of, variable
@@ -38,7 +38,7 @@ __all__ = [
     "from_process_local_data", "sharding_of", "shards_of", "Shard", "variable", "initializers", "visualize_sharding", "ShardingError",
     "MeshError", "SpecError", "ShapeError", "PartitionError", "UnsupportedOpError", "InputError", "ProcessLostError", "ClusterJoinError",
     "AutoShardingError", "tpu", "tpu_mesh", "Stage", "mpmd_pipeline", "MpmdPipeline", "RunRecord", "schedule_order",
-    "reshard", "plan_transfer", "Transfer", "TransferLog",
+    "reshard", "plan_transfer", "Transfer", "TransferLog", "value_elsewhere", "wait_for_sends",
 ]
 __version__ = "0.1.0"
 

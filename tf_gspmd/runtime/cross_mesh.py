@@ -9,18 +9,23 @@ bytes so far (replicas share the load). `move` runs the plan: each piece is cut 
 source tile and copied to its destination device, where the pieces are concatenated and padded to the
 destination's shard shape. Nothing is gathered: a device receives the bytes of its slice and no more.
 
-The two meshes may share devices or not; their shardings are independent (uneven splits included). Within one
-process only: a mesh whose devices live in several processes is refused.
+The two meshes may share devices or not; their shardings are independent (uneven splits included), and their
+devices may belong to different processes: a piece whose two devices are in different processes is one
+point-to-point send (TF's collective broadcast in a group of those two devices), of the piece only.
 """
 
 import dataclasses
 import math
+import threading
+import zlib
 from typing import Tuple
 
 import tensorflow as tf
 
+from tf_gspmd import _cluster
 from tf_gspmd._sharding import to_sharding
 from tf_gspmd.errors import InputError
+from tf_gspmd.runtime import parallel
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
 
@@ -155,7 +160,8 @@ def plan_transfer(shape, dtype, src, dst, src_devices, dst_devices, src_position
       if not options:
         raise InputError(f"no device holds the source tile starting at {tile_start} of the value laid out as {src}")
       here = [p for p in options if src_devices[p] == dst_devices[q]]
-      p = here[0] if here else min(options, key=lambda o: (sent[o], o))
+      near = [p for p in options if _host(src_devices[p]) == _host(dst_devices[q])] or options
+      p = here[0] if here else min(near, key=lambda o: (sent[o], o))
       n = math.prod(length for _, length, _ in combo) * itemsize
       if not here:
         sent[p] += n
@@ -165,6 +171,12 @@ def plan_transfer(shape, dtype, src, dst, src_devices, dst_devices, src_position
   return plan
 
 
+def _host(device):
+  """The process (job, replica, task) of a device name."""
+  spec = tf.DeviceSpec.from_string(device)
+  return (spec.job, spec.replica, spec.task)
+
+
 def _product(segs):
   out = [()]
   for s in segs:
@@ -172,12 +184,26 @@ def _product(segs):
   return out
 
 
-def reshard(x, mesh, spec, log=None):
+def value_elsewhere(shape, dtype, mesh, spec):
+  """A ShardedTensor of which this process holds no tile (its mesh's devices belong to other processes): what a
+  process that only receives passes to `reshard`, naming the value the other processes send."""
+  sharding = to_sharding(spec, mesh, rank=len(shape), what="the value held elsewhere")
+  return ShardedTensor([], sharding, shape, dtype, devices=mesh.resolve_devices(), positions=())
+
+
+def reshard(x, mesh, spec, log=None, wait=True):
   """`x` (a ShardedTensor) moved to `mesh` laid out as `spec` (a `P`, `Sharding` or spec tuple over `mesh`).
 
   Every device of `mesh` receives exactly its slice: pieces of the source tiles it intersects, each from one
-  device holding that tile (itself when it holds one; else the replica that has sent least). `log`: a
-  `TransferLog` that records every piece. Raises InputError for a value this process does not wholly hold.
+  device holding that tile (itself when it holds one; else a replica in its own process when there is one, the
+  one that has sent least). `log`: a `TransferLog` that records every piece.
+
+  Across processes (`gs.initialize`), every process that holds a source tile or a destination device calls
+  `reshard` for the value, in the same order for the same pair of meshes; a process holding none of the source
+  passes `value_elsewhere(shape, dtype, source mesh, source spec)`. A piece between processes is one
+  point-to-point send (TF's collective broadcast in a group of its two devices). The result holds this process's
+  destination devices. `wait=False` returns before this process's sends are received (`wait_for_sends()`
+  waits for them); a pipeline's stages send without waiting, so that neither side blocks the other.
 
   Example:
     >>> y = gs.reshard(x, gs.Mesh((2, 2), ("a", "b"), devices=devs[4:]), gs.P("a", "b"))
@@ -192,40 +218,122 @@ def reshard(x, mesh, spec, log=None):
   src = x.sharding
   src_devices = x._mesh_devices or src.mesh.resolve_devices()  # pylint: disable=protected-access
   dst_devices = mesh.resolve_devices()
-  if not x.is_fully_addressable or len(x.positions) != src.mesh.size:
-    raise InputError(f"a value over {src.mesh} whose devices span several processes cannot be resharded to another "
-                     "mesh here; reshard within one process (cross-process moves are not supported)")
-  plan = plan_transfer(shape, x.dtype, src, dst, src_devices, dst_devices, x.positions)
+  plan = plan_transfer(shape, x.dtype, src, dst, src_devices, dst_devices)
   comps = dict(zip(x.positions, x.components))
-  starts = {p: tile_extent(src, shape, p)[0] for p in x.positions}
-  out = []
+  starts = {p: tile_extent(src, shape, p)[0] for p in range(src.mesh.size)}
   d_shard = dst.shard_shape(shape) if not dst.is_maximal else shape
+  mine = [q for q in range(mesh.size) if _cluster.is_local(dst_devices[q])]
+  mine_set = set(mine)
+  # Sends first (they do not block), so that two processes that each send to and receive from the other do
+  # not both wait in a receive.
   for q in range(mesh.size):
-    out.append(_assemble(plan[q], comps, starts, dst_devices[q], d_shard, x.dtype))
-    if log is not None:
-      log.extend(plan[q])
-  return ShardedTensor(out, dst, shape, x.dtype, devices=dst_devices, positions=tuple(range(mesh.size)))
+    if q not in mine_set:
+      for t in plan[q]:
+        if t.src_position in comps:
+          _send(_cut(t, comps, starts), t)
+  out = [_assemble(plan[q], comps, starts, dst_devices[q], d_shard, x.dtype) for q in mine]
+  if log is not None:   # the pieces this process sends or receives
+    log.extend([t for q in range(mesh.size) for t in plan[q] if q in mine_set or t.src_position in comps])
+  if wait:
+    wait_for_sends()
+  return ShardedTensor(out, dst, shape, x.dtype, devices=dst_devices, positions=tuple(mine))
+
+
+def _cut(t, comps, starts):
+  """The piece `t` cut from its source component, on the device that holds it."""
+  comp = comps[t.src_position]
+  begin = [s.start - a for s, a in zip(t.index, starts[t.src_position])]
+  size = [s.stop - s.start for s in t.index]
+  with tf.device(comp.device):
+    return comp if list(comp.shape) == size else tf.slice(comp, begin, size)
 
 
 def _assemble(pieces, comps, starts, device, shard_shape, dtype):
-  """The destination device's component: its pieces cut where their source tiles live, copied to `device`,
-  concatenated along the grid they form, and zero-padded to `shard_shape`."""
+  """The destination device's component: its pieces cut where their source tiles live (or received from the
+  process that holds them), copied to `device`, concatenated along the grid they form, zero-padded to
+  `shard_shape`."""
   with tf.device(device):
     if not pieces:
       return tf.zeros(shard_shape, dtype)
   moved = []
   for t in pieces:
-    comp = comps[t.src_position]
-    begin = [s.start - a for s, a in zip(t.index, starts[t.src_position])]
-    size = [s.stop - s.start for s in t.index]
-    with tf.device(comp.device):
-      cut = comp if list(comp.shape) == size else tf.slice(comp, begin, size)
-    with tf.device(device):
-      moved.append(tf.identity(cut))
+    if t.src_position in comps:
+      cut = _cut(t, comps, starts)
+      with tf.device(device):
+        moved.append(tf.identity(cut))
+    else:
+      moved.append(_receive(t, dtype))
   with tf.device(device):
     value = _concat_grid(pieces, moved)
     pad = [(0, c - n) for c, n in zip(shard_shape, value.shape)]
     return tf.pad(value, pad) if any(b for _, b in pad) else value
+
+
+# ---- between processes: one send and one receive per piece ---------------------------------------------------
+_PAIR_GROUPS = (1 << 30) + (1 << 26)   # group keys of the pairs: above the programs' and the host gathers'
+SEND_TIMEOUT = 300.0
+_pairs_lock = threading.Lock()
+_pair_count = {}         # (source device, destination device) -> pieces sent or received on that pair so far
+_pending = []            # send threads not yet joined
+_send_errors = []
+
+
+def _pair_keys(t):
+  """(group key, instance key) of piece `t`: the group of its two devices (ordered: a -> b differs from b -> a)
+  and the piece's number on that pair (both processes number a pair's pieces in the same order)."""
+  pair = (t.src_device, t.dst_device)
+  with _pairs_lock:
+    n = _pair_count.get(pair, 0) + 1
+    _pair_count[pair] = n
+  return _PAIR_GROUPS + (zlib.crc32("|".join(pair).encode()) & 0x3FFFFFF), n
+
+
+def _carried(dtype):
+  carried = parallel.CARRIED.get(dtype, dtype)
+  if carried not in (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64):
+    raise InputError(f"a {dtype.name} value cannot move between processes (TF's collectives do not carry it); "
+                     "cast it to a number type first")
+  return carried
+
+
+def _send(value, t):
+  group, instance = _pair_keys(t)
+
+  def run():
+    try:
+      with tf.device(t.src_device):
+        tf.raw_ops.CollectiveBcastSendV2(input=tf.cast(value, _carried(value.dtype)), group_size=2, group_key=group,
+                                         instance_key=instance, timeout_seconds=SEND_TIMEOUT)
+    except Exception as e:  # pylint: disable=broad-except
+      _send_errors.append(e)
+
+  thread = threading.Thread(target=run, daemon=True, name=f"send-{group}-{instance}")
+  thread.start()
+  with _pairs_lock:
+    _pending.append(thread)
+
+
+def _receive(t, dtype):
+  group, instance = _pair_keys(t)
+  with tf.device(t.dst_device):
+    got = tf.raw_ops.CollectiveBcastRecvV2(group_size=2, group_key=group, instance_key=instance,
+                                           shape=[s.stop - s.start for s in t.index], T=_carried(dtype),
+                                           timeout_seconds=SEND_TIMEOUT)
+    return tf.cast(got, dtype)
+
+
+def wait_for_sends():
+  """Waits until every piece this process has sent to another process was received; raises the first send's
+  error (a receiver that never asked: DeadlineExceededError after SEND_TIMEOUT seconds)."""
+  with _pairs_lock:
+    threads = list(_pending)
+    _pending.clear()
+  for thread in threads:
+    thread.join()
+  if _send_errors:
+    error = _send_errors[0]
+    _send_errors.clear()
+    raise error
 
 
 def _concat_grid(pieces, values, axis=0):
