@@ -2,6 +2,9 @@
 unpartitioned program (loss, gradients, SGD steps), the executed orders, the activations alive, the bytes moved
 between stages, and the errors."""
 
+import os
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -12,23 +15,12 @@ from tf_gspmd import P
 from conftest import assert_close
 
 DEVS = [d.name for d in tf.config.list_logical_devices("CPU")]
-V, D, H, T, N = 32, 16, 24, 6, 16   # vocabulary, model dim, hidden dim, tokens per row, batch rows
-
-
-def embed(params, ids):   # embedding-like first stage: a table lookup, averaged over the tokens
-  (table,) = params
-  return tf.reduce_mean(tf.gather(table, ids), axis=1)
-
-
-def blocks(params, h):    # two residual dense blocks
-  w1, w2, w3, w4 = params
-  h = h + tf.tanh(h @ w1) @ w2
-  return h + tf.nn.relu(h @ w3) @ w4
-
-
-def head(params, h, labels):   # vocabulary head with softmax cross-entropy
-  (w,) = params
-  return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, h @ w))
+# The model, shared with the 2-process run (tests/cluster_programs/mpmd_step.py).
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "cluster_programs"))
+from mpmd_step import D, N, blocks, embed, head  # noqa: E402  pylint: disable=g-import-not-at-top
+from mpmd_step import data as _data  # noqa: E402  pylint: disable=g-import-not-at-top
+from mpmd_step import reference as _reference  # noqa: E402  pylint: disable=g-import-not-at-top
+import mpmd_step  # noqa: E402  pylint: disable=g-import-not-at-top
 
 
 def _mesh(shape, names, first):
@@ -39,27 +31,7 @@ M0, M1, M2 = _mesh((1, 2), ("d", "m"), 0), _mesh((2, 2), ("d", "m"), 2), _mesh((
 
 
 def _stages(m0=M0, m1=M1, m2=M2):
-  return [gs.Stage(embed, m0, (P(None, "m"),), P("d", None), P(None, "m")),
-          gs.Stage(blocks, m1, (P(None, "m"), P("m", None), P(None, "m"), P("m", None)), P("d", None), P("d", None)),
-          gs.Stage(head, m2, (P(None, "m"),), P(None, None), target_sharding=P())]
-
-
-def _data(seed=0):
-  rng = np.random.default_rng(seed)
-  f = lambda *s: (rng.normal(size=s) * 0.3).astype(np.float32)  # noqa: E731
-  params = [(f(V, D) * 3,), (f(D, H), f(H, D), f(D, H), f(H, D)), (f(D, V),)]
-  ids = rng.integers(0, V, size=(N, T)).astype(np.int32)
-  labels = rng.integers(0, V, size=(N,)).astype(np.int32)
-  return params, ids, labels
-
-
-def _reference(params, ids, labels):
-  """The unpartitioned step: the whole batch through the three stages, loss and gradients (plain TF)."""
-  ps = [tuple(tf.Variable(p) for p in stage) for stage in params]
-  with tf.GradientTape() as tape:
-    loss = head(ps[2], blocks(ps[1], embed(ps[0], ids)), labels)
-  grads = tape.gradient(loss, ps)
-  return loss.numpy(), [tuple(tf.convert_to_tensor(g).numpy() for g in stage) for stage in grads]
+  return mpmd_step.stages(gs, [m0, m1, m2])
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -188,3 +160,21 @@ def test_errors_name_the_stage_tensor_and_fix():
     gs.mpmd_pipeline(stages, microbatches=4)(params, ids, labels)
   with pytest.raises(gs.InputError, match="schedule='zb'"):
     gs.mpmd_pipeline(_stages(), microbatches=4, schedule="zb")
+
+
+def test_stages_in_two_processes():
+  """2 processes x 4 CPUs (tests/cluster_programs/mpmd_step.py): stage 0 on process 0, stages 1 and 2 on process 1.
+  Each process runs its own stages' orders; loss and gradients equal plain TF's; between the processes move only
+  the receivers' slices: per microbatch, stage 0's activations [4, 16] to stage 1's two devices (replicated
+  there, 2 x 256 B) and their gradients to stage 0's four devices (P(None, "m"), 4 x [4, 8], 512 B)."""
+  from test_cluster import _launch  # pylint: disable=g-import-not-at-top
+  results = _launch(2, "mpmd_step.py")
+  for schedule in ("1f1b", "gpipe"):
+    p0, p1 = results[0][schedule], results[1][schedule]
+    assert p0["stages"] == [0] and p1["stages"] == [1, 2]
+    assert p0["grads_equal"] and p1["grads_equal"]
+    assert p0["loss"] is None and abs(p1["loss"] - p1["want_loss"]) <= 1e-5 * abs(p1["want_loss"])
+    want = [[list(s) for s in o] for o in gs.schedule_order(schedule, 3, 4)]
+    assert p0["order"] == [want[0], [], []] and p1["order"] == [[], want[1], want[2]]
+    assert p0["crossing"] == p1["crossing"] == 4 * (2 * 256 + 4 * 128)
+  assert results[1]["1f1b"]["peak_alive"] == [0, 2, 1] and results[0]["1f1b"]["peak_alive"] == [3, 0, 0]

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd import _cluster
 from tf_gspmd._function import function as gs_function
 from tf_gspmd._mesh import Mesh, P
 from tf_gspmd._sharding import to_sharding
@@ -180,8 +181,12 @@ class MpmdPipeline:
                         node=self._name(i))
     if self.concurrent:
       _check_disjoint(stages, self._name)
+    self._local = [_stage_is_local(s.mesh, self._name(i)) for i, s in enumerate(stages)]
+    if not self.concurrent and not all(self._local):
+      raise InputError("stages in other processes run with concurrent=True only (one dispatch thread per stage)",
+                       node="concurrent")
     self._programs = [self._build(i) for i in range(len(stages))]
-    self._checked = set()
+    self._checked = {}   # argument signature -> each stage's activations (TensorSpec)
     self._seen = set()
     self.last_run = None
 
@@ -228,6 +233,7 @@ class MpmdPipeline:
     key = (tuple(tuple((tuple(v.shape), str(v.dtype)) for v in p) for p in params), tuple(batch.shape),
            str(batch.dtype), None if targets is None else (tuple(targets.shape), str(targets.dtype)))
     if key in self._checked:
+      self._acts = self._checked[key]
       return
     n, b = len(self.stages), self.microbatches
     if len(params) != n:
@@ -246,8 +252,13 @@ class MpmdPipeline:
                        node="targets")
     h = tf.TensorSpec([rows // b] + batch.shape.as_list()[1:], batch.dtype)
     t = tf.TensorSpec([rows // b] + targets.shape.as_list()[1:], targets.dtype)
+    acts = []
     for i in range(n):
       last = i == n - 1
+      if not last and self._local[i] != self._local[i + 1] and self.stages[i].out_sharding is None:
+        raise InputError(f"{self._name(i)} and {self._name(i + 1)} run in different processes: give "
+                         f"{self._name(i)} an out_sharding (both processes must know the layout its activations "
+                         "travel in)", node=self._name(i))
       p_specs = tuple(tf.TensorSpec(v.shape, v.dtype) for v in params[i])
       self._check_shardings(i, p_specs, h)
       try:
@@ -274,7 +285,8 @@ class MpmdPipeline:
                          "floating-point activations: cast them, or end the stage after the next float op",
                          node=self._name(i))
       h = tf.TensorSpec(out.shape, out.dtype)
-    self._checked.add(key)
+      acts.append(h)
+    self._acts = self._checked[key] = acts
 
   def _check_shardings(self, i, p_specs, h):
     stage = self.stages[i]
@@ -300,7 +312,7 @@ class MpmdPipeline:
     n, b = len(self.stages), self.microbatches
     micro = tf.split(batch, b)
     micro_t = tf.split(targets, b)
-    orders = schedule_order(self.schedule, n, b)
+    orders = [o if self._is_local(i) else [] for i, o in enumerate(schedule_order(self.schedule, n, b))]
     t0 = time.perf_counter()
     box = _Mailbox()
     record = RunRecord([[] for _ in range(n)], [0] * n, cross_mesh.TransferLog(), busy=[0.0] * n,
@@ -308,14 +320,33 @@ class MpmdPipeline:
     losses, grads = [None] * b, [None] * n
     log = _Locked(record.transfers, threading.Lock())
     out_layout = [None] * n   # the layout each stage's forward returned its activations in
-
+    local = [self._is_local(i) for i in range(n)]
     saved_inputs = [{} for _ in range(n)]   # per stage: microbatch -> its input, kept from F for B
+
+    def layout_out(i):   # stage i's activations' layout (declared where stage i runs in another process)
+      if out_layout[i] is None:
+        out_layout[i] = to_sharding(self.stages[i].out_sharding, self.stages[i].mesh, rank=self._acts[i].shape.rank)
+      return out_layout[i]
+
+    def pass_on(kind, j, m, value, layout):   # to stage j: a cross-mesh move (sends only, to another process)
+      if local[j]:
+        box.put((kind, j, m), cross_mesh.reshard(value, self.stages[j].mesh, layout, log=log))
+      else:
+        cross_mesh.reshard(value, self.stages[j].mesh, layout, log=log, wait=False)
+
+    def receive(kind, i, m, j, src_layout, dst_layout):   # stage i's input from stage j
+      if local[j]:
+        return box.take((kind, i, m), self._name(i))
+      act = self._acts[min(i, j)]
+      elsewhere = cross_mesh.value_elsewhere(act.shape, act.dtype, self.stages[j].mesh, src_layout)
+      return cross_mesh.reshard(elsewhere, self.stages[i].mesh, dst_layout, log=log)
 
     def step(i, kind, m):
       s, prog, last = self.stages[i], self._programs[i], i == n - 1
       saved = saved_inputs[i]
       if kind == "F":
-        h = micro[m] if i == 0 else box.take(("act", i, m), self._name(i))
+        h = micro[m] if i == 0 else receive("act", i, m, i - 1, layout_out(i - 1) if not local[i - 1] else None,
+                                            _or_replicated(s.in_sharding))
         saved[m] = h
         record.peak_alive[i] = max(record.peak_alive[i], len(saved))
         start = time.perf_counter()
@@ -325,10 +356,10 @@ class MpmdPipeline:
           losses[m] = y
         else:
           out_layout[i] = y.sharding
-          nxt = self.stages[i + 1]
-          box.put(("act", i + 1, m), cross_mesh.reshard(y, nxt.mesh, _or_replicated(nxt.in_sharding), log=log))
+          pass_on("act", i + 1, m, y, _or_replicated(self.stages[i + 1].in_sharding))
       else:
-        seed = micro_t[m] if last else box.take(("grad", i, m), self._name(i))
+        seed = micro_t[m] if last else receive("grad", i, m, i + 1, _or_replicated(self.stages[i + 1].in_sharding),
+                                               layout_out(i))
         h = saved.pop(m)
         start = time.perf_counter()
         acc = grads[i] is not None
@@ -337,7 +368,7 @@ class MpmdPipeline:
         out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         grads[i] = out[:len(params[i])]
         if i > 0:
-          box.put(("grad", i - 1, m), cross_mesh.reshard(out[-1], self.stages[i - 1].mesh, out_layout[i - 1], log=log))
+          pass_on("grad", i - 1, m, out[-1], layout_out(i - 1))
       end = time.perf_counter()
       record.busy[i] += end - start
       record.spans[i].append((kind, m, start - t0, end - t0))
@@ -347,10 +378,16 @@ class MpmdPipeline:
       self._run_threads(orders, step, box)
     else:
       self._run_sequential(orders, step, box)
+    cross_mesh.wait_for_sends()
     record.seconds = time.perf_counter() - t0
     self.last_run = record
+    if losses[0] is None:   # the last stage runs in another process
+      return None, [None if g is None else tuple(g) for g in grads]
     loss = np.mean([np.float64(l.numpy()) for l in losses]).astype(losses[0].dtype.as_numpy_dtype)
-    return loss, [tuple(g) for g in grads]
+    return loss, [None if g is None else tuple(g) for g in grads]
+
+  def _is_local(self, i):
+    return self._local[i]
 
   def _call(self, fn, args):
     """`fn(*args)`; the first call of a signature (which lowers the program) holds a lock, so lowering never
@@ -374,7 +411,7 @@ class MpmdPipeline:
         box.fail(e)
 
     threads = [threading.Thread(target=worker, args=(i,), name=f"mpmd-{self._name(i)}", daemon=True)
-               for i in range(len(orders))]
+               for i in range(len(orders)) if orders[i]]
     for t in threads:
       t.start()
     for t in threads:
@@ -458,6 +495,17 @@ def _or_replicated(spec):
 def _first_line(error):
   text = getattr(error, "message", None) or str(error)
   return text.strip().splitlines()[0] if text.strip() else type(error).__name__
+
+
+def _stage_is_local(mesh, name):
+  """Whether this process drives the stage's submesh (all of it: True; none: False). A submesh split between
+  processes is a MeshError."""
+  mine = [_cluster.is_local(d) for d in mesh.resolve_devices()]
+  if any(mine) and not all(mine):
+    raise MeshError(f"{name}'s submesh {mesh} has devices in several processes; an MPMD stage runs in one "
+                    "process: give it devices of one process (stages in different processes exchange their "
+                    "activations by cross-mesh sends)", node=name)
+  return all(mine)
 
 
 def _check_disjoint(stages, name):
