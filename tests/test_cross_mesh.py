@@ -9,6 +9,8 @@ import tf_gspmd as gs
 from tf_gspmd import P
 from tf_gspmd.runtime import cross_mesh
 
+import cluster_runs
+
 DEVS = [d.name for d in tf.config.list_logical_devices("CPU")]
 
 
@@ -118,12 +120,13 @@ def test_errors():
     gs.reshard(sx, b, P("y", None, None))
 
 
-def test_between_processes_each_destination_receives_its_slice():
+def test_between_processes_each_destination_receives_its_slice(exchange):
   """2 processes x 4 CPUs (tests/cluster_programs/cross_mesh_move.py): meshes within one process, across both,
   uneven and 3-D; every destination shard holds its slice, received as exactly its bytes, and only the pieces
   the slices need cross between the processes (none when the receiving process holds a replica)."""
-  from test_cluster import _launch  # pylint: disable=g-import-not-at-top
-  results = _launch(2, "cross_mesh_move.py")
+  if exchange == "collectives":
+    pytest.skip("the processes exchange through TF's collectives under either option; run once")
+  results = cluster_runs.launch(2, "cross_mesh_move.py")
   for k, r in results.items():
     for name, case in r.items():
       if name == "process":

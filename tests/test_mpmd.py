@@ -12,6 +12,7 @@ import tensorflow as tf
 import tf_gspmd as gs
 from tf_gspmd import P
 
+import cluster_runs
 from conftest import assert_close
 
 DEVS = [d.name for d in tf.config.list_logical_devices("CPU")]
@@ -162,13 +163,14 @@ def test_errors_name_the_stage_tensor_and_fix():
     gs.mpmd_pipeline(_stages(), microbatches=4, schedule="zb")
 
 
-def test_stages_in_two_processes():
+def test_stages_in_two_processes(exchange):
   """2 processes x 4 CPUs (tests/cluster_programs/mpmd_step.py): stage 0 on process 0, stages 1 and 2 on process 1.
   Each process runs its own stages' orders; loss and gradients equal plain TF's; between the processes move only
   the receivers' slices: per microbatch, stage 0's activations [4, 16] to stage 1's two devices (replicated
   there, 2 x 256 B) and their gradients to stage 0's four devices (P(None, "m"), 4 x [4, 8], 512 B)."""
-  from test_cluster import _launch  # pylint: disable=g-import-not-at-top
-  results = _launch(2, "mpmd_step.py")
+  if exchange == "collectives":
+    pytest.skip("the processes exchange through TF's collectives under either option; run once")
+  results = cluster_runs.launch(2, "mpmd_step.py")
   for schedule in ("1f1b", "gpipe"):
     p0, p1 = results[0][schedule], results[1][schedule]
     assert p0["stages"] == [0] and p1["stages"] == [1, 2]

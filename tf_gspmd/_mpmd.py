@@ -19,6 +19,13 @@ Stages run concurrently: one dispatch thread per stage runs its stage's order, e
 activation (or gradient) it needs from the neighbouring stage; the submeshes must then be disjoint.
 `concurrent=False` runs the same per-stage orders from one thread (a step is taken by the first stage, in stage
 order, whose next input is ready), where submeshes may share devices.
+
+Across processes (`gs.initialize`): every process builds the same pipeline and calls it with the same
+arguments; each runs the stages whose submeshes are its own devices (a stage's submesh lies in one process).
+At a boundary between processes the activations and gradients go as point-to-point sends of the receivers'
+slices (the sender does not wait for them), and the sending stage must declare its `out_sharding`, the layout
+both processes plan the move from. The loss is returned in the process of the last stage (None elsewhere), and
+each process gets the gradients of its own stages (None for the others).
 """
 
 import dataclasses
@@ -159,7 +166,9 @@ class MpmdPipeline:
   (arrays, tf.Tensors or ShardedTensors on stage i's mesh); `batch` and `targets` (host values) have the batch
   on dim 0 and are split into the microbatches. Returns the loss (the mean of the microbatch losses, a numpy
   scalar) and, per stage, the tuple of its parameters' gradients (ShardedTensors on its mesh laid out like the
-  parameters): the gradients of that mean. `last_run` is the step's `RunRecord`.
+  parameters): the gradients of that mean. `last_run` is the step's `RunRecord`. Over several processes, the
+  loss is None except in the process of the last stage, and a stage that runs in another process has None in
+  place of its gradients.
   """
 
   def __init__(self, stages, microbatches, schedule="1f1b", loss_fn=None, concurrent=True, exchange="auto"):
