@@ -163,6 +163,23 @@ def test_errors_name_the_stage_tensor_and_fix():
     gs.mpmd_pipeline(_stages(), microbatches=4, schedule="zb")
 
 
+def test_a_failing_stage_fails_the_step_without_hanging():
+  """A stage whose program raises at run time (an assertion on the values): the step raises that error, the
+  other stages' threads stop instead of waiting for values that never come."""
+  params, ids, labels = _data()
+  stages = _stages()
+
+  def checked(ps, h):
+    with tf.control_dependencies([tf.debugging.assert_less(tf.reduce_max(tf.abs(h)), 1e-3, message="too large")]):
+      return blocks(ps, h)
+
+  stages[1] = gs.Stage(checked, M1, stages[1].param_shardings, P("d", None), P("d", None))
+  with pytest.raises(tf.errors.InvalidArgumentError, match="too large"):
+    gs.mpmd_pipeline(stages, microbatches=4)(params, ids, labels)
+  with pytest.raises(gs.InputError, match="exchange='nccl'"):
+    gs.mpmd_pipeline(_stages(), microbatches=4, exchange="nccl")
+
+
 def test_stages_in_two_processes(exchange):
   """2 processes x 4 CPUs (tests/cluster_programs/mpmd_step.py): stage 0 on process 0, stages 1 and 2 on process 1.
   Each process runs its own stages' orders; loss and gradients equal plain TF's; between the processes move only

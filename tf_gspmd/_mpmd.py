@@ -178,6 +178,8 @@ class MpmdPipeline:
     if not isinstance(microbatches, int) or microbatches < 1:
       raise InputError(f"microbatches={microbatches!r}: give a positive int", node="microbatches")
     schedule_order(schedule, len(stages), 1)
+    if exchange not in ("auto", "collectives"):
+      raise InputError(f"exchange={exchange!r}: give 'auto' or 'collectives'", node="exchange")
     self.stages = stages
     self.microbatches = microbatches
     self.schedule = schedule
