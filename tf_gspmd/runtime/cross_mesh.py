@@ -4,10 +4,11 @@ resharding between pipeline stages), each destination device receiving exactly i
 Plan, then move. `plan_transfer` is pure: for every destination device it intersects the device's slice of the
 global value (padding excluded) with the source tiles. The intersections of two tilings form a grid, so the
 slice is covered by pieces, one per source tile it meets; each piece comes from one device holding that tile:
-the destination device itself when it holds a copy (a local copy), else the replica that has sent the fewest
-bytes so far (replicas share the load). `move` runs the plan: each piece is cut on the device that holds the
-source tile and copied to its destination device, where the pieces are concatenated and padded to the
-destination's shard shape. Nothing is gathered: a device receives the bytes of its slice and no more.
+the destination device itself when it holds a copy (a local copy), else, among the replicas in the destination's
+process (all of them when there are none), the one that has sent the fewest bytes so far (replicas share the
+load). `reshard` runs the plan: each piece is cut on the device that holds the source tile and copied to its
+destination device, where the pieces are concatenated and padded to the destination's shard shape. Nothing is
+gathered: a device receives the bytes of its slice and no more.
 
 The two meshes may share devices or not; their shardings are independent (uneven splits included), and their
 devices may belong to different processes: a piece whose two devices are in different processes is one
@@ -130,23 +131,21 @@ def _segments(lo, n, tile):
   return out
 
 
-def plan_transfer(shape, dtype, src, dst, src_devices, dst_devices, src_positions=None):
+def plan_transfer(shape, dtype, src, dst, src_devices, dst_devices):
   """The pieces that move a value of `shape`/`dtype` laid out as Sharding `src` over `src_devices` to Sharding
   `dst` over `dst_devices`: {destination position: [Transfer]} (pieces in row-major order of the grid they form;
-  an empty list for a padding-only or empty slice). `src_positions`: the source positions that hold data
-  (default all). Pure: no tensors, sized by the number of pieces only."""
+  an empty list for a padding-only or empty slice). Pure: no tensors, sized by the number of pieces only."""
   shape = tuple(int(n) for n in shape)
   rank = len(shape)
   itemsize = tf.as_dtype(dtype).size
-  src_positions = tuple(range(src.mesh.size)) if src_positions is None else tuple(src_positions)
   # Source tiles: start of the tile per dim -> the positions holding it.
   replicas = {}
   whole = src.is_maximal or src.is_replicated
   s_tile = None if whole else src.with_rank(rank).shard_shape(shape)
-  for p in src_positions:
+  for p in range(src.mesh.size):
     if holds_tile(src, p):
       replicas.setdefault(tile_extent(src, shape, p)[0], []).append(p)
-  sent = {p: 0 for p in src_positions}
+  sent = {p: 0 for p in range(src.mesh.size)}
   plan = {}
   for q in range(dst.mesh.size):
     d_start, d_len = tile_extent(dst, shape, q)
