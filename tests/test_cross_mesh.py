@@ -140,3 +140,42 @@ def test_between_processes_each_destination_receives_its_slice(exchange):
   assert results[1]["replicated_stays_in_process"]["crossing"] == 0
   both = results[0]["both_to_both"]
   assert 0 < both["crossing"] < both["whole_value_bytes"]
+
+
+def _random_case(rng):
+  """A random (shape, source mesh and spec, destination mesh and spec): 1 to 3 dims of 1 to 9, meshes of 1 to 3
+  axes over random subsets of the 8 devices (any order), each dim split over a random subset of axes."""
+  def mesh(names):
+    shape = [(1, 2, 4, 8), (2, 2, 2, 4), (2, 2, 2)][rng.integers(3)][:rng.integers(1, 4)]
+    while int(np.prod(shape)) > 8:
+      shape = shape[:-1]
+    devices = [DEVS[k] for k in rng.permutation(8)[:int(np.prod(shape))]]
+    return gs.Mesh(tuple(shape), names[:len(shape)], devices=devices)
+
+  def spec(m, rank):
+    axes = list(m.axis_names)
+    rng.shuffle(axes)
+    dims = [[] for _ in range(rank)]
+    for a in axes:
+      k = rng.integers(rank + 1)
+      if k < rank:
+        dims[k].append(a)
+    return P(*[tuple(d) if d else None for d in dims])
+
+  shape = tuple(int(n) for n in rng.integers(1, 10, size=rng.integers(1, 4)))
+  a, b = mesh(("a", "b", "c")), mesh(("x", "y", "z"))
+  return shape, a, spec(a, len(shape)), b, spec(b, len(shape))
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_pairs(seed):
+  rng = np.random.default_rng(seed)
+  shape, a, sa, b, sb = _random_case(rng)
+  x = rng.normal(size=shape).astype(np.float32)
+  log = gs.TransferLog()
+  y = gs.reshard(_placed(x, a, sa), b, sb, log)
+  np.testing.assert_array_equal(y.numpy(), x)
+  received = log.bytes_received()
+  for shard in gs.shards_of(y):
+    assert received.get(shard.device, 0) == int(np.prod(shard.shape)) * 4, (shape, sa, sb, str(log))
+    np.testing.assert_array_equal(shard.numpy(), x[shard.index])

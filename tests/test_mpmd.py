@@ -86,9 +86,10 @@ def test_bytes_between_stages_are_the_receivers_slices():
     assert received[d] == want, (d, str(pipe.last_run.transfers))
 
 
-def test_sgd_steps_equal_plain_tensorflow():
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_sgd_steps_equal_plain_tensorflow(schedule):
   params, ids, labels = _data(1)
-  pipe = gs.mpmd_pipeline(_stages(), microbatches=2, schedule="1f1b")
+  pipe = gs.mpmd_pipeline(_stages(), microbatches=2, schedule=schedule)
   ref = [tuple(tf.Variable(p) for p in stage) for stage in params]
   got_losses, want_losses = [], []
   for _ in range(3):
