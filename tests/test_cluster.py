@@ -21,27 +21,13 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 PROGRAMS = os.path.join(os.path.dirname(__file__), "cluster_programs")
 sys.path.insert(0, PROGRAMS)
 import megatron_step  # noqa: E402  pylint: disable=g-import-not-at-top
+import cluster_runs  # noqa: E402  pylint: disable=g-import-not-at-top
 
 MESH = gs.Mesh((2, 4), ("data", "model"))
 
 
-def _env():
-  return dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
-
-
-def _launch(workers, program, *args, timeout=300, devices_per_worker=None):
-  per = [f"--devices_per_worker={devices_per_worker}"] if devices_per_worker else []
-  out = subprocess.run([sys.executable, "-m", "tf_gspmd.launch", f"--workers={workers}", *per, "--",
-                        os.path.join(PROGRAMS, program), *args], capture_output=True, text=True, timeout=timeout,
-                       env=_env(), cwd=ROOT, check=False)
-  assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-  results = {}
-  for line in out.stdout.splitlines():
-    if "RESULT " in line:
-      r = json.loads(line.split("RESULT ", 1)[1])
-      results[r["process"]] = r
-  assert sorted(results) == list(range(workers)), out.stdout[-4000:]
-  return results
+_env = cluster_runs.env
+_launch = cluster_runs.launch
 
 
 def test_device_order_is_processes_major():

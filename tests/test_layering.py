@@ -19,7 +19,7 @@ FLOORS = (   # lowest first; a module belongs to the floor of its longest matchi
     ("ops", ("tf_gspmd.ops",)),
     ("rewriter", ("tf_gspmd.rewriter",)),
     ("runtime", ("tf_gspmd.runtime",)),
-    ("api", ("tf_gspmd", "tf_gspmd._function", "tf_gspmd._pipeline", "tf_gspmd._visualize", "tf_gspmd.keras",
+    ("api", ("tf_gspmd", "tf_gspmd._function", "tf_gspmd._pipeline", "tf_gspmd._mpmd", "tf_gspmd._visualize", "tf_gspmd.keras",
              "tf_gspmd.tpu")),
 )
 

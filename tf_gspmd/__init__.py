@@ -18,12 +18,14 @@ from tf_gspmd._annotations import mesh_split, replicate, shard
 from tf_gspmd._function import Lowered, ShardedFunction, function
 from tf_gspmd._cluster import initialize, is_local, local_devices, process_count, process_index, split_cpu_devices
 from tf_gspmd._mesh import Mesh, P
+from tf_gspmd._mpmd import MpmdPipeline, RunRecord, Stage, mpmd_pipeline, schedule_order
 from tf_gspmd._pipeline import pipeline, stack_stages, unstack_stages
 from tf_gspmd._plan_scope import plan_scope
 from tf_gspmd._sharding import Sharding
 from tf_gspmd._visualize import visualize_sharding
 from tf_gspmd.errors import (AutoShardingError, ClusterJoinError, InputError, MeshError, PartitionError, ProcessLostError, ShapeError,
                              ShardingError, SpecError, UnsupportedOpError)
+from tf_gspmd.runtime.cross_mesh import Transfer, TransferLog, plan_transfer, reshard, value_elsewhere, wait_for_sends
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor, from_process_local_data
 from tf_gspmd.runtime.shards import Shard, shards_of
 from tf_gspmd.runtime.state import sharding_of, variable
@@ -35,7 +37,8 @@ __all__ = [
     "Lowered", "ShardedTensor", "plan_scope", "pipeline", "stack_stages", "unstack_stages",
     "from_process_local_data", "sharding_of", "shards_of", "Shard", "variable", "initializers", "visualize_sharding", "ShardingError",
     "MeshError", "SpecError", "ShapeError", "PartitionError", "UnsupportedOpError", "InputError", "ProcessLostError", "ClusterJoinError",
-    "AutoShardingError", "tpu", "tpu_mesh",
+    "AutoShardingError", "tpu", "tpu_mesh", "Stage", "mpmd_pipeline", "MpmdPipeline", "RunRecord", "schedule_order",
+    "reshard", "plan_transfer", "Transfer", "TransferLog", "value_elsewhere", "wait_for_sends",
 ]
 __version__ = "0.1.0"
 

@@ -23,8 +23,8 @@ _parallel_devices = {}
 _HOST_GATHER_GROUPS = 1 << 30       # group keys of host gathers: above every program's (those are < 2**30 + 1)
 _host_instances = itertools.count(1 << 28)
 HOST_GATHER_TIMEOUT = 300.0
-# Dtypes an all-gather carries wider (bit-exact), as in the programs.
-_CARRIED = {tf.bool: tf.int32, tf.int8: tf.int32, tf.uint8: tf.int32, tf.int16: tf.int32, tf.uint16: tf.int32,
+# Dtypes an all-gather (and a cross-mesh send) carries wider (bit-exact), as in the programs.
+CARRIED = {tf.bool: tf.int32, tf.int8: tf.int32, tf.uint8: tf.int32, tf.int16: tf.int32, tf.uint16: tf.int32,
             tf.bfloat16: tf.float32}
 
 
@@ -99,7 +99,7 @@ def gather_to_host(devices, components):
   if where.fully_local:
     return {p: c.numpy() for p, c in zip(where.positions, components)}
   dtype = components[0].dtype
-  carried = _CARRIED.get(dtype, dtype)
+  carried = CARRIED.get(dtype, dtype)
   if dtype.is_complex or dtype in (tf.string, tf.variant, tf.resource):
     raise InputError(f"a {dtype.name} value split across processes cannot be fetched to the host (TF collectives "
                      "cannot carry it); return it replicated or as numbers")

@@ -3,6 +3,7 @@
 import tensorflow as tf
 
 from tf_gspmd.errors import InputError
+from tf_gspmd.runtime.cross_mesh import tile_extent
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 from tf_gspmd.runtime.state import storage_of
 
@@ -61,12 +62,7 @@ def shards_of(x):
     for p, comp in zip(x.positions, x.components):
       if s.is_maximal and p != s.maximal:
         continue
-      if s.is_maximal or s.is_replicated:
-        starts, lengths = (0,) * len(shape), shape
-      else:
-        local = s.with_rank(len(shape)).shard_shape(shape)
-        starts = tuple(s.with_rank(len(shape)).tile_index(p, d) * local[d] for d in range(len(shape)))
-        lengths = tuple(max(0, min(c, n - a)) for c, n, a in zip(local, shape, starts))
+      starts, lengths = tile_extent(s, shape, p)
       out.append(_shard_record(devices[p], p, shape, starts, lengths, comp))
     return out
   storage = storage_of(x)

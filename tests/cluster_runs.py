@@ -1,0 +1,30 @@
+"""Runs a program of tests/cluster_programs/ as several processes on 127.0.0.1 (`python -m tf_gspmd.launch`) and
+collects the JSON line each process prints after "RESULT ". Shared by the multi-process tests."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+PROGRAMS = os.path.join(os.path.dirname(__file__), "cluster_programs")
+
+
+def env():
+  return dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+
+
+def launch(workers, program, *args, timeout=300, devices_per_worker=None):
+  """{process index: its RESULT record} of `program` run by `workers` processes; asserts every one succeeded."""
+  per = [f"--devices_per_worker={devices_per_worker}"] if devices_per_worker else []
+  out = subprocess.run([sys.executable, "-m", "tf_gspmd.launch", f"--workers={workers}", *per, "--",
+                        os.path.join(PROGRAMS, program), *args], capture_output=True, text=True, timeout=timeout,
+                       env=env(), cwd=ROOT, check=False)
+  assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+  results = {}
+  for line in out.stdout.splitlines():
+    if "RESULT " in line:
+      r = json.loads(line.split("RESULT ", 1)[1])
+      results[r["process"]] = r
+  assert sorted(results) == list(range(workers)), out.stdout[-4000:]
+  return results
