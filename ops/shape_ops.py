@@ -5,7 +5,10 @@ Transpose/ExpandDims/Squeeze are pure dimension mappings; Tile and BroadcastTo k
 and produce broadcast dims locally at their shard size. Reshape is GSPMD's group rule: input and output
 dims are cut into minimal groups of equal size; a 1:1 group passes its split; a split or merge group keeps
 the split on the major dim when its size divides by the number of shards (so the local reshape of the
-shards is exact); any other group is replicated before the reshape and re-split after (local slices).
+shards is exact); any other group is replicated before the reshape and re-split after (local slices). Partitioning
+picks the input layout by cost: the one the completed output maps back to, the whole value, or the operand's
+own layout with one dim's split moved onto another dim (one all-to-all), whichever sends the fewest bytes per
+device in all (the operand's reshard plus the result's).
 """
 
 import math
