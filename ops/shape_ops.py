@@ -5,7 +5,10 @@ Transpose/ExpandDims/Squeeze are pure dimension mappings; Tile and BroadcastTo k
 and produce broadcast dims locally at their shard size. Reshape is GSPMD's group rule: input and output
 dims are cut into minimal groups of equal size; a 1:1 group passes its split; a split or merge group keeps
 the split on the major dim when its size divides by the number of shards (so the local reshape of the
-shards is exact); any other group is replicated before the reshape and re-split after (local slices).
+shards is exact); any other group is replicated before the reshape and re-split after (local slices). Partitioning
+picks the input layout by cost: the one the completed output maps back to, the whole value, or the operand's
+own layout with one dim's split moved onto another dim (one all-to-all), whichever sends the fewest bytes per
+device in all (the operand's reshard plus the result's).
 """
 
 import math
@@ -162,19 +165,55 @@ class Reshape(Rule):
       return [[], []]
     return [[self._convert(node, s, False)], []]
 
+  def _exact(self, node, need):
+    """The layout the local reshape of `need`'s shards produces, or None when that reshape is not exact (a split
+    the reshape cannot carry, or shards whose element counts differ)."""
+    natural = self._convert(node, need, True)
+    used = lambda s: sorted(a for dims in s.dims for a in dims)
+    if used(need) != used(natural):
+      return None
+    if math.prod(need.shard_shape(node.input_shape(0))) != math.prod(natural.shard_shape(node.outputs[0].shape)):
+      return None
+    return natural
+
+  def _candidates(self, ctx, node, target):
+    """Input layouts to reshape from: the target's own (splits the group rule maps back), whole, and the
+    operand's current layout with one dim's split moved onto another dim (one all-to-all where it moves)."""
+    rank = len(node.input_shape(0))
+    yield self._convert(node, target, False)
+    yield Sharding(ctx.mesh, ((),) * rank)
+    cur = ctx.current(0)
+    if cur is None or cur.is_maximal:
+      return
+    cur = cur.with_rank(rank)
+    yield cur
+    for d in range(rank):
+      if not cur.dims[d]:
+        continue
+      for e in range(rank):
+        if e != d:
+          dims = list(cur.dims)
+          dims[e], dims[d] = dims[e] + dims[d], ()
+          yield Sharding(ctx.mesh, tuple(dims))
+
   def partition(self, ctx, node):
+    """Reshape the shards locally from the input layout that costs the fewest bytes per device in all: bringing
+    the operand to it, plus bringing the local reshape's result to the completed layout. Splits that move across
+    shard boundaries go by all-to-all where that is cheaper than gathering them."""
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     target = ctx.target(0)
-    need = self._convert(node, target, False)            # input layout the target's splits come from
-    natural = self._convert(node, need, True)            # what the local reshape then produces
+    best = None
+    for need in self._candidates(ctx, node, target):
+      natural = self._exact(node, need)
+      if natural is None:
+        continue
+      cost = ctx.operand_cost(0, need) + ctx.output_cost(0, natural)
+      if best is None or cost < best[0]:
+        best = (cost, need, natural)
+    _, need, natural = best
     x = ctx.operand(0, need)
-    local = natural.shard_shape(node.outputs[0].shape)
-    if x.shape.num_elements() != math.prod(local):
-      need = Sharding(ctx.mesh, ((),) * len(node.input_shape(0)))
-      natural = Sharding(ctx.mesh, ((),) * len(node.outputs[0].shape))
-      x = ctx.operand(0, need)
-      local = node.outputs[0].shape
     shape_dtype = node.input_info(1).dtype
+    local = natural.shard_shape(node.outputs[0].shape)
     (y,) = ctx.clone(node, {0: x, 1: tf.constant(local, shape_dtype)})
     ctx.set_output(0, y, natural)
 

@@ -12,6 +12,7 @@ import tensorflow as tf
 from tf_gspmd.errors import ShapeError
 from tf_gspmd.ops.registry import unknown_rank
 from tf_gspmd.ops.tensor_list import LIST_OPS, ListShape
+from tf_gspmd.rewriter import shape_refine
 from tf_gspmd.rewriter.graph_view import GraphView, ref, split_ref
 
 _SHAPELESS = (tf.resource, tf.variant, tf.string)
@@ -132,7 +133,11 @@ class Graph:
         outs.append(TensorInfo(shape, t.dtype))
       infos[op.name] = outs
     _attach_variable_shapes(tf_graph, infos)
-    _attach_list_element_shapes(tf_graph, infos)
+    _attach_list_element_shapes(tf_graph, infos, shape_refine.loop_list_shapes(tf_graph, graph_def))
+    opaque = {op.name for op in tf_graph.get_operations()   # computed from a value of unknown rank
+              if any(unknown_rank(infos[x.op.name][x.value_index]) for x in op.inputs)}
+    shape_refine.refine(tf_graph, infos, lambda old, shape: TensorInfo(shape, old.dtype, old.value_shape,
+                                                                      old.value_dtype), unknown_rank)
     try:
       order = GraphView(graph_def).order()
     except ValueError as e:
@@ -140,7 +145,7 @@ class Graph:
     for nd in order:  # the first dynamic tensor in data-flow order is the cause
       if nd.name in dynamic:
         t, op = dynamic[nd.name]
-        if any(unknown_rank(infos[x.op.name][x.value_index]) for x in op.inputs):
+        if op.name in opaque:
           continue   # computed from a tensor of unknown rank (a loop gradient's, a call's): as opaque as it is
         raise ShapeError(f"tensor {t.name} produced by {op.type} has dynamic shape {t.shape}; tf_gspmd needs static "
                          "shapes: trace with fully defined TensorSpecs and avoid ops with data-dependent shapes",
@@ -228,8 +233,9 @@ def _list_element_shape(op):
   return (shape[1:] if kind.endswith("stacked") else shape), t.dtype
 
 
-def _attach_list_element_shapes(tf_graph, infos):
-  """Give every TensorList handle its elements' shape: read off the list ops, carried through loops."""
+def _attach_list_element_shapes(tf_graph, infos, loop_lists=None):
+  """Give every TensorList handle its elements' shape: read off the list ops, carried through loops (a loop's list
+  variable also takes the element shape its body writes, `loop_lists`: {(While name, index): (shape, dtype)})."""
   def give(t, shape, dtype):
     outs = infos[t.op.name]
     old = outs[t.value_index]
@@ -244,6 +250,10 @@ def _attach_list_element_shapes(tf_graph, infos):
       element = tf.TensorShape(op.get_attr(ListShape.ATTRS[0]))
       if element.is_fully_defined():
         give(op.outputs[0], tuple(element.as_list()), op.get_attr(ListShape.ATTRS[1]))
+  for (name, k), (shape, dtype) in (loop_lists or {}).items():
+    op = tf_graph.get_operation_by_name(name)
+    give(op.outputs[k], shape, dtype)
+    give(op.inputs[k], shape, dtype)
   changed = True
   while changed:
     changed = False

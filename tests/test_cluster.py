@@ -6,8 +6,10 @@ Multi-process runs are subprocesses on 127.0.0.1 with timeouts, so a hang fails 
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -131,6 +133,28 @@ def test_initialize_with_a_missing_peer_fails_in_time_naming_it():
     assert f"task(s) worker:{other} ({address}) did not connect" in e["message"], e
     assert "join_timeout=15 s" in e["message"] and "Start every process" in e["message"], e
     assert e["took"] < 15 + 10, e
+
+
+def test_sigterm_while_waiting_for_a_missing_peer_stops_initialize_at_once():
+  # Both tasks alone (each its own cluster of two whose other task never starts), join_timeout far away: SIGTERM
+  # a few seconds in ends the wait within seconds with ClusterJoinError naming the task waited for.
+  runs = [_alone(k, 120) for k in (0, 1)]
+  for k, (proc, config) in enumerate(runs):
+    try:
+      assert proc.stdout.readline().strip() == "JOINING"
+      time.sleep(5)
+      proc.send_signal(signal.SIGTERM)
+      sent = time.monotonic()
+      out, _ = proc.communicate(timeout=30)
+      took = time.monotonic() - sent
+    finally:
+      proc.kill()
+    assert took < 5, took
+    lines = [l for l in out.splitlines() if l.startswith("ERROR ")]
+    assert lines, out[-2000:]
+    e = json.loads(lines[0][6:])
+    assert e["type"] == "ClusterJoinError" and "SIGTERM" in e["message"], e
+    assert e["missing"] == [f"/job:worker/replica:0/task:{1 - k}"], e
 
 
 @pytest.mark.parametrize("text,match", [

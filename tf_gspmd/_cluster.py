@@ -15,7 +15,10 @@ A process that never calls `initialize` (or whose resolver describes no cluster)
 import json
 import os
 import re
+import signal
+import socket
 import threading
+import time
 
 from tf_gspmd import _compat
 from tf_gspmd._mesh import JOB_ORDER
@@ -83,6 +86,7 @@ def initialize(cluster_resolver=None, *, cpu_devices=None, heartbeat_timeout=30.
                         f"multiple of {len(tasks)}")
       _configure_cpu_devices(cpu_devices // len(tasks))
     leader = f"/job:{tasks[0][0]}/replica:0/task:{tasks[0][1]}"
+    _wait_for_peers(spec, tasks, (job, task), join_timeout)
     try:
       _compat.enable_cluster_collectives(spec, job, task, leader, heartbeat_timeout, join_timeout)
       _compat.coordination_barrier("tf_gspmd_initialize", join_timeout)
@@ -116,6 +120,64 @@ def _check_tf_config(text):
       task.get("index"), int) and not isinstance(task.get("index"), bool))):
     raise MeshError(f"TF_CONFIG's \"task\" must give this process's job \"type\" (a string) and \"index\" (an int); "
                     f"got {task!r}: {fix}", node="TF_CONFIG")
+
+
+def _host_port(address):
+  host, _, port = address.rpartition(":")
+  return host.strip("[]"), int(port)
+
+
+def _wait_for_peers(spec, tasks, me, join_timeout):
+  """Waits, in Python, until every other task of the cluster has started: its address accepts connections (this
+  process's own address listens meanwhile, as its server will). TensorFlow's join that follows holds the GIL and
+  takes over SIGTERM until every task has registered; waiting for the peers here first keeps a process whose peer
+  never starts responsive: SIGTERM stops it at once with ClusterJoinError, and past `join_timeout`
+  ClusterJoinError names the tasks that never started."""
+  deadline = time.monotonic() + join_timeout
+  listener = None
+  try:
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("", _host_port(spec.task_address(*me))[1]))
+    listener.listen(64)   # the kernel accepts the peers' probes: no thread needed
+  except (OSError, ValueError):
+    if listener is not None:
+      listener.close()
+    listener = None   # (the address is taken or not this host's: TensorFlow's join reports what it finds)
+  waiting = [t for t in tasks if t != me]
+
+  def stop(signum, frame):  # pylint: disable=unused-argument
+    raise _missing_error(spec, tasks, me, waiting, join_timeout, "it received SIGTERM while waiting for them")
+
+  previous = None
+  if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+    previous = signal.signal(signal.SIGTERM, stop)
+  try:
+    while waiting:
+      for t in list(waiting):
+        try:
+          socket.create_connection(_host_port(spec.task_address(*t)), timeout=0.2).close()
+          waiting.remove(t)
+        except (OSError, ValueError):
+          pass
+      if waiting:
+        if time.monotonic() >= deadline:
+          raise _missing_error(spec, tasks, me, waiting, join_timeout, "they never started")
+        time.sleep(0.1)
+  finally:
+    if previous is not None:
+      signal.signal(signal.SIGTERM, previous)
+    if listener is not None:
+      listener.close()
+
+
+def _missing_error(spec, tasks, me, missing, join_timeout, detail):
+  where = ", ".join(f"{j}:{t} ({spec.task_address(j, t)})" for j, t in missing)
+  return ClusterJoinError(
+      f"task {me[0]}:{me[1]} could not join the cluster {spec.as_dict()} within join_timeout={join_timeout:g} s: "
+      f"task(s) {where} did not connect ({detail}). Start every process of the cluster (the same cluster spec, its "
+      "own task index), check that their addresses are reachable, or give gs.initialize a larger join_timeout.",
+      missing=[f"/job:{j}/replica:0/task:{t}" for j, t in missing], node=f"{me[0]}:{me[1]}")
 
 
 _TASK_NAME = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")

@@ -99,3 +99,74 @@ def test_tile_and_broadcast_to(rng, spec):
 
   args = [rng.standard_normal((8, 12)).astype(np.float32), rng.standard_normal((12,)).astype(np.float32)]
   check_partitioned(fn, args, (spec, None), MESH)
+
+
+# Reshapes whose shard boundaries move: (input shape, input spec, output shape, output spec). Merges whose minor dim
+# is split, merges of two split dims (a flattened [batch, rows, cols] as a per-pixel loss reads it), a batch split
+# over more devices than it has rows (most shards padding), splits of an uneven dim and a split that moves from
+# one group to another.
+MOVING = [
+    ((8, 12), P(None, "model"), (96,), P("model")),
+    ((8, 12), P(None, "model"), (96,), None),
+    ((4, 8, 6), P("data", "model", None), (192,), P(("data", "model"))),
+    ((4, 8, 6), P("data", "model", None), (192,), P()),
+    ((2, 8, 16), P("model", None, None), (16, 16), P()),
+    ((3, 5, 7), P("model", None, "data"), (15, 7), P("model", "data")),
+    ((6, 10), P("model", None), (3, 2, 10), P("model", None, None)),
+    ((6, 10), P(None, "model"), (60,), P("model")),
+    ((12, 10), P("model", None), (4, 30), P(None, "model")),
+]
+
+
+@pytest.mark.parametrize("shape,spec,out_shape,out_spec", MOVING, ids=[f"{a}{b}->{c}{d}" for a, b, c, d in MOVING])
+def test_reshape_moving_shard_boundaries_matches_unpartitioned(rng, shape, spec, out_shape, out_spec):
+  x = rng.standard_normal(shape).astype(np.float32)
+
+  def f(x):
+    return tf.reshape(x * 2.0, out_shape) + 1.0
+
+  f_ = gs.function(f, mesh=MESH, in_shardings=spec, out_shardings=out_spec)
+  assert_close(f_(x).numpy(), f(tf.constant(x)).numpy(), rtol=0, atol=0)
+
+
+def _reshape_collectives(low):
+  return [c for c in low.report.collectives if "Reshape" in c.source]
+
+
+def test_reshape_moves_a_split_by_all_to_all_when_that_sends_less():
+  """[8, 12] split on its minor dim flattened to [96] split over `model`: moving the split onto the major dim
+  (one all-to-all of the shard) and reshaping locally sends less than gathering the input and slicing."""
+  from tf_gspmd.rewriter import reshard  # pylint: disable=g-import-not-at-top
+  from tf_gspmd._sharding import Sharding  # pylint: disable=g-import-not-at-top
+  x = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+  f = gs.function(lambda x: tf.reshape(x, [96]), mesh=MESH, in_shardings=P(None, "model"), out_shardings=P("model"))
+  assert_close(f(x).numpy(), x.reshape(-1), rtol=0, atol=0)
+  low = f.lower(tf.TensorSpec([8, 12]))
+  kinds = [c.kind for c in _reshape_collectives(low)]
+  assert kinds == ["all-to-all"], str(low.report)
+  gather = reshard.plan_bytes((8, 12), 4, Sharding.from_spec(MESH, P(None, "model")), Sharding.replicated(MESH, 2))
+  moved = low.report.bytes_per_device()
+  assert moved == 8 * 3 * 4 and moved < gather == 8 * 12 * 4
+
+
+def test_reshape_keeps_the_gather_when_it_is_cheaper():
+  """Replicating the result anyway: one gather of the input is the cheapest way; no extra all-to-all."""
+  x = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+  f = gs.function(lambda x: tf.reshape(x, [96]), mesh=MESH, in_shardings=P(None, "model"), out_shardings=P())
+  assert_close(f(x).numpy(), x.reshape(-1), rtol=0, atol=0)
+  low = f.lower(tf.TensorSpec([8, 12]))
+  assert [c.kind for c in low.report.collectives] == ["all-gather"], str(low.report)
+  assert low.report.bytes_per_device() == 8 * 12 * 4
+
+
+def test_reshape_of_a_mostly_padded_split_moves_it_instead_of_gathering_the_padding():
+  """A batch of 2 over 4 devices flattened with its tokens (the MoE loss's reshape on 2048 devices): gathering
+  the batch dim sends every member's padded shard; moving the split to the class dim first sends less."""
+  x = np.arange(2 * 8 * 16, dtype=np.float32).reshape(2, 8, 16)
+  mesh = gs.Mesh((4,), ("e",))
+  f = gs.function(lambda x: tf.reshape(x, [16, 16]), mesh=mesh, in_shardings=P("e", None, None), out_shardings=P())
+  assert_close(f(x).numpy(), x.reshape(16, 16), rtol=0, atol=0)
+  low = f.lower(tf.TensorSpec([2, 8, 16]))
+  gathered = 4 * 1 * 8 * 16 * 4   # 4 members' [1, 8, 16] shards
+  assert [c.kind for c in low.report.collectives] == ["all-to-all", "all-gather"], str(low.report)
+  assert low.report.bytes_per_device() < gathered

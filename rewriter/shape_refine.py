@@ -1,0 +1,158 @@
+"""Static shapes TF's import leaves unknown where the program determines them.
+
+A while-loop gradient reads back what its forward loop stacked: the accumulator TensorLists start with an unknown
+element shape, learn it only inside the forward body (the value it pushes), and a value popped from them in the
+gradient body then has unknown rank, as has everything computed from it (an unknown-shape gradient of a known
+forward value). Three steps give such tensors the forward's shape:
+
+1. A loop's list variable takes the element shape its body pushes onto it (read off the body function).
+2. An element a list op reads (TensorListPopBack, TensorListGetItem) takes its list's element shape.
+3. An op whose operands now have known shapes is asked again: TF's own shape function, run on a scratch copy of
+   the op whose operands have those shapes (constants, and shapes of fully known tensors, as values).
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gspmd.ops.tensor_list import LIST_OPS
+
+_WHILE = ("While", "StatelessWhile")
+_VALUES = ("Shape", "Size", "Rank")   # known from the shape of their operand alone
+
+
+def loop_list_shapes(tf_graph, graph_def):
+  """{(While op name, loop variable index): (element shape, dtype)} of the TensorList loop variables whose
+  element shape the loop's body determines (the value it pushes or sets), for the loops of `tf_graph`."""
+  library = {f.signature.name: f for f in graph_def.library.function}
+  found = {}
+  for op in tf_graph.get_operations():
+    if op.type not in _WHILE or not any(t.dtype == tf.variant for t in op.inputs):
+      continue
+    fdef = library.get(op.get_attr("body").name)
+    if fdef is None:
+      continue
+    try:
+      from tensorflow.python.framework import function_def_to_graph  # pylint: disable=g-import-not-at-top
+      with tf_graph.as_default():
+        body = function_def_to_graph.function_def_to_graph(fdef, input_shapes=[t.shape for t in op.inputs])
+    except (ValueError, TypeError, KeyError, tf.errors.OpError):
+      continue   # a body TF cannot import on its own: its lists keep what the graph says
+    for k, t in enumerate(body.outputs):
+      if k < len(op.inputs) and op.inputs[k].dtype == tf.variant:
+        shape = _pushed_element(t)
+        if shape is not None:
+          found[(op.name, k)] = shape
+  return found
+
+
+def _pushed_element(t):
+  """(shape, dtype) of the elements list handle `t` last had written, when a list op in its history shows them."""
+  from tf_gspmd.rewriter.graph_ir import _list_element_shape  # pylint: disable=g-import-not-at-top
+  for _ in range(10000):
+    op = t.op
+    if op.type in LIST_OPS:
+      known = _list_element_shape(op)
+      if known is not None:
+        return known
+      handles_in = LIST_OPS[op.type].handles_in
+      if not handles_in:
+        return None
+      t = op.inputs[handles_in[0]]
+    elif op.type == "Identity":
+      t = op.inputs[0]
+    else:
+      return None
+  return None
+
+
+def refine(tf_graph, infos, make_info, unknown_rank):
+  """Steps 2 and 3 on `infos` ({op name: [TensorInfo]}) in the graph's op order (a topological order); returns the
+  names of the ops whose outputs got shapes."""
+  refined = set()
+  for op in tf_graph.get_operations():
+    outs = infos[op.name]
+    missing = [k for k, info in enumerate(outs) if unknown_rank(info)]
+    if not missing:
+      continue
+    shapes = None
+    if op.type in LIST_OPS and LIST_OPS[op.type].element is not None and LIST_OPS[op.type].element[0] == "out":
+      handle = LIST_OPS[op.type].handles_in
+      k = LIST_OPS[op.type].element[1]
+      info = infos[op.inputs[handle[0]].op.name][op.inputs[handle[0]].value_index] if handle else None
+      if info is not None and info.value_shape is not None and k in missing:
+        shapes = {k: info.value_shape}
+    elif op.type in _VALUES + ("BroadcastGradientArgs",) and all(
+        _known_value(op.outputs[k], infos) is not None for k in missing):
+      shapes = {k: tuple(np.shape(_known_value(op.outputs[k], infos))) for k in missing}
+    elif any(x.op.name in refined or _known_value(x, infos) is not None for x in op.inputs) and (
+        not _calls_function(op)):
+      shapes = _infer(op, infos)
+    for k, shape in (shapes or {}).items():
+      if k in missing and shape is not None:
+        outs[k] = make_info(outs[k], shape)
+        refined.add(op.name)
+  return refined
+
+
+def _calls_function(op):
+  return any(isinstance(v, tf.compat.v1.NameAttrList) or (isinstance(v, list) and v and
+                                                           isinstance(v[0], tf.compat.v1.NameAttrList))
+             for v in (_attr(op, a.name) for a in op.op_def.attr))
+
+
+def _attr(op, name):
+  try:
+    return op.get_attr(name)
+  except ValueError:
+    return None
+
+
+def _infer(op, infos):
+  """{output index: fully known shape} TF's shape function gives `op` on operands of the shapes in `infos`."""
+  scratch = tf.Graph()
+  with scratch.as_default():
+    inputs = []
+    for x in op.inputs:
+      info = infos[x.op.name][x.value_index]
+      value = _known_value(x, infos)
+      if value is not None:
+        inputs.append(tf.constant(value, dtype=x.dtype))
+      elif x.dtype in (tf.variant, tf.resource) or info.shape is None:
+        inputs.append(tf.compat.v1.placeholder(x.dtype, shape=None))
+      else:
+        inputs.append(tf.compat.v1.placeholder(x.dtype, shape=info.shape))
+    try:
+      made = scratch.create_op(op.type, inputs, [t.dtype for t in op.outputs],
+                               attrs={k: v for k, v in op.node_def.attr.items() if not k.startswith("_")},
+                               compute_device=False)
+    except (ValueError, TypeError, tf.errors.OpError):
+      return {}
+  return {k: tuple(t.shape.as_list()) for k, t in enumerate(made.outputs) if t.shape.is_fully_defined()}
+
+
+def _known_value(x, infos):
+  """The value of tensor `x` when it is a constant, the shape of a tensor of known shape or a gradient's
+  broadcast reduction indices between two such shapes; else None."""
+  op = x.op
+  if op.type == "Const":
+    return tf.make_ndarray(op.get_attr("value"))
+  if op.type in _VALUES and op.inputs:
+    shape = infos[op.inputs[0].op.name][op.inputs[0].value_index].shape
+    if shape is None or op.inputs[0].dtype in (tf.variant, tf.resource):
+      return None
+    if op.type == "Shape":
+      return list(shape)
+    if op.type == "Size":
+      n = 1
+      for d in shape:
+        n *= d
+      return n
+    return len(shape)
+  if op.type == "BroadcastGradientArgs":   # a gradient's reduction indices, from two known shapes
+    s0, s1 = (_known_value(i, infos) for i in op.inputs)
+    if s0 is None or s1 is None:
+      return None
+    from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+    with context.eager_mode():   # evaluated by TF's kernel
+      return tf.raw_ops.BroadcastGradientArgs(s0=s0, s1=s1)[x.value_index].numpy()
+  return None
