@@ -6,7 +6,6 @@ Tensor references are "node:index" (see graph_view, which this module's ref help
 import dataclasses
 from typing import Dict, Optional, Tuple
 
-import numpy as np
 import tensorflow as tf
 
 from tf_gspmd.errors import ShapeError
@@ -215,24 +214,6 @@ _SAME_ELEMENTS = ("AddN", "ZerosLike", "OnesLike")   # on lists (loop gradients)
 _HANDLES = (tf.variant, tf.resource)   # carry their lists' elements' or variables' value shape through loops
 
 
-def _list_element_shape(op):
-  """(shape, dtype) of the elements of the TensorList op `op` touches, when its graph says so statically."""
-  where = LIST_OPS[op.type].element
-  if where is None:
-    return None
-  kind, i = where
-  if kind == "shape_in":
-    value = tf.get_static_value(op.inputs[i])
-    if value is None or np.ndim(value) != 1 or np.any(np.asarray(value) < 0):
-      return None
-    return tuple(int(v) for v in value), op.get_attr("element_dtype")
-  t = op.inputs[i] if kind.startswith("in") else op.outputs[i]
-  if not t.shape.is_fully_defined():
-    return None
-  shape = tuple(t.shape.as_list())
-  return (shape[1:] if kind.endswith("stacked") else shape), t.dtype
-
-
 def _attach_list_element_shapes(tf_graph, infos, loop_lists=None):
   """Give every TensorList handle its elements' shape: read off the list ops, carried through loops (a loop's list
   variable also takes the element shape its body writes, `loop_lists`: {(While name, index): (shape, dtype)})."""
@@ -259,7 +240,7 @@ def _attach_list_element_shapes(tf_graph, infos, loop_lists=None):
     changed = False
     for op in ops:
       if op.type in LIST_OPS:
-        known = _list_element_shape(op)
+        known = shape_refine.list_element_shape(op)
         kind = LIST_OPS[op.type]
         handles = [op.inputs[i] for i in kind.handles_in] + [op.outputs[o] for o in kind.handles_out]
         if known is None:

@@ -14,6 +14,7 @@ forward value). Three steps give such tensors the forward's shape:
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd import _compat
 from tf_gspmd.ops.tensor_list import LIST_OPS
 
 _WHILE = ("While", "StatelessWhile")
@@ -32,9 +33,8 @@ def loop_list_shapes(tf_graph, graph_def):
     if fdef is None:
       continue
     try:
-      from tensorflow.python.framework import function_def_to_graph  # pylint: disable=g-import-not-at-top
       with tf_graph.as_default():
-        body = function_def_to_graph.function_def_to_graph(fdef, input_shapes=[t.shape for t in op.inputs])
+        body = _compat.function_def_to_graph(fdef, [t.shape for t in op.inputs])
     except (ValueError, TypeError, KeyError, tf.errors.OpError):
       continue   # a body TF cannot import on its own: its lists keep what the graph says
     for k, t in enumerate(body.outputs):
@@ -47,11 +47,10 @@ def loop_list_shapes(tf_graph, graph_def):
 
 def _pushed_element(t):
   """(shape, dtype) of the elements list handle `t` last had written, when a list op in its history shows them."""
-  from tf_gspmd.rewriter.graph_ir import _list_element_shape  # pylint: disable=g-import-not-at-top
   for _ in range(10000):
     op = t.op
     if op.type in LIST_OPS:
-      known = _list_element_shape(op)
+      known = list_element_shape(op)
       if known is not None:
         return known
       handles_in = LIST_OPS[op.type].handles_in
@@ -152,7 +151,24 @@ def _known_value(x, infos):
     s0, s1 = (_known_value(i, infos) for i in op.inputs)
     if s0 is None or s1 is None:
       return None
-    from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
-    with context.eager_mode():   # evaluated by TF's kernel
+    with _compat.eager_mode():   # evaluated by TF's kernel
       return tf.raw_ops.BroadcastGradientArgs(s0=s0, s1=s1)[x.value_index].numpy()
   return None
+
+
+def list_element_shape(op):
+  """(shape, dtype) of the elements of the TensorList op `op` touches, when its graph says so statically."""
+  where = LIST_OPS[op.type].element
+  if where is None:
+    return None
+  kind, i = where
+  if kind == "shape_in":
+    value = tf.get_static_value(op.inputs[i])
+    if value is None or np.ndim(value) != 1 or np.any(np.asarray(value) < 0):
+      return None
+    return tuple(int(v) for v in value), op.get_attr("element_dtype")
+  t = op.inputs[i] if kind.startswith("in") else op.outputs[i]
+  if not t.shape.is_fully_defined():
+    return None
+  shape = tuple(t.shape.as_list())
+  return (shape[1:] if kind.endswith("stacked") else shape), t.dtype

@@ -501,6 +501,16 @@ def function_def_to_graph_def(fdef, input_shapes):
   return _function_def_to_graph.function_def_to_graph_def(fdef, input_shapes=input_shapes)
 
 
+def function_def_to_graph(fdef, input_shapes):
+  """`fdef` imported as a FuncGraph (in the current default graph's scope) with parameters shaped `input_shapes`."""
+  return _function_def_to_graph.function_def_to_graph(fdef, input_shapes=input_shapes)
+
+
+def eager_mode():
+  """A context in which ops run eagerly, even while a graph is being built."""
+  return _context.eager_mode()
+
+
 def graph_to_function_def(graph, operations, inputs, outputs, out_names=None):
   """A FunctionDef computing `outputs` from the placeholders `inputs` with `operations` of `graph`."""
   return _graph_to_function_def.graph_to_function_def(graph, operations, inputs, outputs, out_names=out_names)
