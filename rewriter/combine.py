@@ -123,8 +123,9 @@ def _table_lookup(graph, pid):
   return lambda table, name: tf.gather(table_constant(tables, table, name), pid)
 
 
-def combine(program):
-  """(new GraphDef, [Combination] per combined op, {member op name: Emitted of the combined op carrying it})."""
+def combine(program, chosen=lambda e: True):
+  """(new GraphDef, [Combination] per combined op, {member op name: Emitted of the combined op carrying it}), of the
+  collective ops whose Emitted is `chosen`."""
   emitted = program.report.emitted()
   view = GraphView(program.local_graph_def)
   graph = tf.Graph()
@@ -132,13 +133,15 @@ def combine(program):
     tf.graph_util.import_graph_def(program.local_graph_def, name="")
   candidates = {}
   for name, e in emitted.items():
-    if e.op in COMBINED and e.kind == COMBINED[e.op] and name in view:
+    if e.op in COMBINED and e.kind == COMBINED[e.op] and name in view and chosen(e):
       op = graph.get_operation_by_name(name)
       x = op.inputs[0]
-      if x.shape.is_fully_defined() and (e.kind != "all-to-all" or x.shape[0] == e.group_size):
+      # the operand's shape: as built (the imported graph may not infer it, e.g. behind a per-device reshape)
+      shape = [e.shape[0] // e.group_size] + list(e.shape[1:]) if e.kind == "all-gather" else list(e.shape)
+      if x.shape.is_compatible_with(shape) and (e.kind != "all-to-all" or shape[0] == e.group_size):
         # its key, and the bytes of its result (an all-gather's: gathered), which the cap applies to
         key = (e.kind, e.axes, e.reduction, x.dtype, e.level)
-        candidates[name] = (op, key, math.prod(e.shape) * x.dtype.size)
+        candidates[name] = (op, key, math.prod(e.shape) * x.dtype.size, shape)
   order, ancestors = _ancestors(view, candidates)
   bins = plan(order, ancestors, lambda n: candidates[n][1], lambda n: candidates[n][2])
   pid = graph.get_tensor_by_name(ref(program.partition_id))
@@ -149,7 +152,8 @@ def combine(program):
       continue
     members = [candidates[n][0] for n in names]
     kind, axes, reduction, _, level = candidates[names[0]][1]
-    e = _build(graph, backend, members, kind, axes, reduction, level, len(combined), rewires)
+    e = _build(graph, backend, members, [candidates[n][3] for n in names], kind, axes, reduction, level,
+               len(combined), rewires)
     carriers.update((n, e) for n in names)
     combined.append(Combination(kind, len(names), e.bytes, _logical_kinds(program.report, names)))
   out = GraphView(graph.as_graph_def())
@@ -164,13 +168,15 @@ def _logical_kinds(report, names):
   return tuple(sorted({c.kind for c in report.collectives if any(op.name in names for op in c.ops)}))
 
 
-def _build(graph, backend, members, kind, axes, reduction, level, k, rewires):
-  """The combined collective of the ops `members` in `graph` (its Emitted); adds (old reference, new one) to
-  `rewires` for each member's result and control edges."""
+def _build(graph, backend, members, shapes, kind, axes, reduction, level, k, rewires):
+  """The combined collective of the ops `members` (their operands of `shapes`) in `graph` (its Emitted); adds (old
+  reference, new one) to `rewires` for each member's result and control edges."""
   with graph.as_default(), tf.name_scope(f"combined_{kind.replace('-', '_')}_{k}{HELPER_SCOPE}"):
     controls = {c for m in members for c in m.control_inputs}
     with tf.control_dependencies(sorted(controls, key=lambda o: o.name)):
-      parts, e = backend.combined(kind, [m.inputs[0] for m in members], axes, reduction, level)
+      operands = [m.inputs[0] if m.inputs[0].shape.is_fully_defined() else tf.reshape(m.inputs[0], shape)
+                  for m, shape in zip(members, shapes)]
+      parts, e = backend.combined(kind, operands, axes, reduction, level)
     for m, part in zip(members, parts):
       rewires.append((m.outputs[0].name, part.name))
       rewires.append(("^" + m.name, "^" + e.name))
@@ -178,6 +184,14 @@ def _build(graph, backend, members, kind, axes, reduction, level, k, rewires):
 
 
 def run(program):
-  """Pass: combine independent collectives of the per-device program (dropped ones are pruned by cleanup)."""
-  gd, combined, carriers = combine(program)
-  return program.replace(local_graph_def=gd, report=program.report.with_combined(combined, carriers))
+  """Pass: combine independent collectives of the per-device program (dropped ones are pruned by cleanup).
+
+  Those whose groups span processes first, on their own: each costs a round trip over the network (milliseconds
+  over gRPC), and combining the others first could order some of them so that they no longer combine (a bin
+  of in-process collectives joining two layers makes one layer's gradient reduction wait for the other's).
+  """
+  crossing = [e.cross_process for e in program.report.emitted().values()]
+  for chosen in ([lambda e: e.cross_process] if any(crossing) else []) + [lambda e: not e.cross_process]:
+    gd, combined, carriers = combine(program, chosen)
+    program = program.replace(local_graph_def=gd, report=program.report.with_combined(combined, carriers))
+  return program
