@@ -18,7 +18,8 @@ SMALL = {
 
 
 def _env():
-  return dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+  return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="3",
+              PYTHONUNBUFFERED="1")
 
 
 def _run(binary, *flags, timeout=300):
