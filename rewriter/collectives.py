@@ -8,12 +8,8 @@ come from one process-wide counter, so every program gets fresh, deterministic k
 the runtime aborts a program's collectives past its deadline (DeadlineExceededError). The ops' own
 `timeout_seconds` stays 0 on purpose: TF starts a timer thread per collective per device for it.
 
-Widths: each tensor travels at its own width where TF's op takes its dtype. TF's collective OpDefs take
-only a few dtypes (their CPU kernels take every one of them; measured on TF 2.21, see `takes`), so data that
-only moves (all-gather, all-to-all, collective-permute) travels bit for bit in a dtype the op takes: bitcast
-when the widths match (uint32 as int32), packed several to an element otherwise (int8, uint8 and bool four
-to an int32, int16, uint16 and bfloat16 two). Data that is summed cannot be packed: an all-reduce carries
-the small integer types as int32 and sums bfloat16 as float32; the report names each carried form.
+Widths: each tensor travels at its own width where TF's op takes its dtype, else bitcast or packed into one it
+takes (rewriter/widths.py).
 
 Across processes: where every group of a collective joins several processes with the same number L > 1 of its
 members in each, the collective is built in two levels, so that the network between processes carries 1/L of
@@ -35,10 +31,11 @@ import zlib
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _compat
 from tf_gspmd.errors import PartitionError
 from tf_gspmd.rewriter import vocabulary
 from tf_gspmd.rewriter.report import CollectiveRecord, Emitted
+from tf_gspmd.rewriter.widths import (WIDER, from_carrier, moving, moving_note, scalar, summing, summing_note,
+                                      to_carrier)
 
 
 _lock = threading.Lock()
@@ -76,100 +73,7 @@ def rank_key(name):
   return (spec.job or "", spec.replica or 0, spec.task or 0, spec.device_type or "", spec.device_index or 0)
 
 
-# ---- widths ---------------------------------------------------------------------------------------------------
-# The dtypes collectives move; TF's own where an op takes them, else carried as below.
-_MOVABLE = frozenset({tf.float32, tf.float16, tf.float64, tf.int32, tf.int64, tf.bool, tf.int8, tf.uint8, tf.int16,
-                      tf.uint16, tf.bfloat16, tf.uint32})
-# Wider dtypes that hold every value exactly, for arithmetic on a dtype CollectiveReduceV2 cannot sum.
-_WIDER = {tf.bool: tf.int32, tf.int8: tf.int32, tf.uint8: tf.int32, tf.int16: tf.int32, tf.uint16: tf.int32,
-          tf.bfloat16: tf.float32, tf.uint32: tf.int64}
-_EXACT_MERGES = ("Max", "Min")   # merges whose result needs no wider dtype
 _REDUCE = {"Add": tf.reduce_sum, "Max": tf.reduce_max, "Min": tf.reduce_min, "Mul": tf.reduce_prod}
-
-
-@functools.lru_cache(maxsize=None)
-def takes(op_type):
-  """The dtypes TF's collective op `op_type` takes (its OpDef's; the CPU kernels run all of them).
-
-  Measured on TF 2.21 over 8 logical CPUs: CollectiveReduceV2 and CollectiveAllToAllV2 take float16/32/64,
-  bfloat16, int32 and int64; CollectiveGatherV2 the same but bfloat16; CollectiveBcastSendV2/RecvV2 the same
-  but bfloat16, and bool. No collective takes an 8- or 16-bit integer or an unsigned type.
-  """
-  (attr,) = [a for a in _compat.op_def(op_type).attr if a.name == "T"]
-  return frozenset(tf.as_dtype(t) for t in attr.allowed_values.list.type)
-
-
-def _check(dtype, source):
-  if dtype not in _MOVABLE:
-    raise PartitionError(f"TF collectives cannot carry {dtype.name} tensors; keep this tensor replicated",
-                         node=source)
-
-
-def _moving(dtype, op_type, source):
-  """(carrier dtype, elements per carrier element) that move `dtype` through `op_type` bit for bit."""
-  _check(dtype, source)
-  if dtype in takes(op_type):
-    return dtype, 1
-  width = 1 if dtype == tf.bool else dtype.size   # bool moves as uint8
-  carrier = tf.int32 if width <= 4 else tf.int64
-  return carrier, carrier.size // width
-
-
-def _moving_note(dtype, carrier, per, op_type):
-  if carrier == dtype:
-    return ""
-  how = f"bitcast to {carrier.name}" if per == 1 else f"packed {per} to an {carrier.name}"
-  return f"{dtype.name} {how} ({op_type} takes no {dtype.name})"
-
-
-def _to_carrier(x, carrier, per, keep):
-  """`x` as `carrier`: bitcast (same width), or flattened after its first `keep` dims and packed `per` to an
-  element (the last one padded with zeros)."""
-  if per == 1:
-    return x if x.dtype == carrier else tf.bitcast(x, carrier)
-  shape = x.shape.as_list()
-  m = math.prod(shape[keep:])
-  x = tf.reshape(tf.cast(x, tf.uint8) if x.dtype == tf.bool else x, shape[:keep] + [m])
-  pad = -m % per
-  if pad:
-    x = tf.pad(x, [[0, 0]] * keep + [[0, pad]])
-  return tf.bitcast(tf.reshape(x, shape[:keep] + [(m + pad) // per, per]), carrier)
-
-
-def _from_carrier(y, dtype, per, tail):
-  """The inverse of `_to_carrier`: `y` back to `dtype`, its dims after the leading ones laid out as `tail`."""
-  if per == 1:
-    return y if y.dtype == dtype else tf.bitcast(y, dtype)
-  lead = y.shape.as_list()[:-1]
-  y = tf.bitcast(y, tf.uint8 if dtype == tf.bool else dtype)   # [..., n, per]
-  y = tf.slice(tf.reshape(y, lead + [-1]), [0] * (len(lead) + 1), lead + [math.prod(tail)])
-  y = tf.reshape(y, lead + list(tail))
-  return tf.cast(y, tf.bool) if dtype == tf.bool else y
-
-
-def _scalar(value, dtype):
-  """`value` as a scalar constant of `dtype` (0 as False for bool)."""
-  return tf.constant(np.asarray(value).astype(dtype.as_numpy_dtype), dtype)
-
-
-def _summing(dtype, merge, source):
-  """(carrier dtype, how the value becomes it: "" own dtype, "bitcast" or "cast") for an all-reduce with `merge`."""
-  _check(dtype, source)
-  if dtype in takes("CollectiveReduceV2") and (dtype != tf.bfloat16 or merge in _EXACT_MERGES):
-    return dtype, ""
-  if dtype == tf.uint32 and merge in ("Add", "Mul"):   # sums and products modulo 2^32 agree bit for bit
-    return tf.int32, "bitcast"
-  return _WIDER[dtype], "cast"
-
-
-def _summing_note(dtype, carrier, how):
-  if not how:
-    return ""
-  if how == "bitcast":
-    return f"{dtype.name} bitcast to {carrier.name} (sums wrap alike; CollectiveReduceV2 takes no {dtype.name})"
-  if dtype == tf.bfloat16:
-    return "bfloat16 summed as float32 (a bfloat16 sum would round at every step)"
-  return f"{dtype.name} carried as {carrier.name} (CollectiveReduceV2 takes no {dtype.name})"
 
 
 def _token_pairs(idle, starved):
@@ -390,7 +294,7 @@ class Backend:
   def all_reduce(self, x, axes, op, source, reason):
     if self.alone(axes):
       return x
-    carrier, how = _summing(x.dtype, op, source)
+    carrier, how = summing(x.dtype, op, source)
     y = tf.bitcast(x, carrier) if how == "bitcast" else tf.cast(x, carrier) if how else x
     levels = self.levels(axes)
     if levels is None:
@@ -399,7 +303,7 @@ class Backend:
     else:
       out, ops, note = self._all_reduce_in_levels(y, axes, op, levels, source)
     self._record("all-reduce", x, x.shape, self.group_size(axes), axes, source, reason, ops,
-                 "; ".join(filter(None, [_summing_note(x.dtype, carrier, how), note])))
+                 "; ".join(filter(None, [summing_note(x.dtype, carrier, how), note])))
     return tf.bitcast(out, x.dtype) if how == "bitcast" else tf.cast(out, x.dtype) if how else out
 
   def _all_reduce_in_levels(self, y, axes, op, levels, source):
@@ -424,20 +328,20 @@ class Backend:
     """Every member's `y` concatenated along dim 0, in runtime rank order of the groups of `axes` (or of their
     `level`), in any dtype the gather can move. Returns (result, its Emitted, note)."""
     shape = y.shape.as_list()
-    carrier, per = _moving(y.dtype, "CollectiveGatherV2", source)
-    z = _to_carrier(y[None] if per > 1 else y, carrier, per, 1)   # packed: each member's rows are one row
+    carrier, per = moving(y.dtype, "CollectiveGatherV2", source)
+    z = to_carrier(y[None] if per > 1 else y, carrier, per, 1)   # packed: each member's rows are one row
     g, e = self._emit("all-gather", z, axes, name=name, level=level)
     gathered = [e.group_size * shape[0]] + shape[1:]
-    g = tf.reshape(_from_carrier(g, y.dtype, per, [math.prod(shape)]), gathered)
-    return g, e, _moving_note(y.dtype, carrier, per, "CollectiveGatherV2")
+    g = tf.reshape(from_carrier(g, y.dtype, per, [math.prod(shape)]), gathered)
+    return g, e, moving_note(y.dtype, carrier, per, "CollectiveGatherV2")
 
   def _exchange_rows(self, parts, axes, level, source, name):
     """Row r of `parts` (one row per member) sent to the member of runtime rank r of the groups of `axes` (or of
     their `level`); returns (what arrived, row r from rank r; its Emitted; note)."""
-    carrier, per = _moving(parts.dtype, "CollectiveAllToAllV2", source)
-    got, e = self._emit("all-to-all", _to_carrier(parts, carrier, per, 1), axes, name=name, level=level)
-    return (_from_carrier(got, parts.dtype, per, parts.shape.as_list()[1:]), e,
-            _moving_note(parts.dtype, carrier, per, "CollectiveAllToAllV2"))
+    carrier, per = moving(parts.dtype, "CollectiveAllToAllV2", source)
+    got, e = self._emit("all-to-all", to_carrier(parts, carrier, per, 1), axes, name=name, level=level)
+    return (from_carrier(got, parts.dtype, per, parts.shape.as_list()[1:]), e,
+            moving_note(parts.dtype, carrier, per, "CollectiveAllToAllV2"))
 
   def all_gather(self, x, dim, axes, source, reason):
     """Concatenate the shards of the group along `dim`, in mesh order."""
@@ -520,7 +424,7 @@ class Backend:
     """
     if self.alone(axes):
       return x
-    wide = _WIDER.get(x.dtype, x.dtype)
+    wide = WIDER.get(x.dtype, x.dtype)
 
     def reduce(got):
       return tf.cast(_REDUCE[op](tf.cast(got, wide), axis=0), x.dtype)
@@ -574,7 +478,7 @@ class Backend:
       raise PartitionError(f"collective-permute pairs {pairs} over a group of {size}: each member may send once and "
                            "receive once", node=source)
     if size == 1:   # nothing to move: a member sends to itself or to no one
-      return x if pairs else tf.fill(x.shape, _scalar(fill, x.dtype))
+      return x if pairs else tf.fill(x.shape, scalar(fill, x.dtype))
     moves = {a: b for a, b in pairs if a != b}
     idle = [k for k in range(size) if k not in moves]
     starved = [k for k in range(size) if k not in moves.values()]
@@ -582,8 +486,8 @@ class Backend:
     if tokens is None:
       raise PartitionError(f"collective-permute pairs {pairs} over a group of {size} leave only member {idle[0]} "
                            "without a peer: TF's broadcasts have no lone send or receive to give it", node=source)
-    carrier, per = _moving(x.dtype, "CollectiveBcastSendV2", source)
-    y = _to_carrier(x, carrier, per, 0)
+    carrier, per = moving(x.dtype, "CollectiveBcastSendV2", source)
+    y = to_carrier(x, carrier, per, 0)
     shape = y.shape.as_list()
     elements = math.prod(shape)
     n = self.mesh.size
@@ -621,12 +525,12 @@ class Backend:
       missing = np.zeros((n, 1, 2), np.int32)
       missing[~receives, 0, 1] = elements - 1
       got = tf.reshape(tf.pad(got, self.lookup(missing, f"permute_token_pad_{tag}")), shape)
-    z = _from_carrier(got, x.dtype, per, x.shape.as_list())
+    z = from_carrier(got, x.dtype, per, x.shape.as_list())
     if not receives.all():
-      z = tf.where(self.lookup(receives, f"permute_receives_{tag}"), z, _scalar(fill, x.dtype))
+      z = tf.where(self.lookup(receives, f"permute_receives_{tag}"), z, scalar(fill, x.dtype))
     if keeps.any():
       z = tf.where(self.lookup(keeps, f"permute_keeps_{tag}"), x, z)
-    note = _moving_note(x.dtype, carrier, per, "CollectiveBcastSendV2")
+    note = moving_note(x.dtype, carrier, per, "CollectiveBcastSendV2")
     if tokens:
       note = "; ".join(filter(None, [note, "members without a receiver send a one-element token to those without a "
                                             "sender (TF has no lone send or receive)"]))

@@ -7,7 +7,7 @@ from tensorflow.python.eager import wrap_function
 
 import tf_gspmd as gs
 from tf_gspmd.runtime import parallel
-from tf_gspmd.rewriter import collectives
+from tf_gspmd.rewriter import widths
 from tf_gspmd.rewriter.collectives import Backend
 from tf_gspmd.rewriter.report import ReportBuilder
 
@@ -160,7 +160,7 @@ def test_data_moves_at_its_own_width(dtype):
     np.testing.assert_array_equal(g, xs[(p - 1) % 8])
   assert 15 * width <= report.bytes_per_device() <= 15 * width + 3
   (c,) = report.collectives
-  assert c.differs == (dtype not in collectives.takes("CollectiveBcastSendV2"))
+  assert c.differs == (dtype not in widths.takes("CollectiveBcastSendV2"))
 
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != tf.bool], ids=lambda d: d.name)
@@ -180,7 +180,7 @@ def test_reductions_keep_their_results_and_name_wider_carriers(dtype):
     np.testing.assert_array_equal(g, total)
   (c,) = report.collectives
   (op,) = c.ops
-  native = dtype in collectives.takes("CollectiveReduceV2") and dtype != tf.bfloat16
+  native = dtype in widths.takes("CollectiveReduceV2") and dtype != tf.bfloat16
   assert (op.dtype == dtype.name) == native and bool(c.note) == (not native)
   assert report.bytes_per_device() == 120 * tf.as_dtype(op.dtype).size
 
