@@ -4,9 +4,8 @@ Every collective costs a rendezvous of its group, which on CPUs and for small te
 bytes: a training step's gradient all-reduces, the all-gathers of weights stored split (ZeRO-style), the
 exchanges of a step's reduce-scatters. Collectives that do not depend on each other, of one kind over the same
 mesh axes (the same groups of devices; of a collective built in two levels across processes, the same level)
-with the same dtype (and reduction), are concatenated into one op built
-by the collectives backend (`Backend.combined`), then split back; every member's result is exactly what its
-own op returned:
+with the same dtype (and reduction), are concatenated into one op built by the collectives backend
+(`Backend.combined`), then split back; every member's result is exactly what its own op returned:
 
   * all-reduce: the members' operands flattened side by side, summed (max, ...) at once, split;
   * all-gather: each device contributes its members' operands flattened side by side; the gathered [group,
