@@ -122,9 +122,8 @@ def _table_lookup(graph, pid):
   return lambda table, name: tf.gather(table_constant(tables, table, name), pid)
 
 
-def combine(program, chosen=lambda e: True):
-  """(new GraphDef, [Combination] per combined op, {member op name: Emitted of the combined op carrying it}), of the
-  collective ops whose Emitted is `chosen`."""
+def combine(program):
+  """(new GraphDef, [Combination] per combined op, {member op name: Emitted of the combined op carrying it})."""
   emitted = program.report.emitted()
   view = GraphView(program.local_graph_def)
   graph = tf.Graph()
@@ -132,7 +131,7 @@ def combine(program, chosen=lambda e: True):
     tf.graph_util.import_graph_def(program.local_graph_def, name="")
   candidates = {}
   for name, e in emitted.items():
-    if e.op in COMBINED and e.kind == COMBINED[e.op] and name in view and chosen(e):
+    if e.op in COMBINED and e.kind == COMBINED[e.op] and name in view:
       op = graph.get_operation_by_name(name)
       x = op.inputs[0]
       # the operand's shape: as built (the imported graph may not infer it, e.g. behind a per-device reshape)
@@ -183,14 +182,6 @@ def _build(graph, backend, members, shapes, kind, axes, reduction, level, k, rew
 
 
 def run(program):
-  """Pass: combine independent collectives of the per-device program (dropped ones are pruned by cleanup).
-
-  Those whose groups span processes first, on their own: each costs a round trip over the network (milliseconds
-  over gRPC), and combining the others first could order some of them so that they no longer combine (a bin
-  of in-process collectives joining two layers makes one layer's gradient reduction wait for the other's).
-  """
-  crossing = [e.cross_process for e in program.report.emitted().values()]
-  for chosen in ([lambda e: e.cross_process] if any(crossing) else []) + [lambda e: not e.cross_process]:
-    gd, combined, carriers = combine(program, chosen)
-    program = program.replace(local_graph_def=gd, report=program.report.with_combined(combined, carriers))
-  return program
+  """Pass: combine independent collectives of the per-device program (dropped ones are pruned by cleanup)."""
+  gd, combined, carriers = combine(program)
+  return program.replace(local_graph_def=gd, report=program.report.with_combined(combined, carriers))
