@@ -30,7 +30,8 @@ def _run(workers, logdir):
             "--ckpt_every=0", f"--logdir={logdir}", *FLAGS.binary_flags]
   command = [sys.executable] + (binary if workers == 1 else ["-m", "tf_gspmd.launch", f"--workers={workers}", "--",
                                                             *binary])
-  env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="3",
+             PYTHONUNBUFFERED="1")
   out = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
   if out.returncode:
     raise SystemExit(f"{workers} process(es) failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")

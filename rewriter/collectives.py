@@ -8,12 +8,18 @@ come from one process-wide counter, so every program gets fresh, deterministic k
 the runtime aborts a program's collectives past its deadline (DeadlineExceededError). The ops' own
 `timeout_seconds` stays 0 on purpose: TF starts a timer thread per collective per device for it.
 
-Widths: each tensor travels at its own width where TF's op takes its dtype. TF's collective OpDefs take
-only a few dtypes (their CPU kernels take every one of them; measured on TF 2.21, see `takes`), so data that
-only moves (all-gather, all-to-all, collective-permute) travels bit for bit in a dtype the op takes: bitcast
-when the widths match (uint32 as int32), packed several to an element otherwise (int8, uint8 and bool four
-to an int32, int16, uint16 and bfloat16 two). Data that is summed cannot be packed: an all-reduce carries
-the small integer types as int32 and sums bfloat16 as float32; the report names each carried form.
+Widths: each tensor travels at its own width where TF's op takes its dtype, else bitcast or packed into one it
+takes (rewriter/widths.py).
+
+Across processes: where every group of a collective joins several processes with the same number L > 1 of its
+members in each, the collective is built in two levels, so that the network between processes carries 1/L of
+what a flat collective would (what XLA and NCCL call hierarchical collectives). An all-reduce is a
+reduce-scatter among the group's members within each process (an all-to-all of L slices and a local
+reduction), an all-reduce of one slice across processes among the members of one local rank, and an all-gather
+within each process; an all-gather gathers across processes first (each member its own shard), then within; a
+reduce-scatter reduces within each process first (each member the partial sums of the chunks its peers of its
+local rank keep), then across. Flat sizes that L does not divide are padded. All-to-alls and permutes stay flat
+(their data leaves the process once either way).
 """
 
 import functools
@@ -25,10 +31,11 @@ import zlib
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _compat
 from tf_gspmd.errors import PartitionError
 from tf_gspmd.rewriter import vocabulary
 from tf_gspmd.rewriter.report import CollectiveRecord, Emitted
+from tf_gspmd.rewriter.widths import (WIDER, from_carrier, moving, moving_note, scalar, summing, summing_note,
+                                      to_carrier)
 
 
 _lock = threading.Lock()
@@ -66,99 +73,7 @@ def rank_key(name):
   return (spec.job or "", spec.replica or 0, spec.task or 0, spec.device_type or "", spec.device_index or 0)
 
 
-# ---- widths ---------------------------------------------------------------------------------------------------
-# The dtypes collectives move; TF's own where an op takes them, else carried as below.
-_MOVABLE = frozenset({tf.float32, tf.float16, tf.float64, tf.int32, tf.int64, tf.bool, tf.int8, tf.uint8, tf.int16,
-                      tf.uint16, tf.bfloat16, tf.uint32})
-# Wider dtypes that hold every value exactly, for arithmetic on a dtype CollectiveReduceV2 cannot sum.
-_WIDER = {tf.bool: tf.int32, tf.int8: tf.int32, tf.uint8: tf.int32, tf.int16: tf.int32, tf.uint16: tf.int32,
-          tf.bfloat16: tf.float32, tf.uint32: tf.int64}
-_EXACT_MERGES = ("Max", "Min")   # merges whose result needs no wider dtype
-
-
-@functools.lru_cache(maxsize=None)
-def takes(op_type):
-  """The dtypes TF's collective op `op_type` takes (its OpDef's; the CPU kernels run all of them).
-
-  Measured on TF 2.21 over 8 logical CPUs: CollectiveReduceV2 and CollectiveAllToAllV2 take float16/32/64,
-  bfloat16, int32 and int64; CollectiveGatherV2 the same but bfloat16; CollectiveBcastSendV2/RecvV2 the same
-  but bfloat16, and bool. No collective takes an 8- or 16-bit integer or an unsigned type.
-  """
-  (attr,) = [a for a in _compat.op_def(op_type).attr if a.name == "T"]
-  return frozenset(tf.as_dtype(t) for t in attr.allowed_values.list.type)
-
-
-def _check(dtype, source):
-  if dtype not in _MOVABLE:
-    raise PartitionError(f"TF collectives cannot carry {dtype.name} tensors; keep this tensor replicated",
-                         node=source)
-
-
-def _moving(dtype, op_type, source):
-  """(carrier dtype, elements per carrier element) that move `dtype` through `op_type` bit for bit."""
-  _check(dtype, source)
-  if dtype in takes(op_type):
-    return dtype, 1
-  width = 1 if dtype == tf.bool else dtype.size   # bool moves as uint8
-  carrier = tf.int32 if width <= 4 else tf.int64
-  return carrier, carrier.size // width
-
-
-def _moving_note(dtype, carrier, per, op_type):
-  if carrier == dtype:
-    return ""
-  how = f"bitcast to {carrier.name}" if per == 1 else f"packed {per} to an {carrier.name}"
-  return f"{dtype.name} {how} ({op_type} takes no {dtype.name})"
-
-
-def _to_carrier(x, carrier, per, keep):
-  """`x` as `carrier`: bitcast (same width), or flattened after its first `keep` dims and packed `per` to an
-  element (the last one padded with zeros)."""
-  if per == 1:
-    return x if x.dtype == carrier else tf.bitcast(x, carrier)
-  shape = x.shape.as_list()
-  m = math.prod(shape[keep:])
-  x = tf.reshape(tf.cast(x, tf.uint8) if x.dtype == tf.bool else x, shape[:keep] + [m])
-  pad = -m % per
-  if pad:
-    x = tf.pad(x, [[0, 0]] * keep + [[0, pad]])
-  return tf.bitcast(tf.reshape(x, shape[:keep] + [(m + pad) // per, per]), carrier)
-
-
-def _from_carrier(y, dtype, per, tail):
-  """The inverse of `_to_carrier`: `y` back to `dtype`, its dims after the leading ones laid out as `tail`."""
-  if per == 1:
-    return y if y.dtype == dtype else tf.bitcast(y, dtype)
-  lead = y.shape.as_list()[:-1]
-  y = tf.bitcast(y, tf.uint8 if dtype == tf.bool else dtype)   # [..., n, per]
-  y = tf.slice(tf.reshape(y, lead + [-1]), [0] * (len(lead) + 1), lead + [math.prod(tail)])
-  y = tf.reshape(y, lead + list(tail))
-  return tf.cast(y, tf.bool) if dtype == tf.bool else y
-
-
-def _scalar(value, dtype):
-  """`value` as a scalar constant of `dtype` (0 as False for bool)."""
-  return tf.constant(np.asarray(value).astype(dtype.as_numpy_dtype), dtype)
-
-
-def _summing(dtype, merge, source):
-  """(carrier dtype, how the value becomes it: "" own dtype, "bitcast" or "cast") for an all-reduce with `merge`."""
-  _check(dtype, source)
-  if dtype in takes("CollectiveReduceV2") and (dtype != tf.bfloat16 or merge in _EXACT_MERGES):
-    return dtype, ""
-  if dtype == tf.uint32 and merge in ("Add", "Mul"):   # sums and products modulo 2^32 agree bit for bit
-    return tf.int32, "bitcast"
-  return _WIDER[dtype], "cast"
-
-
-def _summing_note(dtype, carrier, how):
-  if not how:
-    return ""
-  if how == "bitcast":
-    return f"{dtype.name} bitcast to {carrier.name} (sums wrap alike; CollectiveReduceV2 takes no {dtype.name})"
-  if dtype == tf.bfloat16:
-    return "bfloat16 summed as float32 (a bfloat16 sum would round at every step)"
-  return f"{dtype.name} carried as {carrier.name} (CollectiveReduceV2 takes no {dtype.name})"
+_REDUCE = {"Add": tf.reduce_sum, "Max": tf.reduce_max, "Min": tf.reduce_min, "Mul": tf.reduce_prod}
 
 
 def _token_pairs(idle, starved):
@@ -169,6 +84,27 @@ def _token_pairs(idle, starved):
     if all(idle[(i + r) % k] != starved[i] for i in range(k)):
       return {idle[(i + r) % k]: starved[i] for i in range(k)}
   return {} if not k else None
+
+
+class Levels:
+  """The two levels of a mesh axes' groups that join several processes with L > 1 members in each.
+
+  `within` and `across` are (group index per position, members per group in runtime rank order): the groups of
+  the members of one process, and those of the members of one local rank j (one per process). `order[p]`, per
+  position, lists the group's members (their indices in mesh order) by slot j * processes + q: the member of
+  local rank j and, among its peers across processes, rank q.
+  """
+
+  def __init__(self, per_process, processes, within, across, order):
+    self.per_process, self.processes = per_process, processes
+    self.within, self.across, self.order = within, across, order
+
+  def note(self, kind):
+    first = {"all-gather": "across processes, then within each",
+             "all-reduce": "reduce-scatter within each process, all-reduce across, all-gather within",
+             "reduce-scatter": "within each process, then across"}[kind]
+    return (f"hierarchical ({self.per_process} members in each of {self.processes} processes): {first}; "
+            f"1/{self.per_process} of the data crosses processes")
 
 
 class Backend:
@@ -184,6 +120,7 @@ class Backend:
     self.lookup = lookup      # lookup(np table, name) -> per-device row of the table (a tensor)
     self.report = report
     self._groups = {}
+    self._levels = {}
 
   # ---- groups -------------------------------------------------------------------------------------------
   def groups(self, axes):
@@ -218,11 +155,52 @@ class Backend:
       return False
     return any(len({self.processes[p] for p in m}) > 1 for m in self.groups(axes)[1])
 
-  def _keys(self, axes):
+  def levels(self, axes):
+    """The two levels of the groups of `axes` (a `Levels`), or None where a collective over them stays flat: in one
+    process, or where a group has one member in some process, or processes hold different numbers of its members."""
+    axes = tuple(axes)
+    if axes not in self._levels:
+      self._levels[axes] = self._split_levels(axes) if self._crosses_processes(axes) else None
+    return self._levels[axes]
+
+  def _split_levels(self, axes):
     of, members = self.groups(axes)
+    ranked = functools.partial(sorted, key=lambda p: rank_key(self.devices[p]))
+    local_of, cross_of = np.zeros(self.mesh.size, np.int32), np.zeros(self.mesh.size, np.int32)
+    local, cross, orders, shapes = [], [], [], set()
+    for m in members:
+      by_process = {}
+      for p in m:
+        by_process.setdefault(self.processes[p], []).append(p)
+      rows = [ranked(v) for v in by_process.values()]
+      shapes.update((len(r), len(rows)) for r in rows)
+      if len(shapes) > 1 or len(rows[0]) < 2:
+        return None
+      for row in rows:
+        local_of[row] = len(local)
+        local.append(row)
+      order = []
+      for j in range(len(rows[0])):   # the members of local rank j, one per process, in runtime rank order
+        peers = ranked(row[j] for row in rows)
+        cross_of[peers] = len(cross)
+        cross.append(peers)
+        order.extend(m.index(p) for p in peers)
+      orders.append(order)
+    (per_process, processes), = shapes
+    return Levels(per_process, processes, (local_of, local), (cross_of, cross), np.array(orders, np.int32)[of])
+
+  def _groups_at(self, axes, level):
+    """(group index per position, members per group) of `axes`, or of one of its levels ("within", "across")."""
+    if level is None:
+      return self.groups(axes)
+    levels = self.levels(axes)
+    return levels.within if level == "within" else levels.across
+
+  def _keys(self, axes, level=None):
+    of, members = self._groups_at(axes, level)
     keys = np.array([group_key([self.devices[p] for p in m]) for m in members], np.int32)
     size = len(members[0])
-    return size, self.lookup(keys[of], f"group_key_{'_'.join(axes)}")
+    return size, self.lookup(keys[of], f"group_key_{'_'.join(axes)}{f'_{level}' if level else ''}")
 
   def _rank_permutation(self, axes):
     """Per-position permutation from runtime rank order to mesh order, or None when they agree."""
@@ -236,7 +214,7 @@ class Backend:
     return np.array(perms, np.int32)[of]
 
   def _describe(self, out, kind, axes, carried, group_size, reduction=None, gathered=False, sends=True,
-                device_bytes=None, shape=None):
+                device_bytes=None, shape=None, level=None):
     """Record the op producing `out` in `self.emitted`, from the tensor it carries (`shape`: its largest, where
     it differs by device; `device_bytes`: what each device sends through the op, where devices differ; nothing
     for a receive); returns the description."""
@@ -247,37 +225,39 @@ class Backend:
     if device_bytes is not None:
       nbytes = int(np.max(device_bytes))
       device_bytes = tuple(int(b) for b in device_bytes)
+    crosses = self._crosses_processes(axes) if level is None else level == "across"
     e = Emitted(kind, tuple(axes), reduction, out.op.name, out.op.type, carried.dtype.name, tuple(shape), group_size,
-                nbytes, device_bytes, self._crosses_processes(axes))
+                nbytes, device_bytes, crosses, level)
     self.emitted[e.name] = e
     return e
 
   # ---- the ops ------------------------------------------------------------------------------------------------
-  def _emit(self, kind, y, axes, reduction=None, name=None):
-    """The TF op of `kind` on `y` (a dtype the op takes) over the groups of `axes`, recorded in `self.emitted`.
+  def _emit(self, kind, y, axes, reduction=None, name=None, level=None):
+    """The TF op of `kind` on `y` (a dtype the op takes) over the groups of `axes` (or of their `level`: "within"
+    each process or "across" processes, see `levels`), recorded in `self.emitted`.
 
     Returns (its result with a static shape, its Emitted). An all-reduce merges `y` with `reduction`; an
     all-gather concatenates every member's `y` along dim 0 and an all-to-all sends row block k of `y` (dim 0
     cut into group-size blocks) to the member of runtime rank k, both in *runtime rank* order (the callers
     put it in mesh order where the two differ).
     """
-    size, key = self._keys(axes)
+    size, key = self._keys(axes, level)
     common = dict(input=y, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
                   name=name or kind.replace("-", "_"))
     build = vocabulary.BY_KIND[kind].build
     if kind == "all-reduce":
       out = build(**common, merge_op=reduction, final_op="Id")
-      return out, self._describe(out, kind, axes, y, size, reduction=reduction)
+      return out, self._describe(out, kind, axes, y, size, reduction=reduction, level=level)
     if kind == "all-gather":
       out = build(**common)
-      e = self._describe(out, kind, axes, y, size, gathered=True)
+      e = self._describe(out, kind, axes, y, size, gathered=True, level=level)
       return tf.reshape(out, [size * y.shape[0]] + y.shape.as_list()[1:]), e   # the op leaves dim 0 unknown
     if kind == "all-to-all":
       out = build(**common)
-      return tf.reshape(out, y.shape), self._describe(out, kind, axes, y, size)
+      return tf.reshape(out, y.shape), self._describe(out, kind, axes, y, size, level=level)
     raise ValueError(f"no collective op of kind {kind!r}")
 
-  def combined(self, kind, operands, axes, reduction=None):
+  def combined(self, kind, operands, axes, reduction=None, level=None):
     """One op of `kind` over the groups of `axes` that does the work of several ops of that kind (the combine pass).
 
     `operands` are the tensors the ops were given (one dtype, static shapes); the result has, per operand, what its
@@ -286,16 +266,17 @@ class Backend:
     per operand, reshaped to [group * rows, ...], are what gathering that operand's rows gives; an all-to-all
     exchanges [group, total], whose row k is every operand's row block k (dim 0 of an all-to-all's operand is
     cut into group-size blocks), so what arrives from each member splits the same way. The collective is not
-    recorded in the report (its members' records are pointed at it). Returns ([per operand], its Emitted).
+    recorded in the report (its members' records are pointed at it). `level`: the members' level (see `levels`).
+    Returns ([per operand], its Emitted).
     """
-    size = self.group_size(axes)
+    size = len(self._groups_at(axes, level)[1][0])
     if kind == "all-to-all":
       if any(x.shape[0] != size for x in operands):
         raise ValueError(f"an all-to-all's operand must have {size} rows (the group size) to be combined")
       y = tf.concat([tf.reshape(x, [size, -1]) for x in operands], 1)
     else:
       y = tf.concat([tf.reshape(x, [-1]) for x in operands], 0)
-    out, e = self._emit(kind, y, axes, reduction=reduction)
+    out, e = self._emit(kind, y, axes, reduction=reduction, level=level)
     widths = [x.shape.num_elements() // (size if kind == "all-to-all" else 1) for x in operands]
     if kind == "all-reduce":
       return [tf.reshape(p, x.shape) for x, p in zip(operands, tf.split(out, widths))], e
@@ -313,12 +294,54 @@ class Backend:
   def all_reduce(self, x, axes, op, source, reason):
     if self.alone(axes):
       return x
-    carrier, how = _summing(x.dtype, op, source)
+    carrier, how = summing(x.dtype, op, source)
     y = tf.bitcast(x, carrier) if how == "bitcast" else tf.cast(x, carrier) if how else x
-    out, e = self._emit("all-reduce", y, axes, reduction=op)
-    size = e.group_size
-    self._record("all-reduce", x, x.shape, size, axes, source, reason, (e,), _summing_note(x.dtype, carrier, how))
+    levels = self.levels(axes)
+    if levels is None:
+      out, e = self._emit("all-reduce", y, axes, reduction=op)
+      ops, note = (e,), ""
+    else:
+      out, ops, note = self._all_reduce_in_levels(y, axes, op, levels, source)
+    self._record("all-reduce", x, x.shape, self.group_size(axes), axes, source, reason, ops,
+                 "; ".join(filter(None, [summing_note(x.dtype, carrier, how), note])))
     return tf.bitcast(out, x.dtype) if how == "bitcast" else tf.cast(out, x.dtype) if how else out
+
+  def _all_reduce_in_levels(self, y, axes, op, levels, source):
+    """All-reduce `y` (a dtype CollectiveReduceV2 takes) in two levels: each member reduces 1/L of it within its
+    process, all-reduces that slice across processes with its peers of the same local rank, and the slices are
+    gathered within the process again. Returns (result, the ops, note)."""
+    n, per_process = y.shape.num_elements(), levels.per_process
+    c = -(-n // per_process)
+    flat = tf.reshape(y, [-1])
+    if c * per_process != n:   # padding: reduced and dropped
+      flat = tf.pad(flat, [[0, c * per_process - n]])
+    got, scatter, _ = self._exchange_rows(tf.reshape(flat, [per_process, c]), axes, "within", source,
+                                          "all_reduce_within")
+    part, reduce = self._emit("all-reduce", _REDUCE[op](got, axis=0), axes, reduction=op, name="all_reduce_across",
+                              level="across")
+    full, gather, _ = self._gather_rows(part, axes, "within", source, "all_reduce_gather_within")
+    if c * per_process != n:
+      full = full[:n]
+    return tf.reshape(full, y.shape), (scatter, reduce, gather), levels.note("all-reduce")
+
+  def _gather_rows(self, y, axes, level, source, name="all_gather"):
+    """Every member's `y` concatenated along dim 0, in runtime rank order of the groups of `axes` (or of their
+    `level`), in any dtype the gather can move. Returns (result, its Emitted, note)."""
+    shape = y.shape.as_list()
+    carrier, per = moving(y.dtype, "CollectiveGatherV2", source)
+    z = to_carrier(y[None] if per > 1 else y, carrier, per, 1)   # packed: each member's rows are one row
+    g, e = self._emit("all-gather", z, axes, name=name, level=level)
+    gathered = [e.group_size * shape[0]] + shape[1:]
+    g = tf.reshape(from_carrier(g, y.dtype, per, [math.prod(shape)]), gathered)
+    return g, e, moving_note(y.dtype, carrier, per, "CollectiveGatherV2")
+
+  def _exchange_rows(self, parts, axes, level, source, name):
+    """Row r of `parts` (one row per member) sent to the member of runtime rank r of the groups of `axes` (or of
+    their `level`); returns (what arrived, row r from rank r; its Emitted; note)."""
+    carrier, per = moving(parts.dtype, "CollectiveAllToAllV2", source)
+    got, e = self._emit("all-to-all", to_carrier(parts, carrier, per, 1), axes, name=name, level=level)
+    return (from_carrier(got, parts.dtype, per, parts.shape.as_list()[1:]), e,
+            moving_note(parts.dtype, carrier, per, "CollectiveAllToAllV2"))
 
   def all_gather(self, x, dim, axes, source, reason):
     """Concatenate the shards of the group along `dim`, in mesh order."""
@@ -328,44 +351,48 @@ class Backend:
     perm = [dim] + [d for d in range(rank) if d != dim]
     y = tf.transpose(x, perm) if dim else x
     shape = y.shape.as_list()
-    carrier, per = _moving(x.dtype, "CollectiveGatherV2", source)
-    y = _to_carrier(y[None] if per > 1 else y, carrier, per, 1)   # packed: each member's shard is one row
-    g, e = self._emit("all-gather", y, axes)
-    size = e.group_size
+    size = self.group_size(axes)
     gathered = [size * shape[0]] + shape[1:]
-    g = tf.reshape(_from_carrier(g, x.dtype, per, [math.prod(shape)]), gathered)
-    rank_perm = self._rank_permutation(axes)
-    if rank_perm is not None:
+    tag = "_".join(axes)
+    levels = self.levels(axes)
+    if levels is None:
+      g, e, note = self._gather_rows(y, axes, None, source)
+      ops, order, name = (e,), self._rank_permutation(axes), f"rank_perm_{tag}"
+    else:   # each member's shard across processes first, then those within the process: block (j, q)
+      g, across, note = self._gather_rows(y, axes, "across", source, "all_gather_across")
+      g, within, _ = self._gather_rows(g, axes, "within", source, "all_gather_within")
+      ops, order, name = (across, within), np.argsort(levels.order, axis=1).astype(np.int32), f"levels_order_{tag}"
+      note = "; ".join(filter(None, [levels.note("all-gather"), note]))
+    if order is not None:   # back to mesh order
       chunks = tf.reshape(g, [size, -1])
-      g = tf.reshape(tf.gather(chunks, self.lookup(rank_perm, f"rank_perm_{'_'.join(axes)}")), gathered)
+      g = tf.reshape(tf.gather(chunks, self.lookup(order, name)), gathered)
     if dim:
       g = tf.transpose(g, np.argsort(perm))
-    self._record("all-gather", x, g.shape, size, axes, source, reason, (e,),
-                 _moving_note(x.dtype, carrier, per, "CollectiveGatherV2"))
+    self._record("all-gather", x, g.shape, size, axes, source, reason, ops, note)
     return g
+
+  def _chunks(self, x, dim, axes):
+    """Dim `dim` of x cut into group-size chunks, chunk first: [chunk, .., c, ..] in mesh order."""
+    size = self.group_size(axes)
+    shape = x.shape.as_list()
+    # [.., dim, ..] -> [chunk, .., c, ..]: TF's CPU all-to-all exchanges slices of dim 0.
+    parts = tf.reshape(x, shape[:dim] + [size, shape[dim] // size] + shape[dim + 1:])
+    return tf.transpose(parts, [dim] + [d for d in range(len(shape) + 1) if d != dim])
 
   def _exchange_chunks(self, x, dim, axes, name, source):
     """Cut dim `dim` of x into group-size chunks and send chunk k to the k-th member (mesh order).
 
     Returns ([sender, ..., chunk, ...]: what arrived, in the senders' mesh order, the op's description, note).
     """
-    size = self.group_size(axes)
-    shape = x.shape.as_list()
-    c = shape[dim] // size
-    # [.., dim, ..] -> [chunk, .., c, ..]: TF's CPU all-to-all exchanges slices of dim 0.
-    parts = tf.reshape(x, shape[:dim] + [size, c] + shape[dim + 1:])
-    parts = tf.transpose(parts, [dim] + [d for d in range(len(shape) + 1) if d != dim])
+    parts = self._chunks(x, dim, axes)
     rank_perm = self._rank_permutation(axes)
     tag = "_".join(axes)
     if rank_perm is not None:   # slot r must carry the chunk of the member with runtime rank r
       parts = tf.gather(parts, self.lookup(np.argsort(rank_perm, axis=1).astype(np.int32), f"rank_inv_{tag}"))
-    carrier, per = _moving(x.dtype, "CollectiveAllToAllV2", source)
-    y = _to_carrier(parts, carrier, per, 1)
-    got, e = self._emit("all-to-all", y, axes, name=name)
-    got = _from_carrier(got, x.dtype, per, parts.shape.as_list()[1:])
+    got, e, note = self._exchange_rows(parts, axes, None, source, name)
     if rank_perm is not None:   # slot r came from rank r: back to the senders' mesh order
       got = tf.gather(got, self.lookup(rank_perm, f"rank_perm_{tag}"))
-    return got, e, _moving_note(x.dtype, carrier, per, "CollectiveAllToAllV2")
+    return got, e, note
 
   def all_to_all(self, x, src, dst, axes, source, reason):
     """Move a split from dim `src` to dim `dst` over the group of `axes`.
@@ -391,16 +418,33 @@ class Backend:
 
     TF's CollectiveReduceScatterV2 has no CPU kernel: emitted as an all-to-all of the chunks (member k
     receives everyone's chunk k, at the dtype's own width) and a local reduction (in a wider dtype where an
-    all-reduce would carry one), which moves no more than a reduce-scatter.
+    all-reduce would carry one), which moves no more than a reduce-scatter. Across processes (see `levels`), in
+    two such steps: within each process, member j receives the chunks of its peers of local rank j in every
+    process (their partial sums over the process), then across processes each receives its own chunk's.
     """
     if self.alone(axes):
       return x
-    got, e, note = self._exchange_chunks(x, dim, axes, "reduce_scatter", source)
-    wide = _WIDER.get(x.dtype, x.dtype)
-    combine = {"Add": tf.reduce_sum, "Max": tf.reduce_max, "Min": tf.reduce_min, "Mul": tf.reduce_prod}[op]
-    self._record("reduce-scatter", x, x.shape, int(got.shape[0]), axes, source, reason, (e,),
-                 "; ".join(filter(None, ["all-to-all + local reduction", note])))
-    return tf.cast(combine(tf.cast(got, wide), axis=0), x.dtype)
+    wide = WIDER.get(x.dtype, x.dtype)
+
+    def reduce(got):
+      return tf.cast(_REDUCE[op](tf.cast(got, wide), axis=0), x.dtype)
+
+    levels = self.levels(axes)
+    if levels is None:
+      got, e, note = self._exchange_chunks(x, dim, axes, "reduce_scatter", source)
+      ops, note = (e,), "; ".join(filter(None, ["all-to-all + local reduction", note]))
+      out = reduce(got)
+    else:
+      parts = self._chunks(x, dim, axes)
+      parts = tf.gather(parts, self.lookup(levels.order, f"levels_slots_{'_'.join(axes)}"))   # slot (j, q)
+      parts = tf.reshape(parts, [levels.per_process, levels.processes] + parts.shape.as_list()[1:])
+      got, within, note = self._exchange_rows(parts, axes, "within", source, "reduce_scatter_within")
+      got, across, _ = self._exchange_rows(reduce(got), axes, "across", source, "reduce_scatter_across")
+      ops = (within, across)
+      note = "; ".join(filter(None, [levels.note("reduce-scatter"), "all-to-alls + local reductions", note]))
+      out = reduce(got)
+    self._record("reduce-scatter", x, x.shape, self.group_size(axes), axes, source, reason, ops, note)
+    return out
 
   def collective_permute(self, x, axes, pairs=None, shift=None, cyclic=False, fill=0, source="", reason=""):
     """Within every group of `axes`, each member sends `x` to at most one member and receives from at most one.
@@ -434,7 +478,7 @@ class Backend:
       raise PartitionError(f"collective-permute pairs {pairs} over a group of {size}: each member may send once and "
                            "receive once", node=source)
     if size == 1:   # nothing to move: a member sends to itself or to no one
-      return x if pairs else tf.fill(x.shape, _scalar(fill, x.dtype))
+      return x if pairs else tf.fill(x.shape, scalar(fill, x.dtype))
     moves = {a: b for a, b in pairs if a != b}
     idle = [k for k in range(size) if k not in moves]
     starved = [k for k in range(size) if k not in moves.values()]
@@ -442,8 +486,8 @@ class Backend:
     if tokens is None:
       raise PartitionError(f"collective-permute pairs {pairs} over a group of {size} leave only member {idle[0]} "
                            "without a peer: TF's broadcasts have no lone send or receive to give it", node=source)
-    carrier, per = _moving(x.dtype, "CollectiveBcastSendV2", source)
-    y = _to_carrier(x, carrier, per, 0)
+    carrier, per = moving(x.dtype, "CollectiveBcastSendV2", source)
+    y = to_carrier(x, carrier, per, 0)
     shape = y.shape.as_list()
     elements = math.prod(shape)
     n = self.mesh.size
@@ -481,12 +525,12 @@ class Backend:
       missing = np.zeros((n, 1, 2), np.int32)
       missing[~receives, 0, 1] = elements - 1
       got = tf.reshape(tf.pad(got, self.lookup(missing, f"permute_token_pad_{tag}")), shape)
-    z = _from_carrier(got, x.dtype, per, x.shape.as_list())
+    z = from_carrier(got, x.dtype, per, x.shape.as_list())
     if not receives.all():
-      z = tf.where(self.lookup(receives, f"permute_receives_{tag}"), z, _scalar(fill, x.dtype))
+      z = tf.where(self.lookup(receives, f"permute_receives_{tag}"), z, scalar(fill, x.dtype))
     if keeps.any():
       z = tf.where(self.lookup(keeps, f"permute_keeps_{tag}"), x, z)
-    note = _moving_note(x.dtype, carrier, per, "CollectiveBcastSendV2")
+    note = moving_note(x.dtype, carrier, per, "CollectiveBcastSendV2")
     if tokens:
       note = "; ".join(filter(None, [note, "members without a receiver send a one-element token to those without a "
                                             "sender (TF has no lone send or receive)"]))

@@ -3,9 +3,9 @@
 Every collective costs a rendezvous of its group, which on CPUs and for small tensors costs more than the
 bytes: a training step's gradient all-reduces, the all-gathers of weights stored split (ZeRO-style), the
 exchanges of a step's reduce-scatters. Collectives that do not depend on each other, of one kind over the same
-mesh axes (the same groups of devices) with the same dtype (and reduction), are concatenated into one op built
-by the collectives backend (`Backend.combined`), then split back; every member's result is exactly what its
-own op returned:
+mesh axes (the same groups of devices; of a collective built in two levels across processes, the same level)
+with the same dtype (and reduction), are concatenated into one op built by the collectives backend
+(`Backend.combined`), then split back; every member's result is exactly what its own op returned:
 
   * all-reduce: the members' operands flattened side by side, summed (max, ...) at once, split;
   * all-gather: each device contributes its members' operands flattened side by side; the gathered [group,
@@ -134,9 +134,12 @@ def combine(program):
     if e.op in COMBINED and e.kind == COMBINED[e.op] and name in view:
       op = graph.get_operation_by_name(name)
       x = op.inputs[0]
-      if x.shape.is_fully_defined() and (e.kind != "all-to-all" or x.shape[0] == e.group_size):
+      # the operand's shape: as built (the imported graph may not infer it, e.g. behind a per-device reshape)
+      shape = [e.shape[0] // e.group_size] + list(e.shape[1:]) if e.kind == "all-gather" else list(e.shape)
+      if x.shape.is_compatible_with(shape) and (e.kind != "all-to-all" or shape[0] == e.group_size):
         # its key, and the bytes of its result (an all-gather's: gathered), which the cap applies to
-        candidates[name] = (op, (e.kind, e.axes, e.reduction, x.dtype), math.prod(e.shape) * x.dtype.size)
+        key = (e.kind, e.axes, e.reduction, x.dtype, e.level)
+        candidates[name] = (op, key, math.prod(e.shape) * x.dtype.size, shape)
   order, ancestors = _ancestors(view, candidates)
   bins = plan(order, ancestors, lambda n: candidates[n][1], lambda n: candidates[n][2])
   pid = graph.get_tensor_by_name(ref(program.partition_id))
@@ -146,8 +149,9 @@ def combine(program):
     if len(names) < 2:
       continue
     members = [candidates[n][0] for n in names]
-    kind, axes, reduction, _ = candidates[names[0]][1]
-    e = _build(graph, backend, members, kind, axes, reduction, len(combined), rewires)
+    kind, axes, reduction, _, level = candidates[names[0]][1]
+    e = _build(graph, backend, members, [candidates[n][3] for n in names], kind, axes, reduction, level,
+               len(combined), rewires)
     carriers.update((n, e) for n in names)
     combined.append(Combination(kind, len(names), e.bytes, _logical_kinds(program.report, names)))
   out = GraphView(graph.as_graph_def())
@@ -162,13 +166,15 @@ def _logical_kinds(report, names):
   return tuple(sorted({c.kind for c in report.collectives if any(op.name in names for op in c.ops)}))
 
 
-def _build(graph, backend, members, kind, axes, reduction, k, rewires):
-  """The combined collective of the ops `members` in `graph` (its Emitted); adds (old reference, new one) to
-  `rewires` for each member's result and control edges."""
+def _build(graph, backend, members, shapes, kind, axes, reduction, level, k, rewires):
+  """The combined collective of the ops `members` (their operands of `shapes`) in `graph` (its Emitted); adds (old
+  reference, new one) to `rewires` for each member's result and control edges."""
   with graph.as_default(), tf.name_scope(f"combined_{kind.replace('-', '_')}_{k}{HELPER_SCOPE}"):
     controls = {c for m in members for c in m.control_inputs}
     with tf.control_dependencies(sorted(controls, key=lambda o: o.name)):
-      parts, e = backend.combined(kind, [m.inputs[0] for m in members], axes, reduction)
+      operands = [m.inputs[0] if m.inputs[0].shape.is_fully_defined() else tf.reshape(m.inputs[0], shape)
+                  for m, shape in zip(members, shapes)]
+      parts, e = backend.combined(kind, operands, axes, reduction, level)
     for m, part in zip(members, parts):
       rewires.append((m.outputs[0].name, part.name))
       rewires.append(("^" + m.name, "^" + e.name))

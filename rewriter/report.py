@@ -57,13 +57,14 @@ class Emitted:
   bytes: int
   device_bytes: Optional[Tuple[int, ...]] = None   # bytes by device id, where devices differ
   cross_process: bool = False      # its groups join devices of different processes (network, not host links)
+  level: Optional[str] = None      # of a collective built in two levels: "within" each process or "across" them
 
   def __str__(self):
     sent = f"{self.bytes:,} B"
     if self.device_bytes is not None:
       sent = ", ".join(f"{b:,} B from {k} device(s)" for b, k in sorted(collections.Counter(self.device_bytes).items(),
                                                                              reverse=True))
-    where = ", across processes" if self.cross_process else ""
+    where = ", across processes" if self.cross_process else ", within each process" if self.level else ""
     return f"{self.op} {self.dtype}[{_shape_str(self.shape)}] (group {self.group_size}{where}), {sent}"
 
 

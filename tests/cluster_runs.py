@@ -11,7 +11,8 @@ PROGRAMS = os.path.join(os.path.dirname(__file__), "cluster_programs")
 
 
 def env():
-  return dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+  path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+  return dict(os.environ, PYTHONPATH=path, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
 
 
 def launch(workers, program, *args, timeout=300, devices_per_worker=None):

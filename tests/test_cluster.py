@@ -327,3 +327,20 @@ def test_processes_saving_to_different_paths_all_raise_input_error(tmp_path):
   for r in results.values():
     assert "different paths" in r["error"] and "process_0" in r["error"] and "process_1" in r["error"], r
   assert not list(tmp_path.glob("process_*/ckpt*"))
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_collectives_across_processes_in_two_levels_match_the_unpartitioned_program(workers):
+  """All-reduces (several dtypes, padded flat sizes), all-gathers and reduce-scatters whose groups have several
+  members in every process run in two levels and give the unpartitioned program's results in every process."""
+  results = _launch(workers, "hierarchical.py", timeout=420)
+  for r in results.values():
+    assert r["processes"] == workers
+    for name, case in r["cases"].items():
+      loose = "16" in name   # half-precision sums, rounded in another order
+      np.testing.assert_allclose(np.asarray(case["got"]), np.asarray(case["want"]), rtol=1e-2 if loose else 1e-5,
+                                 atol=1e-2 if loose else 1e-5, err_msg=name)
+      if not name.startswith("b_axis"):   # the groups over d, and over both axes of (2, 4), span the processes
+        assert ["across", True] in case["levels"] and ["within", False] in case["levels"], name
+    two_levels = ["across", True] in r["cases"]["b_axis_sum"]["levels"]
+    assert two_levels == (workers == 4)   # axis b joins 2 processes of 2 members only when there are 4

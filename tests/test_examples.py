@@ -90,6 +90,18 @@ def test_moe_plan_for_2048_devices_does_not_gather_the_padded_loss():
   assert total < 110 << 20
 
 
+def test_plan_over_hosts_sends_across_them_one_slice_per_member_in_a_host():
+  """--plan_hosts: 2048 devices on 256 hosts of 8 put each `model` group's 64 members 8 to a host, so its
+  collectives run in two levels and what crosses hosts per device falls below the plan with one device a host."""
+  across = {}
+  for hosts in (256, 2048):
+    out = _run("train_transformer.py", "--plan", f"--plan_hosts={hosts}")
+    assert f"(2048 devices on {hosts} hosts x {2048 // hosts})" in out
+    across[hosts] = int(re.search(r"; ([\d,]+) across processes\)", out).group(1).replace(",", ""))
+    assert ("within each process" in out) == (hosts == 256)
+  assert 0 < across[256] < across[2048] / 2
+
+
 def test_sigkill_then_resume_continues_with_the_same_losses(tmp_path):
   binary = "train_transformer.py"
   flags = ["--steps=24", "--check_steps=0", "--ckpt_every=4"]

@@ -7,7 +7,7 @@ from tensorflow.python.eager import wrap_function
 
 import tf_gspmd as gs
 from tf_gspmd.runtime import parallel
-from tf_gspmd.rewriter import collectives
+from tf_gspmd.rewriter import widths
 from tf_gspmd.rewriter.collectives import Backend
 from tf_gspmd.rewriter.report import ReportBuilder
 
@@ -15,15 +15,17 @@ M8 = gs.Mesh((8,), ("d",))
 M24 = gs.Mesh((2, 4), ("a", "b"))
 
 
-def _run(mesh, body, values):
+def _run(mesh, body, values, processes=None, devices=None):
   """body(backend, x) built into one per-device program and run on every device of `mesh` (x: values[p] on
-  device p). Returns (the per-device results, the report)."""
-  devices = tuple(d.name for d in tf.config.list_logical_devices("CPU"))[:mesh.size]
+  device p). `processes`: per position, the process the backend is told drives it (all run in this one);
+  `devices`: the mesh's devices (default: the first CPUs in order). Returns (the per-device results, the report)."""
+  devices = devices or tuple(d.name for d in tf.config.list_logical_devices("CPU"))[:mesh.size]
   graph, report = tf.Graph(), ReportBuilder()
   with graph.as_default():
     pid = tf.compat.v1.placeholder(tf.int32, [], name="pid")
     x = tf.compat.v1.placeholder(tf.as_dtype(values[0].dtype), values[0].shape, name="x")
-    backend = Backend(mesh, devices, pid, lambda table, name: tf.gather(tf.constant(table, name=name), pid), report)
+    backend = Backend(mesh, devices, pid, lambda table, name: tf.gather(tf.constant(table, name=name), pid), report,
+                      processes)
     tf.identity(body(backend, x), name="out")
   fn = wrap_function.function_from_graph_def(graph.as_graph_def(), ["pid:0", "x:0"], ["out:0"])
   where = parallel.local(devices)
@@ -158,7 +160,7 @@ def test_data_moves_at_its_own_width(dtype):
     np.testing.assert_array_equal(g, xs[(p - 1) % 8])
   assert 15 * width <= report.bytes_per_device() <= 15 * width + 3
   (c,) = report.collectives
-  assert c.differs == (dtype not in collectives.takes("CollectiveBcastSendV2"))
+  assert c.differs == (dtype not in widths.takes("CollectiveBcastSendV2"))
 
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != tf.bool], ids=lambda d: d.name)
@@ -178,7 +180,7 @@ def test_reductions_keep_their_results_and_name_wider_carriers(dtype):
     np.testing.assert_array_equal(g, total)
   (c,) = report.collectives
   (op,) = c.ops
-  native = dtype in collectives.takes("CollectiveReduceV2") and dtype != tf.bfloat16
+  native = dtype in widths.takes("CollectiveReduceV2") and dtype != tf.bfloat16
   assert (op.dtype == dtype.name) == native and bool(c.note) == (not native)
   assert report.bytes_per_device() == 120 * tf.as_dtype(op.dtype).size
 
@@ -188,3 +190,92 @@ def test_bfloat16_max_travels_as_bfloat16():
   got, report = _run(M8, lambda b, x: b.all_reduce(x, ("d",), "Max", "s", "r"), xs)
   np.testing.assert_array_equal(got[0], np.max(np.stack(xs), axis=0))
   assert report.collectives[0].ops[0].dtype == "bfloat16" and report.bytes_per_device() == 8
+
+
+# ---- across processes: two levels -------------------------------------------------------------------------------
+# The backend is told which process drives each device; all of them run here, in one process, so the two-level
+# collectives run for real on 8 CPUs and are checked against numpy (the multi-process runs are in test_cluster.py).
+
+def _hosts(n, size=8):
+  """Per position: its process, `n` processes holding size / n consecutive positions each."""
+  return tuple(p // (size // n) for p in range(size))
+
+
+def _levels_of(report):
+  return [(op.kind, op.level, op.cross_process, op.group_size) for c in report.collectives for op in c.ops]
+
+
+HIERARCHIES = [(M8, ("d",), 2), (M8, ("d",), 4), (M24, ("a", "b"), 2), (M24, ("b",), 4)]
+HIERARCHY_IDS = ["8/2", "8/4", "2x4:a,b/2", "2x4:b/4"]
+
+
+@pytest.mark.parametrize("mesh,axes,n", HIERARCHIES, ids=HIERARCHY_IDS)
+@pytest.mark.parametrize("reverse", [False, True], ids=["in_order", "devices_reversed"])
+def test_collectives_across_processes_run_in_two_levels_and_cross_with_one_slice(mesh, axes, n, reverse):
+  """With L members of each group in every process, an all-reduce, an all-gather and a reduce-scatter give what
+  the flat collective gives, and what crosses processes per device is 1/L of it (the flat size padded to L)."""
+  devices = tuple(d.name for d in tf.config.list_logical_devices("CPU"))[:8]
+  devices = tuple(reversed(devices)) if reverse else devices   # runtime rank order against mesh order
+  members = _members(mesh, axes)
+  size = len(members[0][0])
+  hosts = _hosts(n)
+  local = sum(hosts[q] == hosts[0] for q in members[0][0])   # members of a group in each process
+  xs = [np.arange(15, dtype=np.float32).reshape(5, 3) * (p + 1) + p for p in range(8)]   # 15: padded to `local`
+
+  got, report = _run(mesh, lambda b, x: b.all_reduce(x, axes, "Add", "s", "r"), xs, _hosts(n), devices)
+  for p in range(8):
+    np.testing.assert_allclose(got[p], sum(xs[q] for q in members[p][0]), rtol=1e-6)
+  assert _levels_of(report) == [("all-to-all", "within", False, local), ("all-reduce", "across", True, size // local),
+                                ("all-gather", "within", False, local)]
+  assert report.cross_process_bytes_per_device() == -(-15 // local) * 4
+  assert "hierarchical" in report.collectives[0].note
+
+  got, report = _run(mesh, lambda b, x: b.all_gather(x, 1, axes, "s", "r"), xs, _hosts(n), devices)
+  for p in range(8):
+    np.testing.assert_array_equal(got[p], np.concatenate([xs[q] for q in members[p][0]], axis=1))
+  assert [lv for _, lv, _, _ in _levels_of(report)] == ["across", "within"]
+  assert report.cross_process_bytes_per_device() == 15 * 4 * size // local
+
+  ys = [np.concatenate([x] * size) for x in xs]   # chunk k of 5 rows is member k's
+  got, report = _run(mesh, lambda b, x: b.reduce_scatter(x, 0, axes, "Add", "s", "r"), ys, _hosts(n), devices)
+  for p in range(8):
+    group, k = members[p]
+    np.testing.assert_allclose(got[p], sum(ys[q] for q in group)[5 * k:5 * k + 5], rtol=1e-6)
+  assert [lv for _, lv, _, _ in _levels_of(report)] == ["within", "across"]
+  assert report.cross_process_bytes_per_device() == 15 * 4 * size // local
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != tf.bool], ids=lambda d: d.name)
+def test_two_level_reductions_take_every_dtype_the_flat_ones_take(dtype):
+  """Sums (and maxima) in two levels equal the flat ones for every dtype, carried as the flat path carries it."""
+  xs = _values(dtype, (40, 3))
+  exact = np.int64 if dtype.is_integer else np.float64
+  total = sum(x.astype(exact) for x in xs).astype(dtype.as_numpy_dtype)
+  got, report = _run(M8, lambda b, x: b.all_reduce(x, ("d",), "Add", "s", "r"), xs, _hosts(2))
+  for g in got:
+    np.testing.assert_array_equal(g, total)
+  assert len(report.collectives[0].ops) == 3
+  got, _ = _run(M8, lambda b, x: b.all_reduce(x, ("d",), "Max", "s", "r"), xs, _hosts(4))
+  for g in got:
+    np.testing.assert_array_equal(g, np.max(np.stack(xs), axis=0))
+  got, _ = _run(M8, lambda b, x: b.reduce_scatter(x, 0, ("d",), "Add", "s", "r"), xs, _hosts(2))
+  for p, g in enumerate(got):
+    np.testing.assert_array_equal(g, total[5 * p:5 * p + 5])
+  got, _ = _run(M8, lambda b, x: b.all_gather(x, 0, ("d",), "s", "r"), xs, _hosts(4))
+  for g in got:
+    np.testing.assert_array_equal(g, np.concatenate(xs))
+
+
+@pytest.mark.parametrize("processes", [None, _hosts(1), _hosts(8), (0, 0, 0, 1, 1, 1, 1, 1)],
+                         ids=["unknown", "one", "one_device_each", "uneven"])
+def test_collectives_stay_flat_without_several_members_in_every_process(processes):
+  """In one process, with one member per process, or with processes holding different numbers of a group's
+  members, each collective is one op, as before."""
+  xs = [np.arange(15, dtype=np.float32).reshape(5, 3) + p for p in range(8)]
+  got, report = _run(M8, lambda b, x: b.all_reduce(x, ("d",), "Add", "s", "r"), xs, processes)
+  for g in got:
+    np.testing.assert_array_equal(g, sum(xs))
+  ((kind, level, crosses, group),) = _levels_of(report)
+  assert (kind, level, group) == ("all-reduce", None, 8)
+  assert crosses == (processes is not None and len(set(processes)) > 1)
+  assert report.cross_process_bytes_per_device() == (60 if crosses else 0)

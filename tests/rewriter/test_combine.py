@@ -3,6 +3,9 @@
 Every partitioned result is compared with the unpartitioned program's on the same inputs.
 """
 
+import os
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -13,6 +16,9 @@ from tf_gspmd import P
 from tf_gspmd.rewriter import combine
 from tf_gspmd.rewriter.graph_view import GraphView
 from tf_gspmd.rewriter.report import Combination
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+import transformer_model as tm  # noqa: E402  pylint: disable=g-import-not-at-top
 
 MESH = gs.Mesh((2, 4), ("data", "model"))
 
@@ -225,3 +231,22 @@ def test_plan_keeps_the_byte_cap():
   anc = {n: 0 for n in order}
   bins = combine.plan(order, anc, lambda n: "K", lambda n: 3, max_bytes=7)
   assert bins == [["c0", "c1"], ["c2", "c3"], ["c4"]]
+
+
+def test_a_transformer_steps_gradient_reductions_across_processes_are_one_collective():
+  """Megatron on (2, 4) over 2 processes: the data axis joins them, and every gradient's all-reduce over it (some
+  behind reshapes whose static shape the per-device graph does not infer) travels in one collective; the
+  reductions of the model axis stay inside each process."""
+  keras = pytest.importorskip("keras")
+  cfg = tm.Config(layers=2, d_model=32, heads=4, d_ff=64, vocab=64, seq=8, batch=8)
+  keras.utils.set_random_seed(0)
+  model = tm.keras_model(cfg)
+  opt = keras.optimizers.Adam(1e-2)
+  opt.build(model.trainable_variables)
+  step = gs.function(tm.make_keras_train_step(model, opt), mesh=MESH, in_shardings=(P("data", None),) * 2)
+  low = step.lower(*[tf.TensorSpec([cfg.batch, cfg.seq], tf.int32)] * 2, processes=2)
+  crossing = [c for c in low.report.collectives if c.cross_process]
+  assert len(crossing) > 20 and all(c.axes == ("data",) for c in crossing)
+  (op,) = {op for c in crossing for op in c.ops}
+  assert op.cross_process and op.bytes == sum(c.bytes for c in crossing)
+  assert sum(1 for op in low.report.emitted_ops() if op.cross_process) == 1

@@ -97,6 +97,20 @@ def test_transformer_train_step_launches_its_collectives_in_one_order():
     np.testing.assert_allclose(got.numpy(), ref.numpy(), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("processes", [2, 4])
+def test_collectives_in_two_levels_across_processes_launch_in_one_order(processes):
+  """Planned for several processes, the transformer step's collectives in two levels (within each process, across
+  them) are chained in one sequence, and every member of each of their groups computes the same group key."""
+  cfg = tm.Config(layers=2, d_model=32, heads=4, d_ff=64, vocab=64, seq=8, batch=4)
+  fn, args, specs = tm.megatron_train_args(cfg)
+  f = gs.function(fn, mesh=MESH, in_shardings=tuple(specs), exchange="collectives")
+  low = f.lower(*[tf.TensorSpec(np.shape(a), tf.as_dtype(np.asarray(a).dtype)) for a in args], processes=processes)
+  levels = {op.level for op in low.report.emitted_ops()}
+  assert levels == ({None, "within", "across"} if processes == 4 else {None})   # model: 2 members in 2 processes
+  keys = _launched_by_every_device(low)
+  assert len(keys) == len(low.report.emitted_ops())
+
+
 def test_collectives_inside_a_loop_are_ordered_within_and_across_iterations(rng):
   args = [rng.standard_normal((8, 16)).astype(np.float32), (rng.standard_normal((16, 16)) * 0.3).astype(np.float32),
           rng.standard_normal((8, 16)).astype(np.float32)]

@@ -177,6 +177,55 @@ def test_plan_for_several_processes_counts_the_bytes_that_cross_them():
     f.lower(*specs, processes=3)
 
 
+def _gradient_step(x, w):
+  with tf.GradientTape() as tape:
+    tape.watch(w)
+    loss = tf.reduce_sum(tf.nn.relu(x @ w))
+  return tape.gradient(loss, w)
+
+
+def test_plans_over_processes_send_one_slice_per_local_member_across_them():
+  """Data parallel on 8 devices: the gradient's all-reduce spans every process. With L of its members in each
+  process, what crosses processes per device falls by L (2 processes: 4, 4 processes: 2); with one device per
+  process it is the flat all-reduce's. The logical collectives are the same in every plan."""
+  f = gs.function(_gradient_step, mesh=M8, in_shardings=(P("d", None), P()), out_shardings=P())
+  specs = (tf.TensorSpec([64, 32]), tf.TensorSpec([32, 48]))
+  flat = f.lower(*specs, processes=8).report
+  assert flat.cross_process_bytes_per_device() == 32 * 48 * 4
+  for n, local in ((2, 4), (4, 2)):
+    report = f.lower(*specs, processes=n).report
+    assert report.cross_process_bytes_per_device() * local == flat.cross_process_bytes_per_device()
+    assert report.counts() == flat.counts() and report.logical_bytes_per_device() == flat.logical_bytes_per_device()
+    (record,) = report.collectives
+    assert [(op.level, op.cross_process) for op in record.ops] == [("within", False), ("across", True),
+                                                                    ("within", False)]
+    assert "across processes" in str(report) and "within each process" in str(report)
+
+
+def test_a_plan_without_processes_emits_each_collective_flat():
+  """In one process every collective is one op over its whole group, whatever the mesh."""
+  f = gs.function(_gradient_step, mesh=M8, in_shardings=(P("d", None), P()), out_shardings=P())
+  report = f.lower(tf.TensorSpec([64, 32]), tf.TensorSpec([32, 48])).report
+  ((op,),) = [c.ops for c in report.collectives]
+  assert (op.kind, op.level, op.group_size, op.bytes, op.cross_process) == ("all-reduce", None, 8, 6144, False)
+  assert "within each process" not in str(report)
+
+
+def test_a_plan_for_2048_devices_on_256_hosts_crosses_hosts_with_an_eighth():
+  """Mesh (32, 64) over 256 hosts of 8 devices: a group of the model axis has 8 members in each of 8 hosts, so its
+  all-reduce sends 1/8 across hosts; the data axis has one member per host and stays flat."""
+  mesh = gs.Mesh((32, 64), ("data", "model"))
+  f = gs.function(lambda x, w: x @ w, mesh=mesh, in_shardings=(P("data", "model"), P("model", None)),
+                  out_shardings=P("data", None))
+  specs = (tf.TensorSpec([256, 4096]), tf.TensorSpec([4096, 512]))
+  hosts = f.lower(*specs, processes=256).report
+  alone = f.lower(*specs, processes=2048).report
+  assert alone.cross_process_bytes_per_device() == 8 * 512 * 4
+  assert hosts.cross_process_bytes_per_device() * 8 == alone.cross_process_bytes_per_device()
+  (record,) = hosts.collectives
+  assert record.axes == ("model",) and [op.group_size for op in record.ops] == [8, 8, 8]
+
+
 def test_the_report_states_the_constants_each_device_holds(rng):
   table = rng.standard_normal((256, 512)).astype(np.float32)   # 512 KiB of literal values, held by every device
   low = check_partitioned(lambda x: x + tf.constant(table, name="table"), [table], (P("d", None),), M8,
