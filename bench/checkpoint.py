@@ -101,7 +101,8 @@ def _run(workers, directory):
   script = [os.path.abspath(__file__), f"--mb={FLAGS.mb}", f"--worker_dir={directory}"]
   command = [sys.executable] + (script if workers == 1 else ["-m", "tf_gspmd.launch", f"--workers={workers}", "--",
                                                             *script])
-  env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+             TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
   out = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
   if out.returncode:
     raise SystemExit(f"{workers} process(es) failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")

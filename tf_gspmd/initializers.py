@@ -14,6 +14,7 @@ Keras initializers (`GlorotUniform`, `HeNormal`, `RandomNormal`, `Zeros`, ...) a
 `from_keras`, keeping their distribution and scale (computed from the global shape).
 """
 
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
@@ -61,14 +62,36 @@ def _uniform01(shape, starts, lengths, seed):
 CHUNK_ELEMENTS = 1 << 20
 
 
-def _load_trim():
+def _load_libc(name):
   try:
-    return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    return getattr(ctypes.CDLL(ctypes.util.find_library("c")), name)
   except (OSError, AttributeError, TypeError):   # not glibc: nothing to hand back
     return None
 
 
-_MALLOC_TRIM = _load_trim()
+_MALLOC_TRIM = _load_libc("malloc_trim")
+_MALLOPT = _load_libc("mallopt")
+_M_MMAP_THRESHOLD = -3                         # mallopt's parameter number (malloc.h)
+_MMAP_THRESHOLD_MAX = 4 * 1024 * 1024 * 8      # glibc's largest dynamic threshold on 64-bit hosts (32 MiB)
+
+
+@contextlib.contextmanager
+def large_blocks_unmapped(threshold=1 << 20):
+  """Within: heap blocks of `threshold` bytes or more get their own mapping, returned to the OS when freed.
+
+  glibc serves blocks under its dynamic mmap threshold (which rises to 32 MiB once such a block was freed) from
+  per-thread arenas and keeps them there when freed; TF runs eager ops on several threads, so a loop of reads
+  whose buffers are freed by one thread and allocated anew by another grows by one buffer per thread. On exit
+  the threshold is fixed at glibc's dynamic maximum, where a process that has freed a large block stands anyway.
+  """
+  if _MALLOPT is None:
+    yield
+    return
+  _MALLOPT(_M_MMAP_THRESHOLD, int(threshold))
+  try:
+    yield
+  finally:
+    _MALLOPT(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
 
 
 def _release_freed():
