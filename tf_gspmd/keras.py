@@ -445,6 +445,21 @@ def _install():
     return None
 
   _compat.set_keras_variable_initializer(initialize_sharded)
+  variable_cls = _compat.keras_variable_class()
+  copy_to_cpu = variable_cls._copy_trackable_to_cpu   # pylint: disable=protected-access
+
+  def copy_trackable_to_cpu(self, object_map):
+    """An asynchronous checkpoint's host copy (CheckpointOptions(experimental_enable_async_checkpoint=True)): of a
+    variable stored sharded, this process's tiles, which the background writer saves as slices (Keras's own copy
+    is a whole tf.Variable)."""
+    inner = _compat.keras_inner_variable(self)
+    if _state.storage_of(inner) is None:
+      return copy_to_cpu(self, object_map)
+    inner._copy_trackable_to_cpu(object_map)   # pylint: disable=protected-access
+    object_map[self] = object_map[inner]
+    return None
+
+  variable_cls._copy_trackable_to_cpu = copy_trackable_to_cpu   # pylint: disable=protected-access
   backend_dl.distribute_tensor = distribute_tensor
   backend_dl.distribute_variable = _distribute_variable
   _compat.set_keras_backend_converters(mesh_of, backend_layout)

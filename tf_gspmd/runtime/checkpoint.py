@@ -204,7 +204,9 @@ class HostSnapshot(_compat.Trackable):
 
   def refresh(self):
     """Copies the tiles into host variables (kept between saves: the step may update the shards meanwhile)."""
-    for spec, p in self._storage.written_slices().items():
+    written = self._storage.written_slices()
+    self._tiles = {spec: host for spec, host in self._tiles.items() if spec in written}   # the layout may change
+    for spec, p in written.items():
       x = self._storage.read_slice(spec)
       host = self._tiles.get(spec)
       if host is None:
@@ -220,9 +222,11 @@ class HostSnapshot(_compat.Trackable):
     return {_compat.VARIABLE_VALUE_KEY: {spec: v.read_value() for spec, v in self._tiles.items()}}
 
   def __tf_tensor__(self, dtype=None, name=None):
-    raise InputError(f"an asynchronous checkpoint of the Keras variable stored sharded as {self._variable.name!r} "
-                     f"(shape {list(self._storage.shape)}) needs its whole value, which Keras's host copy takes; "
-                     "save Keras models synchronously (without experimental_enable_async_checkpoint)")
+    raise InputError(f"an asynchronous checkpoint asked for the whole value of the variable stored sharded as "
+                     f"{self._variable.name!r} (shape {list(self._storage.shape)}): its host copy holds this "
+                     f"process's tiles only. A wrapper of the variable must save it as its own host copy (as Keras "
+                     f"variables do under tf_gspmd.keras), or save synchronously (without "
+                     f"experimental_enable_async_checkpoint)")
 
 
 class StreamingRestore(_compat.SaveableObject):
