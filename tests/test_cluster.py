@@ -363,9 +363,10 @@ def test_a_keras_weights_file_saved_by_one_process_loads_in_two(tmp_path):
     assert r["values"] == want and r["up_spec"] == "P('model', 'batch')"
 
 
-def test_processes_saving_a_weights_file_to_different_paths_all_raise_input_error(tmp_path):
-  results = _launch(2, "keras_weights_file.py", f"--save={tmp_path / 'm.weights.h5'}", "--own_path",
+def test_processes_saving_a_weights_file_to_different_paths_or_an_archive_all_raise_input_error(tmp_path):
+  results = _launch(2, "keras_weights_file.py", f"--save={tmp_path / 'm.weights.h5'}", "--own_path", "--archive",
                     devices_per_worker=4)
   for r in results.values():
     assert "different paths" in r.get("error", ""), r
+    assert "whose tiles are in several processes" in r.get("archive_error", ""), r
   assert not list(tmp_path.glob("*gspmd-part*"))

@@ -125,6 +125,14 @@ def _store_setitem(original):
         return _write_own_tiles(self, shared, key, storage)
       if _cluster.process_index() != 0:
         return None   # the chief writes what it holds whole
+    elif self.mode in ("w", "a") and _cluster.is_multi_process():
+      split = _sharded(value)
+      if split is not None and _save_tiles(split) is None:
+        raise InputError(f"weights entry {key!r} is a variable of shape {list(split.shape)} whose tiles are in "
+                         f"several processes, and this store (a .keras archive or an in-memory file) would be "
+                         f"written whole by every process: save its weights with model.save_weights(path) to a "
+                         f"'.weights.h5' path (process 0 writes it from every process's tiles) or with "
+                         f"tf.train.Checkpoint")
     storage = _streamable(value)
     if storage is None or self.mode not in ("w", "a"):
       return original(self, key, value)

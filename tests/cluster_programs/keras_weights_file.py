@@ -4,6 +4,7 @@ one process).
   --save PATH     trains a step, `model.save_weights(PATH)`; prints the weights and the save's memory growth
   --load PATH     builds the model (another layout with --other_layout), `model.load_weights(PATH)`; prints them
   --own_path      each process saves to a path of its own (refused: one file needs one path)
+  --archive       first tries `model.save` to a .keras archive (refused with variables split over processes)
 
 The kernels are split over both mesh axes, so over 2 processes each holds half of every kernel (and of its Adam
 moments); the biases are replicated.
@@ -65,6 +66,7 @@ def main():
   parser.add_argument("--load", default=None)
   parser.add_argument("--other_layout", action="store_true")
   parser.add_argument("--own_path", action="store_true")
+  parser.add_argument("--archive", action="store_true")
   args = parser.parse_args()
   import keras  # pylint: disable=g-import-not-at-top
   import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
@@ -78,6 +80,11 @@ def main():
     y = rng.standard_normal((8, D_OUT)).astype(np.float32)
     with dist.scope():
       model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    if args.archive:
+      try:
+        model.save(args.save.replace(".weights.h5", f"_{gs.process_index()}.keras"))
+      except gs.InputError as e:
+        out["archive_error"] = str(e)
     path = args.save.replace(".weights.h5", f"_{gs.process_index()}.weights.h5") if args.own_path else args.save
     start = mark()
     try:
