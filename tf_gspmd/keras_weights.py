@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from tf_gspmd import _cluster
 from tf_gspmd import _compat
+from tf_gspmd import initializers
 from tf_gspmd.errors import InputError
 from tf_gspmd.runtime import checkpoint as _checkpoint
 from tf_gspmd.runtime import state as _state
@@ -98,6 +99,7 @@ def _index(starts, lengths):
 
 # ---- saving -----------------------------------------------------------------------------------------------------
 
+@initializers.large_blocks_unmapped()   # tiles freed by one eager thread, allocated anew by another
 def _write(group, key, storage):
   """Dataset `key` of `group`: the variable's global value, written tile by tile from the devices."""
   storage.before_step()   # an eager assign since the last step reaches the shards first
@@ -195,6 +197,7 @@ def _shared_file(original):
   return _get_h5_file
 
 
+@initializers.large_blocks_unmapped()   # tiles freed by one eager thread, allocated anew by another
 def _write_own_tiles(store, shared, key, storage):
   """Entry `key`: this process's tiles of a variable split over processes (the chief's into the file, another
   process's into its part file), one at a time."""
@@ -223,6 +226,7 @@ def _write_own_tiles(store, shared, key, storage):
   shared["split"] = True
 
 
+@initializers.large_blocks_unmapped()   # tiles freed by one eager thread, allocated anew by another
 def _merge_part(h5_file, part_path):
   """Copies the tiles of part file `part_path` into the datasets of `h5_file`, one tile at a time."""
   import h5py  # pylint: disable=g-import-not-at-top
@@ -403,6 +407,7 @@ def _read_slice(value, starts, lengths):
   return out
 
 
+@initializers.large_blocks_unmapped()   # tiles freed by one eager thread, allocated anew by another
 def _assign_tiles(storage, value):
   """Writes NumPy array `value` (the global value) into the shards this process holds, one distinct tile at a
   time, reading only those slices of `value` (over several processes, each reads its own)."""
