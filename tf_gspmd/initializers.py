@@ -19,6 +19,8 @@ import ctypes
 import ctypes.util
 import dataclasses
 import math
+import os
+import threading
 
 import numpy as np
 import tensorflow as tf
@@ -75,6 +77,18 @@ _M_MMAP_THRESHOLD = -3                         # mallopt's parameter number (mal
 _MMAP_THRESHOLD_MAX = 4 * 1024 * 1024 * 8      # glibc's largest dynamic threshold on 64-bit hosts (32 MiB)
 
 
+_unmapped_depth = [0]
+_unmapped_lock = threading.Lock()
+
+
+def _configured_mmap_threshold():
+  """The threshold the process was started with (glibc's MALLOC_MMAP_THRESHOLD_), or None."""
+  try:
+    return int(os.environ["MALLOC_MMAP_THRESHOLD_"])
+  except (KeyError, ValueError):
+    return None
+
+
 @contextlib.contextmanager
 def large_blocks_unmapped(threshold=1 << 20):
   """Within: heap blocks of `threshold` bytes or more get their own mapping, returned to the OS when freed.
@@ -82,16 +96,23 @@ def large_blocks_unmapped(threshold=1 << 20):
   glibc serves blocks under its dynamic mmap threshold (which rises to 32 MiB once such a block was freed) from
   per-thread arenas and keeps them there when freed; TF runs eager ops on several threads, so a loop of reads
   whose buffers are freed by one thread and allocated anew by another grows by one buffer per thread. On exit
-  the threshold is fixed at glibc's dynamic maximum, where a process that has freed a large block stands anyway.
+  the threshold is the one the process was started with (MALLOC_MMAP_THRESHOLD_), else glibc's dynamic maximum,
+  where a process that has freed a large block stands anyway. Nests; also usable as a decorator.
   """
   if _MALLOPT is None:
     yield
     return
-  _MALLOPT(_M_MMAP_THRESHOLD, int(threshold))
+  configured = _configured_mmap_threshold()
+  with _unmapped_lock:
+    _unmapped_depth[0] += 1
+    _MALLOPT(_M_MMAP_THRESHOLD, int(min(threshold, configured) if configured is not None else threshold))
   try:
     yield
   finally:
-    _MALLOPT(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+    with _unmapped_lock:
+      _unmapped_depth[0] -= 1
+      if not _unmapped_depth[0]:
+        _MALLOPT(_M_MMAP_THRESHOLD, configured if configured is not None else _MMAP_THRESHOLD_MAX)
 
 
 def _release_freed():
