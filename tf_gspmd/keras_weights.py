@@ -174,8 +174,9 @@ def _optimizer_save_own_variables(original):
 
 
 # ---- several processes: one file ----------------------------------------------------------------------------------
-# Every process makes the same `save_weights(path)` call. Process 0 (the chief) writes the file; the others' stores
-# are in memory and keep nothing but Keras's groups. A variable with tiles in several processes is written tile by
+# While the process holds variables on a mesh of several processes, every process makes the same
+# `save_weights(path)` call. Process 0 (the chief) writes the file; the others' stores are in memory and keep
+# nothing but Keras's groups. A variable with tiles in several processes is written tile by
 # tile, each distinct tile by the process of its lowest device (the checkpoint's rule): the chief's into the file's
 # dataset, another process's into a part file beside it (`<path>.gspmd-part-K-of-N`). When the stores close the
 # processes check that they saved to one path, the chief copies each part's tiles into the file one tile at a time
@@ -187,7 +188,8 @@ _weight_saves = itertools.count()
 def _shared_file(original):
   def _get_h5_file(self, path_or_io, mode=None):
     if ((mode or self.mode) != "w" or type(self) is not _compat.keras_weight_store_classes()[0] or self.archive
-        or not isinstance(path_or_io, pathlib.Path) or not _cluster.is_multi_process()):
+        or not isinstance(path_or_io, pathlib.Path) or not _cluster.is_multi_process()
+        or not _state.any_over_processes()):   # no variable on a mesh of several processes: Keras's own save
       return original(self, path_or_io, mode)
     self.__dict__["_gspmd_shared"] = {"path": str(path_or_io), "part": None, "split": False}
     if _cluster.process_index() == 0:
@@ -242,7 +244,8 @@ def _merge_part(h5_file, part_path):
 def _finish_shared_save(store, shared, close):
   """Ends a save over several processes (see above); `close` closes the store's file."""
   part = shared["part"]
-  if not shared["split"]:   # nothing split over processes (the same in every process): the chief's file is whole
+  if not shared["split"]:   # nothing of this model split over processes (alike in every process): the chief's
+    # file is whole, and no process waits for another
     close(store)
     return
   k, n = _cluster.process_index(), _cluster.process_count()

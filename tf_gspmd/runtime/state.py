@@ -62,6 +62,14 @@ def sharding_of(x):
   return layout_of(x)
 
 
+_over_processes = weakref.WeakSet()   # the live storages whose mesh spans several processes
+
+
+def any_over_processes():
+  """Whether this process holds a variable stored on a mesh that spans several processes."""
+  return len(_over_processes) > 0
+
+
 class ShardedStorage:
   """One shard of a variable per mesh device.
 
@@ -84,6 +92,8 @@ class ShardedStorage:
     self.host_newer = False     # the tf.Variable was assigned outside a gs.function since the last step
     self._packed = {}
     self._slice_specs = None
+    if len(self.positions) < len(self.devices):
+      _over_processes.add(self)
 
   # ---- layout ----------------------------------------------------------------------------------------------
   @property
