@@ -257,6 +257,61 @@ def test_keras_model_parallel_checkpoint_holds_slices_and_restores_on_another_la
                              atol=1e-5)
 
 
+def test_asynchronous_save_of_a_keras_model_parallel_model_writes_slices_while_it_trains(rng, tmp_path):
+  """A Keras ModelParallel model saved with experimental_enable_async_checkpoint: the host copy is this process's
+  tiles (no whole kernel), training steps run while the write is pending, the next save waits for the previous
+  one, and each checkpoint holds its save's values (read by plain TF and restored onto another layout)."""
+  keras = pytest.importorskip("keras")
+  import tf_gspmd.keras  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  from tf_gspmd.runtime import checkpoint, state  # pylint: disable=g-import-not-at-top
+  x = rng.standard_normal((8, 24)).astype(np.float32)
+  y = rng.standard_normal((8, 20)).astype(np.float32)
+
+  def build(up):
+    keras.utils.set_random_seed(1)
+    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], keras.distribution.list_devices("cpu")[:8])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*up/kernel"] = up
+    dist = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    with dist.scope():
+      model = keras.Sequential([keras.Input((24,)), keras.layers.Dense(40, name="up"),
+                                keras.layers.Dense(20, name="down")])
+      model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+      model.optimizer.build(model.trainable_variables)
+    return model, dist
+
+  model, dist = build((None, "model"))
+  kernel = model.get_layer("up").kernel
+  assert state.storage_of(kernel) is not None
+  options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
+  ckpt = tf.train.Checkpoint(model=model, opt=model.optimizer)
+  with dist.scope():
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    first_values = [v.numpy().copy() for v in model.weights + model.optimizer.variables]
+    first = ckpt.write(str(tmp_path / "first"), options=options)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)   # steps while the first write may be pending
+    second_values = [v.numpy().copy() for v in model.weights + model.optimizer.variables]
+    second = ckpt.write(str(tmp_path / "second"), options=options)   # waits for the first write
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+  copies = ckpt._async_checkpointer()._object_map   # pylint: disable=protected-access
+  snapshot = copies[kernel]
+  assert isinstance(snapshot, checkpoint.HostSnapshot)
+  tiles = snapshot._serialize_to_tensors()["VARIABLE_VALUE"]   # pylint: disable=protected-access
+  assert len(tiles) == 4 and all(t.shape == (24, 10) for t in tiles.values()), {k: t.shape for k, t in tiles.items()}
+  ckpt.sync()
+  assert not np.array_equal(first_values[0], second_values[0])
+  key = next(k for k, v in tf.train.load_checkpoint(first).get_variable_to_shape_map().items()
+             if v == [24, 40] and "trainable" in k)
+  for path, values in ((first, first_values), (second, second_values)):
+    np.testing.assert_array_equal(tf.train.load_variable(path, key), values[0])
+    fresh, _ = build(("model", None))
+    tf.train.Checkpoint(model=fresh, opt=fresh.optimizer).read(path).assert_existing_objects_matched()
+    got = [v.numpy() for v in fresh.weights + fresh.optimizer.variables]
+    assert len(got) == len(values)
+    for k, (a, b) in enumerate(zip(got, values)):
+      np.testing.assert_array_equal(a, b, err_msg=str(k))
+
+
 _MEMORY = textwrap.dedent("""
     import json, sys
     import numpy as np, tensorflow as tf

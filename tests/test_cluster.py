@@ -344,3 +344,56 @@ def test_collectives_across_processes_in_two_levels_match_the_unpartitioned_prog
         assert ["across", True] in case["levels"] and ["within", False] in case["levels"], name
     two_levels = ["across", True] in r["cases"]["b_axis_sum"]["levels"]
     assert two_levels == (workers == 4)   # axis b joins 2 processes of 2 members only when there are 4
+
+
+import keras_weights_file  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+@pytest.fixture(scope="module")
+def shared_weights_file(tmp_path_factory):
+  path = tmp_path_factory.mktemp("shared_weights") / "model.weights.h5"
+  return _launch(2, "keras_weights_file.py", f"--save={path}", devices_per_worker=4), path
+
+
+def test_a_keras_weights_file_saved_by_two_processes_loads_in_one_process_and_in_plain_keras(shared_weights_file):
+  """`save_weights` in both processes of 2 x 4 (kernels and their Adam moments split over both): one file, which
+  process 0 wrote from both processes' tiles (no part left); it loads with another layout in one process, and in
+  plain Keras, to the saved values."""
+  keras = pytest.importorskip("keras")
+  import tf_gspmd.keras  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  results, path = shared_weights_file
+  want = results[0]["values"]
+  assert results[1]["values"] == want and results[0]["up_spec"] == "P('batch', 'model')"
+  assert sorted(os.listdir(path.parent)) == ["model.weights.h5"]
+  for distributed in (True, False):
+    model, _ = keras_weights_file.build(keras, other_layout=True, distributed=distributed)
+    model.load_weights(str(path))
+    assert keras_weights_file.values(model) == want, distributed
+
+
+def test_a_keras_weights_file_saved_by_one_process_loads_in_two(tmp_path):
+  """The other way: a file saved in one process (mesh (2,4) of its 8 devices) loads in both processes of 2 x 4
+  with another layout, each reading the slices it keeps."""
+  keras = pytest.importorskip("keras")
+  import tf_gspmd.keras  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  model, dist = keras_weights_file.build(keras)
+  rng = np.random.default_rng(0)
+  with dist.scope():
+    model.fit(rng.standard_normal((8, keras_weights_file.D_IN)).astype(np.float32),
+              rng.standard_normal((8, keras_weights_file.D_OUT)).astype(np.float32), batch_size=8, epochs=1,
+              verbose=0)
+  path = tmp_path / "one.weights.h5"
+  model.save_weights(str(path))
+  want = keras_weights_file.values(model)
+  results = _launch(2, "keras_weights_file.py", f"--load={path}", "--other_layout", devices_per_worker=4)
+  for r in results.values():
+    assert r["values"] == want and r["up_spec"] == "P('model', 'batch')"
+
+
+def test_processes_saving_a_weights_file_to_different_paths_or_an_archive_all_raise_input_error(tmp_path):
+  results = _launch(2, "keras_weights_file.py", f"--save={tmp_path / 'm.weights.h5'}", "--own_path", "--archive",
+                    devices_per_worker=4)
+  for r in results.values():
+    assert "different paths" in r.get("error", ""), r
+    assert "whose tiles are in several processes" in r.get("archive_error", ""), r
+  assert not list(tmp_path.glob("*gspmd-part*"))

@@ -14,10 +14,13 @@ Keras initializers (`GlorotUniform`, `HeNormal`, `RandomNormal`, `Zeros`, ...) a
 `from_keras`, keeping their distribution and scale (computed from the global shape).
 """
 
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
 import math
+import os
+import threading
 
 import numpy as np
 import tensorflow as tf
@@ -61,14 +64,55 @@ def _uniform01(shape, starts, lengths, seed):
 CHUNK_ELEMENTS = 1 << 20
 
 
-def _load_trim():
+def _load_libc(name):
   try:
-    return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    return getattr(ctypes.CDLL(ctypes.util.find_library("c")), name)
   except (OSError, AttributeError, TypeError):   # not glibc: nothing to hand back
     return None
 
 
-_MALLOC_TRIM = _load_trim()
+_MALLOC_TRIM = _load_libc("malloc_trim")
+_MALLOPT = _load_libc("mallopt")
+_M_MMAP_THRESHOLD = -3                         # mallopt's parameter number (malloc.h)
+_MMAP_THRESHOLD_MAX = 4 * 1024 * 1024 * 8      # glibc's largest dynamic threshold on 64-bit hosts (32 MiB)
+
+
+_unmapped_depth = [0]
+_unmapped_lock = threading.Lock()
+
+
+def _configured_mmap_threshold():
+  """The threshold the process was started with (glibc's MALLOC_MMAP_THRESHOLD_), or None."""
+  try:
+    return int(os.environ["MALLOC_MMAP_THRESHOLD_"])
+  except (KeyError, ValueError):
+    return None
+
+
+@contextlib.contextmanager
+def large_blocks_unmapped(threshold=1 << 20):
+  """Within: heap blocks of `threshold` bytes or more get their own mapping, returned to the OS when freed.
+
+  glibc serves blocks under its dynamic mmap threshold (which rises to 32 MiB once such a block was freed) from
+  per-thread arenas and keeps them there when freed; TF runs eager ops on several threads, so a loop of reads
+  whose buffers are freed by one thread and allocated anew by another grows by one buffer per thread. On exit
+  the threshold is the one the process was started with (MALLOC_MMAP_THRESHOLD_), else glibc's dynamic maximum,
+  where a process that has freed a large block stands anyway. Nests; also usable as a decorator.
+  """
+  if _MALLOPT is None:
+    yield
+    return
+  configured = _configured_mmap_threshold()
+  with _unmapped_lock:
+    _unmapped_depth[0] += 1
+    _MALLOPT(_M_MMAP_THRESHOLD, int(min(threshold, configured) if configured is not None else threshold))
+  try:
+    yield
+  finally:
+    with _unmapped_lock:
+      _unmapped_depth[0] -= 1
+      if not _unmapped_depth[0]:
+        _MALLOPT(_M_MMAP_THRESHOLD, configured if configured is not None else _MMAP_THRESHOLD_MAX)
 
 
 def _release_freed():

@@ -153,6 +153,19 @@ def _active_plan():
   return _local.from_keras[1]
 
 
+def _slot_layout(variable, plan):
+  """The layout of an optimizer slot being created for a reference variable stored sharded on the plan's mesh
+  (Adam's moments, momentum...): its reference's, so the slot is created sharded (shard by shard when large)
+  instead of whole in every process until the first step lays it out."""
+  reference = getattr(_local, "slot_reference", None)
+  storage = _state.storage_of(reference) if reference is not None else None
+  shape, _ = _compat.keras_variable_shape_dtype(variable)
+  if (storage is None or storage.sharding.is_maximal or tuple(shape) != storage.shape
+      or storage.devices != tuple(plan.mesh.resolve_devices())):
+    return None
+  return storage.sharding
+
+
 def _check_keys(plan, model):
   """Warns about the plan's layout map keys that match nothing in `model` (once per model)."""
   if model in plan.checked:
@@ -430,6 +443,8 @@ def _install():
     its initializer has a mesh-independent equivalent (no full value anywhere), else from its full value."""
     plan = _active_plan()
     spec = plan.spec_for(self.path) if plan is not None else None
+    if spec is None and plan is not None:
+      spec = _slot_layout(self, plan)
     if spec is None:
       return initialize(self, initializer)
     shape, dtype = _compat.keras_variable_shape_dtype(self)
@@ -445,6 +460,34 @@ def _install():
     return None
 
   _compat.set_keras_variable_initializer(initialize_sharded)
+  optimizer_cls = keras.optimizers.Optimizer
+  add_slot = optimizer_cls.add_variable_from_reference
+
+  def add_variable_from_reference(self, reference_variable, *args, **kwargs):
+    """Keras's; the variable is created in its reference's layout when that is stored sharded (see _slot_layout)."""
+    previous = getattr(_local, "slot_reference", None)
+    _local.slot_reference = reference_variable
+    try:
+      return add_slot(self, reference_variable, *args, **kwargs)
+    finally:
+      _local.slot_reference = previous
+
+  optimizer_cls.add_variable_from_reference = add_variable_from_reference
+  variable_cls = _compat.keras_variable_class()
+  copy_to_cpu = variable_cls._copy_trackable_to_cpu   # pylint: disable=protected-access
+
+  def copy_trackable_to_cpu(self, object_map):
+    """An asynchronous checkpoint's host copy (CheckpointOptions(experimental_enable_async_checkpoint=True)): of a
+    variable stored sharded, this process's tiles, which the background writer saves as slices (Keras's own copy
+    is a whole tf.Variable)."""
+    inner = _compat.keras_inner_variable(self)
+    if _state.storage_of(inner) is None:
+      return copy_to_cpu(self, object_map)
+    inner._copy_trackable_to_cpu(object_map)   # pylint: disable=protected-access
+    object_map[self] = object_map[inner]
+    return None
+
+  variable_cls._copy_trackable_to_cpu = copy_trackable_to_cpu   # pylint: disable=protected-access
   backend_dl.distribute_tensor = distribute_tensor
   backend_dl.distribute_variable = _distribute_variable
   _compat.set_keras_backend_converters(mesh_of, backend_layout)

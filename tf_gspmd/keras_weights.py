@@ -7,8 +7,10 @@ loading. With `import tf_gspmd.keras`:
 
 * saving a sharded variable creates its dataset in the file and writes every distinct tile from the device that
   holds it (`ds[index] = tile`): the extra memory is one tile; optimizer slots are handed to the store as
-  variables (Keras gives it `variable.numpy()`), so they stream too. A variable with a tile only another
-  process holds is written as Keras writes it (put together first).
+  variables (Keras gives it `variable.numpy()`), so they stream too.
+* over several processes every process makes the same `save_weights(path)` call: process 0 writes the file, the
+  tiles of a variable split over processes written by the process of their lowest device (another process's go
+  through a part file that process 0 copies in tile by tile; see "several processes" below).
 * reading a dataset of a weights file on disk gives a NumPy array mapped from the file (copy-on-write), not read
   into memory; assigning a NumPy array to a sharded Keras variable writes each device's slice to its shard and
   touches only those slices of the array. So a load reads only the slices this process keeps, one tile at a
@@ -22,15 +24,22 @@ onto any mesh and layout.
 
 import ctypes
 import ctypes.util
+import io
+import itertools
 import math
 import mmap
 import os
+import pathlib
 import weakref
 
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd import _cluster
 from tf_gspmd import _compat
+from tf_gspmd import initializers
+from tf_gspmd.errors import InputError
+from tf_gspmd.runtime import checkpoint as _checkpoint
 from tf_gspmd.runtime import state as _state
 
 # madvise(2)'s MADV_PAGEOUT (Linux 5.4+): reclaim the range's pages now. Clean file pages are dropped (read again
@@ -90,6 +99,7 @@ def _index(starts, lengths):
 
 # ---- saving -----------------------------------------------------------------------------------------------------
 
+@initializers.large_blocks_unmapped()   # tiles freed by one eager thread, allocated anew by another
 def _write(group, key, storage):
   """Dataset `key` of `group`: the variable's global value, written tile by tile from the devices."""
   storage.before_step()   # an eager assign since the last step reaches the shards first
@@ -110,6 +120,21 @@ def _write(group, key, storage):
 
 def _store_setitem(original):
   def __setitem__(self, key, value):  # pylint: disable=invalid-name
+    shared = self.__dict__.get("_gspmd_shared")
+    if shared is not None:
+      storage = _sharded(value)
+      if storage is not None and _save_tiles(storage) is None:   # tiles in several processes
+        return _write_own_tiles(self, shared, key, storage)
+      if _cluster.process_index() != 0:
+        return None   # the chief writes what it holds whole
+    elif self.mode in ("w", "a") and _cluster.is_multi_process():
+      split = _sharded(value)
+      if split is not None and _save_tiles(split) is None:
+        raise InputError(f"weights entry {key!r} is a variable of shape {list(split.shape)} whose tiles are in "
+                         f"several processes, and this store (a .keras archive or an in-memory file) would be "
+                         f"written whole by every process: save its weights with model.save_weights(path) to a "
+                         f"'.weights.h5' path (process 0 writes it from every process's tiles) or with "
+                         f"tf.train.Checkpoint")
     storage = _streamable(value)
     if storage is None or self.mode not in ("w", "a"):
       return original(self, key, value)
@@ -121,6 +146,12 @@ def _sharded_store_setitem(original, base_setitem):
   def __setitem__(self, key, value):  # pylint: disable=invalid-name
     storage = _streamable(value)
     if storage is None:
+      split = _sharded(value)
+      if split is not None and _cluster.is_multi_process():
+        raise InputError(f"weights file entry {key!r} is a variable of shape {list(split.shape)} whose tiles are in "
+                         f"several processes; a file split by max_shard_size is written whole by every process: "
+                         f"call save_weights without max_shard_size (one .weights.h5 file, which process 0 "
+                         f"writes from every process's tiles)")
       return original(self, key, value)
     record = _compat.keras_sharded_store_add(self, key, math.prod(storage.shape) * storage.dtype.size)
     base_setitem(self, key, value)
@@ -134,12 +165,113 @@ def _optimizer_save_own_variables(original):
     """Keras's (each variable as `store[str(i)]`), handing sharded slots to the store as variables, which write
     tile by tile, instead of as whole NumPy values."""
     if not isinstance(store, _compat.keras_weight_store_classes()) or not any(
-        _streamable(v) is not None for v in self.variables):
+        _sharded(v) is not None for v in self.variables):
       return original(self, store)
     for i, variable in enumerate(self.variables):
-      store[str(i)] = variable if _streamable(variable) is not None else variable.numpy()
+      store[str(i)] = variable if _sharded(variable) is not None else variable.numpy()
     return None
   return save_own_variables
+
+
+# ---- several processes: one file ----------------------------------------------------------------------------------
+# While the process holds variables on a mesh of several processes, every process makes the same
+# `save_weights(path)` call. Process 0 (the chief) writes the file; the others' stores are in memory and keep
+# nothing but Keras's groups. A variable with tiles in several processes is written tile by
+# tile, each distinct tile by the process of its lowest device (the checkpoint's rule): the chief's into the file's
+# dataset, another process's into a part file beside it (`<path>.gspmd-part-K-of-N`). When the stores close the
+# processes check that they saved to one path, the chief copies each part's tiles into the file one tile at a time
+# and removes the part, and a barrier ends the save. No process holds more than one tile of a variable.
+
+_weight_saves = itertools.count()
+
+
+def _shared_file(original):
+  def _get_h5_file(self, path_or_io, mode=None):
+    if ((mode or self.mode) != "w" or type(self) is not _compat.keras_weight_store_classes()[0] or self.archive
+        or not isinstance(path_or_io, pathlib.Path) or not _cluster.is_multi_process()
+        or not _state.any_over_processes()):   # no variable on a mesh of several processes: Keras's own save
+      return original(self, path_or_io, mode)
+    self.__dict__["_gspmd_shared"] = {"path": str(path_or_io), "part": None, "split": False}
+    if _cluster.process_index() == 0:
+      return original(self, path_or_io, mode)
+    import h5py  # pylint: disable=g-import-not-at-top
+    return h5py.File(io.BytesIO(), "w")
+  return _get_h5_file
+
+
+@initializers.large_blocks_unmapped()   # tiles freed by one eager thread, allocated anew by another
+def _write_own_tiles(store, shared, key, storage):
+  """Entry `key`: this process's tiles of a variable split over processes (the chief's into the file, another
+  process's into its part file), one at a time."""
+  import h5py  # pylint: disable=g-import-not-at-top
+  storage.before_step()
+  group = _compat.keras_store_entry_group(store, create=True)
+  k, n = _cluster.process_index(), _cluster.process_count()
+  if k == 0:
+    target = group.create_dataset(key, shape=storage.shape, dtype=storage.dtype.as_numpy_dtype)
+    if storage.dtype == tf.bfloat16:
+      target.attrs["dtype"] = "bfloat16"   # as Keras marks it
+  else:
+    if shared["part"] is None:
+      shared["part"] = h5py.File(f"{shared['path']}.gspmd-part-{k:05d}-of-{n:05d}", "w")
+    target = shared["part"].require_group(f"{group.name}/{key}")
+  for i, (spec, p) in enumerate(storage.written_slices().items()):
+    starts, lengths = storage.tile_extent(p)
+    piece = storage.read_slice(spec)
+    data = piece.numpy()
+    del piece
+    if k == 0:
+      target[_index(starts, lengths)] = data
+    else:
+      target.create_dataset(str(i), data=data).attrs["starts"] = list(starts)
+    del data
+  shared["split"] = True
+
+
+@initializers.large_blocks_unmapped()   # tiles freed by one eager thread, allocated anew by another
+def _merge_part(h5_file, part_path):
+  """Copies the tiles of part file `part_path` into the datasets of `h5_file`, one tile at a time."""
+  import h5py  # pylint: disable=g-import-not-at-top
+  with h5py.File(part_path, "r") as part:
+    tiles = []
+    part.visititems(lambda name, obj: tiles.append(name) if isinstance(obj, h5py.Dataset) else None)
+    for name in tiles:
+      tile = part[name]
+      starts = [int(s) for s in tile.attrs["starts"]]
+      h5_file[name.rsplit("/", 1)[0]][_index(starts, tile.shape)] = tile[()]
+
+
+def _finish_shared_save(store, shared, close):
+  """Ends a save over several processes (see above); `close` closes the store's file."""
+  part = shared["part"]
+  if not shared["split"]:   # nothing of this model split over processes (alike in every process): the chief's
+    # file is whole, and no process waits for another
+    close(store)
+    return
+  k, n = _cluster.process_index(), _cluster.process_count()
+  path, tag = shared["path"], f"tf_gspmd_weights_{next(_weight_saves)}"
+  part_path = part.filename if part is not None else ""
+  if part is not None:
+    part.close()
+  _compat.config_key_value_set(f"{tag}/path/{k}", path)
+  _compat.config_key_value_set(f"{tag}/part/{k}", part_path)
+  try:
+    paths = [_checkpoint.lookup(f"{tag}/path/{j}", "publishing its path", path, j, "weights") for j in range(n)]
+    if len(set(paths)) > 1:
+      if part_path:
+        os.remove(part_path)
+      raise InputError(f"the processes save one weights file to different paths ({dict(enumerate(paths))}): every "
+                       f"process must call save_weights with the same path (process 0 writes the file from every "
+                       f"process's tiles); give them one path")
+    if k == 0:
+      for j in range(1, n):
+        other = _checkpoint.lookup(f"{tag}/part/{j}", "writing its part", path, j, "weights")
+        if other:
+          _merge_part(store.h5_file, other)
+          os.remove(other)
+  finally:
+    close(store)
+  _checkpoint.barrier(f"{tag}/merged", "waiting for process 0 to assemble the file", path, "weights")
 
 
 # ---- loading ------------------------------------------------------------------------------------------------------
@@ -233,6 +365,9 @@ def _store_close(original):
   def close(self):
     if self.__dict__.get("_gspmd_reading"):
       return original(self)
+    shared = self.__dict__.pop("_gspmd_shared", None)
+    if shared is not None:
+      return _finish_shared_save(self, shared, original)
     try:
       for ref in self.__dict__.pop("_gspmd_mappings", []):
         mapping = ref()
@@ -240,6 +375,7 @@ def _store_close(original):
           _make_private(mapping)
     finally:
       original(self)
+    return None
   return close
 
 
@@ -274,6 +410,7 @@ def _read_slice(value, starts, lengths):
   return out
 
 
+@initializers.large_blocks_unmapped()   # tiles freed by one eager thread, allocated anew by another
 def _assign_tiles(storage, value):
   """Writes NumPy array `value` (the global value) into the shards this process holds, one distinct tile at a
   time, reading only those slices of `value` (over several processes, each reads its own)."""
@@ -321,6 +458,7 @@ def install():
   sharded_store.__setitem__ = _sharded_store_setitem(sharded_store.__setitem__, store.__setitem__)
   store.__getitem__ = _store_getitem(store.__getitem__)
   sharded_store.__getitem__ = _sharded_store_getitem(sharded_store.__getitem__)
+  store._get_h5_file = _shared_file(store._get_h5_file)   # pylint: disable=protected-access
   store.close = _store_close(store.close)
   sharded_store.close = _store_close(sharded_store.close)
   optimizer = keras.optimizers.Optimizer

@@ -60,26 +60,36 @@ def _spans_processes(obj, storage_of):
   return storage is not None and len(storage.positions) < len(storage.devices)
 
 
-def _lost(error, phase, path):
+# What a shared save is, and what is left when a process is lost during it.
+_OUTCOMES = {
+    "checkpoint": ("the checkpoint save", "the checkpoint was not written and the previous one is the latest: restart "
+                   "every process (the training binaries continue with --resume)"),
+    "weights": ("the weights file save", "the file is incomplete: restart every process and save again"),
+}
+
+
+def _lost(error, phase, path, what="checkpoint"):
   """A failed barrier or lookup as ProcessLostError naming the process that did not arrive (when TF says)."""
   message = str(getattr(error, "message", error))
   named = [m.group(0) for m in _TASK.finditer(message) if not _cluster.is_local(m.group(0))]
   who = (f"task {named[0]} (process {_cluster.process_of(named[0])})" if named
          else "a process of the cluster")
-  return ProcessLostError(f"{who} stopped answering during the checkpoint save of {path!r} ({phase}: not there "
-                          f"within {BARRIER_TIMEOUT_S:.0f} s, or reported gone); the checkpoint was not written and the "
-                          f"previous one is the latest: restart every process (the training binaries continue with "
-                          f"--resume). TF said: {type(error).__name__}: {message.splitlines()[0][:300] if message else ''}")
+  save, left = _OUTCOMES[what]
+  return ProcessLostError(f"{who} stopped answering during {save} of {path!r} ({phase}: not there within "
+                          f"{BARRIER_TIMEOUT_S:.0f} s, or reported gone); {left}. TF said: {type(error).__name__}: "
+                          f"{message.splitlines()[0][:300] if message else ''}")
 
 
-def _barrier(name, phase, path):
+def barrier(name, phase, path, what="checkpoint"):
+  """Waits for every process at barrier `name` of the shared save (`what`: "checkpoint" or "weights") of `path`;
+  ProcessLostError naming a process that does not arrive."""
   try:
     _compat.coordination_barrier(name, BARRIER_TIMEOUT_S)
   except (tf.errors.OpError, RuntimeError, ValueError) as e:
-    raise _lost(e, phase, path) from e
+    raise _lost(e, phase, path, what) from e
 
 
-def _get(key, phase, path, process):
+def lookup(key, phase, path, process, what="checkpoint"):
   """The value process `process` stores under `key`, polled (a lookup TF keeps waiting on when that process dies)
   with a health check of the process between polls."""
   deadline = time.monotonic() + BARRIER_TIMEOUT_S
@@ -88,13 +98,13 @@ def _get(key, phase, path, process):
       return _compat.config_key_value_get(key, min(POLL_S, max(deadline - time.monotonic(), 0.001)))
     except tf.errors.DeadlineExceededError as e:
       if time.monotonic() >= deadline:
-        raise _lost(e, phase, path) from e
+        raise _lost(e, phase, path, what) from e
       try:
         _compat.check_peer(_cluster.task_name(process), POLL_S)
       except (tf.errors.OpError, RuntimeError, ValueError) as gone:
-        raise _lost(_NamedLoss(_cluster.task_name(process), gone), phase, path) from gone
+        raise _lost(_NamedLoss(_cluster.task_name(process), gone), phase, path, what) from gone
     except (tf.errors.OpError, RuntimeError, ValueError) as e:
-      raise _lost(e, phase, path) from e
+      raise _lost(e, phase, path, what) from e
 
 
 class _NamedLoss(Exception):
@@ -121,7 +131,7 @@ def save_hook(storage_of):
       seq = next(_saves)
     tag = f"tf_gspmd_checkpoint_{seq}"
     _compat.config_key_value_set(f"{tag}/path/{k}", path)
-    paths = [_get(f"{tag}/path/{j}", "publishing its path", path, j) for j in range(n)]
+    paths = [lookup(f"{tag}/path/{j}", "publishing its path", path, j) for j in range(n)]
     if len(set(paths)) > 1:
       raise InputError(f"the processes save one checkpoint to different paths ({dict(enumerate(paths))}): every "
                        f"process must call the same save with the same path (process 0 writes the merged "
@@ -142,12 +152,12 @@ def save_hook(storage_of):
     last_save.update(path=path, part=part if wrote else None,
                      bytes_written=_data_bytes(part) if wrote else 0)
     _compat.config_key_value_set(f"{tag}/part/{k}", part if wrote else "")
-    _barrier(f"{tag}/written", "writing its part", path)
+    barrier(f"{tag}/written", "writing its part", path)
     if k == 0:
-      parts = [p for p in (_get(f"{tag}/part/{j}", "writing its part", path, j) for j in range(n)) if p]
+      parts = [p for p in (lookup(f"{tag}/part/{j}", "writing its part", path, j) for j in range(n)) if p]
       with tf.device(_cluster.host_device()):
         tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=parts, destination_prefix=path, delete_old_dirs=True)
-    _barrier(f"{tag}/merged", "waiting for the merge", path)
+    barrier(f"{tag}/merged", "waiting for the merge", path)
     return result
 
   return hook
@@ -204,7 +214,9 @@ class HostSnapshot(_compat.Trackable):
 
   def refresh(self):
     """Copies the tiles into host variables (kept between saves: the step may update the shards meanwhile)."""
-    for spec, p in self._storage.written_slices().items():
+    written = self._storage.written_slices()
+    self._tiles = {spec: host for spec, host in self._tiles.items() if spec in written}   # the layout may change
+    for spec, p in written.items():
       x = self._storage.read_slice(spec)
       host = self._tiles.get(spec)
       if host is None:
@@ -220,9 +232,11 @@ class HostSnapshot(_compat.Trackable):
     return {_compat.VARIABLE_VALUE_KEY: {spec: v.read_value() for spec, v in self._tiles.items()}}
 
   def __tf_tensor__(self, dtype=None, name=None):
-    raise InputError(f"an asynchronous checkpoint of the Keras variable stored sharded as {self._variable.name!r} "
-                     f"(shape {list(self._storage.shape)}) needs its whole value, which Keras's host copy takes; "
-                     "save Keras models synchronously (without experimental_enable_async_checkpoint)")
+    raise InputError(f"an asynchronous checkpoint asked for the whole value of the variable stored sharded as "
+                     f"{self._variable.name!r} (shape {list(self._storage.shape)}): its host copy holds this "
+                     f"process's tiles only. A wrapper of the variable must save it as its own host copy (as Keras "
+                     f"variables do under tf_gspmd.keras), or save synchronously (without "
+                     f"experimental_enable_async_checkpoint)")
 
 
 class StreamingRestore(_compat.SaveableObject):

@@ -62,6 +62,14 @@ def sharding_of(x):
   return layout_of(x)
 
 
+_over_processes = weakref.WeakSet()   # the live storages whose mesh spans several processes
+
+
+def any_over_processes():
+  """Whether this process holds a variable stored on a mesh that spans several processes."""
+  return len(_over_processes) > 0
+
+
 class ShardedStorage:
   """One shard of a variable per mesh device.
 
@@ -84,6 +92,8 @@ class ShardedStorage:
     self.host_newer = False     # the tf.Variable was assigned outside a gs.function since the last step
     self._packed = {}
     self._slice_specs = None
+    if len(self.positions) < len(self.devices):
+      _over_processes.add(self)
 
   # ---- layout ----------------------------------------------------------------------------------------------
   @property
@@ -272,12 +282,13 @@ class ShardedStorage:
             comp.assign(tf.zeros(self.shard_shape, self.dtype))
           row_bytes = self.dtype.size * int(np.prod(lengths[1:], dtype=np.int64))
           step = max(1, max(_RESTORE_CHUNK_BYTES, row_bytes * lengths[0] // 4) // max(1, row_bytes))
-          for r in range(0, lengths[0], step):   # rows at a time: TF's reader holds a saved slice besides them
-            n = min(step, lengths[0] - r)
-            chunk_spec = self.slice_spec_of((starts[0] + r,) + tuple(starts[1:]), (n,) + tuple(lengths[1:]))
-            chunk = self._read_checkpoint_slice(prefix, key, chunk_spec, (n,) + tuple(lengths[1:]), device)
-            comp[(slice(r, r + n),) + tuple(slice(0, m) for m in lengths[1:])].assign(chunk)
-            del chunk
+          with initializers.large_blocks_unmapped():
+            for r in range(0, lengths[0], step):   # rows at a time: TF's reader holds a saved slice besides them
+              n = min(step, lengths[0] - r)
+              chunk_spec = self.slice_spec_of((starts[0] + r,) + tuple(starts[1:]), (n,) + tuple(lengths[1:]))
+              chunk = self._read_checkpoint_slice(prefix, key, chunk_spec, (n,) + tuple(lengths[1:]), device)
+              comp[(slice(r, r + n),) + tuple(slice(0, m) for m in lengths[1:])].assign(chunk)
+              del chunk
         done[spec] = comp
     self.shards_newer = True
     self.host_newer = False
