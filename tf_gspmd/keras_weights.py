@@ -191,7 +191,7 @@ def _shared_file(original):
         or not isinstance(path_or_io, pathlib.Path) or not _cluster.is_multi_process()
         or not _state.any_over_processes()):   # no variable on a mesh of several processes: Keras's own save
       return original(self, path_or_io, mode)
-    self.__dict__["_gspmd_shared"] = {"path": str(path_or_io), "part": None, "split": False}
+    self.__dict__["_gspmd_shared"] = {"path": str(path_or_io), "part": None}
     if _cluster.process_index() == 0:
       return original(self, path_or_io, mode)
     import h5py  # pylint: disable=g-import-not-at-top
@@ -225,7 +225,6 @@ def _write_own_tiles(store, shared, key, storage):
     else:
       target.create_dataset(str(i), data=data).attrs["starts"] = list(starts)
     del data
-  shared["split"] = True
 
 
 @initializers.large_blocks_unmapped()   # tiles freed by one eager thread, allocated anew by another
@@ -243,11 +242,8 @@ def _merge_part(h5_file, part_path):
 
 def _finish_shared_save(store, shared, close):
   """Ends a save over several processes (see above); `close` closes the store's file."""
-  part = shared["part"]
-  if not shared["split"]:   # nothing of this model split over processes (alike in every process): the chief's
-    # file is whole, and no process waits for another
-    close(store)
-    return
+  part = shared["part"]   # (None when nothing of this model is split over processes: the chief's file is whole;
+  # the processes still check their paths and wait for it, so that none reads the file before it is written)
   k, n = _cluster.process_index(), _cluster.process_count()
   path, tag = shared["path"], f"tf_gspmd_weights_{next(_weight_saves)}"
   part_path = part.filename if part is not None else ""
