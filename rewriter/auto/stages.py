@@ -342,7 +342,7 @@ def plan(program, *, layers, microbatches=1, memory_budget=None, params=(), cali
                                budget=memory_budget, max_stages=max_stages, step=t_max_step)
   timings["stage program"] = time.perf_counter() - start
   if not sols:
-    smallest = _smallest_budget(state, act, cfgs, rows * cols)
+    smallest = _smallest_budget(t, state, act, cfgs, rows * cols, max_stages)
     raise AutoShardingError(
         f"no stages fit memory_budget={memory_budget:,.0f} B per device on the {program.mesh.shape} mesh "
         f"({len(found)} layers, {microbatches} microbatches, parameters x {2 + optimizer_slots} plus the activations "
@@ -355,16 +355,16 @@ def plan(program, *, layers, microbatches=1, memory_budget=None, params=(), cali
                    intra_solves=pricer.solves, t_max_tried=tried)
 
 
-def _smallest_budget(state, act, cfgs, devices):
+def _smallest_budget(t, state, act, cfgs, devices, max_stages):
   """The least memory budget under which some plan exists (bisection over the program's feasibility)."""
-  finite = np.isfinite(state)
-  hi = float((state + act * state.shape[0])[finite].max()) * 2 + 1
+  finite = np.isfinite(t)
+  hi = float((state + act * t.shape[0])[finite].max()) * 2 + 1
   lo = 0.0
-  t = np.where(np.isfinite(state), 1.0, np.inf)
+  t = np.where(finite, 1.0, np.inf)   # (only whether a plan exists matters)
   sizes = [c.size for c in cfgs]
-  for _ in range(40):
+  for _ in range(60):
     mid = (lo + hi) / 2
-    sols, _ = stage_dp.solve(t, state, act, sizes, devices, 1, budget=mid, keep=1)
+    sols, _ = stage_dp.solve(t, state, act, sizes, devices, 1, budget=mid, max_stages=max_stages, keep=1)
     if sols:
       hi = mid
     else:
