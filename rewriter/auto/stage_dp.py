@@ -11,8 +11,8 @@ that do not grow with microbatches in flight (parameters, gradients, optimizer s
 one microbatch's activations. A stage with s stages from it to the last (itself included) keeps s microbatches'
 activations under 1F1B, so it fits when state + s x act <= the budget.
 
-`solve` enumerates the largest stage latency t_max over the table's values (ascending, skipping values within
-`step` of the last one tried) and, for each, finds the partition of the layers into stages with sizes summing to
+`solve` enumerates the largest stage latency t_max over the table's values (ascending from the least one under
+which any plan exists, found by bisection; skipping values within `step` of the last one tried) and, for each, finds the partition of the layers into stages with sizes summing to
 the mesh that minimises the sum of latencies, every stage at most t_max and within the budget: T* = sum t_i +
 (B - 1) x max t_j of each is recorded and the enumeration stops once (B - 1) x t_max plus the smallest possible
 sum exceeds the best T* found. Without a budget the number of stages after a stage does not matter and the
@@ -205,29 +205,42 @@ def solve(t, state, act, cfg_sizes, devices, microbatches, budget=None, max_stag
     return np.ones(t.shape, bool) if not budgeted else state + s * act <= budget
 
   values = np.unique(t[np.isfinite(t)])
-  plans, tried, last = {}, 0, None
-  best_total = INF
-  for t_max in values:
+  plans, tried = {}, [0]
+
+  def run_at(t_max):
+    tried[0] += 1
+    memo = {}
+
+    def best_of(s):
+      if s not in memo:
+        memo[s] = _best_per_size(t, fits(s), t_max, sizes, cfg_size)
+      return memo[s]
+
+    return _run(best_of, layers, devices, sizes, max_stages, budgeted)
+
+  if not values.size or not run_at(values[-1]):
+    return [], tried[0]
+  lo, hi = 0, len(values) - 1   # feasibility grows with t_max: the least feasible one by bisection
+  while lo < hi:
+    mid = (lo + hi) // 2
+    if run_at(values[mid]):
+      hi = mid
+    else:
+      lo = mid + 1
+  best_total, last = INF, None
+  for t_max in values[lo:]:
     if last is not None and t_max <= last * (1 + step):
       continue
     if last is not None and microbatches * last >= best_total:
       break   # a plan not found yet has its largest latency above `last`: T* > B x last
     last = t_max
-    tried += 1
-    memo = {}
-
-    def best_of(s, t_max=t_max, memo=memo):
-      if s not in memo:
-        memo[s] = _best_per_size(t, fits(s), t_max, sizes, cfg_size)
-      return memo[s]
-
-    for stages in _run(best_of, layers, devices, sizes, max_stages, budgeted):
+    for stages in run_at(t_max):
       lat = tuple(float(t[i, j, c]) for i, j, c in stages)
       sol = Solution(stages, lat, latency(lat, microbatches))
       plans[stages] = sol
       best_total = min(best_total, sol.total)
   ordered = sorted(plans.values(), key=lambda p: (p.total, len(p.stages)))
-  return ordered[:keep], tried
+  return ordered[:keep], tried[0]
 
 
 def brute_force(t, state, act, cfg_sizes, devices, microbatches, budget=None):

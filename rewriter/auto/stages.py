@@ -97,6 +97,13 @@ class StagePlan:
   timings: Dict[str, float]
   intra_solves: int              # intra-operator programs solved
   t_max_tried: int
+  program: Any = dataclasses.field(default=None, repr=False, compare=False)   # the traced forward program
+  names: Any = dataclasses.field(default=None, repr=False, compare=False)     # Placeholder -> readable name
+
+  def stage_function(self, k):
+    """Stage k as a callable fn(arguments, activations) -> activations (`stage_fn.stage_function`)."""
+    from tf_gspmd.rewriter.auto.stage_fn import stage_function  # pylint: disable=g-import-not-at-top
+    return stage_function(self, k)
 
   @property
   def stages(self):
@@ -352,7 +359,7 @@ def plan(program, *, layers, microbatches=1, memory_budget=None, params=(), cali
   cands = [_describe(pricer, cfgs, rows, cols, s, namer) for s in sols]
   return StagePlan(layers=found, mesh_shape=(rows, cols), microbatches=microbatches, memory_budget=memory_budget,
                    best=cands[0], runners_up=tuple(cands[1:]), calibration=calib, timings=timings,
-                   intra_solves=pricer.solves, t_max_tried=tried)
+                   intra_solves=pricer.solves, t_max_tried=tried, program=program, names=names)
 
 
 def _smallest_budget(t, state, act, cfgs, devices, max_stages):

@@ -257,3 +257,29 @@ def test_plan_stages_checks_its_arguments():
     gs.plan_stages(_loss(CFG), *_specs(CFG), mesh=mesh, layers=4, microbatches=0)
   with pytest.raises(InputError, match="params"):
     gs.plan_stages(_loss(CFG), *_specs(CFG), mesh=mesh, layers=4, params=(5,), calibration=CAL)
+
+
+def test_stage_functions_compose_to_the_whole_forward(rng):
+  cfg = CFG
+  mesh = gs.Mesh((2, 4), ("host", "device"))
+  plan = _plan(cfg, mesh, 6, microbatches=8)
+  assert len(plan.stages) > 1
+  params = {k: v for k, v in tm.init_params(cfg, seed=1).items()}
+  tokens = rng.integers(0, cfg.vocab, (cfg.batch, cfg.seq)).astype(np.int32)
+  targets = rng.integers(0, cfg.vocab, (cfg.batch, cfg.seq)).astype(np.int32)
+  want = tf.function(_loss(cfg))(params, tf.constant(tokens), tf.constant(targets)).numpy()
+  arguments = {f"0/{k}": tf.constant(v) for k, v in params.items()}
+  arguments.update({"1": tf.constant(tokens), "2": tf.constant(targets)})
+  acts = {}
+  for k, stage in enumerate(plan.stages):
+    fn = plan.stage_function(k)
+    assert set(fn.outputs) == {r for r, _ in stage.outputs}
+    out = fn(arguments, acts)
+    for r, t in out.items():
+      shape = plan.program.ir.info(r).shape
+      assert tuple(t.shape) == shape
+    acts.update(out)
+  got = acts[plan.program.output_refs[0]].numpy()
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  with pytest.raises(InputError, match="needs the activation"):
+    plan.stage_function(len(plan.stages) - 1)(arguments, {})
