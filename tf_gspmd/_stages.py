@@ -46,7 +46,7 @@ def trace_forward(fn, arg_specs, mesh):
 
 
 def plan_stages(fn, *arg_specs, mesh, layers, microbatches=1, memory_budget=None, params=(0,), optimizer_slots=2,
-                max_stages=None, calibration=None, t_max_step=0.02, solver_time_limit=10.0):
+                max_stages=None, calibration=None, t_max_step=0.005, solver_time_limit=10.0):
   """Pipeline stages, submeshes and intra-operator plans for `fn` on `mesh` (Alpa's two levels; no devices needed).
 
   fn: the forward step (e.g. the loss of a model from its parameters and a batch), called with tensors of
@@ -60,9 +60,20 @@ def plan_stages(fn, *arg_specs, mesh, layers, microbatches=1, memory_budget=None
   params: which arguments hold parameters (trained); captured trainable tf.Variables are parameters too.
   calibration: a `Calibration` (seconds per multiply-add and per collective byte); default: this machine's,
     measured once and cached.
+  max_stages: at most this many stages (default: as many as layers or devices).
+  t_max_step: the stage program skips largest-stage latencies within this fraction of the last one it tried
+    (0: tries every one, exact; a few per mille loses little and saves most of the time on large meshes).
+  solver_time_limit: seconds the intra-operator program of one layer may take.
 
   Returns a StagePlan (print it for the table); raises AutoShardingError naming the smallest feasible budget when
   no plan fits `memory_budget`.
+
+  Example:
+    >>> specs = ({"w1": tf.TensorSpec((512, 2048)), "w2": tf.TensorSpec((2048, 512))},
+    ...          tf.TensorSpec((32, 512)))
+    >>> plan = gs.plan_stages(lambda p, x: tf.reduce_sum(tf.nn.relu(x @ p["w1"]) @ p["w2"]), *specs,
+    ...                       mesh=gs.Mesh((2, 4), ("host", "device")), layers=2, microbatches=8)
+    >>> print(plan)   # stages, submeshes, logical meshes, layouts, predicted t_i and T*
   """
   if int(microbatches) < 1:
     raise InputError(f"microbatches must be >= 1; got {microbatches}", node=getattr(fn, "__name__", "the step"))

@@ -325,7 +325,7 @@ def _describe(pricer, cfgs, rows, cols, sol, names):
 
 
 def plan(program, *, layers, microbatches=1, memory_budget=None, params=(), calib=None, optimizer_slots=2,
-         max_stages=None, t_max_step=0.02, solver_time_limit=10.0, names=None):
+         max_stages=None, t_max_step=0.005, solver_time_limit=10.0, names=None):
   """The StagePlan of `program` (traced, imported: `program.ir`) on `program.mesh` (see the module docstring).
 
   layers: how many layers to cluster the ops into. params: Placeholder names of the parameters (trained: their
