@@ -283,3 +283,23 @@ def test_stage_functions_compose_to_the_whole_forward(rng):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   with pytest.raises(InputError, match="needs the activation"):
     plan.stage_function(len(plan.stages) - 1)(arguments, {})
+
+
+def test_gradient_sync_priced_in_the_layer_plan():
+  """A parameter left replicated costs its gradient's all-reduce: with it priced, a large weight read by a small
+  batch is split instead (and its sync bytes are what the layout leaves replicated)."""
+  def step(w, x):
+    return tf.reduce_sum(tf.tanh(x @ w))
+
+  specs = (tf.TensorSpec((1024, 1024), tf.float32), tf.TensorSpec((8, 1024), tf.float32))
+  program, _, per_arg = trace_forward(step, specs, gs.Mesh((1, 8), ("host", "device")))
+  layers = clustering.cluster(program, 1)
+  for trained, split in ((per_arg[0], True), ((), False)):
+    pricer = stages.Pricer(program, layers, trained, 1, CAL, 2, 10.0)
+    cost = pricer.cost(0, (1, 8))
+    w = cost.arguments[layers[0].arguments.index(per_arg[0][0] + ":0")]
+    assert (w.num_tiles == 8) == split, w
+    if trained:
+      assert cost.sync_bytes == 0 and cost.state_bytes == 1024 * 1024 * 4 / 8
+    else:
+      assert cost.state_bytes == 0
