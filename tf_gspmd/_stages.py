@@ -31,7 +31,11 @@ def trace_forward(fn, arg_specs, mesh):
   flat_fn.__name__ = getattr(fn, "__name__", "step")
   program = pipeline.Program(fn=flat_fn, mesh=mesh, options=pipeline.Options(), arg_specs=tuple(flat),
                              declared_in=(None,) * len(flat), arriving_in=(None,) * len(flat))
-  program = import_annotations.run(grappler.run(trace.run(program)))
+  try:
+    program = trace.run(program)
+  except trace.UserCodeError as e:   # the step's own error, as tf.function raises it
+    raise e.error from None
+  program = import_annotations.run(grappler.run(program))
   paths = [p or str(k) for k, p in enumerate(_paths(list(arg_specs)))]
   names = dict(zip(program.input_names, paths))
   for name, v in zip(program.variable_names, program.variables):

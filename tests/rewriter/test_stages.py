@@ -1,7 +1,5 @@
 """Automatic stages and submeshes (gs.plan_stages): clustering, Alpa's stage program, tiling, memory budget."""
 
-import itertools
-import math
 import os
 import sys
 import time
