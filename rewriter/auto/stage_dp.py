@@ -206,15 +206,16 @@ def solve(t, state, act, cfg_sizes, devices, microbatches, budget=None, max_stag
 
   values = np.unique(t[np.isfinite(t)])
   plans, tried = {}, [0]
+  fastest = {}   # s -> per size the fastest fitting configuration: within t_max exactly when it is
 
   def run_at(t_max):
     tried[0] += 1
-    memo = {}
 
     def best_of(s):
-      if s not in memo:
-        memo[s] = _best_per_size(t, fits(s), t_max, sizes, cfg_size)
-      return memo[s]
+      if s not in fastest:
+        fastest[s] = _best_per_size(t, fits(s), INF, sizes, cfg_size)
+      best, which = fastest[s]
+      return np.where(best <= t_max, best, INF), which
 
     return _run(best_of, layers, devices, sizes, max_stages, budgeted)
 
