@@ -36,7 +36,10 @@ plan is what the partitioner emits and the report counts it (predicted and measu
 
 Modules: `model` (the walk over the graph that states groups, strategies, edges and their costs), `solver`
 (the integer program for HiGHS, its solution, folding repeated layers) and `plan` (the pass `run`, the
-`AutoPlan` it records and `plan_memory`).
+`AutoPlan` it records and `plan_memory`). The inter-operator level (`gs.plan_stages`, Alpa's pipeline stages and
+submeshes over these plans): `layers` (ops clustered into layers), `stage_dp` (submeshes and the stage program),
+`stages` (layer costs from this pass on each logical mesh, the `StagePlan`), `stage_fn` (a stage as a callable)
+and `calibrate` (seconds per FLOP and per collective byte on this machine).
 """
 
 from tf_gspmd.rewriter.auto.model import candidates
