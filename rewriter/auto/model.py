@@ -244,6 +244,10 @@ class Builder(Pricing):
         label = f"argument {k}"
       g.state.append((label, kind, r))
       self.model.state[g.id] = self.model.state.get(g.id, 0) + self._bytes(g, r)
+      if name in self.options.gradient_sync:   # (a ring all-reduce of the gradient's shard over the rest)
+        rest = np.array([self.mesh.size / c.num_tiles for c in g.cands])
+        sync = 2 * (rest - 1) / rest * self._bytes(g, r)
+        self.model.add_linear(g.id, self.options.gradient_weight * sync)
 
   # -- factor ops
   def _plan_factor(self, node, rule):

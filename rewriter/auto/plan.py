@@ -39,6 +39,9 @@ class AutoOptions:
   pin_intermediates: bool = True                   # pin every modelled tensor and op strategy, not only the
                                                    # arguments and variables (the partitioner then does what the
                                                    # program priced)
+  gradient_sync: Tuple[str, ...] = ()              # inputs (Placeholder names) whose gradients a training step
+                                                   # all-reduces over the mesh axes their layout leaves replicated
+  gradient_weight: float = 1.0                     # ... priced at this many times those all-reduces' bytes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,285 @@
+"""Automatic stages and submeshes (gs.plan_stages): clustering, Alpa's stage program, tiling, memory budget."""
+
+import itertools
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_gspmd as gs
+from tf_gspmd.errors import AutoShardingError, InputError
+from tf_gspmd.rewriter.auto import calibrate, layers as clustering, stage_dp, stages
+from tf_gspmd._stages import trace_forward
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+import transformer_model as tm  # noqa: E402  pylint: disable=g-import-not-at-top
+
+# A transformer whose parts differ: an embedding, decoder blocks and a vocabulary head larger than a block.
+CFG = tm.Config(layers=4, d_model=64, heads=4, d_ff=256, vocab=4096, seq=16, batch=8)
+CAL = calibrate.DEFAULT
+
+
+def _specs(cfg):
+  return ({k: tf.TensorSpec(s, tf.float32) for k, s in tm.param_shapes(cfg).items()},
+          tf.TensorSpec((cfg.batch, cfg.seq), tf.int32), tf.TensorSpec((cfg.batch, cfg.seq), tf.int32))
+
+
+def _loss(cfg):
+  def loss(params, tokens, targets):
+    return tm.loss_fn(params, tokens, targets, cfg)
+  return loss
+
+
+@pytest.fixture(scope="module")
+def traced():
+  program, _, _ = trace_forward(_loss(CFG), _specs(CFG), gs.Mesh((2, 4), ("host", "device")))
+  return program
+
+
+def test_clustering_balances_flops_and_never_splits_an_op(traced):
+  order = clustering.program_order(traced.ir)
+  flops = np.array([clustering.op_flops(n) for n in order])
+  head = max(order, key=clustering.op_flops)
+  assert head.op == "Einsum" and clustering.op_flops(head) > flops.sum() / 8   # the vocabulary head dominates
+  for count in (4, 6, 8):
+    layers = clustering.cluster(traced, count)
+    assert len(layers) == count
+    names = [o for l in layers for o in l.ops]
+    assert names == [n.name for n in order]              # every op once, whole, layers contiguous in order
+    assert sum(l.flops for l in layers) == pytest.approx(flops.sum())
+    cap = max(1.1 * flops.sum() / count, flops.max())
+    assert max(l.flops for l in layers) <= cap * (1 + 1e-9)
+    # No worse balanced than cutting the same order into runs of equal op counts.
+    bounds = np.linspace(0, len(order), count + 1).astype(int)
+    naive = max(flops[a:b].sum() for a, b in zip(bounds[:-1], bounds[1:]))
+    assert max(l.flops for l in layers) <= naive
+    # Boundary tensors: what a layer reads from another layer is made by an earlier one and named there.
+    made = {}
+    for l in layers:
+      for r in l.inputs:
+        assert made[r] < l.index and r in layers[made[r]].outputs
+      for r in l.outputs:
+        made[r] = l.index
+
+
+def test_repeated_blocks_share_a_signature():
+  cfg = tm.Config(layers=8, d_model=64, heads=4, d_ff=256, vocab=128, seq=16, batch=8)
+  program, _, _ = trace_forward(_loss(cfg), _specs(cfg), gs.Mesh((2, 4), ("host", "device")))
+  layers = clustering.cluster(program, 8)
+  counts, shapes = {}, {}
+  for l in layers:
+    counts[l.signature] = counts.get(l.signature, 0) + 1
+    key = tuple((program.ir.node(o).op, tuple(t.shape for t in program.ir.node(o).outputs)) for o in l.ops)
+    assert shapes.setdefault(l.signature, key) == key   # one signature: the same computation
+  assert max(counts.values()) >= 4      # repeated decoder blocks cut alike share one
+  pricer = stages.Pricer(program, layers, program.input_names[:-2], 4, CAL, 2, 10.0)
+  for k in range(len(layers)):
+    pricer.cost(k, (2, 4))
+  assert pricer.solves == len(counts)   # ... and are priced once per logical mesh
+
+
+def test_clustering_rejects_more_layers_than_ops(traced):
+  with pytest.raises(InputError, match="layers=100000"):
+    clustering.cluster(traced, 100000)
+
+
+def _random_tables(rng, layers, cfgs):
+  sizes = np.array([c.size for c in cfgs], dtype=float)
+  i, j = np.meshgrid(range(layers), range(layers), indexing="ij")
+  span = (j - i + 1)[:, :, None]
+  t = rng.uniform(0.5, 1.5, (layers, layers, len(cfgs))) * span / sizes ** rng.uniform(0.5, 1.0)
+  t[j < i] = np.inf
+  state = span * rng.uniform(1, 2, t.shape) / sizes
+  act = span * rng.uniform(0.1, 1, t.shape) / sizes
+  return t, state, act
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_stage_program_matches_brute_force(seed):
+  rng = np.random.default_rng(seed)
+  cfgs = stage_dp.configs(2, 4)     # 4 layers on 8 devices: (1,1), (1,2), (1,4) as (1,4)/(2,2), (2,4) as ...
+  sizes = [c.size for c in cfgs]
+  t, state, act = _random_tables(rng, 4, cfgs)
+  b = int(rng.integers(1, 9))
+  budget = None if seed % 2 else float(np.quantile((state + act)[np.isfinite(t)], 0.3))
+  while budget is not None and stage_dp.brute_force(t, state, act, sizes, 8, b, budget=budget) is None:
+    assert not stage_dp.solve(t, state, act, sizes, 8, b, budget=budget)[0]   # none fits: none found
+    budget *= 1.25
+  sols, _ = stage_dp.solve(t, state, act, sizes, 8, b, budget=budget)
+  want = stage_dp.brute_force(t, state, act, sizes, 8, b, budget=budget)
+  assert want is not None and sols
+  assert sols[0].total == pytest.approx(want, rel=1e-12)
+  assert all(s.total >= sols[0].total for s in sols)
+  assert sum(cfgs[c].size for _, _, c in sols[0].stages) == 8
+
+
+def test_stage_program_matches_brute_force_on_measured_costs(traced):
+  layers = clustering.cluster(traced, 4)
+  pricer = stages.Pricer(traced, layers, traced.input_names[:-2], 4, CAL, 2, 10.0)
+  cfgs = stage_dp.configs(2, 4)
+  t, state, act = pricer.tables(cfgs)
+  assert np.isfinite(t[np.triu_indices(4)]).all()
+  sizes = [c.size for c in cfgs]
+  free, _ = stage_dp.solve(t, state, act, sizes, 8, 4)
+  assert free[0].total == pytest.approx(stage_dp.brute_force(t, state, act, sizes, 8, 4), rel=1e-12)
+  n = len(free[0].stages)
+  peak = max(state[i, j, c] + (n - q) * act[i, j, c] for q, (i, j, c) in enumerate(free[0].stages))
+  budget, bound = 0.5 * peak, False
+  while True:   # budgets under the free plan's peak: the same optimum as brute force, or none for both
+    sols, _ = stage_dp.solve(t, state, act, sizes, 8, 4, budget=budget)
+    want = stage_dp.brute_force(t, state, act, sizes, 8, 4, budget=budget)
+    if want is None:
+      assert not sols
+    else:
+      assert sols[0].total == pytest.approx(want, rel=1e-12)
+      bound |= want > free[0].total
+    budget *= 1.1
+    if budget > peak:
+      break
+  assert bound    # some budget forced a slower plan
+
+
+def _check_tiling(rows, cols, shapes):
+  positions = stage_dp.tile(rows, cols, shapes)
+  flat = sorted(p for ps in positions for p in ps)
+  assert flat == list(range(rows * cols))                 # every device exactly once
+  for (r, c), ps in zip(shapes, positions):
+    assert len(ps) == r * c
+    grid = sorted((p // cols, p % cols) for p in ps)
+    rws = sorted(set(g[0] for g in grid))
+    assert rws == list(range(rws[0], rws[0] + r))        # contiguous rows
+    cs = sorted(set(g[1] for g in grid))
+    assert cs == list(range(cs[0], cs[0] + c))            # a contiguous part of each row
+
+
+def test_submeshes_tile_the_mesh():
+  rng = np.random.default_rng(0)
+  for rows, cols in ((2, 4), (4, 8), (8, 8), (32, 8)):
+    shapes = stage_dp.submesh_shapes(rows, cols)
+    assert all(c == cols or (r == 1 and cols % c == 0 and c & (c - 1) == 0) for r, c in shapes)
+    for _ in range(30):
+      left, pick = rows * cols, []
+      while left:
+        options = [s for s in shapes if s[0] * s[1] <= left]
+        s = options[rng.integers(len(options))]
+        pick.append(s)
+        left -= s[0] * s[1]
+      _check_tiling(rows, cols, pick)
+  with pytest.raises(ValueError):
+    stage_dp.tile(2, 4, [(1, 4), (1, 2)])
+  assert stage_dp.logical_shapes(8) == [(1, 8), (2, 4)]
+
+
+def _plan(cfg, mesh, layers, budget=None, microbatches=4):
+  return gs.plan_stages(_loss(cfg), *_specs(cfg), mesh=mesh, layers=layers, microbatches=microbatches,
+                        memory_budget=budget, calibration=CAL)
+
+
+def _check_plan(plan, mesh, layers):
+  rows, cols = stage_dp.mesh_rows(mesh.shape)
+  stages_ = plan.stages
+  assert stages_[0].layers[0] == 0 and stages_[-1].layers[1] == layers - 1
+  for a, b in zip(stages_, stages_[1:]):
+    assert b.layers[0] == a.layers[1] + 1
+  _check_tiling(rows, cols, [s.submesh for s in stages_])
+  assert [p for s in stages_ for p in s.devices] != []
+  for s in stages_:
+    assert s.mesh.size == s.submesh[0] * s.submesh[1] == len(s.devices)
+  lat = [s.seconds for s in stages_]
+  assert plan.predicted_seconds == pytest.approx(sum(lat) + (plan.microbatches - 1) * max(lat))
+  assert all(c.predicted_seconds >= plan.predicted_seconds for c in plan.runners_up)
+  assert [s.in_flight for s in stages_] == list(range(len(stages_), 0, -1))
+
+
+def test_plan_stages_small(traced):  # pylint: disable=unused-argument
+  mesh = gs.Mesh((2, 4), ("host", "device"))
+  plan = _plan(CFG, mesh, 6)
+  _check_plan(plan, mesh, 6)
+  text = str(plan)
+  assert "stage plan: 6 layers" in text and "T* =" in text
+  # The stages hand on what later stages read, laid out on their logical meshes.
+  for a, b in zip(plan.stages, plan.stages[1:]):
+    assert {r for r, _ in a.outputs} & {r for r, _ in b.inputs}
+    for _, s in a.outputs + a.inputs + a.parameters:
+      assert s.mesh == a.mesh
+  params = [name for s in plan.stages for name, _ in s.parameters]
+  assert "0/l0/wq" in params and "0/embed" in params
+
+
+def test_memory_budget_forces_stages_or_names_the_smallest_feasible():
+  mesh = gs.Mesh((2, 4), ("host", "device"))
+  free = _plan(CFG, mesh, 6)
+  peak = max(s.memory_bytes for s in free.stages)
+  with pytest.raises(AutoShardingError, match="smallest feasible budget is") as e:
+    _plan(CFG, mesh, 6, budget=1000)
+  smallest = float(str(e.value).split("smallest feasible budget is ")[1].split(" B")[0].replace(",", ""))
+  assert 1000 < smallest <= peak
+  tight = _plan(CFG, mesh, 6, budget=int(smallest * 1.001) + 1)
+  assert max(s.memory_bytes for s in tight.stages) <= smallest * 1.001 + 1
+  with pytest.raises(AutoShardingError):
+    _plan(CFG, mesh, 6, budget=int(smallest * 0.99))
+  if peak > smallest * 1.01:   # a budget under the free plan's peak changes the plan
+    mid = _plan(CFG, mesh, 6, budget=int((peak + smallest) / 2))
+    assert max(s.memory_bytes for s in mid.stages) <= (peak + smallest) / 2
+    assert [s.layers for s in mid.stages] != [s.layers for s in free.stages] or \
+           [s.submesh for s in mid.stages] != [s.submesh for s in free.stages]
+
+
+def test_plan_mode_16_layers_on_64_devices_is_fast():
+  cfg = tm.Config(layers=14, d_model=128, heads=4, d_ff=512, vocab=8192, seq=32, batch=16)
+  mesh = gs.Mesh((8, 8), ("host", "device"))   # no such devices here: planned only
+  start = time.perf_counter()
+  plan = _plan(cfg, mesh, 16, microbatches=16)
+  took = time.perf_counter() - start
+  _check_plan(plan, mesh, 16)
+  assert len(plan.stages) > 1
+  assert plan.intra_solves < 16 * len({c.logical for c in stage_dp.configs(8, 8)})   # repeated blocks memoised
+  assert took < 240, took
+
+
+def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch):
+  monkeypatch.setenv("TF_GSPMD_CALIBRATION", str(tmp_path / "c.json"))
+  monkeypatch.setattr(calibrate, "_CACHE", {})
+  c = calibrate.calibrate()
+  assert c.source == "measured" and 1e-14 < c.seconds_per_flop < 1e-8 and 1e-13 < c.seconds_per_byte < 1e-6
+  assert (tmp_path / "c.json").exists()
+  monkeypatch.setattr(calibrate, "_CACHE", {})
+  assert calibrate.calibrate() == c     # read back, not timed again
+
+
+def test_plan_stages_checks_its_arguments():
+  mesh = gs.Mesh((2, 4), ("host", "device"))
+  with pytest.raises(InputError, match="microbatches"):
+    gs.plan_stages(_loss(CFG), *_specs(CFG), mesh=mesh, layers=4, microbatches=0)
+  with pytest.raises(InputError, match="params"):
+    gs.plan_stages(_loss(CFG), *_specs(CFG), mesh=mesh, layers=4, params=(5,), calibration=CAL)
+
+
+def test_stage_functions_compose_to_the_whole_forward(rng):
+  cfg = CFG
+  mesh = gs.Mesh((2, 4), ("host", "device"))
+  plan = _plan(cfg, mesh, 6, microbatches=8)
+  assert len(plan.stages) > 1
+  params = {k: v for k, v in tm.init_params(cfg, seed=1).items()}
+  tokens = rng.integers(0, cfg.vocab, (cfg.batch, cfg.seq)).astype(np.int32)
+  targets = rng.integers(0, cfg.vocab, (cfg.batch, cfg.seq)).astype(np.int32)
+  want = tf.function(_loss(cfg))(params, tf.constant(tokens), tf.constant(targets)).numpy()
+  arguments = {f"0/{k}": tf.constant(v) for k, v in params.items()}
+  arguments.update({"1": tf.constant(tokens), "2": tf.constant(targets)})
+  acts = {}
+  for k, stage in enumerate(plan.stages):
+    fn = plan.stage_function(k)
+    assert set(fn.outputs) == {r for r, _ in stage.outputs}
+    out = fn(arguments, acts)
+    for r, t in out.items():
+      shape = plan.program.ir.info(r).shape
+      assert tuple(t.shape) == shape
+    acts.update(out)
+  got = acts[plan.program.output_refs[0]].numpy()
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  with pytest.raises(InputError, match="needs the activation"):
+    plan.stage_function(len(plan.stages) - 1)(arguments, {})

@@ -1,0 +1,80 @@
+"""`gs.plan_stages`: automatic pipeline stages and submeshes for a step, planned without devices."""
+
+import tensorflow as tf
+
+from tf_gspmd._function import parse_bytes
+from tf_gspmd.errors import InputError
+from tf_gspmd.rewriter import grappler, import_annotations, pipeline, trace
+from tf_gspmd.rewriter.auto import stages
+
+
+def _paths(structure, prefix=""):
+  """A readable path per leaf of `structure`, in tf.nest's flattening order."""
+  if isinstance(structure, dict):
+    return [p for k in sorted(structure) for p in _paths(structure[k], f"{prefix}{k}/")]
+  if isinstance(structure, (list, tuple)):
+    return [p for k, v in enumerate(structure) for p in _paths(v, f"{prefix}{k}/")]
+  return [prefix.rstrip("/")]
+
+
+def trace_forward(fn, arg_specs, mesh):
+  """The traced, imported global program of `fn` at `arg_specs` (nested TensorSpecs) on `mesh`: (Program,
+  {Placeholder name: readable argument path}, per argument the Placeholder names of its leaves)."""
+  flat = tf.nest.flatten(arg_specs)
+  if not all(isinstance(s, tf.TensorSpec) for s in flat):
+    raise InputError("plan_stages takes tf.TensorSpec arguments (nested structures of them): the step is planned, "
+                     "not run", node=getattr(fn, "__name__", "the step"))
+
+  def flat_fn(*args):
+    return fn(*tf.nest.pack_sequence_as(list(arg_specs), list(args)))
+
+  flat_fn.__name__ = getattr(fn, "__name__", "step")
+  program = pipeline.Program(fn=flat_fn, mesh=mesh, options=pipeline.Options(), arg_specs=tuple(flat),
+                             declared_in=(None,) * len(flat), arriving_in=(None,) * len(flat))
+  program = import_annotations.run(grappler.run(trace.run(program)))
+  paths = [p or str(k) for k, p in enumerate(_paths(list(arg_specs)))]
+  names = dict(zip(program.input_names, paths))
+  for name, v in zip(program.variable_names, program.variables):
+    if v is not None:
+      names[name] = v.name.split(":")[0]
+  per_arg, pos = [], 0
+  for spec in arg_specs:
+    n = len(tf.nest.flatten(spec))
+    per_arg.append(program.input_names[pos:pos + n])
+    pos += n
+  return program, names, per_arg
+
+
+def plan_stages(fn, *arg_specs, mesh, layers, microbatches=1, memory_budget=None, params=(0,), optimizer_slots=2,
+                max_stages=None, calibration=None, t_max_step=0.02, solver_time_limit=10.0):
+  """Pipeline stages, submeshes and intra-operator plans for `fn` on `mesh` (Alpa's two levels; no devices needed).
+
+  fn: the forward step (e.g. the loss of a model from its parameters and a batch), called with tensors of
+    `arg_specs` (tf.TensorSpecs, nested structures allowed), which describe ONE microbatch.
+  mesh: the gs.Mesh the stages are cut from: its last axis is a row (e.g. the devices of one host), the others
+    rows; submeshes are (1, 2^k) parts of a row and whole rows.
+  layers: how many layers the ops are clustered into (the stage boundaries fall between layers).
+  microbatches: B of the pipeline; the plan minimises T* = sum t_i + (B - 1) max t_j.
+  memory_budget: bytes per device (int or "16GiB"); each stage keeps its parameters x (2 + optimizer_slots) and the
+    activations of the microbatches in flight under 1F1B. None: unbounded.
+  params: which arguments hold parameters (trained); captured trainable tf.Variables are parameters too.
+  calibration: a `Calibration` (seconds per multiply-add and per collective byte); default: this machine's,
+    measured once and cached.
+
+  Returns a StagePlan (print it for the table); raises AutoShardingError naming the smallest feasible budget when
+  no plan fits `memory_budget`.
+  """
+  if int(microbatches) < 1:
+    raise InputError(f"microbatches must be >= 1; got {microbatches}", node=getattr(fn, "__name__", "the step"))
+  program, names, per_arg = trace_forward(fn, arg_specs, mesh)
+  trained = set()
+  for k in params:
+    if not 0 <= k < len(per_arg):
+      raise InputError(f"params={params!r} names argument {k}, but the step takes {len(per_arg)} arguments",
+                       node=getattr(fn, "__name__", "the step"))
+    trained.update(per_arg[k])
+  trained.update(n for n, v in zip(program.variable_names, program.variables) if v is not None and v.trainable)
+  budget = parse_bytes(memory_budget, "memory_budget")
+  return stages.plan(program, layers=layers, microbatches=int(microbatches), memory_budget=budget, params=trained,
+                     calib=calibration, optimizer_slots=optimizer_slots, max_stages=max_stages,
+                     t_max_step=t_max_step, solver_time_limit=solver_time_limit, names=names)
