@@ -1,0 +1,110 @@
+"""gs.auto_parallel: a step whose parts differ (embedding, dense blocks, a vocabulary head) planned at both levels
+and run as an MPMD pipeline on 8 logical CPUs, against the unpartitioned program (loss, gradients, SGD steps)."""
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_gspmd as gs
+from tf_gspmd.errors import InputError
+from tf_gspmd.rewriter.auto import calibrate
+
+from conftest import assert_close
+
+V, D, F, S, N, BLOCKS = 512, 32, 64, 8, 16, 3
+CAL = calibrate.DEFAULT
+
+
+def init(seed=0):
+  rng = np.random.default_rng(seed)
+  params = {"embed": rng.normal(0, 0.5, (V, D)), "head": rng.normal(0, 0.2, (D, V))}
+  for b in range(BLOCKS):
+    params[f"b{b}/w1"] = rng.normal(0, 0.2, (D, F))
+    params[f"b{b}/w2"] = rng.normal(0, 0.2, (F, D))
+  return {k: v.astype(np.float32) for k, v in params.items()}
+
+
+def loss_fn(params, tokens, labels):
+  x = tf.gather(params["embed"], tokens)                      # [n, S, D]
+  for b in range(BLOCKS):
+    h = tf.nn.relu(tf.einsum("nsd,df->nsf", x, params[f"b{b}/w1"]))
+    x = x + tf.einsum("nsf,fd->nsd", h, params[f"b{b}/w2"])
+  logits = tf.einsum("nsd,dv->nsv", x, params["head"])
+  return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+
+
+def data(seed=1):
+  rng = np.random.default_rng(seed)
+  return (rng.integers(0, V, (N, S)).astype(np.int32), rng.integers(0, V, (N, S)).astype(np.int32))
+
+
+def reference(params, tokens, labels):
+  p = {k: tf.constant(v) for k, v in params.items()}
+  with tf.GradientTape() as tape:
+    tape.watch(p)
+    loss = loss_fn(p, tf.constant(tokens), tf.constant(labels))
+  return loss.numpy(), {k: tf.convert_to_tensor(g).numpy() for k, g in tape.gradient(loss, p).items()}
+
+
+@pytest.fixture(scope="module")
+def step():
+  mesh = gs.Mesh((2, 4), ("host", "device"))
+  tokens, labels = data()
+  return gs.auto_parallel(loss_fn, init(), tokens, labels, mesh=mesh, microbatches=4, layers=6,
+                          calibration=CAL, max_stages=3)
+
+
+def test_plan_covers_the_mesh_and_reports_it(step):
+  plan = step.plan
+  assert len(plan.stages) == len(step.stages) == len(step.boundaries) + 1
+  devices = [d for s in step.stages for d in s.mesh.resolve_devices()]
+  assert len(devices) == len(set(devices)) <= 8
+  for s, st in zip(plan.stages, step.stages):
+    assert st.mesh.shape == s.mesh.shape and st.mesh.size == len(s.devices)
+  trained = sorted(n for names in step._stage_params for n in names)  # pylint: disable=protected-access
+  assert sorted(set(trained)) == sorted(f"0/{k}" for k in init())
+  text = str(step)
+  assert "stage plan:" in text and "T* =" in text and "MPMD stages:" in text
+  assert math.isfinite(plan.predicted_seconds) and plan.predicted_seconds > 0
+
+
+def test_loss_and_gradients_equal_the_unpartitioned_step(step):
+  params = init()
+  tokens, labels = data()
+  loss, grads = step(params, tokens, labels)
+  want_loss, want_grads = reference(params, tokens, labels)
+  assert_close(loss, want_loss)
+  assert set(grads) == set(want_grads)
+  for k, g in grads.items():
+    got = g.numpy() if isinstance(g, gs.ShardedTensor) else np.asarray(g)
+    np.testing.assert_allclose(got, want_grads[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  measured = step.last_seconds
+  print(f"\nauto_parallel: predicted step {step.plan.predicted_seconds * 1e3:.3f} ms, measured {measured * 1e3:.1f} ms "
+        f"({len(step.stages)} stages)")
+  assert math.isfinite(measured) and measured > 0
+
+
+def test_sgd_steps_match_plain_tensorflow(step):
+  params, want = init(), {k: tf.Variable(v) for k, v in init().items()}
+  tokens, labels = data(seed=2)
+  for _ in range(3):
+    loss, grads = step(params, tokens, labels)
+    params = step.sgd(params, grads, 0.5)
+    with tf.GradientTape() as tape:
+      ref = loss_fn(want, tf.constant(tokens), tf.constant(labels))
+    for k, g in tape.gradient(ref, want).items():
+      want[k].assign_sub(0.5 * tf.convert_to_tensor(g))
+    assert_close(loss, ref.numpy())
+  for k in want:
+    assert_close(params[k], want[k].numpy())
+
+
+def test_bad_arguments_raise_typed_errors():
+  mesh = gs.Mesh((2, 4), ("host", "device"))
+  tokens, labels = data()
+  with pytest.raises(InputError, match="multiple of microbatches=3"):
+    gs.auto_parallel(loss_fn, init(), tokens, labels, mesh=mesh, microbatches=3, calibration=CAL)
+  with pytest.raises(InputError, match="microbatches"):
+    gs.auto_parallel(loss_fn, init(), tokens, labels, mesh=mesh, microbatches=0, calibration=CAL)
