@@ -53,7 +53,7 @@ def step():
   mesh = gs.Mesh((2, 4), ("host", "device"))
   tokens, labels = data()
   return gs.auto_parallel(loss_fn, init(), tokens, labels, mesh=mesh, microbatches=4, layers=6,
-                          calibration=CAL, max_stages=3)
+                          calibration=CAL)
 
 
 def test_plan_covers_the_mesh_and_reports_it(step):
