@@ -142,3 +142,24 @@ def test_boundaries_with_several_tensors_travel_packed():
   for k, g in tape.gradient(want, p).items():
     got = grads[k].numpy() if isinstance(grads[k], gs.ShardedTensor) else np.asarray(grads[k])
     np.testing.assert_allclose(got, tf.convert_to_tensor(g).numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_captured_trainable_variables_and_inexact_boundaries_are_refused():
+  mesh = gs.Mesh((2, 4), ("host", "device"))
+  tokens, labels = data()
+  bias = tf.Variable(np.zeros((V,), np.float32), name="head_bias")
+
+  def with_bias(params, tok, lab):
+    x = tf.gather(params["embed"], tok)
+    logits = tf.einsum("nsd,dv->nsv", x, params["head"]) + bias
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=lab, logits=logits))
+
+  with pytest.raises(InputError, match="head_bias.*not a leaf of params"):
+    gs.auto_parallel(with_bias, {"embed": init()["embed"], "head": init()["head"]}, tokens, labels, mesh=mesh,
+                     microbatches=2, layers=3, calibration=CAL)
+  from tf_gspmd import _auto_parallel  # pylint: disable=g-import-not-at-top
+  assert _auto_parallel._pack_dtype([tf.TensorSpec([2], tf.float32)], "b") == tf.float32  # pylint: disable=protected-access
+  assert _auto_parallel._pack_dtype([tf.TensorSpec([2], tf.float32), tf.TensorSpec([2], tf.int32)],  # pylint: disable=protected-access
+                                    "b") == tf.float64
+  with pytest.raises(InputError, match="int64 values"):
+    _auto_parallel._pack_dtype([tf.TensorSpec([2], tf.float32), tf.TensorSpec([2], tf.int64)], "b")  # pylint: disable=protected-access

@@ -18,7 +18,7 @@ targets tensor (to the last). So:
     received that later stages read.
 
 The step's loss must be a mean over the batch rows (the pipeline's loss is the mean of the microbatch losses).
-Parameters are `params`' leaves; captured trainable tf.Variables are not trained here (InputError).
+Parameters are `params`' leaves; a step that reads captured tf.Variables is refused (InputError).
 """
 
 import dataclasses
@@ -151,8 +151,13 @@ class AutoParallel:
     plan = self.plan
     n = len(plan.stages)
     param_spec = dict(zip(self.param_names, flat_params))
-    self._fns = [plan.stage_function(k) for k in range(n)]
     program = plan.program
+    captured = [v for v in program.variables if v is not None]
+    if captured:
+      name = captured[0].name.split(":")[0]
+      raise InputError(f"the step reads the tf.Variable {name!r}, which is not a leaf of params: gs.auto_parallel "
+                       "runs steps of explicit parameters; pass every variable's value in params", node=name)
+    self._fns = [plan.stage_function(k) for k in range(n)]
     self._loss_ref = program.output_refs[0]
     reads, self._stage_params = [], []
     for k, (stage, fn) in enumerate(zip(plan.stages, self._fns)):
