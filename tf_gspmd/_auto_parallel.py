@@ -17,7 +17,7 @@ targets tensor (to the last). So:
     when integers travel too (float32 and int32 values survive it exactly). A stage passes on the tensors it
     received that later stages read.
 
-The step's loss must be a mean over the batch rows (the pipeline's loss is the mean of the microbatch losses).
+The stages run in one process (several processes: InputError). The step's loss must be a mean over the batch rows (the pipeline's loss is the mean of the microbatch losses).
 Parameters are `params`' leaves; a step that reads captured tf.Variables is refused (InputError).
 """
 
@@ -28,6 +28,7 @@ from typing import Any, Dict, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd import _cluster
 from tf_gspmd._mesh import Mesh, P
 from tf_gspmd._mpmd import Stage, mpmd_pipeline
 from tf_gspmd._stages import _paths, plan_stages
@@ -119,6 +120,10 @@ class AutoParallel:
 
   def __init__(self, loss_fn, param_specs, batch_specs, mesh, microbatches, memory_budget, layers, schedule,
                exchange, calibration, plan_kwargs):
+    if _cluster.process_count() > 1:
+      raise InputError(f"gs.auto_parallel runs its stages in one process (this program has "
+                       f"{_cluster.process_count()}); across processes build the stages with gs.Stage and "
+                       "gs.mpmd_pipeline, or plan with gs.plan_stages", node=getattr(loss_fn, "__name__", "the step"))
     self._structure = param_specs
     self.microbatches = int(microbatches)
     if self.microbatches < 1:
