@@ -163,3 +163,21 @@ def test_captured_trainable_variables_and_inexact_boundaries_are_refused():
                                     "b") == tf.float64
   with pytest.raises(InputError, match="int64 values"):
     _auto_parallel._pack_dtype([tf.TensorSpec([2], tf.float32), tf.TensorSpec([2], tf.int64)], "b")  # pylint: disable=protected-access
+
+
+def test_adam_steps_match_keras_adam(step):
+  import keras  # pylint: disable=g-import-not-at-top
+  params, want = init(), {k: tf.Variable(v) for k, v in init().items()}
+  keys = sorted(want)
+  opt, ref_opt = step.adam(0.01), keras.optimizers.Adam(0.01)
+  tokens, labels = data(seed=4)
+  for _ in range(3):
+    loss, grads = step(params, tokens, labels)
+    params = opt(params, grads)
+    with tf.GradientTape() as tape:
+      ref = loss_fn(want, tf.constant(tokens), tf.constant(labels))
+    g = tape.gradient(ref, [want[k] for k in keys])
+    ref_opt.apply_gradients(zip([tf.convert_to_tensor(x) for x in g], [want[k] for k in keys]))
+    assert_close(loss, ref.numpy())
+  for k in keys:
+    assert_close(params[k], want[k].numpy(), rtol=1e-4, atol=1e-5)

@@ -300,6 +300,11 @@ class AutoParallel:
       return _to_tensor(p) - lr * tf.cast(g, _to_tensor(p).dtype)
     return tf.nest.map_structure(step, params, grads)
 
+  def adam(self, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+    """An Adam update for this step's parameters: `opt = step.adam(lr)`, then `params = opt(params, grads)`
+    (Keras's Adam: moments on the host, bias correction folded into the step size)."""
+    return Adam(lr, beta_1, beta_2, epsilon)
+
   def describe(self):
     """The plan and how its stages run (submesh devices, boundaries)."""
     lines = [str(self.plan), "MPMD stages:"]
@@ -319,6 +324,32 @@ class AutoParallel:
     return self.describe()
 
 
+class Adam:
+  """Adam over a nest of parameters and their gradients (ShardedTensors or tensors); see `AutoParallel.adam`."""
+
+  def __init__(self, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+    self.lr, self.beta_1, self.beta_2, self.epsilon = lr, beta_1, beta_2, epsilon
+    self.iterations = 0
+    self._m = self._v = None
+
+  def __call__(self, params, grads):
+    flat_p = [_to_tensor(p) for p in tf.nest.flatten(params)]
+    flat_g = [tf.cast(g.numpy() if isinstance(g, ShardedTensor) else g, p.dtype)
+              for g, p in zip(tf.nest.flatten(grads), flat_p)]
+    if self._m is None:
+      self._m = [tf.zeros_like(p) for p in flat_p]
+      self._v = [tf.zeros_like(p) for p in flat_p]
+    if len(flat_g) != len(self._m):
+      raise InputError(f"Adam was started with {len(self._m)} parameters; got {len(flat_g)}", node="params")
+    self.iterations += 1
+    b1, b2 = self.beta_1, self.beta_2
+    alpha = self.lr * np.sqrt(1.0 - b2 ** self.iterations) / (1.0 - b1 ** self.iterations)
+    self._m = [m + (g - m) * (1.0 - b1) for m, g in zip(self._m, flat_g)]
+    self._v = [v + (tf.square(g) - v) * (1.0 - b2) for v, g in zip(self._v, flat_g)]
+    out = [p - m * alpha / (tf.sqrt(v) + self.epsilon) for p, m, v in zip(flat_p, self._m, self._v)]
+    return tf.nest.pack_sequence_as(params, out)
+
+
 def auto_parallel(loss_fn, params, *batch, mesh, microbatches, memory_budget=None, layers=None, schedule="1f1b",
                   exchange="auto", calibration=None, **plan_kwargs):
   """A training step `loss_fn(params, *batch)` planned automatically (stages, submeshes, intra-operator layouts)
@@ -336,7 +367,8 @@ def auto_parallel(loss_fn, params, *batch, mesh, microbatches, memory_budget=Non
     calibration: the planner's Calibration (default: this machine's, measured once).
     **plan_kwargs: passed on to gs.plan_stages (max_stages, optimizer_slots, ...).
 
-  Returns an AutoParallel: `loss, grads = step(params, *batch)`; `step.plan` the StagePlan; `step.sgd(...)`.
+  Returns an AutoParallel: `loss, grads = step(params, *batch)`; `step.plan` the StagePlan; `step.sgd(...)`,
+  `step.adam(lr)`.
   """
   param_specs = tf.nest.map_structure(lambda v: _spec_of(v, "params"), params)
   batch_specs = tuple(_spec_of(b, f"batch argument {k + 1}") for k, b in enumerate(batch))
