@@ -23,7 +23,7 @@ Parameters are `params`' leaves; a step that reads captured tf.Variables is refu
 
 import dataclasses
 import time
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -179,15 +179,15 @@ class AutoParallel:
     layouts = [dict(s.inputs + s.outputs) for s in plan.stages]
     self.boundaries = []
     for k in range(n - 1):
-      ahead = set().union(*reads[k + 1:n])   # the last stage reads data from its targets
       later = set().union(*reads[k + 1:])
       have = set().union(*made[:k + 1])
+      # (the last stage reads the batch arguments from its targets; the middle ones get them passed on)
       refs = sorted((later & have) | {d for d in self.data_names if d in set().union(*reads[k + 1:n - 1])})
       specs = tuple(info[r] for r in refs)
       if len(refs) == 1 and specs[0].dtype.is_floating and refs[0] not in self.data_names:
         r = refs[0]
         out = layouts[k].get(r)
-        inn = layouts[k + 1].get(r) if r in ahead else None
+        inn = layouts[k + 1].get(r)   # None: stage k+1 only passes it on (replicated)
         self.boundaries.append(_Boundary(tuple(refs), specs, False, specs[0].dtype,
                                          out.spec if out is not None else None,
                                          inn.spec if inn is not None else P()))
