@@ -181,3 +181,17 @@ def test_adam_steps_match_keras_adam(step):
     assert_close(loss, ref.numpy())
   for k in keys:
     assert_close(params[k], want[k].numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_one_stage_plan_runs_on_the_whole_mesh():
+  mesh = gs.Mesh((2, 4), ("host", "device"))
+  tokens, labels = data()
+  one = gs.auto_parallel(loss_fn, init(), tokens, labels, mesh=mesh, microbatches=2, layers=4, calibration=CAL,
+                         max_stages=1, memory_budget=1 << 40)
+  assert len(one.stages) == 1 and one.stages[0].mesh.size == 8 and not one.boundaries
+  params = init()
+  loss, grads = one(params, tokens, labels)
+  want_loss, want_grads = reference(params, tokens, labels)
+  assert_close(loss, want_loss)
+  for k, g in grads.items():
+    np.testing.assert_allclose(g.numpy(), want_grads[k], rtol=1e-5, atol=1e-6, err_msg=k)
