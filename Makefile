@@ -37,7 +37,7 @@ run: $(STAMP)
 # processes take) instead of the in-process graph of one process's CPUs.
 COLLECTIVES_SUITES := tests/differential tests/op_rules tests/test_transformer.py tests/test_keras.py \
 	tests/test_pipeline.py tests/test_workloads.py tests/test_function.py tests/test_state.py tests/test_mpmd.py \
-	tests/test_cross_mesh.py
+	tests/test_cross_mesh.py tests/test_auto_parallel.py
 
 test: $(STAMP) $(ORACLE_STAMP)
 	TF_GSPMD_REQUIRE_ORACLE=1 $(VENV)/bin/pytest -q -p no:cacheprovider tests

@@ -2,6 +2,7 @@
 
   python examples/train_moe.py                     # 8 experts on 8 logical CPUs (mesh 8, axis "expert")
   python examples/train_moe.py --plan              # the plan for 2048 devices, no devices
+  python examples/train_moe.py --auto_parallel --mesh=2,4   # stages, submeshes, layouts planned (Alpa), MPMD
 
 Every layer: causal self-attention, then a mixture-of-experts feed-forward block as in GShard: a softmax
 gate picks each token's top-2 experts, each expert takes at most `capacity` tokens per group (capacity
@@ -36,6 +37,7 @@ flags.DEFINE_float("aux_weight", 0.01, "Weight of the load-balancing loss.")
 flags.DEFINE_integer("vocab", 128, "Vocabulary size.")
 flags.DEFINE_integer("seq_len", 32, "Sequence length (tokens per group).")
 flags.DEFINE_integer("batch", 16, "Global batch size (groups).")
+flags.DEFINE_integer("microbatches", 4, "With --auto_parallel: microbatches of the MPMD pipeline.")
 FLAGS = flags.FLAGS
 
 B1, B2, EPS = 0.9, 0.999, 1e-7
@@ -65,7 +67,7 @@ def _initializer(kind, seed):
 
 def annotate(gs, x, spec):
   """gs.shard(x, spec), unless --auto chooses every layout."""
-  return x if FLAGS.auto else gs.shard(x, spec)
+  return x if FLAGS.auto or FLAGS.auto_parallel else gs.shard(x, spec)
 
 
 def moe_block(x, gate_w, w1, w2, gs, P):
@@ -176,8 +178,37 @@ def task():
       per_step=FLAGS.batch * FLAGS.seq_len)
 
 
+def auto_parallel_task():
+  """The same step from explicit parameters for --auto_parallel: its loss is the language-model loss plus the
+  weighted load-balancing loss (both means over the groups, so microbatches average to the batch's)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import transformer_model as tm  # pylint: disable=g-import-not-at-top
+  from tf_gspmd import P  # pylint: disable=g-import-not-at-top
+  cfg = tm.Config(vocab=FLAGS.vocab, seq=FLAGS.seq_len, batch=FLAGS.batch)
+  specs = param_specs(P)
+
+  def loss(params, tokens, targets):
+    logits, aux = forward(params, tokens, None, P)
+    lm = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets, logits=logits))
+    return lm + FLAGS.aux_weight * aux
+
+  def init():
+    return {name: np.asarray(_initializer(kind, FLAGS.seed * 1000 + k)(shape), np.float32)
+            for k, (name, (shape, _, kind)) in enumerate(sorted(specs.items()))}
+
+  return training.AutoTask(
+      name="moe_auto_parallel", loss_fn=loss, init=init,
+      param_specs=lambda: {n: tf.TensorSpec(shape, tf.float32) for n, (shape, _, _) in specs.items()},
+      batch=lambda k: tm.synthetic_batch(cfg, seed=FLAGS.seed * 1_000_003 + k), layers=FLAGS.layers,
+      microbatches=FLAGS.microbatches, default_mesh=(2, 4), default_plan_mesh=(32, 8))
+
+
 def main(_):
-  training.run(task())
+  if FLAGS.auto_parallel:
+    training.run_auto_parallel(auto_parallel_task())
+  else:
+    training.run(task())
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
   python examples/train_transformer.py                      # mesh 2,4 on 8 logical CPUs
   python examples/train_transformer.py --plan               # the plan for 2048 devices (32 x 64), no devices
   python examples/train_transformer.py --resume             # continue from the latest checkpoint
+  python examples/train_transformer.py --auto_parallel --microbatches=4
+                                           # stages, submeshes and layouts planned automatically (Alpa), MPMD
+  python examples/train_transformer.py --auto_parallel --plan --layers=64 --plan_mesh=32,8
+                                           # the automatic plan of 64 layers on 256 devices, no devices
   python examples/train_transformer.py --layers=8 --pipeline_stages=4 --microbatches=8 --mesh=4,2
                                            # GSPMD pipeline: 4 stages over `stage`, batch over `data`
   python examples/train_transformer.py --layers=8 --pipeline_stages=4 --circular_repeats=2 --mesh=2,2,2
@@ -87,8 +91,28 @@ def pipelined_task():
       in_specs=lambda mesh: (P("data", None), P("data", None)), unit="tokens", per_step=cfg.batch * cfg.seq)
 
 
+def auto_parallel_task():
+  """The plain-TF decoder (`transformer_model.loss_fn`, tied embedding and vocabulary head) for --auto_parallel."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import transformer_model as tm  # pylint: disable=g-import-not-at-top
+  cfg = tm.Config(layers=FLAGS.layers, d_model=FLAGS.d_model, heads=FLAGS.heads, d_ff=FLAGS.d_ff,
+                  vocab=FLAGS.vocab, seq=FLAGS.seq_len, batch=FLAGS.batch, lr=FLAGS.lr)
+
+  def loss(params, tokens, targets):
+    return tm.loss_fn(params, tokens, targets, cfg)
+
+  return training.AutoTask(
+      name="transformer_auto_parallel", loss_fn=loss, init=lambda: tm.init_params(cfg, seed=FLAGS.seed),
+      param_specs=lambda: {k: tf.TensorSpec(s, tf.float32) for k, s in tm.param_shapes(cfg).items()},
+      batch=lambda k: tm.synthetic_batch(cfg, seed=FLAGS.seed * 1_000_003 + k), layers=cfg.layers,
+      microbatches=FLAGS.microbatches, default_mesh=(2, 4), default_plan_mesh=(32, 8))
+
+
 def main(_):
-  training.run(pipelined_task() if FLAGS.pipeline_stages else task())
+  if FLAGS.auto_parallel:
+    training.run_auto_parallel(auto_parallel_task())
+  else:
+    training.run(pipelined_task() if FLAGS.pipeline_stages else task())
 
 
 if __name__ == "__main__":

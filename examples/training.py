@@ -42,6 +42,11 @@ flags.DEFINE_bool("auto", False, "Choose the layouts of the batch, the weights a
 flags.DEFINE_float("memory_budget_mib", None, "With --auto: MiB per device the arguments, weights, optimizer state and "
                    "the activations live at the peak may take (--plan prints what a plan takes, counted this way).")
 flags.DEFINE_bool("jit", False, "Compile the compute between collectives with XLA (jit_compile=True).")
+flags.DEFINE_bool("auto_parallel", False, "Plan pipeline stages, their submeshes and intra-operator layouts "
+                  "automatically (gs.auto_parallel, Alpa's two levels) and train the model's plain-TF step as an MPMD "
+                  "pipeline, SGD at --lr; with --plan: only the plan, for --plan_mesh, without devices.")
+flags.DEFINE_integer("stage_layers", None, "With --auto_parallel: the layers the step's ops are clustered into (the "
+                     "stage boundaries fall between them; default: the model's layers + 2).")
 flags.DEFINE_list("profile", [], "Steps FIRST,LAST (e.g. 3,5) to trace with the TensorFlow profiler into "
                   "<logdir>/<task>/profile (open in TensorBoard's Profile tab); empty: no trace.")
 FLAGS = flags.FLAGS
@@ -64,6 +69,74 @@ class Task:
   in_specs: Callable[[Any], tuple]  # in_specs(mesh) -> one P per batch input
   unit: str
   per_step: int
+
+
+@dataclasses.dataclass
+class AutoTask:
+  """A model for --auto_parallel: its loss from explicit parameters."""
+  name: str
+  loss_fn: Callable[..., Any]       # loss_fn(params, *batch) -> the mean loss over the batch rows
+  init: Callable[[], Any]           # the initial parameters (a nest of numpy arrays), a pure function of --seed
+  param_specs: Callable[[], Any]    # their tf.TensorSpecs (plan mode: nothing of the model's size is allocated)
+  batch: Callable[[int], tuple]
+  layers: int                       # the model's layers (the clusters default to layers + 2)
+  microbatches: int
+  default_mesh: Sequence[int]
+  default_plan_mesh: Sequence[int]
+
+
+def run_auto_parallel(task):
+  """Train `task` with gs.auto_parallel (or, with --plan, print its plan for --plan_mesh); returns (step, loss)s."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
+  budget = None if FLAGS.memory_budget_mib is None else math.ceil(FLAGS.memory_budget_mib * 2**20)
+  layers = FLAGS.stage_layers or task.layers + 2
+  axes = ("host", "device")
+  if FLAGS.plan:
+    shape = tuple(int(s) for s in (FLAGS.plan_mesh or task.default_plan_mesh))
+    mesh = gs.Mesh(shape, axes[-len(shape):] if len(shape) <= 2 else tuple(f"a{i}" for i in range(len(shape))))
+    micro = [tf.TensorSpec((a.shape[0] // task.microbatches,) + a.shape[1:], tf.as_dtype(a.dtype))
+             for a in task.batch(0)]
+    start = time.perf_counter()
+    found = gs.plan_stages(task.loss_fn, task.param_specs(), *micro, mesh=mesh, layers=layers,
+                           microbatches=task.microbatches, memory_budget=budget)
+    print(f"{task.name}: automatic stages for mesh {shape} ({mesh.size} devices), {layers} layers, "
+          f"{task.microbatches} microbatches, planned in {time.perf_counter() - start:.1f} s without the devices")
+    print(found)
+    return []
+  shape = tuple(int(s) for s in (FLAGS.mesh or task.default_mesh))
+  gs.initialize(cpu_devices=int(np.prod(shape)))
+  mesh = gs.Mesh(shape, axes[-len(shape):] if len(shape) <= 2 else tuple(f"a{i}" for i in range(len(shape))))
+  params = task.init()
+  step = gs.auto_parallel(task.loss_fn, params, *task.batch(0), mesh=mesh, microbatches=task.microbatches,
+                          memory_budget=budget, layers=layers)
+  print(step)
+  losses = []
+  for k in range(FLAGS.steps):
+    loss, grads = step(params, *task.batch(k))
+    params = step.sgd(params, grads, FLAGS.lr)
+    losses.append((k, float(loss)))
+    print(f"step {k} loss {float(loss):.6f} time {step.last_seconds * 1e3:.0f} ms (plan predicts "
+          f"{step.plan.predicted_seconds * 1e3:.1f} ms)", flush=True)
+  if FLAGS.check_steps and losses:
+    params, ref = task.init(), []
+    params = tf.nest.map_structure(tf.constant, params)
+    grad_fn = tf.function(lambda p, *b: _value_and_grad(task.loss_fn, p, *b))
+    for k in range(min(FLAGS.check_steps, len(losses))):
+      loss, grads = grad_fn(params, *[tf.constant(a) for a in task.batch(k)])
+      ref.append(float(loss.numpy()))
+      params = tf.nest.map_structure(lambda p, g: p - FLAGS.lr * g, params, grads)
+    _compare([l for _, l in losses[:len(ref)]], ref)
+  return losses
+
+
+def _value_and_grad(loss_fn, params, *batch):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  with tf.GradientTape() as tape:
+    tape.watch(params)
+    loss = loss_fn(params, *batch)
+  grads = tf.nest.map_structure(tf.convert_to_tensor, tape.gradient(loss, params))
+  return loss, grads
 
 
 def _mesh(task, shape):
@@ -197,6 +270,10 @@ def check(task, partitioned):
   model = task.build(None)
   step = tf.function(model.step)
   ref = [float(step(*[tf.constant(a) for a in task.batch(k)]).numpy()) for k in range(len(partitioned))]
+  _compare(partitioned, ref)
+
+
+def _compare(partitioned, ref):
   rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(partitioned, ref))
   ok = rel <= 1e-4
   print(f"check: first {len(ref)} losses {'match' if ok else 'DIFFER FROM'} the unpartitioned program "

@@ -226,3 +226,20 @@ def test_plan_at_the_128b_models_dims_keeps_weights_to_the_layouts_arithmetic(la
   assert 0 <= weights - round(scale.weight_bytes(cfg, layout, cfg["mesh"])) <= 16   # + scalars (learning rate)
   constants = re.search(r"(?m)^constants: ([\d,]+) B per device", out.stdout).group(1)   # the per-device program's
   assert int(constants.replace(",", "")) <= 1 << 20
+
+
+@pytest.mark.parametrize("binary", ["train_transformer.py", "train_moe.py"])
+def test_auto_parallel_trains_and_matches_the_unpartitioned_program(binary, tmp_path):
+  out = _run(binary, "--auto_parallel", "--microbatches=4", "--steps=3", "--check_steps=2", f"--logdir={tmp_path}")
+  assert "stage plan:" in out and "T* =" in out and "MPMD stages:" in out and "stage 0 (layers 0-" in out
+  assert sorted(_losses(out)) == [0, 1, 2]
+  assert re.search(r"step 2 loss [\d.]+ time \d+ ms \(plan predicts [\d.]+ ms\)", out)
+  assert "check: first 2 losses match the unpartitioned program" in out
+
+
+def test_auto_parallel_plan_without_devices():
+  out = _run("train_transformer.py", "--auto_parallel", "--plan", "--layers=6", "--plan_mesh=8,8",
+             "--microbatches=8", "--batch=16")
+  assert "mesh (8, 8) (64 devices), 8 layers, 8 microbatches, planned in" in out
+  table = re.findall(r"^\s+\d+\s+\d+-\d+\s+\d+\s+\(\d+, \d+\)", out, re.M)
+  assert len(table) >= 1 and "stage plan: 8 layers on a (8, 8) mesh" in out

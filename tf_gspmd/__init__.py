@@ -23,6 +23,7 @@ from tf_gspmd._pipeline import pipeline, stack_stages, unstack_stages
 from tf_gspmd._plan_scope import plan_scope
 from tf_gspmd._sharding import Sharding
 from tf_gspmd._stages import plan_stages
+from tf_gspmd._auto_parallel import AutoParallel, auto_parallel
 from tf_gspmd._visualize import visualize_sharding
 from tf_gspmd.errors import (AutoShardingError, ClusterJoinError, InputError, MeshError, PartitionError, ProcessLostError, ShapeError,
                              ShardingError, SpecError, UnsupportedOpError)
@@ -35,7 +36,7 @@ tpu_mesh = tpu.mesh
 
 __all__ = [
     "Mesh", "P", "Sharding", "split_cpu_devices", "initialize", "process_count", "process_index", "is_local", "local_devices", "mesh_split", "shard", "replicate", "function", "ShardedFunction",
-    "Lowered", "ShardedTensor", "plan_scope", "pipeline", "stack_stages", "unstack_stages", "plan_stages",
+    "Lowered", "ShardedTensor", "plan_scope", "pipeline", "stack_stages", "unstack_stages", "plan_stages", "auto_parallel", "AutoParallel",
     "from_process_local_data", "sharding_of", "shards_of", "Shard", "variable", "initializers", "visualize_sharding", "ShardingError",
     "MeshError", "SpecError", "ShapeError", "PartitionError", "UnsupportedOpError", "InputError", "ProcessLostError", "ClusterJoinError",
     "AutoShardingError", "tpu", "tpu_mesh", "Stage", "mpmd_pipeline", "MpmdPipeline", "RunRecord", "schedule_order",

@@ -1,11 +1,31 @@
 """`gs.plan_stages`: automatic pipeline stages and submeshes for a step, planned without devices."""
 
+import numpy as np
 import tensorflow as tf
 
-from tf_gspmd._function import parse_bytes
+from tf_gspmd._function import function as gs_function, parse_bytes
+from tf_gspmd._mesh import Mesh, P
 from tf_gspmd.errors import InputError
 from tf_gspmd.rewriter import grappler, import_annotations, pipeline, trace
-from tf_gspmd.rewriter.auto import stages
+from tf_gspmd.rewriter.auto import calibrate, stages
+
+
+def _time_all_reduce(best_of, elements=1 << 20):
+  """Seconds per byte of an all-reduce of `elements` float32 over two devices, or None without two devices (the
+  planner's calibration of collectives)."""
+  kind = "GPU" if len(tf.config.list_logical_devices("GPU")) >= 2 else "CPU"
+  devices = tf.config.list_logical_devices(kind)
+  if len(devices) < 2:
+    return None
+  mesh = Mesh((2,), ("x",), devices=tuple(d.name for d in devices[:2]))
+  f = gs_function(lambda x: tf.reduce_sum(x, axis=0), mesh=mesh, in_shardings=P("x", None), out_shardings=P())
+  x = np.ones((2, elements), np.float32)
+  small = np.ones((2, 1), np.float32)
+  overhead = best_of(lambda: np.asarray(f(small)))
+  return max(best_of(lambda: np.asarray(f(x))) - overhead, 1e-9) / (elements * 4)
+
+
+calibrate.set_all_reduce_timer(_time_all_reduce)
 
 
 def _paths(structure, prefix=""):

@@ -1,0 +1,197 @@
+"""gs.auto_parallel: a step whose parts differ (embedding, dense blocks, a vocabulary head) planned at both levels
+and run as an MPMD pipeline on 8 logical CPUs, against the unpartitioned program (loss, gradients, SGD steps)."""
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_gspmd as gs
+from tf_gspmd.errors import InputError
+from tf_gspmd.rewriter.auto import calibrate
+
+from conftest import assert_close
+
+V, D, F, S, N, BLOCKS = 512, 32, 64, 8, 16, 3
+CAL = calibrate.DEFAULT
+
+
+def init(seed=0):
+  rng = np.random.default_rng(seed)
+  params = {"embed": rng.normal(0, 0.5, (V, D)), "head": rng.normal(0, 0.2, (D, V))}
+  for b in range(BLOCKS):
+    params[f"b{b}/w1"] = rng.normal(0, 0.2, (D, F))
+    params[f"b{b}/w2"] = rng.normal(0, 0.2, (F, D))
+  return {k: v.astype(np.float32) for k, v in params.items()}
+
+
+def loss_fn(params, tokens, labels):
+  x = tf.gather(params["embed"], tokens)                      # [n, S, D]
+  for b in range(BLOCKS):
+    h = tf.nn.relu(tf.einsum("nsd,df->nsf", x, params[f"b{b}/w1"]))
+    x = x + tf.einsum("nsf,fd->nsd", h, params[f"b{b}/w2"])
+  logits = tf.einsum("nsd,dv->nsv", x, params["head"])
+  return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+
+
+def data(seed=1):
+  rng = np.random.default_rng(seed)
+  return (rng.integers(0, V, (N, S)).astype(np.int32), rng.integers(0, V, (N, S)).astype(np.int32))
+
+
+def reference(params, tokens, labels):
+  p = {k: tf.constant(v) for k, v in params.items()}
+  with tf.GradientTape() as tape:
+    tape.watch(p)
+    loss = loss_fn(p, tf.constant(tokens), tf.constant(labels))
+  return loss.numpy(), {k: tf.convert_to_tensor(g).numpy() for k, g in tape.gradient(loss, p).items()}
+
+
+@pytest.fixture(scope="module")
+def step():
+  mesh = gs.Mesh((2, 4), ("host", "device"))
+  tokens, labels = data()
+  return gs.auto_parallel(loss_fn, init(), tokens, labels, mesh=mesh, microbatches=4, layers=6,
+                          calibration=CAL)
+
+
+def test_plan_covers_the_mesh_and_reports_it(step):
+  plan = step.plan
+  assert len(plan.stages) == len(step.stages) == len(step.boundaries) + 1
+  devices = [d for s in step.stages for d in s.mesh.resolve_devices()]
+  assert len(devices) == len(set(devices)) <= 8
+  for s, st in zip(plan.stages, step.stages):
+    assert st.mesh.shape == s.mesh.shape and st.mesh.size == len(s.devices)
+  trained = sorted(n for names in step._stage_params for n in names)  # pylint: disable=protected-access
+  assert sorted(set(trained)) == sorted(f"0/{k}" for k in init())
+  text = str(step)
+  assert "stage plan:" in text and "T* =" in text and "MPMD stages:" in text
+  assert math.isfinite(plan.predicted_seconds) and plan.predicted_seconds > 0
+
+
+def test_loss_and_gradients_equal_the_unpartitioned_step(step):
+  params = init()
+  tokens, labels = data()
+  loss, grads = step(params, tokens, labels)
+  want_loss, want_grads = reference(params, tokens, labels)
+  assert_close(loss, want_loss)
+  assert set(grads) == set(want_grads)
+  for k, g in grads.items():
+    got = g.numpy() if isinstance(g, gs.ShardedTensor) else np.asarray(g)
+    np.testing.assert_allclose(got, want_grads[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  measured = step.last_seconds
+  print(f"\nauto_parallel: predicted step {step.plan.predicted_seconds * 1e3:.3f} ms, measured {measured * 1e3:.1f} ms "
+        f"({len(step.stages)} stages)")
+  assert math.isfinite(measured) and measured > 0
+
+
+def test_sgd_steps_match_plain_tensorflow(step):
+  params, want = init(), {k: tf.Variable(v) for k, v in init().items()}
+  tokens, labels = data(seed=2)
+  for _ in range(3):
+    loss, grads = step(params, tokens, labels)
+    params = step.sgd(params, grads, 0.5)
+    with tf.GradientTape() as tape:
+      ref = loss_fn(want, tf.constant(tokens), tf.constant(labels))
+    for k, g in tape.gradient(ref, want).items():
+      want[k].assign_sub(0.5 * tf.convert_to_tensor(g))
+    assert_close(loss, ref.numpy())
+  for k in want:
+    assert_close(params[k], want[k].numpy())
+
+
+def test_bad_arguments_raise_typed_errors():
+  mesh = gs.Mesh((2, 4), ("host", "device"))
+  tokens, labels = data()
+  with pytest.raises(InputError, match="multiple of microbatches=3"):
+    gs.auto_parallel(loss_fn, init(), tokens, labels, mesh=mesh, microbatches=3, calibration=CAL)
+  with pytest.raises(InputError, match="microbatches"):
+    gs.auto_parallel(loss_fn, init(), tokens, labels, mesh=mesh, microbatches=0, calibration=CAL)
+
+
+def skip_loss_fn(params, tokens, scale, labels):
+  """The embedding reaches the head past the blocks, and a float batch argument scales the middle block: the
+  boundaries between stages carry several tensors, a batch argument among them."""
+  e = tf.gather(params["embed"], tokens)
+  x = e
+  for b in range(BLOCKS):
+    h = tf.nn.relu(tf.einsum("nsd,df->nsf", x, params[f"b{b}/w1"]))
+    x = x + tf.einsum("nsf,fd->nsd", h, params[f"b{b}/w2"])
+    if b == 1:
+      x = x * scale[:, :, None]
+  logits = tf.einsum("nsd,dv->nsv", x + e, params["head"])
+  return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+
+
+def test_boundaries_with_several_tensors_travel_packed():
+  mesh = gs.Mesh((2, 4), ("host", "device"))
+  tokens, labels = data()
+  scale = np.random.default_rng(3).uniform(0.5, 1.5, (N, S)).astype(np.float32)
+  step = gs.auto_parallel(skip_loss_fn, init(), tokens, scale, labels, mesh=mesh, microbatches=2, layers=6,
+                          calibration=CAL)
+  print("\n" + str(step))
+  assert any(b.packed for b in step.boundaries)
+  params = init()
+  loss, grads = step(params, tokens, scale, labels)
+  p = {k: tf.constant(v) for k, v in params.items()}
+  with tf.GradientTape() as tape:
+    tape.watch(p)
+    want = skip_loss_fn(p, tf.constant(tokens), tf.constant(scale), tf.constant(labels))
+  assert_close(loss, want.numpy())
+  for k, g in tape.gradient(want, p).items():
+    got = grads[k].numpy() if isinstance(grads[k], gs.ShardedTensor) else np.asarray(grads[k])
+    np.testing.assert_allclose(got, tf.convert_to_tensor(g).numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_captured_trainable_variables_and_inexact_boundaries_are_refused():
+  mesh = gs.Mesh((2, 4), ("host", "device"))
+  tokens, labels = data()
+  bias = tf.Variable(np.zeros((V,), np.float32), name="head_bias")
+
+  def with_bias(params, tok, lab):
+    x = tf.gather(params["embed"], tok)
+    logits = tf.einsum("nsd,dv->nsv", x, params["head"]) + bias
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=lab, logits=logits))
+
+  with pytest.raises(InputError, match="head_bias.*not a leaf of params"):
+    gs.auto_parallel(with_bias, {"embed": init()["embed"], "head": init()["head"]}, tokens, labels, mesh=mesh,
+                     microbatches=2, layers=3, calibration=CAL)
+  from tf_gspmd import _auto_parallel  # pylint: disable=g-import-not-at-top
+  assert _auto_parallel._pack_dtype([tf.TensorSpec([2], tf.float32)], "b") == tf.float32  # pylint: disable=protected-access
+  assert _auto_parallel._pack_dtype([tf.TensorSpec([2], tf.float32), tf.TensorSpec([2], tf.int32)],  # pylint: disable=protected-access
+                                    "b") == tf.float64
+  with pytest.raises(InputError, match="int64 values"):
+    _auto_parallel._pack_dtype([tf.TensorSpec([2], tf.float32), tf.TensorSpec([2], tf.int64)], "b")  # pylint: disable=protected-access
+
+
+def test_adam_steps_match_keras_adam(step):
+  import keras  # pylint: disable=g-import-not-at-top
+  params, want = init(), {k: tf.Variable(v) for k, v in init().items()}
+  keys = sorted(want)
+  opt, ref_opt = step.adam(0.01), keras.optimizers.Adam(0.01)
+  tokens, labels = data(seed=4)
+  for _ in range(3):
+    loss, grads = step(params, tokens, labels)
+    params = opt(params, grads)
+    with tf.GradientTape() as tape:
+      ref = loss_fn(want, tf.constant(tokens), tf.constant(labels))
+    g = tape.gradient(ref, [want[k] for k in keys])
+    ref_opt.apply_gradients(zip([tf.convert_to_tensor(x) for x in g], [want[k] for k in keys]))
+    assert_close(loss, ref.numpy())
+  for k in keys:
+    assert_close(params[k], want[k].numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_one_stage_plan_runs_on_the_whole_mesh():
+  mesh = gs.Mesh((2, 4), ("host", "device"))
+  tokens, labels = data()
+  one = gs.auto_parallel(loss_fn, init(), tokens, labels, mesh=mesh, microbatches=2, layers=4, calibration=CAL,
+                         max_stages=1, memory_budget=1 << 40)
+  assert len(one.stages) == 1 and one.stages[0].mesh.size == 8 and not one.boundaries
+  params = init()
+  loss, grads = one(params, tokens, labels)
+  want_loss, want_grads = reference(params, tokens, labels)
+  assert_close(loss, want_loss)
+  for k, g in grads.items():
+    np.testing.assert_allclose(g.numpy(), want_grads[k], rtol=1e-5, atol=1e-6, err_msg=k)

@@ -1,0 +1,376 @@
+"""`gs.auto_parallel`: a training step planned at both of Alpa's levels and run as an MPMD pipeline.
+
+`auto_parallel(loss_fn, params, *batch, mesh=..., microbatches=...)` plans the step with `gs.plan_stages`
+(operators clustered into layers, stages and submeshes by Alpa's stage program, each stage's intra-operator plan
+by the automatic-sharding program) and runs the plan with `gs.mpmd_pipeline`: stage k is the part of the traced
+forward that the plan gives it (`StagePlan.stage_function(k)`), a `gs.Stage` on a `gs.Mesh` over the planned
+device positions of `mesh`, laid out as its logical mesh, its parameters in their planned layouts.
+
+Boundaries. The runtime hands one tensor from a stage to the next, with one batch (to the first stage) and one
+targets tensor (to the last). So:
+  * the data arguments travel as one packed tensor [rows, features] (each argument reshaped to [rows, -1], all
+    of one dtype); the first stage receives it as its batch and the last as its targets;
+  * between stages k and k+1 travels everything later stages read that stages <= k made (and data arguments
+    the middle stages read): when that is a single floating-point tensor it goes as it is, resharded from the
+    layout the plan gives it in stage k into the layout the plan gives it in stage k+1; otherwise the tensors
+    are flattened and concatenated into one vector (replicated), in their common floating dtype, or in float64
+    when integers travel too (float32 and int32 values survive it exactly). A stage passes on the tensors it
+    received that later stages read.
+
+The stages run in one process (several processes: InputError). The step's loss must be a mean over the batch rows (the pipeline's loss is the mean of the microbatch losses).
+Parameters are `params`' leaves; a step that reads captured tf.Variables is refused (InputError).
+"""
+
+import dataclasses
+import time
+from typing import Any, Dict, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gspmd import _cluster
+from tf_gspmd._mesh import Mesh, P
+from tf_gspmd._mpmd import Stage, mpmd_pipeline
+from tf_gspmd._stages import _paths, plan_stages
+from tf_gspmd.errors import InputError
+from tf_gspmd.runtime.sharded_tensor import ShardedTensor
+
+_EXACT_IN_FLOAT64 = (tf.int8, tf.int16, tf.int32, tf.uint8, tf.uint16, tf.uint32, tf.bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Boundary:
+  """What travels from one stage to the next: `refs` (plan tensor names, data argument names) packed or not."""
+
+  refs: Tuple[str, ...]
+  specs: Tuple[tf.TensorSpec, ...]
+  packed: bool
+  dtype: Any                      # the packed vector's dtype (packed) or the tensor's
+  out_sharding: Any = None        # P in the sending stage (unpacked) or P() (packed)
+  in_sharding: Any = None         # P in the receiving stage
+
+
+def _spec_of(value, what):
+  if isinstance(value, tf.TensorSpec):
+    return value
+  if isinstance(value, ShardedTensor):
+    return tf.TensorSpec(value.shape, value.dtype)
+  try:
+    t = tf.convert_to_tensor(value)
+  except (TypeError, ValueError) as e:
+    raise InputError(f"{what} is {type(value).__name__}: give a tensor, an array or a tf.TensorSpec ({e})",
+                     node=what) from None
+  return tf.TensorSpec(t.shape, t.dtype)
+
+
+def _to_tensor(value):
+  if isinstance(value, ShardedTensor):
+    return tf.constant(value.numpy())
+  return tf.convert_to_tensor(value)
+
+
+def _dense_gradient(p):
+  """`p`, its gradient made dense at `p`'s static shape (a gather through a stage function's call gives sparse
+  gradients whose dense shape is known only at run time)."""
+  shape = p.shape
+
+  @tf.custom_gradient
+  def identity(x):
+    def grad(g):
+      if isinstance(g, tf.IndexedSlices):
+        g = tf.math.unsorted_segment_sum(g.values, g.indices, shape[0])
+      return tf.reshape(tf.convert_to_tensor(g), shape)
+    return tf.identity(x), grad
+
+  return identity(p) if shape.rank else p
+
+
+def _pack(tensors, dtype):
+  return tf.concat([tf.reshape(tf.cast(t, dtype), [-1]) for t in tensors], axis=0)
+
+
+def _unpack(vector, specs):
+  sizes = [int(np.prod(s.shape)) for s in specs]
+  parts = tf.split(vector, sizes) if len(sizes) > 1 else [vector]
+  return [tf.cast(tf.reshape(p, s.shape), s.dtype) for p, s in zip(parts, specs)]
+
+
+def _pack_dtype(specs, what):
+  floats = [s.dtype for s in specs if s.dtype.is_floating]
+  others = [s.dtype for s in specs if not s.dtype.is_floating]
+  bad = [d for d in others if d not in _EXACT_IN_FLOAT64]
+  if bad:
+    raise InputError(f"{what} carries {bad[0].name} values, which a packed float64 boundary cannot hold exactly; "
+                     "keep them in int32 (or move the op that makes them into the stage that reads them)", node=what)
+  if others:
+    return tf.float64
+  return max(floats, key=lambda d: d.size) if floats else tf.float64
+
+
+class AutoParallel:
+  """A training step planned by `gs.auto_parallel`. Call it as `loss, grads = step(params, *batch)`.
+
+  Attributes:
+    plan: the StagePlan (print it: stages, submeshes, layouts, predicted step time, runner-ups).
+    pipeline: the gs.MpmdPipeline running it; stages: its gs.Stage objects.
+    param_names: the readable name of each leaf of `params` (tf.nest order); boundaries: what travels between
+      consecutive stages.
+    last_seconds: wall time of the last call.
+  """
+
+  def __init__(self, loss_fn, param_specs, batch_specs, mesh, microbatches, memory_budget, layers, schedule,
+               exchange, calibration, plan_kwargs):
+    if _cluster.process_count() > 1:
+      raise InputError(f"gs.auto_parallel runs its stages in one process (this program has "
+                       f"{_cluster.process_count()}); across processes build the stages with gs.Stage and "
+                       "gs.mpmd_pipeline, or plan with gs.plan_stages", node=getattr(loss_fn, "__name__", "the step"))
+    self._structure = param_specs
+    self.microbatches = int(microbatches)
+    if self.microbatches < 1:
+      raise InputError(f"microbatches={microbatches!r}: give a positive int", node="microbatches")
+    flat_params = tf.nest.flatten(param_specs)
+    self.param_names = tuple(f"0/{p}" if p else "0" for p in _paths(param_specs))
+    self._batch_specs = tuple(batch_specs)
+    if not batch_specs:
+      raise InputError("auto_parallel needs the step's batch arguments after params (their shapes and dtypes)",
+                       node=getattr(loss_fn, "__name__", "the step"))
+    rows = batch_specs[0].shape[0] if batch_specs[0].shape.rank else None
+    for k, s in enumerate(batch_specs):
+      if not s.shape.rank or s.shape[0] != rows or rows % self.microbatches:
+        raise InputError(f"batch argument {k + 1} has shape {s.shape.as_list()}: every batch argument needs the "
+                         f"batch ({rows} rows) on dim 0, a multiple of microbatches={self.microbatches}",
+                         node=str(k + 1))
+    micro = [tf.TensorSpec([rows // self.microbatches] + s.shape.as_list()[1:], s.dtype) for s in batch_specs]
+    self.data_names = tuple(str(k + 1) for k in range(len(batch_specs)))
+    self._data_specs = dict(zip(self.data_names, micro))
+    if layers is None:
+      layers = 8
+    self.plan = plan_stages(loss_fn, param_specs, *micro, mesh=mesh, layers=layers, microbatches=self.microbatches,
+                            memory_budget=memory_budget, calibration=calibration, **plan_kwargs)
+    self._devices = mesh.resolve_devices()
+    self._build(flat_params, schedule, exchange)
+    self.last_seconds = None
+
+  # ---- building ------------------------------------------------------------------------------------------
+  def _build(self, flat_params, schedule, exchange):
+    plan = self.plan
+    n = len(plan.stages)
+    param_spec = dict(zip(self.param_names, flat_params))
+    program = plan.program
+    captured = [v for v in program.variables if v is not None]
+    if captured:
+      name = captured[0].name.split(":")[0]
+      raise InputError(f"the step reads the tf.Variable {name!r}, which is not a leaf of params: gs.auto_parallel "
+                       "runs steps of explicit parameters; pass every variable's value in params", node=name)
+    self._fns = [plan.stage_function(k) for k in range(n)]
+    self._loss_ref = program.output_refs[0]
+    reads, self._stage_params = [], []
+    for k, (stage, fn) in enumerate(zip(plan.stages, self._fns)):
+      unknown = [name for name, _ in stage.parameters if name not in param_spec]
+      if unknown:
+        raise InputError(f"stage {k} trains {unknown[0]!r}, which is not a leaf of params (a captured trainable "
+                         "variable?): pass every trained value in params", node=unknown[0])
+      self._stage_params.append(tuple(a for a in fn.inputs if a in param_spec))
+      reads.append(set(fn.inputs) - set(self._stage_params[-1]))
+    made = [set(fn.outputs) for fn in self._fns]
+    reads.append({self._loss_ref})   # the end of the pipeline reads the loss
+    info = {r: tf.TensorSpec(program.ir.info(r).shape, program.ir.info(r).dtype) for m in made for r in m}
+    info.update(self._data_specs)
+    layouts = [dict(s.inputs + s.outputs) for s in plan.stages]
+    self.boundaries = []
+    for k in range(n - 1):
+      later = set().union(*reads[k + 1:])
+      have = set().union(*made[:k + 1])
+      # (the last stage reads the batch arguments from its targets; the middle ones get them passed on)
+      refs = sorted((later & have) | {d for d in self.data_names if d in set().union(*reads[k + 1:n - 1])})
+      specs = tuple(info[r] for r in refs)
+      if len(refs) == 1 and specs[0].dtype.is_floating and refs[0] not in self.data_names:
+        r = refs[0]
+        out = layouts[k].get(r)
+        inn = layouts[k + 1].get(r)   # None: stage k+1 only passes it on (replicated)
+        self.boundaries.append(_Boundary(tuple(refs), specs, False, specs[0].dtype,
+                                         out.spec if out is not None else None,
+                                         inn.spec if inn is not None else P()))
+      elif refs:
+        self.boundaries.append(_Boundary(tuple(refs), specs, True, _pack_dtype(specs, f"stage {k} -> {k + 1}"),
+                                         P(), P()))
+      else:
+        raise InputError(f"stage {k + 1} and later read nothing that stages 0..{k} make; the plan's stages do not "
+                         "chain", node=f"stage {k}")
+    self._data_dtype = self._batch_dtype()
+    self.stages = []
+    for k, stage in enumerate(plan.stages):
+      sub = Mesh(stage.mesh.shape, stage.mesh.axis_names, devices=[self._devices[p] for p in stage.devices])
+      lay = dict(stage.parameters)
+      shardings = tuple(lay[name].spec if name in lay else None for name in self._stage_params[k])
+      self.stages.append(Stage(self._stage_body(k), sub, param_shardings=shardings,
+                               in_sharding=self.boundaries[k - 1].in_sharding if k else P(),
+                               out_sharding=self.boundaries[k].out_sharding if k < n - 1 else None,
+                               target_sharding=P() if k == n - 1 else None,
+                               name=f"stage {k} (layers {stage.layers[0]}-{stage.layers[1]})"))
+    self.pipeline = mpmd_pipeline(self.stages, microbatches=self.microbatches, schedule=schedule, exchange=exchange)
+
+  def _batch_dtype(self):
+    dtypes = {s.dtype for s in self._batch_specs}
+    if len(dtypes) == 1:
+      return dtypes.pop()
+    return _pack_dtype(self._batch_specs, "the batch arguments")
+
+  def _unpack_data(self, packed):
+    out, col = {}, 0
+    for name in self.data_names:
+      spec = self._data_specs[name]
+      width = int(np.prod(spec.shape[1:]))
+      out[name] = tf.cast(tf.reshape(packed[:, col:col + width], spec.shape), spec.dtype)
+      col += width
+    return out
+
+  def _stage_body(self, k):
+    n = len(self.plan.stages)
+    fn, names = self._fns[k], self._stage_params[k]
+    into = self.boundaries[k - 1] if k else None
+    onto = self.boundaries[k] if k < n - 1 else None
+
+    def body(params, h, targets=None):
+      env = dict(zip(names, [_dense_gradient(p) for p in params]))
+      if k == 0:
+        env.update(self._unpack_data(h))
+      elif into.packed:
+        env.update(zip(into.refs, _unpack(h, into.specs)))
+      else:
+        env[into.refs[0]] = h
+      if targets is not None:
+        env.update(self._unpack_data(targets))
+      arguments = {a: env[a] for a in fn.inputs if a in names or a in self.data_names}
+      activations = {a: env[a] for a in fn.inputs if a not in arguments}
+      env.update(fn(arguments, activations))
+      if onto is None:
+        return env[self._loss_ref]
+      if onto.packed:
+        return _pack([env[r] for r in onto.refs], onto.dtype)
+      return env[onto.refs[0]]
+
+    if k == n - 1:
+      return lambda params, h, targets: body(params, h, targets)
+    return lambda params, h: body(params, h)
+
+  # ---- running -------------------------------------------------------------------------------------------
+  def pack_batch(self, *batch):
+    """The batch arguments as the pipeline's one [rows, features] tensor."""
+    if len(batch) != len(self.data_names):
+      raise InputError(f"the step takes {len(self.data_names)} batch argument(s); got {len(batch)}", node="batch")
+    parts = []
+    for name, b in zip(self.data_names, batch):
+      t = _to_tensor(b)
+      parts.append(tf.reshape(tf.cast(t, self._data_dtype), [t.shape[0], -1]))
+    return tf.concat(parts, axis=1)
+
+  def __call__(self, params, *batch):
+    """(loss, grads): the mean loss over the batch and its gradient per leaf of `params` (same structure), each
+    a ShardedTensor on the submesh of the stage that reads it, laid out as planned (a parameter read by several
+    stages: the sum of their gradients, as a host tensor)."""
+    flat = [_to_tensor(p) for p in tf.nest.flatten(params)]
+    if len(flat) != len(self.param_names):
+      raise InputError(f"params has {len(flat)} leaves; the step was planned with {len(self.param_names)}",
+                       node="params")
+    value = dict(zip(self.param_names, flat))
+    packed = self.pack_batch(*batch)
+    start = time.perf_counter()
+    loss, grads = self.pipeline([tuple(value[n] for n in names) for names in self._stage_params], packed, packed)
+    self.last_seconds = time.perf_counter() - start
+    per: Dict[str, list] = {}
+    for names, gs_ in zip(self._stage_params, grads):
+      for name, g in zip(names, gs_):
+        per.setdefault(name, []).append(g)
+    out = []
+    for name, p in zip(self.param_names, flat):
+      got = per.get(name)
+      if not got:
+        out.append(tf.zeros_like(p))
+      elif len(got) == 1:
+        out.append(got[0])
+      else:
+        out.append(tf.constant(np.sum([g.numpy() for g in got], axis=0)))
+    return loss, tf.nest.pack_sequence_as(self._structure, out)
+
+  def sgd(self, params, grads, lr):
+    """params - lr * grads, in `params`' structure (host tensors)."""
+    def step(p, g):
+      g = g.numpy() if isinstance(g, ShardedTensor) else g
+      return _to_tensor(p) - lr * tf.cast(g, _to_tensor(p).dtype)
+    return tf.nest.map_structure(step, params, grads)
+
+  def adam(self, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+    """An Adam update for this step's parameters: `opt = step.adam(lr)`, then `params = opt(params, grads)`
+    (Keras's Adam: moments on the host, bias correction folded into the step size)."""
+    return Adam(lr, beta_1, beta_2, epsilon)
+
+  def describe(self):
+    """The plan and how its stages run (submesh devices, boundaries)."""
+    lines = [str(self.plan), "MPMD stages:"]
+    for k, s in enumerate(self.stages):
+      lines.append(f"  {s.name}: devices {list(s.mesh.resolve_devices())[0]}..{list(s.mesh.resolve_devices())[-1]} "
+                   f"as {s.mesh}, {len(self._stage_params[k])} parameter(s)")
+      for name, sh in zip(self._stage_params[k], s.param_shardings):
+        lines.append(f"      {name}: {sh}")
+    for k, b in enumerate(self.boundaries):
+      how = (f"packed into one {b.dtype.name} vector" if b.packed
+             else f"as {b.out_sharding} -> {b.in_sharding}")
+      lines.append(f"  stage {k} -> {k + 1}: {len(b.refs)} tensor(s) {', '.join(b.refs[:4])}"
+                   f"{' ...' if len(b.refs) > 4 else ''} {how}")
+    return "\n".join(lines)
+
+  def __str__(self):
+    return self.describe()
+
+
+class Adam:
+  """Adam over a nest of parameters and their gradients (ShardedTensors or tensors); see `AutoParallel.adam`."""
+
+  def __init__(self, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+    self.lr, self.beta_1, self.beta_2, self.epsilon = lr, beta_1, beta_2, epsilon
+    self.iterations = 0
+    self._m = self._v = None
+
+  def __call__(self, params, grads):
+    flat_p = [_to_tensor(p) for p in tf.nest.flatten(params)]
+    flat_g = [tf.cast(g.numpy() if isinstance(g, ShardedTensor) else g, p.dtype)
+              for g, p in zip(tf.nest.flatten(grads), flat_p)]
+    if self._m is None:
+      self._m = [tf.zeros_like(p) for p in flat_p]
+      self._v = [tf.zeros_like(p) for p in flat_p]
+    if len(flat_g) != len(self._m):
+      raise InputError(f"Adam was started with {len(self._m)} parameters; got {len(flat_g)}", node="params")
+    self.iterations += 1
+    b1, b2 = self.beta_1, self.beta_2
+    alpha = self.lr * np.sqrt(1.0 - b2 ** self.iterations) / (1.0 - b1 ** self.iterations)
+    self._m = [m + (g - m) * (1.0 - b1) for m, g in zip(self._m, flat_g)]
+    self._v = [v + (tf.square(g) - v) * (1.0 - b2) for v, g in zip(self._v, flat_g)]
+    out = [p - m * alpha / (tf.sqrt(v) + self.epsilon) for p, m, v in zip(flat_p, self._m, self._v)]
+    return tf.nest.pack_sequence_as(params, out)
+
+
+def auto_parallel(loss_fn, params, *batch, mesh, microbatches, memory_budget=None, layers=None, schedule="1f1b",
+                  exchange="auto", calibration=None, **plan_kwargs):
+  """A training step `loss_fn(params, *batch)` planned automatically (stages, submeshes, intra-operator layouts)
+  and run as an MPMD pipeline on `mesh`.
+
+  Args:
+    loss_fn: the forward and loss: loss_fn(params, *batch) -> the scalar mean loss over the batch rows.
+    params: the parameters (a nest of tensors/arrays or tf.TensorSpecs): their shapes and dtypes.
+    *batch: the batch arguments of ONE step (tensors/arrays/TensorSpecs with the batch on dim 0).
+    mesh: the gs.Mesh the stages are cut from (its last axis is a row).
+    microbatches: B: the batch is split into B microbatches (the plan is made for one of them).
+    memory_budget: bytes per device (int or "16GiB"), or None.
+    layers: how many layers the ops are clustered into (default 8).
+    schedule: "1f1b" or "gpipe"; exchange: "auto" or "collectives" (the stages' gs.functions).
+    calibration: the planner's Calibration (default: this machine's, measured once).
+    **plan_kwargs: passed on to gs.plan_stages (max_stages, optimizer_slots, ...).
+
+  Returns an AutoParallel: `loss, grads = step(params, *batch)`; `step.plan` the StagePlan; `step.sgd(...)`,
+  `step.adam(lr)`.
+  """
+  param_specs = tf.nest.map_structure(lambda v: _spec_of(v, "params"), params)
+  batch_specs = tuple(_spec_of(b, f"batch argument {k + 1}") for k, b in enumerate(batch))
+  return AutoParallel(loss_fn, param_specs, batch_specs, mesh, microbatches, memory_budget, layers, schedule,
+                      exchange, calibration, plan_kwargs)
