@@ -99,7 +99,14 @@ def test_plan_over_hosts_sends_across_them_one_slice_per_member_in_a_host():
     assert f"(2048 devices on {hosts} hosts x {2048 // hosts})" in out
     across[hosts] = int(re.search(r"; ([\d,]+) across processes\)", out).group(1).replace(",", ""))
     assert ("within each process" in out) == (hosts == 256)
-  assert 0 < across[256] < across[2048] / 2
+    if hosts == 256:   # every all-gather and all-reduce over `model` runs in two levels (all-to-alls stay flat)
+      lines = out.splitlines()
+      over_model = [k for k, line in enumerate(lines)
+                    if re.match(r"\s+all-(gather|reduce) \S+ over model \(group 64, across processes\)", line)]
+      assert over_model
+      for k in over_model:
+        assert "hierarchical (8 members in each of 8 processes)" in lines[k + 1], lines[k:k + 2]
+  assert 0 < across[256] < across[2048]
 
 
 def test_sigkill_then_resume_continues_with_the_same_losses(tmp_path):
