@@ -25,7 +25,28 @@ def _time_all_reduce(best_of, elements=1 << 20):
   return max(best_of(lambda: np.asarray(f(x))) - overhead, 1e-9) / (elements * 4)
 
 
+def _time_stage_runs(best_of, elements=1 << 20):
+  """(seconds per call of a trivial stage program on a 2-device submesh, seconds per byte a destination device
+  receives when gs.reshard moves a float32 tensor between two disjoint 2-device submeshes), or None without four
+  devices of one type (the planner's calibration of what a pipeline's runtime adds)."""
+  from tf_gspmd.runtime import cross_mesh  # pylint: disable=g-import-not-at-top
+  kind = "GPU" if len(tf.config.list_logical_devices("GPU")) >= 4 else "CPU"
+  devices = [d.name for d in tf.config.list_logical_devices(kind)]
+  if len(devices) < 4:
+    return None
+  src = Mesh((2,), ("x",), devices=tuple(devices[:2]))
+  dst = Mesh((2,), ("x",), devices=tuple(devices[2:4]))
+  f = gs_function(lambda x: x + 1.0, mesh=src, in_shardings=P("x", None), out_shardings=P("x", None))
+  small = np.ones((2, 1), np.float32)
+  per_call = best_of(lambda: np.asarray(f(small)))
+  big_x, small_x = f(np.ones((2, elements), np.float32)), f(small)
+  moved = best_of(lambda: np.asarray(cross_mesh.reshard(big_x, dst, P())))
+  tiny = best_of(lambda: np.asarray(cross_mesh.reshard(small_x, dst, P())))
+  return per_call, max(moved - tiny, 1e-9) / (2 * elements * 4)   # (each destination device gets it all)
+
+
 calibrate.set_all_reduce_timer(_time_all_reduce)
+calibrate.set_stage_timer(_time_stage_runs)
 
 
 def _paths(structure, prefix=""):
@@ -70,7 +91,7 @@ def trace_forward(fn, arg_specs, mesh):
 
 
 def plan_stages(fn, *arg_specs, mesh, layers, microbatches=1, memory_budget=None, params=(0,), optimizer_slots=2,
-                max_stages=None, calibration=None, t_max_step=0.005, solver_time_limit=10.0):
+                max_stages=None, calibration=None, t_max_step=0.005, solver_time_limit=10.0, whole_mesh=False):
   """Pipeline stages, submeshes and intra-operator plans for `fn` on `mesh` (Alpa's two levels; no devices needed).
 
   fn: the forward step (e.g. the loss of a model from its parameters and a batch), called with tensors of
@@ -88,6 +109,8 @@ def plan_stages(fn, *arg_specs, mesh, layers, microbatches=1, memory_budget=None
   t_max_step: the stage program skips largest-stage latencies within this fraction of the last one it tried
     (0: tries every one, exact; a few per mille loses little and saves most of the time on large meshes).
   solver_time_limit: seconds the intra-operator program of one layer may take.
+  whole_mesh: only configurations of the whole mesh (with max_stages=1 and microbatches=1: the step priced as
+    its intra-operator plan alone, no pipeline).
 
   Returns a StagePlan (print it for the table); raises AutoShardingError naming the smallest feasible budget when
   no plan fits `memory_budget`.
@@ -112,4 +135,5 @@ def plan_stages(fn, *arg_specs, mesh, layers, microbatches=1, memory_budget=None
   budget = parse_bytes(memory_budget, "memory_budget")
   return stages.plan(program, layers=layers, microbatches=int(microbatches), memory_budget=budget, params=trained,
                      calib=calibration, optimizer_slots=optimizer_slots, max_stages=max_stages,
-                     t_max_step=t_max_step, solver_time_limit=solver_time_limit, names=names)
+                     t_max_step=t_max_step, solver_time_limit=solver_time_limit, names=names,
+                     whole_mesh=whole_mesh)
