@@ -17,7 +17,9 @@ from conftest import assert_close
 V, D, F, S, N, BLOCKS = 512, 32, 64, 8, 16, 3
 # Call and move costs of an accelerator cluster, under which this small model's stages pipeline (at this
 # machine's measured 2 ms a call they do not pay: test_the_intra_only_plan_runs_when_a_pipeline_cannot_pay).
-CAL = dataclasses.replace(calibrate.DEFAULT, seconds_per_call=2e-5, seconds_per_transfer_byte=1e-11)
+# (and devices computing side by side)
+CAL = dataclasses.replace(calibrate.DEFAULT, seconds_per_call=2e-5, seconds_per_transfer_byte=1e-11,
+                          parallel_devices=float("inf"))
 
 
 def init(seed=0):

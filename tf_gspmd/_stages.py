@@ -27,8 +27,9 @@ def _time_all_reduce(best_of, elements=1 << 20):
 
 def _time_stage_runs(best_of, elements=1 << 20):
   """(seconds per call of a trivial stage program on a 2-device submesh, seconds per byte a destination device
-  receives when gs.reshard moves a float32 tensor between two disjoint 2-device submeshes), or None without four
-  devices of one type (the planner's calibration of what a pipeline's runtime adds)."""
+  receives when gs.reshard moves a float32 tensor between two disjoint 2-device submeshes, how many devices
+  compute at once: k x one device's matmul time / k devices' time for a matmul each, inf when that is near k),
+  or None without four devices of one type (the planner's calibration of what a pipeline's runtime adds)."""
   from tf_gspmd.runtime import cross_mesh  # pylint: disable=g-import-not-at-top
   kind = "GPU" if len(tf.config.list_logical_devices("GPU")) >= 4 else "CPU"
   devices = [d.name for d in tf.config.list_logical_devices(kind)]
@@ -42,7 +43,18 @@ def _time_stage_runs(best_of, elements=1 << 20):
   big_x, small_x = f(np.ones((2, elements), np.float32)), f(small)
   moved = best_of(lambda: np.asarray(cross_mesh.reshard(big_x, dst, P())))
   tiny = best_of(lambda: np.asarray(cross_mesh.reshard(small_x, dst, P())))
-  return per_call, max(moved - tiny, 1e-9) / (2 * elements * 4)   # (each destination device gets it all)
+  per_byte = max(moved - tiny, 1e-9) / (2 * elements * 4)   # (each destination device gets it all)
+  k = min(len(devices), 8)
+  n = 256
+  w = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
+  one = gs_function(lambda x, y: x @ y, mesh=Mesh((1,), ("x",), devices=tuple(devices[:1])),
+                    in_shardings=(P("x", None), P()), out_shardings=P("x", None))
+  many = gs_function(lambda x, y: x @ y, mesh=Mesh((k,), ("x",), devices=tuple(devices[:k])),
+                     in_shardings=(P("x", None), P()), out_shardings=P("x", None))
+  t1 = best_of(lambda: np.asarray(one(np.tile(w, (4, 1)), w)))
+  tk = best_of(lambda: np.asarray(many(np.tile(w, (4 * k, 1)), w)))   # (the same work on each of k devices)
+  parallel = k * t1 / max(tk, 1e-9)
+  return per_call, per_byte, (float("inf") if parallel > 0.8 * k else max(parallel, 1.0))
 
 
 calibrate.set_all_reduce_timer(_time_all_reduce)

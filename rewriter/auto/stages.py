@@ -20,6 +20,9 @@
    slots) plus one microbatch's activations (every tensor its ops make, at their layouts) per microbatch in
    flight;
 4. solves Alpa's dynamic program (`stage_dp.solve`) for T* = sum t_i + (B - 1) max t_j under the memory budget.
+   Where fewer devices compute at once than the mesh holds (`parallel_devices`: logical devices sharing cores),
+   a stage's arithmetic takes size / parallel_devices times longer and its plans' steps are at least the
+   microbatches' total work over the devices computing at once (`_on_shared_devices`), which re-ranks them.
 
 The result, a `StagePlan`, names each stage's layers and ops, the tensors entering and leaving it with their
 layouts on its logical mesh, its submesh (shape and device positions in the mesh), the layouts of its parameters,
@@ -244,10 +247,11 @@ class Pricer:
     self.memo[key] = hit
     return hit
 
-  def seconds(self, c):
-    """Latency of one layer's forward + backward for one microbatch (its sync spread over the microbatches)."""
+  def seconds(self, c, size=1):
+    """Latency of one layer's forward + backward for one microbatch (its sync spread over the microbatches) on
+    `size` devices, of which `parallel_devices` compute at once."""
     cal = self.calib
-    return (4 * c.flops * cal.seconds_per_flop + 2 * c.collective_bytes * cal.seconds_per_byte
+    return (4 * c.flops * cal.seconds_per_flop * max(1.0, size / cal.parallel_devices) + 2 * c.collective_bytes * cal.seconds_per_byte
             + c.sync_bytes * cal.seconds_per_byte / self.microbatches)
 
   def boundary_seconds(self, i, j, logical):
@@ -302,7 +306,7 @@ class Pricer:
     col = {g: [k for k, c in enumerate(cfgs) if c.logical == g] for g in logicals}
     for g in logicals:
       costs = [self.cost(k, g) for k in range(L)]
-      lat = np.array([self.seconds(c) for c in costs])
+      lat = np.array([self.seconds(c, g[0] * g[1]) for c in costs])
       st = np.array([c.state_bytes * (2 + self.slots) for c in costs])
       ac = np.array([c.activation_bytes for c in costs])
       edges = [[self.edge_seconds(j, q, g) for q in range(len(self.layers[j].inputs))] for j in range(L)]
@@ -386,6 +390,7 @@ def plan(program, *, layers, microbatches=1, memory_budget=None, params=(), cali
   sols, tried = stage_dp.solve(t, state, act, [c.size for c in cfgs], rows * cols, microbatches,
                                budget=memory_budget, max_stages=max_stages, step=t_max_step)
   timings["stage program"] = time.perf_counter() - start
+  sols = _on_shared_devices(sols, cfgs, calib, rows * cols, microbatches)
   if not sols:
     smallest = _smallest_budget(t, state, act, cfgs, rows * cols, max_stages)
     raise AutoShardingError(
@@ -398,6 +403,21 @@ def plan(program, *, layers, microbatches=1, memory_budget=None, params=(), cali
   return StagePlan(layers=found, mesh_shape=(rows, cols), microbatches=microbatches, memory_budget=memory_budget,
                    best=cands[0], runners_up=tuple(cands[1:]), calibration=calib, timings=timings,
                    intra_solves=pricer.solves, t_max_tried=tried, program=program, names=names)
+
+
+def _on_shared_devices(sols, cfgs, calib, devices, microbatches):
+  """Each plan's step where fewer than all devices compute at once (`parallel_devices`): stages on a submesh of
+  s devices keep min(s, P) of the P computing at a time busy for their latency, so the step is at least the
+  microbatches' total of that work over P (stages that share the cores overlap only as far as they leave some
+  free); plans re-ranked by it."""
+  par = calib.parallel_devices
+  if not np.isfinite(par) or par >= devices:
+    return sols
+  out = []
+  for sol in sols:
+    work = sum(lat * min(cfgs[c].size, par) for (_, _, c), lat in zip(sol.stages, sol.latencies))
+    out.append(dataclasses.replace(sol, total=max(sol.total, microbatches * work / par)))
+  return sorted(out, key=lambda p: (p.total, len(p.stages)))
 
 
 def _smallest_budget(t, state, act, cfgs, devices, max_stages):

@@ -19,7 +19,8 @@ import transformer_model as tm  # noqa: E402  pylint: disable=g-import-not-at-to
 
 # A transformer whose parts differ: an embedding, decoder blocks and a vocabulary head larger than a block.
 CFG = tm.Config(layers=4, d_model=64, heads=4, d_ff=256, vocab=4096, seq=16, batch=8)
-CAL = calibrate.DEFAULT
+# Devices that compute side by side (an accelerator mesh; this machine's logical CPUs share 2 cores).
+CAL = dataclasses.replace(calibrate.DEFAULT, parallel_devices=float("inf"))
 # Call and move costs of an accelerator cluster: the small test models' stages pipeline under them (at this
 # machine's 2 ms a call they do not pay; see test_transfers_and_calls_are_priced).
 PIPE = dataclasses.replace(CAL, seconds_per_call=2e-5, seconds_per_transfer_byte=1e-11)
@@ -248,6 +249,8 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch):
   monkeypatch.setattr(calibrate, "_CACHE", {})
   c = calibrate.calibrate()
   assert c.source == "measured" and 1e-14 < c.seconds_per_flop < 1e-8 and 1e-13 < c.seconds_per_byte < 1e-6
+  assert 1e-6 < c.seconds_per_call < 1.0 and 1e-13 < c.seconds_per_transfer_byte < 1e-6
+  assert c.parallel_devices == float("inf") or 1.0 <= c.parallel_devices <= 8
   assert (tmp_path / "c.json").exists()
   monkeypatch.setattr(calibrate, "_CACHE", {})
   assert calibrate.calibrate() == c     # read back, not timed again
@@ -355,3 +358,15 @@ def _repriced(pricer, cfgs, plan):
     c = next(k for k, g in enumerate(cfgs) if g.shape == s.submesh and g.logical == s.mesh.shape)
     lat.append(t[s.layers[0], s.layers[1], c])
   return stage_dp.latency(lat, plan.microbatches)
+
+
+def test_devices_sharing_cores_serialise_the_pipeline():
+  """With one device computing at a time, a stage's arithmetic grows with its submesh and the step is at least
+  the microbatches' total work: a pipeline's overlap is not counted."""
+  mesh = gs.Mesh((2, 4), ("host", "device"))
+  shared = dataclasses.replace(PIPE, parallel_devices=1.0)
+  plan = gs.plan_stages(_loss(CFG), *_specs(CFG), mesh=mesh, layers=6, microbatches=4, calibration=shared)
+  lat = [s.seconds for s in plan.stages]
+  assert plan.predicted_seconds == pytest.approx(max(sum(lat) + 3 * max(lat), 4 * sum(lat)))
+  side_by_side = _plan(CFG, mesh, 6)
+  assert plan.predicted_seconds > side_by_side.predicted_seconds
