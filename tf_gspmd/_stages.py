@@ -25,8 +25,24 @@ def _time_all_reduce(best_of, elements=1 << 20):
   return max(best_of(lambda: np.asarray(f(x))) - overhead, 1e-9) / (elements * 4)
 
 
+def _time_stage_call(best_of, first, second, microbatches=4):
+  """Seconds per stage-program call, fitted to a measured MPMD pipeline of two trivial stages on `first` and
+  `second` (1F1B, `microbatches`): its step over the calls the planner prices for it (per microbatch a forward
+  and a backward call of each stage, and the move each way between them). Python dispatches one call at a time,
+  so the calls add up."""
+  from tf_gspmd._mpmd import Stage, mpmd_pipeline  # pylint: disable=g-import-not-at-top
+  stages = [Stage(lambda p, h: h * p[0], first, in_sharding=P("x", None), out_sharding=P("x", None)),
+            Stage(lambda p, h, t: tf.reduce_mean(tf.square(h * p[0] - t)), second, in_sharding=P("x", None),
+                  target_sharding=P("x", None))]
+  pipe = mpmd_pipeline(stages, microbatches=microbatches)
+  w = (np.ones((1,), np.float32),)
+  x = np.ones((2 * microbatches, 2), np.float32)
+  seconds = best_of(lambda: pipe([w, w], x, x))
+  return seconds / (microbatches * (2 * 2 + 2))
+
+
 def _time_stage_runs(best_of, elements=1 << 20):
-  """(seconds per call of a trivial stage program on a 2-device submesh, seconds per byte a destination device
+  """(seconds per stage-program call (`_time_stage_call`), seconds per byte a destination device
   receives when gs.reshard moves a float32 tensor between two disjoint 2-device submeshes, how many devices
   compute at once: k x one device's matmul time / k devices' time for a matmul each, inf when that is near k),
   or None without four devices of one type (the planner's calibration of what a pipeline's runtime adds)."""
@@ -39,7 +55,7 @@ def _time_stage_runs(best_of, elements=1 << 20):
   dst = Mesh((2,), ("x",), devices=tuple(devices[2:4]))
   f = gs_function(lambda x: x + 1.0, mesh=src, in_shardings=P("x", None), out_shardings=P("x", None))
   small = np.ones((2, 1), np.float32)
-  per_call = best_of(lambda: np.asarray(f(small)))
+  per_call = _time_stage_call(best_of, src, dst)
   big_x, small_x = f(np.ones((2, elements), np.float32)), f(small)
   moved = best_of(lambda: np.asarray(cross_mesh.reshard(big_x, dst, P())))
   tiny = best_of(lambda: np.asarray(cross_mesh.reshard(small_x, dst, P())))
