@@ -1,6 +1,7 @@
 """gs.auto_parallel: a step whose parts differ (embedding, dense blocks, a vocabulary head) planned at both levels
 and run as an MPMD pipeline on 8 logical CPUs, against the unpartitioned program (loss, gradients, SGD steps)."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -14,7 +15,11 @@ from tf_gspmd.rewriter.auto import calibrate
 from conftest import assert_close
 
 V, D, F, S, N, BLOCKS = 512, 32, 64, 8, 16, 3
-CAL = calibrate.DEFAULT
+# Call and move costs of an accelerator cluster, under which this small model's stages pipeline (at this
+# machine's measured 2 ms a call they do not pay: test_the_intra_only_plan_runs_when_a_pipeline_cannot_pay).
+# (and devices computing side by side)
+CAL = dataclasses.replace(calibrate.DEFAULT, seconds_per_call=2e-5, seconds_per_transfer_byte=1e-11,
+                          parallel_devices=float("inf"))
 
 
 def init(seed=0):
@@ -53,12 +58,12 @@ def step():
   mesh = gs.Mesh((2, 4), ("host", "device"))
   tokens, labels = data()
   return gs.auto_parallel(loss_fn, init(), tokens, labels, mesh=mesh, microbatches=4, layers=6,
-                          calibration=CAL)
+                          calibration=CAL, intra_candidate=False)
 
 
 def test_plan_covers_the_mesh_and_reports_it(step):
   plan = step.plan
-  assert len(plan.stages) == len(step.stages) == len(step.boundaries) + 1
+  assert len(plan.stages) == len(step.stages) == len(step.boundaries) + 1 > 1
   devices = [d for s in step.stages for d in s.mesh.resolve_devices()]
   assert len(devices) == len(set(devices)) <= 8
   for s, st in zip(plan.stages, step.stages):
@@ -128,8 +133,9 @@ def test_boundaries_with_several_tensors_travel_packed():
   mesh = gs.Mesh((2, 4), ("host", "device"))
   tokens, labels = data()
   scale = np.random.default_rng(3).uniform(0.5, 1.5, (N, S)).astype(np.float32)
+  free_moves = dataclasses.replace(CAL, seconds_per_call=0.0, seconds_per_transfer_byte=0.0)  # (cuts anywhere)
   step = gs.auto_parallel(skip_loss_fn, init(), tokens, scale, labels, mesh=mesh, microbatches=2, layers=6,
-                          calibration=CAL)
+                          calibration=free_moves, intra_candidate=False)
   print("\n" + str(step))
   assert any(b.packed for b in step.boundaries)
   params = init()
@@ -195,3 +201,28 @@ def test_a_one_stage_plan_runs_on_the_whole_mesh():
   assert_close(loss, want_loss)
   for k, g in grads.items():
     np.testing.assert_allclose(g.numpy(), want_grads[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_the_intra_only_plan_runs_when_a_pipeline_cannot_pay():
+  """At 2 ms a stage-program call (this machine's calibration) the small model's pipeline costs more in calls and
+  moves than it saves: the step runs as the whole mesh's intra-operator plan, the whole batch in one call."""
+  mesh = gs.Mesh((2, 4), ("host", "device"))
+  tokens, labels = data()
+  slow_calls = dataclasses.replace(calibrate.DEFAULT, seconds_per_call=2e-3, seconds_per_transfer_byte=1e-9)
+  step = gs.auto_parallel(loss_fn, init(), tokens, labels, mesh=mesh, microbatches=4, layers=6,
+                          calibration=slow_calls)
+  assert step.intra_plan is not None and step.plan is step.intra_plan and step.microbatches == 1
+  assert step.intra_plan.predicted_seconds < step.pipelined_plan.predicted_seconds
+  assert len(step.stages) == 1 and step.stages[0].mesh.size == 8 and not step.boundaries
+  # one stage and one call each way: 2 calls, nothing moved, no microbatches
+  assert step.plan.predicted_seconds >= 2 * slow_calls.seconds_per_call
+  params = init()
+  loss, grads = step(params, tokens, labels)
+  want_loss, want_grads = reference(params, tokens, labels)
+  assert_close(loss, want_loss)
+  for k, g in grads.items():
+    np.testing.assert_allclose(g.numpy(), want_grads[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  # Under cheap calls and moves the pipeline pays, and is chosen over the intra-only plan.
+  fast = gs.auto_parallel(loss_fn, init(), tokens, labels, mesh=mesh, microbatches=4, layers=6, calibration=CAL)
+  assert fast.plan is fast.pipelined_plan and len(fast.stages) > 1 and fast.microbatches == 4
+  assert fast.pipelined_plan.predicted_seconds <= fast.intra_plan.predicted_seconds

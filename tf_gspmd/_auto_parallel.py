@@ -32,7 +32,7 @@ from tf_gspmd import _cluster
 from tf_gspmd._mesh import Mesh, P
 from tf_gspmd._mpmd import Stage, mpmd_pipeline
 from tf_gspmd._stages import _paths, plan_stages
-from tf_gspmd.errors import InputError
+from tf_gspmd.errors import AutoShardingError, InputError
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
 _EXACT_IN_FLOAT64 = (tf.int8, tf.int16, tf.int32, tf.uint8, tf.uint16, tf.uint32, tf.bool)
@@ -111,7 +111,8 @@ class AutoParallel:
   """A training step planned by `gs.auto_parallel`. Call it as `loss, grads = step(params, *batch)`.
 
   Attributes:
-    plan: the StagePlan (print it: stages, submeshes, layouts, predicted step time, runner-ups).
+    plan: the StagePlan run (print it: stages, submeshes, layouts, predicted step time, runner-ups); pipelined_plan
+      and intra_plan: the pipelined one and the one without a pipeline (None when not priced), the faster run.
     pipeline: the gs.MpmdPipeline running it; stages: its gs.Stage objects.
     param_names: the readable name of each leaf of `params` (tf.nest order); boundaries: what travels between
       consecutive stages.
@@ -119,7 +120,7 @@ class AutoParallel:
   """
 
   def __init__(self, loss_fn, param_specs, batch_specs, mesh, microbatches, memory_budget, layers, schedule,
-               exchange, calibration, plan_kwargs):
+               exchange, calibration, plan_kwargs, intra_candidate=True):
     if _cluster.process_count() > 1:
       raise InputError(f"gs.auto_parallel runs its stages in one process (this program has "
                        f"{_cluster.process_count()}); across processes build the stages with gs.Stage and "
@@ -147,6 +148,19 @@ class AutoParallel:
       layers = 8
     self.plan = plan_stages(loss_fn, param_specs, *micro, mesh=mesh, layers=layers, microbatches=self.microbatches,
                             memory_budget=memory_budget, calibration=calibration, **plan_kwargs)
+    self.pipelined_plan, self.intra_plan = self.plan, None
+    if intra_candidate and self.microbatches > 1:
+      # the alternative without a pipeline: one stage on the whole mesh, the whole batch in one call
+      try:
+        whole = plan_stages(loss_fn, param_specs, *batch_specs, mesh=mesh, layers=layers, microbatches=1,
+                            memory_budget=memory_budget, calibration=calibration,
+                            **dict(plan_kwargs, max_stages=1, whole_mesh=True))
+      except AutoShardingError:
+        whole = None   # (the whole batch's activations do not fit the budget)
+      self.intra_plan = whole
+      if whole is not None and whole.predicted_seconds < self.plan.predicted_seconds:
+        self.plan, self.microbatches = whole, 1
+        self._data_specs = dict(zip(self.data_names, batch_specs))
     self._devices = mesh.resolve_devices()
     self._build(flat_params, schedule, exchange)
     self.last_seconds = None
@@ -351,7 +365,7 @@ class Adam:
 
 
 def auto_parallel(loss_fn, params, *batch, mesh, microbatches, memory_budget=None, layers=None, schedule="1f1b",
-                  exchange="auto", calibration=None, **plan_kwargs):
+                  exchange="auto", calibration=None, intra_candidate=True, **plan_kwargs):
   """A training step `loss_fn(params, *batch)` planned automatically (stages, submeshes, intra-operator layouts)
   and run as an MPMD pipeline on `mesh`.
 
@@ -365,6 +379,9 @@ def auto_parallel(loss_fn, params, *batch, mesh, microbatches, memory_budget=Non
     layers: how many layers the ops are clustered into (default 8).
     schedule: "1f1b" or "gpipe"; exchange: "auto" or "collectives" (the stages' gs.functions).
     calibration: the planner's Calibration (default: this machine's, measured once).
+    intra_candidate: also price the step without a pipeline (one stage on the whole mesh, the whole batch in one
+      call, `step.intra_plan`) and run that when it is predicted faster than the pipelined plan
+      (`step.pipelined_plan`); `step.microbatches` is then 1. False: always the pipelined plan.
     **plan_kwargs: passed on to gs.plan_stages (max_stages, optimizer_slots, ...).
 
   Returns an AutoParallel: `loss, grads = step(params, *batch)`; `step.plan` the StagePlan; `step.sgd(...)`,
@@ -373,4 +390,4 @@ def auto_parallel(loss_fn, params, *batch, mesh, microbatches, memory_budget=Non
   param_specs = tf.nest.map_structure(lambda v: _spec_of(v, "params"), params)
   batch_specs = tuple(_spec_of(b, f"batch argument {k + 1}") for k, b in enumerate(batch))
   return AutoParallel(loss_fn, param_specs, batch_specs, mesh, microbatches, memory_budget, layers, schedule,
-                      exchange, calibration, plan_kwargs)
+                      exchange, calibration, plan_kwargs, intra_candidate)

@@ -25,7 +25,56 @@ def _time_all_reduce(best_of, elements=1 << 20):
   return max(best_of(lambda: np.asarray(f(x))) - overhead, 1e-9) / (elements * 4)
 
 
+def _time_stage_call(best_of, first, second, microbatches=4):
+  """Seconds per stage-program call, fitted to a measured MPMD pipeline of two trivial stages on `first` and
+  `second` (1F1B, `microbatches`): its step over the calls the planner prices for it (per microbatch a forward
+  and a backward call of each stage, and the move each way between them). Python dispatches one call at a time,
+  so the calls add up."""
+  from tf_gspmd._mpmd import Stage, mpmd_pipeline  # pylint: disable=g-import-not-at-top
+  stages = [Stage(lambda p, h: h * p[0], first, in_sharding=P("x", None), out_sharding=P("x", None)),
+            Stage(lambda p, h, t: tf.reduce_mean(tf.square(h * p[0] - t)), second, in_sharding=P("x", None),
+                  target_sharding=P("x", None))]
+  pipe = mpmd_pipeline(stages, microbatches=microbatches)
+  w = (np.ones((1,), np.float32),)
+  x = np.ones((2 * microbatches, 2), np.float32)
+  seconds = best_of(lambda: pipe([w, w], x, x))
+  return seconds / (microbatches * (2 * 2 + 2))
+
+
+def _time_stage_runs(best_of, elements=1 << 20):
+  """(seconds per stage-program call (`_time_stage_call`), seconds per byte a destination device
+  receives when gs.reshard moves a float32 tensor between two disjoint 2-device submeshes, how many devices
+  compute at once: k x one device's matmul time / k devices' time for a matmul each, inf when that is near k),
+  or None without four devices of one type (the planner's calibration of what a pipeline's runtime adds)."""
+  from tf_gspmd.runtime import cross_mesh  # pylint: disable=g-import-not-at-top
+  kind = "GPU" if len(tf.config.list_logical_devices("GPU")) >= 4 else "CPU"
+  devices = [d.name for d in tf.config.list_logical_devices(kind)]
+  if len(devices) < 4:
+    return None
+  src = Mesh((2,), ("x",), devices=tuple(devices[:2]))
+  dst = Mesh((2,), ("x",), devices=tuple(devices[2:4]))
+  f = gs_function(lambda x: x + 1.0, mesh=src, in_shardings=P("x", None), out_shardings=P("x", None))
+  small = np.ones((2, 1), np.float32)
+  per_call = _time_stage_call(best_of, src, dst)
+  big_x, small_x = f(np.ones((2, elements), np.float32)), f(small)
+  moved = best_of(lambda: np.asarray(cross_mesh.reshard(big_x, dst, P())))
+  tiny = best_of(lambda: np.asarray(cross_mesh.reshard(small_x, dst, P())))
+  per_byte = max(moved - tiny, 1e-9) / (2 * elements * 4)   # (each destination device gets it all)
+  k = min(len(devices), 8)
+  n = 256
+  w = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
+  one = gs_function(lambda x, y: x @ y, mesh=Mesh((1,), ("x",), devices=tuple(devices[:1])),
+                    in_shardings=(P("x", None), P()), out_shardings=P("x", None))
+  many = gs_function(lambda x, y: x @ y, mesh=Mesh((k,), ("x",), devices=tuple(devices[:k])),
+                     in_shardings=(P("x", None), P()), out_shardings=P("x", None))
+  t1 = best_of(lambda: np.asarray(one(np.tile(w, (4, 1)), w)))
+  tk = best_of(lambda: np.asarray(many(np.tile(w, (4 * k, 1)), w)))   # (the same work on each of k devices)
+  parallel = k * t1 / max(tk, 1e-9)
+  return per_call, per_byte, (float("inf") if parallel > 0.8 * k else max(parallel, 1.0))
+
+
 calibrate.set_all_reduce_timer(_time_all_reduce)
+calibrate.set_stage_timer(_time_stage_runs)
 
 
 def _paths(structure, prefix=""):
@@ -70,7 +119,7 @@ def trace_forward(fn, arg_specs, mesh):
 
 
 def plan_stages(fn, *arg_specs, mesh, layers, microbatches=1, memory_budget=None, params=(0,), optimizer_slots=2,
-                max_stages=None, calibration=None, t_max_step=0.005, solver_time_limit=10.0):
+                max_stages=None, calibration=None, t_max_step=0.005, solver_time_limit=10.0, whole_mesh=False):
   """Pipeline stages, submeshes and intra-operator plans for `fn` on `mesh` (Alpa's two levels; no devices needed).
 
   fn: the forward step (e.g. the loss of a model from its parameters and a batch), called with tensors of
@@ -88,6 +137,8 @@ def plan_stages(fn, *arg_specs, mesh, layers, microbatches=1, memory_budget=None
   t_max_step: the stage program skips largest-stage latencies within this fraction of the last one it tried
     (0: tries every one, exact; a few per mille loses little and saves most of the time on large meshes).
   solver_time_limit: seconds the intra-operator program of one layer may take.
+  whole_mesh: only configurations of the whole mesh (with max_stages=1 and microbatches=1: the step priced as
+    its intra-operator plan alone, no pipeline).
 
   Returns a StagePlan (print it for the table); raises AutoShardingError naming the smallest feasible budget when
   no plan fits `memory_budget`.
@@ -112,4 +163,5 @@ def plan_stages(fn, *arg_specs, mesh, layers, microbatches=1, memory_budget=None
   budget = parse_bytes(memory_budget, "memory_budget")
   return stages.plan(program, layers=layers, microbatches=int(microbatches), memory_budget=budget, params=trained,
                      calib=calibration, optimizer_slots=optimizer_slots, max_stages=max_stages,
-                     t_max_step=t_max_step, solver_time_limit=solver_time_limit, names=names)
+                     t_max_step=t_max_step, solver_time_limit=solver_time_limit, names=names,
+                     whole_mesh=whole_mesh)

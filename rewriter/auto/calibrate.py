@@ -7,9 +7,20 @@ process has at least two logical devices of one type, an all-reduce across two o
 ~/.cache/tf_gspmd/calibration.json) that later processes read instead of timing again. Without two devices the
 collective falls back to `DEFAULT`'s per-byte figure.
 
+What a pipeline's runtime adds is timed on submeshes too (`set_stage_timer`, installed by the API floor): the
+fixed cost of one call of a stage program (a trivial gs.function on a 2-device submesh: dispatch, argument
+placement, result wrapping) and the seconds per byte a destination device receives in a cross-mesh move
+(gs.reshard of a float32 tensor between two disjoint 2-device submeshes, less the move of a tiny one). It also
+measures how many devices compute at once (`parallel_devices`): a matmul per device on k devices against one
+device's (logical CPU devices share the process's cores: k devices' work takes k times one device's when one
+already fills the cores); inf when they run side by side. A cached file written before these were timed is
+timed again.
+
 DEFAULT holds what this routine measured on the 2-core development machine with 8 logical CPU devices:
 about 1.5e-11 s per multiply-add (roughly 65 G multiply-adds/s for a 512-cube matmul on both cores) and 1.0e-9 s
-per all-reduced byte (about 1 GB/s between logical CPU devices of one process).
+per all-reduced byte (about 1 GB/s between logical CPU devices of one process), about 0.5 ms per stage-program
+call (0.5 ms at best) and 1 ns per byte received in a cross-mesh move, with the 8 devices computing one at
+a time (one device's matmul already fills both cores).
 """
 
 import dataclasses
@@ -25,6 +36,9 @@ class Calibration:
   seconds_per_flop: float     # per multiply-add (or element of an element-wise op)
   seconds_per_byte: float     # per byte one device sends in a collective
   source: str = "default"
+  seconds_per_call: float = 2.0e-3            # one call of a stage program on a submesh (fixed)
+  seconds_per_transfer_byte: float = 1.0e-9   # per byte a destination device receives in a cross-mesh move
+  parallel_devices: float = float("inf")       # how many devices compute at once (logical devices share cores)
 
   @property
   def flops_per_byte(self):
@@ -32,8 +46,10 @@ class Calibration:
     return self.seconds_per_byte / self.seconds_per_flop
 
 
-DEFAULT = Calibration(seconds_per_flop=1.5e-11, seconds_per_byte=1.0e-9, source="default (development machine)")
+DEFAULT = Calibration(seconds_per_flop=1.5e-11, seconds_per_byte=1.0e-9, source="default (development machine)",
+                      seconds_per_call=5e-4, seconds_per_transfer_byte=1.0e-9, parallel_devices=1.0)
 _CACHE = {}
+_FIELDS = tuple(f.name for f in dataclasses.fields(Calibration))
 
 
 def _path():
@@ -72,6 +88,19 @@ def _time_all_reduce():
   return _ALL_REDUCE_TIMER[0](_best_of) if _ALL_REDUCE_TIMER else None
 
 
+_STAGE_TIMER = []
+
+
+def set_stage_timer(timer):
+  """`timer(best_of)` -> (seconds per stage-program call, seconds per byte received in a cross-mesh move,
+  devices computing at once), or None without four devices of one type."""
+  _STAGE_TIMER[:] = [timer]
+
+
+def _time_stage_runs():
+  return _STAGE_TIMER[0](_best_of) if _STAGE_TIMER else None
+
+
 def calibrate(refresh=False):
   """This machine's `Calibration` (timed once, then read from the cache file; `refresh` times again)."""
   if not refresh and "c" in _CACHE:
@@ -80,15 +109,21 @@ def calibrate(refresh=False):
   if not refresh and os.path.exists(path):
     try:
       with open(path) as f:
-        c = Calibration(**json.load(f))
-      _CACHE["c"] = c
-      return c
+        kept = json.load(f)
+      if set(kept) == set(_FIELDS):   # (a file from before the stage runs were timed: timed again below)
+        c = Calibration(**kept)
+        _CACHE["c"] = c
+        return c
     except (OSError, ValueError, TypeError):
       pass   # (timed again below)
   per_flop = _time_matmul()
   per_byte = _time_all_reduce()
+  runs = _time_stage_runs()
+  per_call, per_moved, parallel = runs or (DEFAULT.seconds_per_call, DEFAULT.seconds_per_transfer_byte,
+                                          DEFAULT.parallel_devices)
   c = Calibration(seconds_per_flop=per_flop, seconds_per_byte=per_byte or DEFAULT.seconds_per_byte,
-                  source="measured" if per_byte else "measured matmul, default collective")
+                  source="measured" if per_byte and runs else "measured matmul, default collective or stage runs",
+                  seconds_per_call=per_call, seconds_per_transfer_byte=per_moved, parallel_devices=parallel)
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:

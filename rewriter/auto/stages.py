@@ -9,14 +9,20 @@
    it chose and the memory they take. Layers that are the same computation (equal `Layer.signature`: a
    transformer's repeated blocks) are solved once per logical mesh. A stage's latency per microbatch
    (forward and backward) is then, from the calibrated constants (`calibrate`):
-     3 x arithmetic x seconds_per_flop + 2 x collective bytes x seconds_per_byte
-   summed over its layers (the backward does twice the forward's arithmetic and the transposes of its
-   collectives), plus the reshards between consecutive layers whose plans lay a tensor out differently, plus
-   its parameters' gradient all-reduce (over the mesh axes their layouts leave replicated) spread over the
-   step's microbatches. Its memory per device is its parameters x (2 + optimizer slots) (weights, gradients,
+     4 x arithmetic x seconds_per_flop + 2 x collective bytes x seconds_per_byte
+   summed over its layers (the runtime's backward reruns the forward under a tape and then does twice its
+   arithmetic, with the transposes of its collectives), plus the reshards between consecutive layers whose
+   plans lay a tensor out differently, plus its parameters' gradient all-reduce (over the mesh axes their
+   layouts leave replicated) spread over the step's microbatches, plus what the pipeline's runtime adds per
+   microbatch: two program calls (forward, backward) x seconds_per_call and, for every stage but the first, the
+   move of its entering boundary across meshes and of its gradient back (`Pricer.boundary_seconds`: the bytes
+   each destination device receives x seconds_per_transfer_byte, and a call each way). Its memory per device is its parameters x (2 + optimizer slots) (weights, gradients,
    slots) plus one microbatch's activations (every tensor its ops make, at their layouts) per microbatch in
    flight;
 4. solves Alpa's dynamic program (`stage_dp.solve`) for T* = sum t_i + (B - 1) max t_j under the memory budget.
+   Where fewer devices compute at once than the mesh holds (`parallel_devices`: logical devices sharing cores),
+   a stage's arithmetic takes size / parallel_devices times longer and its plans' steps are at least the
+   microbatches' total work over the devices computing at once (`_on_shared_devices`), which re-ranks them.
 
 The result, a `StagePlan`, names each stage's layers and ops, the tensors entering and leaving it with their
 layouts on its logical mesh, its submesh (shape and device positions in the mesh), the layouts of its parameters,
@@ -172,6 +178,10 @@ class Pricer:
     for l in layers:
       for r in l.outputs:
         self.layer_of[r] = l.index
+    self.entering = []   # per layer i: what layers >= i read that layers < i made (a stage's entering boundary)
+    for i in range(len(layers)):
+      read = {r for l in layers[i:] for r in l.inputs}
+      self.entering.append(tuple(sorted(r for r in read if self.layer_of.get(r, i) < i)))
 
   def mesh(self, logical):
     if logical not in self.meshes:
@@ -237,11 +247,41 @@ class Pricer:
     self.memo[key] = hit
     return hit
 
-  def seconds(self, c):
-    """Latency of one layer's forward + backward for one microbatch (its sync spread over the microbatches)."""
+  def seconds(self, c, size=1):
+    """Latency of one layer's forward + backward for one microbatch (its sync spread over the microbatches) on
+    `size` devices, of which `parallel_devices` compute at once."""
     cal = self.calib
-    return (3 * c.flops * cal.seconds_per_flop + 2 * c.collective_bytes * cal.seconds_per_byte
+    return (4 * c.flops * cal.seconds_per_flop * max(1.0, size / cal.parallel_devices) + 2 * c.collective_bytes * cal.seconds_per_byte
             + c.sync_bytes * cal.seconds_per_byte / self.microbatches)
+
+  def boundary_seconds(self, i, j, logical):
+    """The cross-mesh moves a stage of layers i..j (i > 0) adds per microbatch: its entering boundary arrives
+    (forward) and its gradient returns (backward), each destination device receiving `boundary_bytes`, with a
+    call each way."""
+    if i == 0:
+      return 0.0
+    cal = self.calib
+    return 2 * (self.boundary_bytes(i, j, logical) * cal.seconds_per_transfer_byte + cal.seconds_per_call)
+
+  def boundary_bytes(self, i, j, logical):
+    """Bytes each device of a stage of layers i..j receives per microbatch of what layers >= i read that layers
+    < i made. One floating-point tensor travels in the layout of the stage's first layer reading it (replicated
+    when the stage only passes it on); several travel packed into one replicated vector (8 bytes an element
+    when integers travel too)."""
+    refs = self.entering[i]
+    if i == 0 or not refs:
+      return 0.0
+    if len(refs) == 1 and self.ir.info(refs[0]).dtype.is_floating:
+      r = refs[0]
+      reader = next((k for k in range(i, j + 1) if r in self.layers[k].inputs), None)
+      if reader is None:
+        nbytes = self._bytes(r, Sharding.replicated(self.mesh(logical), self._rank(r)))
+      else:
+        nbytes = self._bytes(r, self.cost(reader, logical).inputs[self.layers[reader].inputs.index(r)])
+      return float(nbytes)
+    floating = all(self.ir.info(r).dtype.is_floating for r in refs)
+    width = max(self.ir.info(r).dtype.size for r in refs) if floating else 8
+    return float(sum(int(np.prod(self.ir.info(r).shape)) * width for r in refs))
 
   def edge_seconds(self, j, q, logical):
     """The reshard of layer j's entering tensor q from its producer's layout to the one layer j's plan takes."""
@@ -266,17 +306,18 @@ class Pricer:
     col = {g: [k for k, c in enumerate(cfgs) if c.logical == g] for g in logicals}
     for g in logicals:
       costs = [self.cost(k, g) for k in range(L)]
-      lat = np.array([self.seconds(c) for c in costs])
+      lat = np.array([self.seconds(c, g[0] * g[1]) for c in costs])
       st = np.array([c.state_bytes * (2 + self.slots) for c in costs])
       ac = np.array([c.activation_bytes for c in costs])
       edges = [[self.edge_seconds(j, q, g) for q in range(len(self.layers[j].inputs))] for j in range(L)]
+      calls = 2 * self.calib.seconds_per_call   # (a forward and a backward call per microbatch)
       for i in range(L):
-        total, s_sum, a_sum = 0.0, 0.0, 0.0
+        total, s_sum, a_sum = calls, 0.0, 0.0
         for j in range(i, L):
           total += lat[j] + sum(e for p, e in edges[j] if p >= i)
           s_sum += st[j]
           a_sum += ac[j]
-          t[i, j, col[g]] = total
+          t[i, j, col[g]] = total + self.boundary_seconds(i, j, g)
           state[i, j, col[g]] = s_sum
           act[i, j, col[g]] = a_sum
     return t, state, act
@@ -325,9 +366,10 @@ def _describe(pricer, cfgs, rows, cols, sol, names):
 
 
 def plan(program, *, layers, microbatches=1, memory_budget=None, params=(), calib=None, optimizer_slots=2,
-         max_stages=None, t_max_step=0.005, solver_time_limit=10.0, names=None):
+         max_stages=None, t_max_step=0.005, solver_time_limit=10.0, names=None, whole_mesh=False):
   """The StagePlan of `program` (traced, imported: `program.ir`) on `program.mesh` (see the module docstring).
 
+  whole_mesh: price only configurations of the whole mesh (with max_stages=1: the intra-operator plan alone).
   layers: how many layers to cluster the ops into. params: Placeholder names of the parameters (trained: their
   gradients are all-reduced, their optimizer state kept). names: {Placeholder name: readable name}.
   """
@@ -341,13 +383,14 @@ def plan(program, *, layers, microbatches=1, memory_budget=None, params=(), cali
   timings["clustering"] = time.perf_counter() - start
   start = time.perf_counter()
   pricer = Pricer(program, found, params, microbatches, calib, optimizer_slots, solver_time_limit)
-  cfgs = stage_dp.configs(rows, cols)
+  cfgs = [c for c in stage_dp.configs(rows, cols) if not whole_mesh or c.size == rows * cols]
   t, state, act = pricer.tables(cfgs)
   timings["intra-operator costs"] = time.perf_counter() - start
   start = time.perf_counter()
   sols, tried = stage_dp.solve(t, state, act, [c.size for c in cfgs], rows * cols, microbatches,
                                budget=memory_budget, max_stages=max_stages, step=t_max_step)
   timings["stage program"] = time.perf_counter() - start
+  sols = _on_shared_devices(sols, cfgs, calib, rows * cols, microbatches)
   if not sols:
     smallest = _smallest_budget(t, state, act, cfgs, rows * cols, max_stages)
     raise AutoShardingError(
@@ -360,6 +403,21 @@ def plan(program, *, layers, microbatches=1, memory_budget=None, params=(), cali
   return StagePlan(layers=found, mesh_shape=(rows, cols), microbatches=microbatches, memory_budget=memory_budget,
                    best=cands[0], runners_up=tuple(cands[1:]), calibration=calib, timings=timings,
                    intra_solves=pricer.solves, t_max_tried=tried, program=program, names=names)
+
+
+def _on_shared_devices(sols, cfgs, calib, devices, microbatches):
+  """Each plan's step where fewer than all devices compute at once (`parallel_devices`): stages on a submesh of
+  s devices keep min(s, P) of the P computing at a time busy for their latency, so the step is at least the
+  microbatches' total of that work over P (stages that share the cores overlap only as far as they leave some
+  free); plans re-ranked by it."""
+  par = calib.parallel_devices
+  if not np.isfinite(par) or par >= devices:
+    return sols
+  out = []
+  for sol in sols:
+    work = sum(lat * min(cfgs[c].size, par) for (_, _, c), lat in zip(sol.stages, sol.latencies))
+    out.append(dataclasses.replace(sol, total=max(sol.total, microbatches * work / par)))
+  return sorted(out, key=lambda p: (p.total, len(p.stages)))
 
 
 def _smallest_budget(t, state, act, cfgs, devices, max_stages):

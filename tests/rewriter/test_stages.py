@@ -1,5 +1,6 @@
 """Automatic stages and submeshes (gs.plan_stages): clustering, Alpa's stage program, tiling, memory budget."""
 
+import dataclasses
 import os
 import sys
 import time
@@ -18,7 +19,11 @@ import transformer_model as tm  # noqa: E402  pylint: disable=g-import-not-at-to
 
 # A transformer whose parts differ: an embedding, decoder blocks and a vocabulary head larger than a block.
 CFG = tm.Config(layers=4, d_model=64, heads=4, d_ff=256, vocab=4096, seq=16, batch=8)
-CAL = calibrate.DEFAULT
+# Devices that compute side by side (an accelerator mesh; this machine's logical CPUs share 2 cores).
+CAL = dataclasses.replace(calibrate.DEFAULT, parallel_devices=float("inf"))
+# Call and move costs of an accelerator cluster: the small test models' stages pipeline under them (at this
+# machine's 2 ms a call they do not pay; see test_transfers_and_calls_are_priced).
+PIPE = dataclasses.replace(CAL, seconds_per_call=2e-5, seconds_per_transfer_byte=1e-11)
 
 
 def _specs(cfg):
@@ -174,7 +179,7 @@ def test_submeshes_tile_the_mesh():
 
 def _plan(cfg, mesh, layers, budget=None, microbatches=4):
   return gs.plan_stages(_loss(cfg), *_specs(cfg), mesh=mesh, layers=layers, microbatches=microbatches,
-                        memory_budget=budget, calibration=CAL)
+                        memory_budget=budget, calibration=PIPE)
 
 
 def _check_plan(plan, mesh, layers):
@@ -220,7 +225,7 @@ def test_memory_budget_forces_stages_or_names_the_smallest_feasible():
   assert max(s.memory_bytes for s in tight.stages) <= smallest * 1.001 + 1
   with pytest.raises(AutoShardingError):
     _plan(CFG, mesh, 6, budget=int(smallest * 0.99))
-  assert peak > smallest * 1.5   # a budget under the free plan's peak changes the plan
+  assert peak > smallest * 1.2   # a budget under the free plan's peak changes the plan
   mid = _plan(CFG, mesh, 6, budget=int((peak + smallest) / 2))
   assert max(s.memory_bytes for s in mid.stages) <= (peak + smallest) / 2
   assert [(s.layers, s.submesh) for s in mid.stages] != [(s.layers, s.submesh) for s in free.stages]
@@ -244,6 +249,8 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch):
   monkeypatch.setattr(calibrate, "_CACHE", {})
   c = calibrate.calibrate()
   assert c.source == "measured" and 1e-14 < c.seconds_per_flop < 1e-8 and 1e-13 < c.seconds_per_byte < 1e-6
+  assert 1e-6 < c.seconds_per_call < 1.0 and 1e-13 < c.seconds_per_transfer_byte < 1e-6
+  assert c.parallel_devices == float("inf") or 1.0 <= c.parallel_devices <= 8
   assert (tmp_path / "c.json").exists()
   monkeypatch.setattr(calibrate, "_CACHE", {})
   assert calibrate.calibrate() == c     # read back, not timed again
@@ -301,3 +308,65 @@ def test_gradient_sync_priced_in_the_layer_plan():
       assert cost.sync_bytes == 0 and cost.state_bytes == 1024 * 1024 * 4 / 8
     else:
       assert cost.state_bytes == 0
+
+
+def test_transfers_and_calls_are_priced(traced):
+  """A stage's latency carries its entering boundary's cross-mesh moves (both ways), at the bytes each of its
+  devices receives, and two calls per microbatch; the cut after the vocabulary head (the logits cross) costs
+  most, and pricing moves makes the planner cut where less crosses."""
+  layers = clustering.cluster(traced, 6)
+  cfgs = stage_dp.configs(2, 4)
+  free = dataclasses.replace(CAL, seconds_per_call=0.0, seconds_per_transfer_byte=0.0)
+  dear = dataclasses.replace(CAL, seconds_per_call=1e-3, seconds_per_transfer_byte=1e-8)
+  p_free = stages.Pricer(traced, layers, traced.input_names[:-2], 4, free, 2, 10.0)
+  p_dear = stages.Pricer(traced, layers, traced.input_names[:-2], 4, dear, 2, 10.0)
+  t_free, _, _ = p_free.tables(cfgs)
+  t_dear, _, _ = p_dear.tables(cfgs)
+  L = len(layers)
+  crossing = {}
+  for c, cfg in enumerate(cfgs):
+    for i in range(L):
+      for j in range(i, L):
+        nbytes = p_dear.boundary_bytes(i, j, cfg.logical)
+        moves = 2 * (nbytes * 1e-8 + 1e-3) if i else 0.0
+        assert t_dear[i, j, c] - t_free[i, j, c] == pytest.approx(2e-3 + moves, rel=1e-9, abs=1e-12)
+        crossing[i] = max(crossing.get(i, 0.0), nbytes)
+  # The logits [batch, seq, vocab] float32 cross (replicated or split) into the stage of the softmax.
+  logits = CFG.batch * CFG.seq * CFG.vocab * 4
+  cut = max(crossing, key=crossing.get)
+  assert crossing[cut] >= logits / 8 and crossing[cut] > 4 * min(crossing[i] for i in range(1, L))
+
+  def crossed(plan):
+    first = {s.layers[0] for s in plan.stages[1:]}
+    return sum(max(p_dear.boundary_bytes(i, j, s.mesh.shape) for s in plan.stages if s.layers[0] == i
+                   for j in [s.layers[1]]) for i in first)
+
+  cheap = gs.plan_stages(_loss(CFG), *_specs(CFG), mesh=gs.Mesh((2, 4), ("host", "device")), layers=6,
+                         microbatches=4, calibration=free)
+  priced = gs.plan_stages(_loss(CFG), *_specs(CFG), mesh=gs.Mesh((2, 4), ("host", "device")), layers=6,
+                          microbatches=4, calibration=dear)
+  assert crossed(cheap) >= crossing[cut]   # unpriced, the plan cuts where the logits cross
+  assert crossed(priced) < crossed(cheap)
+  # Each plan's price holds its own moves: the move-free plan priced with moves costs at least the chosen one.
+  assert priced.predicted_seconds <= _repriced(p_dear, cfgs, cheap) * (1 + 1e-9)
+
+
+def _repriced(pricer, cfgs, plan):
+  t, _, _ = pricer.tables(cfgs)
+  lat = []
+  for s in plan.stages:
+    c = next(k for k, g in enumerate(cfgs) if g.shape == s.submesh and g.logical == s.mesh.shape)
+    lat.append(t[s.layers[0], s.layers[1], c])
+  return stage_dp.latency(lat, plan.microbatches)
+
+
+def test_devices_sharing_cores_serialise_the_pipeline():
+  """With one device computing at a time, a stage's arithmetic grows with its submesh and the step is at least
+  the microbatches' total work: a pipeline's overlap is not counted."""
+  mesh = gs.Mesh((2, 4), ("host", "device"))
+  shared = dataclasses.replace(PIPE, parallel_devices=1.0)
+  plan = gs.plan_stages(_loss(CFG), *_specs(CFG), mesh=mesh, layers=6, microbatches=4, calibration=shared)
+  lat = [s.seconds for s in plan.stages]
+  assert plan.predicted_seconds == pytest.approx(max(sum(lat) + 3 * max(lat), 4 * sum(lat)))
+  side_by_side = _plan(CFG, mesh, 6)
+  assert plan.predicted_seconds > side_by_side.predicted_seconds
