@@ -131,7 +131,7 @@ def test_stage_program_matches_brute_force_on_measured_costs(traced):
   assert free[0].total == pytest.approx(stage_dp.brute_force(t, state, act, sizes, 8, 4), rel=1e-12)
   n = len(free[0].stages)
   peak = max(state[i, j, c] + (n - q) * act[i, j, c] for q, (i, j, c) in enumerate(free[0].stages))
-  budget, bound = 0.5 * peak, False
+  budget, bound, fits_below = 0.5 * peak, False, False
   while True:   # budgets under the free plan's peak: the same optimum as brute force, or none for both
     sols, _ = stage_dp.solve(t, state, act, sizes, 8, 4, budget=budget)
     want = stage_dp.brute_force(t, state, act, sizes, 8, 4, budget=budget)
@@ -140,10 +140,13 @@ def test_stage_program_matches_brute_force_on_measured_costs(traced):
     else:
       assert sols[0].total == pytest.approx(want, rel=1e-12)
       bound |= want > free[0].total
+      fits_below |= budget < peak
     budget *= 1.1
     if budget > peak:
       break
-  assert bound    # some budget forced a slower plan
+  # A plan that fits under the free plan's peak is another plan, no faster: some budget forced a slower one --
+  # unless the free plan is already the leanest (the solver's layouts, and so the tables, can differ by load).
+  assert bound or not fits_below
 
 
 def _check_tiling(rows, cols, shapes):
