@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from tf_gspmd import _compat
 from tf_gspmd.ops.tensor_list import LIST_OPS
+from tf_gspmd.rewriter import functions
 
 _WHILE = ("While", "StatelessWhile")
 _VALUES = ("Shape", "Size", "Rank")   # known from the shape of their operand alone
@@ -71,7 +72,6 @@ def _pushed_element(t):
 def refine(tf_graph, infos, make_info, unknown_rank, graph_def=None):
   """Steps 2 to 4 on `infos` ({op name: [TensorInfo]}) in the graph's op order (a topological order); returns the
   names of the ops whose outputs got shapes. Step 4 reads loop bodies from `graph_def`'s library."""
-  library = {f.signature.name: f for f in graph_def.library.function} if graph_def is not None else {}
   refined = set()
   for op in tf_graph.get_operations():
     outs = infos[op.name]
@@ -88,8 +88,8 @@ def refine(tf_graph, infos, make_info, unknown_rank, graph_def=None):
     elif op.type in _VALUES + ("BroadcastGradientArgs",) and all(
         _known_value(op.outputs[k], infos) is not None for k in missing):
       shapes = {k: tuple(np.shape(_known_value(op.outputs[k], infos))) for k in missing}
-    elif op.type in _WHILE:
-      shapes = _loop_invariant_shapes(tf_graph, op, infos, library)
+    elif op.type in _WHILE and graph_def is not None:
+      shapes = _loop_invariant_shapes(op, infos, graph_def.library)
     elif any(x.op.name in refined or _known_value(x, infos) is not None for x in op.inputs) and (
         not _calls_function(op)):
       shapes = _infer(op, infos)
@@ -100,25 +100,22 @@ def refine(tf_graph, infos, make_info, unknown_rank, graph_def=None):
   return refined
 
 
-def _loop_invariant_shapes(tf_graph, op, infos, library):
+def _loop_invariant_shapes(op, infos, library):
   """{output index: shape} of While `op` whose loop variables keep their initial values' shapes (step 4)."""
-  fdef = library.get(op.get_attr("body").name)
-  if fdef is None:
-    return {}
   initial = []
   for x in op.inputs:
     info = infos[x.op.name][x.value_index]
-    opaque = x.dtype in (tf.variant, tf.resource)
-    initial.append(None if opaque or info.shape is None else info.shape)
+    initial.append(None if x.dtype in (tf.variant, tf.resource) or info.shape is None else info.shape)
   try:
-    with tf_graph.as_default():
-      body = _compat.function_def_to_graph(fdef, [tf.TensorShape(s) if s is not None else x.shape
-                                                  for s, x in zip(initial, op.inputs)])
+    gd, _, results = functions.body_graph_def(library, op.get_attr("body").name, initial)
+    with tf.Graph().as_default() as body:
+      tf.graph_util.import_graph_def(gd, name="")
+    results = [body.get_tensor_by_name(r) for r in results]
   except (ValueError, TypeError, KeyError, tf.errors.OpError):
     return {}   # a body TF cannot import on its own: the loop keeps what the graph says
-  if len(body.outputs) != len(initial):
+  if len(results) != len(initial):
     return {}
-  for shape, result in zip(initial, body.outputs):
+  for shape, result in zip(initial, results):
     if shape is not None and (not result.shape.is_fully_defined() or tuple(result.shape.as_list()) != shape):
       return {}   # a loop variable changes shape (or the body does not say): no output is known
   return {k: shape for k, shape in enumerate(initial) if shape is not None}
