@@ -105,7 +105,12 @@ def _loop_invariant_shapes(op, infos, library):
   initial = []
   for x in op.inputs:
     info = infos[x.op.name][x.value_index]
-    initial.append(None if x.dtype in (tf.variant, tf.resource) or info.shape is None else info.shape)
+    if x.dtype in (tf.variant, tf.resource):
+      initial.append(None)   # a handle: no shape of its own
+    elif info.shape is None:
+      return {}   # the body would read that parameter's shape off its (possibly stale) signature
+    else:
+      initial.append(info.shape)
   try:
     gd, _, results = functions.body_graph_def(library, op.get_attr("body").name, initial)
     with tf.Graph().as_default() as body:
