@@ -3,7 +3,7 @@
 A while-loop gradient reads back what its forward loop stacked: the accumulator TensorLists start with an unknown
 element shape, learn it only inside the forward body (the value it pushes), and a value popped from them in the
 gradient body then has unknown rank, as has everything computed from it (an unknown-shape gradient of a known
-forward value). Three steps give such tensors the forward's shape:
+forward value). These steps give such tensors their shapes:
 
 1. A loop's list variable takes the element shape its body pushes onto it (read off the body function).
 2. An element a list op reads (TensorListPopBack, TensorListGetItem) takes its list's element shape.
