@@ -10,8 +10,17 @@ STAMP := $(VENV)/.installed-stamp
 ORACLE_VENV := .venv-oracle
 ORACLE_STAMP := $(ORACLE_VENV)/.installed-stamp
 ORACLE_REQUIREMENT := jax[cpu]==0.10.2
+# Lingvo for tests/op_rules/test_lingvo.py, into .lingvo/ (the test appends it to sys.path): lingvo itself and the
+# pure-Python modules and small extensions its import needs (sympy, mpmath; matplotlib and its own imports, as
+# lingvo.core.layers imports lingvo.core.plot), each with --no-deps so that no second numpy or TensorFlow lands
+# there. A failed install (no network) leaves no .lingvo/ and the test skips.
+LINGVO_DIR := .lingvo
+LINGVO_STAMP := $(LINGVO_DIR)/.installed-stamp
+LINGVO_REQUIREMENTS := lingvo==0.14.2 sympy==1.14.0 mpmath==1.3.0 matplotlib==3.11.2 cycler==0.12.1 \
+	fonttools==4.68.0 kiwisolver==1.5.1 contourpy==1.3.3 pyparsing==3.3.3 python-dateutil==4.0.0 six==1.17.0 \
+	packaging==26.4 pillow==13.0.0
 
-.PHONY: run test oracle-venv oracle bazel-test clean
+.PHONY: run test oracle-venv oracle lingvo bazel-test clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +34,13 @@ $(ORACLE_STAMP):
 	touch $(ORACLE_STAMP)
 
 oracle-venv: $(ORACLE_STAMP)
+
+$(LINGVO_STAMP): | $(STAMP)
+	rm -rf $(LINGVO_DIR)
+	$(PY) -m pip install -q --no-deps --target $(LINGVO_DIR) $(LINGVO_REQUIREMENTS) && touch $(LINGVO_STAMP) || \
+		{ rm -rf $(LINGVO_DIR); echo "lingvo not installed: tests/op_rules/test_lingvo.py will skip"; }
+
+lingvo: $(LINGVO_STAMP)
 
 # XLA's own SPMD partitioner next to tf_gspmd's on every program of tools/oracle_programs.py
 oracle: $(STAMP) $(ORACLE_STAMP)
@@ -40,6 +56,7 @@ COLLECTIVES_SUITES := tests/differential tests/op_rules tests/test_transformer.p
 	tests/test_cross_mesh.py tests/test_auto_parallel.py
 
 test: $(STAMP) $(ORACLE_STAMP)
+	-$(MAKE) --no-print-directory lingvo
 	TF_GSPMD_REQUIRE_ORACLE=1 $(VENV)/bin/pytest -q -p no:cacheprovider tests
 	$(VENV)/bin/pytest -q -p no:cacheprovider --exchange=collectives $(COLLECTIVES_SUITES)
 
@@ -47,4 +64,4 @@ bazel-test: $(STAMP)
 	PYTHON=$(CURDIR)/$(PY) ../shared/bazel/bazel-offline test //:all --local_test_jobs=1 --test_output=errors
 
 clean:
-	rm -rf $(VENV) $(ORACLE_VENV) build *.egg-info
+	rm -rf $(VENV) $(ORACLE_VENV) $(LINGVO_DIR) build *.egg-info

@@ -136,7 +136,7 @@ class Graph:
     opaque = {op.name for op in tf_graph.get_operations()   # computed from a value of unknown rank
               if any(unknown_rank(infos[x.op.name][x.value_index]) for x in op.inputs)}
     shape_refine.refine(tf_graph, infos, lambda old, shape: TensorInfo(shape, old.dtype, old.value_shape,
-                                                                      old.value_dtype), unknown_rank)
+                                                                      old.value_dtype), unknown_rank, graph_def)
     try:
       order = GraphView(graph_def).order()
     except ValueError as e:

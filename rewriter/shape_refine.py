@@ -3,12 +3,16 @@
 A while-loop gradient reads back what its forward loop stacked: the accumulator TensorLists start with an unknown
 element shape, learn it only inside the forward body (the value it pushes), and a value popped from them in the
 gradient body then has unknown rank, as has everything computed from it (an unknown-shape gradient of a known
-forward value). Three steps give such tensors the forward's shape:
+forward value). These steps give such tensors their shapes:
 
 1. A loop's list variable takes the element shape its body pushes onto it (read off the body function).
 2. An element a list op reads (TensorListPopBack, TensorListGetItem) takes its list's element shape.
 3. An op whose operands now have known shapes is asked again: TF's own shape function, run on a scratch copy of
    the op whose operands have those shapes (constants, and shapes of fully known tensors, as values).
+4. A loop whose outputs have unknown rank (a gradient loop that a graph optimizer rebuilt with an unknown
+   `output_shapes`) gives each output its initial value's shape when its body, run on parameters of the initial
+   values' shapes, returns every loop variable of known shape in that same shape: the shapes then hold in every
+   iteration, so on exit.
 """
 
 import numpy as np
@@ -16,6 +20,7 @@ import tensorflow as tf
 
 from tf_gspmd import _compat
 from tf_gspmd.ops.tensor_list import LIST_OPS
+from tf_gspmd.rewriter import functions
 
 _WHILE = ("While", "StatelessWhile")
 _VALUES = ("Shape", "Size", "Rank")   # known from the shape of their operand alone
@@ -64,9 +69,9 @@ def _pushed_element(t):
   return None
 
 
-def refine(tf_graph, infos, make_info, unknown_rank):
-  """Steps 2 and 3 on `infos` ({op name: [TensorInfo]}) in the graph's op order (a topological order); returns the
-  names of the ops whose outputs got shapes."""
+def refine(tf_graph, infos, make_info, unknown_rank, graph_def=None):
+  """Steps 2 to 4 on `infos` ({op name: [TensorInfo]}) in the graph's op order (a topological order); returns the
+  names of the ops whose outputs got shapes. Step 4 reads loop bodies from `graph_def`'s library."""
   refined = set()
   for op in tf_graph.get_operations():
     outs = infos[op.name]
@@ -83,6 +88,8 @@ def refine(tf_graph, infos, make_info, unknown_rank):
     elif op.type in _VALUES + ("BroadcastGradientArgs",) and all(
         _known_value(op.outputs[k], infos) is not None for k in missing):
       shapes = {k: tuple(np.shape(_known_value(op.outputs[k], infos))) for k in missing}
+    elif op.type in _WHILE and graph_def is not None:
+      shapes = _loop_invariant_shapes(op, infos, graph_def.library)
     elif any(x.op.name in refined or _known_value(x, infos) is not None for x in op.inputs) and (
         not _calls_function(op)):
       shapes = _infer(op, infos)
@@ -91,6 +98,32 @@ def refine(tf_graph, infos, make_info, unknown_rank):
         outs[k] = make_info(outs[k], shape)
         refined.add(op.name)
   return refined
+
+
+def _loop_invariant_shapes(op, infos, library):
+  """{output index: shape} of While `op` whose loop variables keep their initial values' shapes (step 4)."""
+  initial = []
+  for x in op.inputs:
+    info = infos[x.op.name][x.value_index]
+    if x.dtype in (tf.variant, tf.resource):
+      initial.append(None)   # a handle: no shape of its own
+    elif info.shape is None:
+      return {}   # the body would read that parameter's shape off its (possibly stale) signature
+    else:
+      initial.append(info.shape)
+  try:
+    gd, _, results = functions.body_graph_def(library, op.get_attr("body").name, initial)
+    with tf.Graph().as_default() as body:
+      tf.graph_util.import_graph_def(gd, name="")
+    results = [body.get_tensor_by_name(r) for r in results]
+  except (ValueError, TypeError, KeyError, tf.errors.OpError):
+    return {}   # a body TF cannot import on its own: the loop keeps what the graph says
+  if len(results) != len(initial):
+    return {}
+  for shape, result in zip(initial, results):
+    if shape is not None and (not result.shape.is_fully_defined() or tuple(result.shape.as_list()) != shape):
+      return {}   # a loop variable changes shape (or the body does not say): no output is known
+  return {k: shape for k, shape in enumerate(initial) if shape is not None}
 
 
 def _calls_function(op):

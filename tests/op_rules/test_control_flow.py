@@ -7,6 +7,7 @@ import tensorflow as tf
 from conftest import assert_close
 import tf_gspmd as gs
 from tf_gspmd import P
+from tf_gspmd.errors import ShapeError
 
 MESH = gs.Mesh((2, 4), ("data", "model"))
 
@@ -61,6 +62,47 @@ def test_annotation_inside_body_reaches_the_loop():
   assert low.out_shardings[0].spec == P(None, "model")
   x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8)
   assert_close(f(x).numpy(), fn(tf.constant(x)), rtol=1e-6)
+
+
+_LOOP_SPECS = (tf.TensorSpec([], tf.int32), tf.TensorSpec([None, 16]), tf.TensorSpec([16, 16]))
+_LOOP_COND = tf.function(lambda i, y, w: i < 3).get_concrete_function(*_LOOP_SPECS)
+
+
+def _loop_of_unknown_output_shapes(body):
+  """A While whose `output_shapes` are all unknown, as Grappler leaves a gradient loop it rebuilds."""
+  body = tf.function(body).get_concrete_function(*_LOOP_SPECS)
+
+  def fn(x, w):
+    _LOOP_COND.add_to_graph()
+    body.add_to_graph()
+    _, y, _ = tf.raw_ops.While(input=[tf.constant(0), x, w], cond=_LOOP_COND, body=body,
+                               output_shapes=[tf.TensorShape(None)] * 3)
+    return y * 2.0
+  return fn
+
+
+def test_loop_of_unknown_output_shapes_takes_the_shapes_its_body_keeps(rng, recwarn):
+  """The body keeps every loop variable's shape, so the loop's outputs have their initial values' shapes: the loop
+  and what reads it are partitioned (nothing runs whole for an unknown rank)."""
+  fn = _loop_of_unknown_output_shapes(lambda i, y, w: (i + 1, tf.tanh(y @ w), w))
+  f = gs.function(fn, mesh=MESH, in_shardings=(P("data", None), P(None, "model")))
+  x = rng.standard_normal((8, 16)).astype(np.float32)
+  w = (rng.standard_normal((16, 16)) * 0.3).astype(np.float32)
+  assert_close(f(x, w).numpy(), tf.function(fn)(x, w), rtol=1e-5, atol=1e-6)
+  low = f.lower(tf.TensorSpec([8, 16]), tf.TensorSpec([16, 16]))
+  assert low.out_shardings[0].spec == P("data", "model")
+  assert low.report.fallbacks == () and not [m for m in low.report.warnings if "unknown rank" in m]
+  assert not [r for r in recwarn if "unknown rank" in str(r.message)]
+  assert {c.kind for c in low.report.collectives} == {"all-gather"}   # of the activation only, in the body
+  assert all(c.shape == (4, 16) for c in low.report.collectives)
+
+
+def test_loop_whose_body_changes_a_shape_keeps_its_unknown_rank():
+  """A loop variable that grows every iteration has no shape on exit: the result is a typed error, not a guess."""
+  fn = _loop_of_unknown_output_shapes(lambda i, y, w: (i + 1, tf.concat([y, y], 0), w))
+  f = gs.function(fn, mesh=MESH, in_shardings=(P("data", None), P(None, "model")))
+  with pytest.raises(ShapeError, match="unknown rank"):
+    f.lower(tf.TensorSpec([8, 16]), tf.TensorSpec([16, 16]))
 
 
 @tf.function(experimental_attributes={"_noinline": True})
