@@ -47,6 +47,9 @@ flags.DEFINE_bool("auto_parallel", False, "Plan pipeline stages, their submeshes
                   "pipeline, SGD at --lr; with --plan: only the plan, for --plan_mesh, without devices.")
 flags.DEFINE_integer("stage_layers", None, "With --auto_parallel: the layers the step's ops are clustered into (the "
                      "stage boundaries fall between them; default: the model's layers + 2).")
+flags.DEFINE_bool("stage_profile", True, "With --auto_parallel: time the stages of the plans the cost model "
+                  "chooses, and the step without a pipeline, and plan again with the measured latencies "
+                  "(gs.auto_parallel(profile=...)); --nostage_profile: the cost model alone.")
 flags.DEFINE_list("profile", [], "Steps FIRST,LAST (e.g. 3,5) to trace with the TensorFlow profiler into "
                   "<logdir>/<task>/profile (open in TensorBoard's Profile tab); empty: no trace.")
 FLAGS = flags.FLAGS
@@ -109,7 +112,7 @@ def run_auto_parallel(task):
   mesh = gs.Mesh(shape, axes[-len(shape):] if len(shape) <= 2 else tuple(f"a{i}" for i in range(len(shape))))
   params = task.init()
   step = gs.auto_parallel(task.loss_fn, params, *task.batch(0), mesh=mesh, microbatches=task.microbatches,
-                          memory_budget=budget, layers=layers)
+                          memory_budget=budget, layers=layers, profile=FLAGS.stage_profile)
   print(step)
   losses = []
   for k in range(FLAGS.steps):

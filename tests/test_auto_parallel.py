@@ -226,3 +226,30 @@ def test_the_intra_only_plan_runs_when_a_pipeline_cannot_pay():
   fast = gs.auto_parallel(loss_fn, init(), tokens, labels, mesh=mesh, microbatches=4, layers=6, calibration=CAL)
   assert fast.plan is fast.pipelined_plan and len(fast.stages) > 1 and fast.microbatches == 4
   assert fast.pipelined_plan.predicted_seconds <= fast.intra_plan.predicted_seconds
+
+
+def test_profiling_times_the_chosen_stages_and_the_step_without_a_pipeline():
+  """With values and this machine's own calibration the plan's stages are timed and the step planned again with
+  their measurements (Alpa profiles its stages), and the step without a pipeline is timed in three layouts; the
+  faster of the two plans runs and gives the unpartitioned loss and gradients."""
+  mesh = gs.Mesh((2, 4), ("host", "device"))
+  tokens, labels = data()
+  step = gs.auto_parallel(loss_fn, init(), tokens, labels, mesh=mesh, microbatches=4, layers=6)
+  assert step.profiled_rounds >= 1
+  assert all(s.measured and s.seconds > 0 for s in step.pipelined_plan.stages)
+  timed = step.whole_timings
+  assert set(timed) == {"planned", "whole-step automatic", "data parallel"} and all(v > 0 for v in timed.values())
+  assert step.whole_layouts == min(timed, key=timed.get)
+  assert step.intra_plan.stages[0].measured and step.intra_plan.predicted_seconds == timed[step.whole_layouts]
+  faster = min((step.intra_plan, step.pipelined_plan), key=lambda p: p.predicted_seconds)
+  assert step.plan is faster
+  assert "steps timed without a pipeline, whole batch: planned" in str(step)
+  params = init()
+  loss, grads = step(params, tokens, labels)
+  want_loss, want_grads = reference(params, tokens, labels)
+  assert_close(loss, want_loss)
+  for k, g in grads.items():
+    np.testing.assert_allclose(np.asarray(g), want_grads[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  with pytest.raises(InputError, match="profile=True times the plan's stages on real values"):
+    gs.auto_parallel(loss_fn, {k: tf.TensorSpec(v.shape) for k, v in init().items()}, tokens, labels, mesh=mesh,
+                     microbatches=4, profile=True)

@@ -235,10 +235,16 @@ def test_plan_at_the_128b_models_dims_keeps_weights_to_the_layouts_arithmetic(la
   assert int(constants.replace(",", "")) <= 1 << 20
 
 
-@pytest.mark.parametrize("binary", ["train_transformer.py", "train_moe.py"])
-def test_auto_parallel_trains_and_matches_the_unpartitioned_program(binary, tmp_path):
-  out = _run(binary, "--auto_parallel", "--microbatches=4", "--steps=3", "--check_steps=2", f"--logdir={tmp_path}")
-  assert "stage plan:" in out and "T* =" in out and "MPMD stages:" in out and "stage 0 (layers 0-" in out
+@pytest.mark.parametrize("binary,profile", [("train_transformer.py", "--stage_profile"),
+                                            ("train_moe.py", "--nostage_profile")])
+def test_auto_parallel_trains_and_matches_the_unpartitioned_program(binary, profile, tmp_path):
+  out = _run(binary, "--auto_parallel", profile, "--microbatches=4", "--steps=3", "--check_steps=2",
+             f"--logdir={tmp_path}")
+  assert "stage plan:" in out and "T* =" in out
+  if "runs as one gs.function on the whole mesh" not in out:
+    assert "MPMD stages:" in out and "stage 0 (layers 0-" in out
+  if profile == "--stage_profile":   # the plans' stages and the step without a pipeline were timed
+    assert "measured (model " in out and "steps timed without a pipeline, whole batch: planned" in out
   assert sorted(_losses(out)) == [0, 1, 2]
   assert re.search(r"step 2 loss [\d.]+ time \d+ ms \(plan predicts [\d.]+ ms\)", out)
   assert "check: first 2 losses match the unpartitioned program" in out

@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gspmd import _cluster
+from tf_gspmd._function import function as gs_function, parse_bytes
 from tf_gspmd._mesh import Mesh, P
 from tf_gspmd._mpmd import Stage, mpmd_pipeline
 from tf_gspmd._stages import _paths, plan_stages
@@ -85,6 +86,17 @@ def _dense_gradient(p):
   return identity(p) if shape.rank else p
 
 
+def _best_of(fn, repeats=3):
+  """The least of `repeats` timed calls of `fn`, after one untimed (lowering, first run)."""
+  fn()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return min(times)
+
+
 def _pack(tensors, dtype):
   return tf.concat([tf.reshape(tf.cast(t, dtype), [-1]) for t in tensors], axis=0)
 
@@ -120,7 +132,7 @@ class AutoParallel:
   """
 
   def __init__(self, loss_fn, param_specs, batch_specs, mesh, microbatches, memory_budget, layers, schedule,
-               exchange, calibration, plan_kwargs, intra_candidate=True):
+               exchange, calibration, plan_kwargs, intra_candidate=True, profile_values=None, profile_rounds=5):
     if _cluster.process_count() > 1:
       raise InputError(f"gs.auto_parallel runs its stages in one process (this program has "
                        f"{_cluster.process_count()}); across processes build the stages with gs.Stage and "
@@ -146,24 +158,153 @@ class AutoParallel:
     self._data_specs = dict(zip(self.data_names, micro))
     if layers is None:
       layers = 8
-    self.plan = plan_stages(loss_fn, param_specs, *micro, mesh=mesh, layers=layers, microbatches=self.microbatches,
-                            memory_budget=memory_budget, calibration=calibration, **plan_kwargs)
-    self.pipelined_plan, self.intra_plan = self.plan, None
-    if intra_candidate and self.microbatches > 1:
-      # the alternative without a pipeline: one stage on the whole mesh, the whole batch in one call
-      try:
-        whole = plan_stages(loss_fn, param_specs, *batch_specs, mesh=mesh, layers=layers, microbatches=1,
-                            memory_budget=memory_budget, calibration=calibration,
-                            **dict(plan_kwargs, max_stages=1, whole_mesh=True))
-      except AutoShardingError:
-        whole = None   # (the whole batch's activations do not fit the budget)
-      self.intra_plan = whole
-      if whole is not None and whole.predicted_seconds < self.plan.predicted_seconds:
-        self.plan, self.microbatches = whole, 1
-        self._data_specs = dict(zip(self.data_names, batch_specs))
+    self._micro_specs, self._pipe_microbatches = micro, self.microbatches
+    self._loss_fn, self._whole = loss_fn, None
     self._devices = mesh.resolve_devices()
-    self._build(flat_params, schedule, exchange)
+    self._schedule, self._exchange, self._flat_specs = schedule, exchange, flat_params
     self.last_seconds = None
+    self.profiled_rounds = 0
+
+    def pipelined(measured, only=False):
+      return plan_stages(loss_fn, param_specs, *micro, mesh=mesh, layers=layers, microbatches=self._pipe_microbatches,
+                         memory_budget=memory_budget, calibration=calibration, measured=measured,
+                         measured_only=only, **plan_kwargs)
+
+    def intra():   # the alternative without a pipeline: one stage on the whole mesh, the whole batch
+      try:
+        return plan_stages(loss_fn, param_specs, *batch_specs, mesh=mesh, layers=layers, microbatches=1,
+                           memory_budget=memory_budget, calibration=calibration,
+                           **dict(plan_kwargs, max_stages=1, whole_mesh=True))
+      except AutoShardingError:
+        return None   # (the whole batch's activations do not fit the budget)
+
+    self.pipelined_plan = pipelined(None)
+    self.intra_plan = intra() if intra_candidate and self.microbatches > 1 else None
+    self.whole_layouts, self.whole_timings, self._whole_fn = "planned", {}, None
+    if profile_values is not None:
+      self._profile(pipelined, profile_values, profile_rounds, memory_budget)
+    whole = self.intra_plan
+    self._use(whole if whole is not None and whole.predicted_seconds < self.pipelined_plan.predicted_seconds
+              else self.pipelined_plan)
+
+  def _use(self, plan):
+    """Builds the runtime of `plan` (the pipelined plan or the intra-operator one), unless it is the one built."""
+    if getattr(self, "plan", None) is plan and getattr(self, "pipeline", None) is not None:
+      return
+    whole = plan is self.intra_plan and plan is not self.pipelined_plan
+    self.plan = plan
+    self.microbatches = 1 if whole else self._pipe_microbatches
+    self._data_specs = dict(zip(self.data_names, self._batch_specs if whole else self._micro_specs))
+    self._build(self._flat_specs, self._schedule, self._exchange)
+    self._whole = self._whole_step() if whole else None
+
+  def _whole_step(self):
+    """The plan without a pipeline as one gs.function on the whole mesh: the loss and every gradient in one
+    program, the parameters and the batch in the plan's layouts (no microbatches, no recomputed forward)."""
+    if self._whole_fn is not None and self._whole_fn[0] is self.plan:
+      return self._whole_fn[1]   # (the one `_time_whole` timed)
+    planned = dict(self.plan.stages[0].parameters)
+    entering = dict(self.plan.stages[0].inputs)
+    return self._grad_function(self.stages[0].mesh,
+                               tuple(planned[n].spec if n in planned else P() for n in self.param_names) +
+                               tuple(entering[d].spec if d in entering else P() for d in self.data_names))
+
+  def _grad_function(self, mesh, in_shardings):
+    """gs.function of (loss, gradient per parameter leaf) of the whole batch on `mesh`; the gradients leave in
+    their parameters' layouts."""
+    loss_fn, structure, n = self._loss_fn, self._structure, len(self.param_names)
+
+    def step(*args):
+      flat = list(args[:n])
+      with tf.GradientTape() as tape:
+        tape.watch(flat)
+        value = loss_fn(tf.nest.pack_sequence_as(structure, flat), *args[n:])
+      grads = tape.gradient(value, flat)
+      return (value,) + tuple(tf.zeros_like(p) if g is None else tf.convert_to_tensor(g)
+                              for g, p in zip(grads, flat))
+
+    step.__name__ = getattr(loss_fn, "__name__", "step")
+    outs = None if in_shardings == "auto" else (P(),) + tuple(in_shardings[:n])
+    return gs_function(step, mesh=mesh, in_shardings=in_shardings, out_shardings=outs, exchange=self._exchange)
+
+  def _profile(self, pipelined, values, rounds, memory_budget):
+    """Alpa's profiling, on the plans the model chooses: each round runs the stages of the current pipelined
+    plan alone, one at a time, on their submeshes, records their latency per microbatch and plans again with
+    those in place of the model's figures (`stages.with_measured`), until the pipelined plan's stages are all
+    measured or `rounds` have run; then the best plan of measured stages alone is kept. The step without a
+    pipeline is timed too (`_time_whole`)."""
+    params, batch = values
+    measured = {}
+    for _ in range(rounds):
+      plan = self.pipelined_plan
+      if all(s.measured for s in plan.stages):
+        break
+      self._use(plan)
+      for s, seconds in zip(plan.stages, self._stage_seconds(params, batch)):
+        measured[(s.layers[0], s.layers[1], tuple(s.submesh), tuple(s.mesh.shape))] = seconds
+      self.profiled_rounds += 1
+      self.pipelined_plan = pipelined(dict(measured))
+    if not all(s.measured for s in self.pipelined_plan.stages):
+      self.pipelined_plan = pipelined(dict(measured), only=True)
+    if self.intra_plan is not None:
+      self._time_whole(params, batch, memory_budget)
+
+  def _time_whole(self, params, batch, memory_budget):
+    """The step without a pipeline, timed in three layouts on the whole mesh: the planned one (the layers'
+    intra-operator plans), the whole step's own automatic plan (`in_shardings="auto"`: one integer program over
+    forward and backward) and data parallel (the batch split over every device, parameters replicated); the
+    fastest that fits `memory_budget` (its per-device program's estimated peak) becomes `intra_plan`, its
+    layouts and measured step in place of the planned ones (`whole_layouts` names it)."""
+    plan = self.intra_plan
+    stage = plan.stages[0]
+    mesh = Mesh(stage.mesh.shape, stage.mesh.axis_names, devices=[self._devices[p] for p in stage.devices])
+    planned, entering = dict(stage.parameters), dict(stage.inputs)
+    leaves = [_to_tensor(p) for p in tf.nest.flatten(params)]
+    data = [_to_tensor(b) for b in batch]
+    split = P(tuple(mesh.axis_names))
+    variants = [("planned", tuple(planned[n].spec if n in planned else P() for n in self.param_names) +
+                 tuple(entering[d].spec if d in entering else P() for d in self.data_names)),
+                ("whole-step automatic", "auto"),
+                ("data parallel", (P(),) * len(leaves) + (split,) * len(data))]
+    budget = parse_bytes(memory_budget, "memory_budget")
+    self.whole_timings, best = {}, None
+    for name, shardings in variants:
+      f = self._grad_function(mesh, shardings)
+      low = f.lower(*leaves, *data)
+      peak = low.report.memory.peak_bytes
+      if budget is not None and peak > budget:
+        self.whole_timings[name] = None
+        continue
+      seconds = _best_of(lambda f=f: f(*leaves, *data)[0].numpy())
+      self.whole_timings[name] = seconds
+      if best is None or seconds < best[0]:
+        best = (seconds, name, f, list(low.in_shardings), peak)
+    if best is None:
+      return
+    seconds, name, f, shardings, peak = best
+    n = len(self.param_names)
+    timed = dataclasses.replace(stage, parameters=tuple(zip(self.param_names, shardings[:n])),
+                                inputs=tuple(zip(self.data_names, shardings[n:])), seconds=seconds, measured=True,
+                                memory_bytes=float(peak))
+    self.intra_plan = dataclasses.replace(plan, best=dataclasses.replace(plan.best, stages=(timed,),
+                                                                         predicted_seconds=seconds))
+    self.whole_layouts, self._whole_fn = name, (self.intra_plan, f)
+
+  def _stage_seconds(self, params, batch, repeats=2):
+    """Per stage of the built plan, the seconds per microbatch its forward and backward take when it runs alone
+    (the pipeline's stages one at a time; the least of `repeats` steps after a first one that lowers them)."""
+    pipe = self.pipeline
+    pipe.concurrent = False
+    try:
+      best = None
+      for k in range(repeats + 1):
+        self(params, *batch)
+        busy = pipe.last_run.busy
+        if k:
+          best = list(busy) if best is None else [min(a, b) for a, b in zip(best, busy)]
+    finally:
+      pipe.concurrent = True
+    return [b / self.microbatches for b in best]
 
   # ---- building ------------------------------------------------------------------------------------------
   def _build(self, flat_params, schedule, exchange):
@@ -287,6 +428,14 @@ class AutoParallel:
     if len(flat) != len(self.param_names):
       raise InputError(f"params has {len(flat)} leaves; the step was planned with {len(self.param_names)}",
                        node="params")
+    if self._whole is not None:
+      if len(batch) != len(self.data_names):
+        raise InputError(f"the step takes {len(self.data_names)} batch argument(s); got {len(batch)}", node="batch")
+      start = time.perf_counter()
+      leaves = [p if isinstance(p, ShardedTensor) else t for p, t in zip(tf.nest.flatten(params), flat)]
+      out = self._whole(*leaves, *[b if isinstance(b, ShardedTensor) else _to_tensor(b) for b in batch])
+      self.last_seconds = time.perf_counter() - start
+      return out[0].numpy(), tf.nest.pack_sequence_as(self._structure, list(out[1:]))
     value = dict(zip(self.param_names, flat))
     packed = self.pack_batch(*batch)
     start = time.perf_counter()
@@ -321,7 +470,16 @@ class AutoParallel:
 
   def describe(self):
     """The plan and how its stages run (submesh devices, boundaries)."""
-    lines = [str(self.plan), "MPMD stages:"]
+    lines = [str(self.plan)]
+    if self.whole_timings:
+      lines.append("steps timed without a pipeline, whole batch: " + ", ".join(
+          f"{k} {v * 1e3:.1f} ms" if v is not None else f"{k} over the memory budget"
+          for k, v in self.whole_timings.items()))
+    if self._whole is not None:
+      lines.append(f"runs as one gs.function on the whole mesh, no pipeline ({self.whole_layouts} layouts): "
+                   f"{self.stages[0].mesh}")
+      return "\n".join(lines)
+    lines.append("MPMD stages:")
     for k, s in enumerate(self.stages):
       lines.append(f"  {s.name}: devices {list(s.mesh.resolve_devices())[0]}..{list(s.mesh.resolve_devices())[-1]} "
                    f"as {s.mesh}, {len(self._stage_params[k])} parameter(s)")
@@ -365,7 +523,7 @@ class Adam:
 
 
 def auto_parallel(loss_fn, params, *batch, mesh, microbatches, memory_budget=None, layers=None, schedule="1f1b",
-                  exchange="auto", calibration=None, intra_candidate=True, **plan_kwargs):
+                  exchange="auto", calibration=None, intra_candidate=True, profile=None, **plan_kwargs):
   """A training step `loss_fn(params, *batch)` planned automatically (stages, submeshes, intra-operator layouts)
   and run as an MPMD pipeline on `mesh`.
 
@@ -382,6 +540,10 @@ def auto_parallel(loss_fn, params, *batch, mesh, microbatches, memory_budget=Non
     intra_candidate: also price the step without a pipeline (one stage on the whole mesh, the whole batch in one
       call, `step.intra_plan`) and run that when it is predicted faster than the pipelined plan
       (`step.pipelined_plan`); `step.microbatches` is then 1. False: always the pipelined plan.
+    profile: time the chosen plans' stages on their submeshes and plan again with the measured latencies (Alpa
+      profiles its stages; see `AutoParallel._profile`): each round runs one step with the stages one at a time,
+      up to 5 rounds. Needs `params` and `batch` as values (not TensorSpecs). Default (None): when they are
+      values and `calibration` is not given (an explicit Calibration prices the plan with its constants alone).
     **plan_kwargs: passed on to gs.plan_stages (max_stages, optimizer_slots, ...).
 
   Returns an AutoParallel: `loss, grads = step(params, *batch)`; `step.plan` the StagePlan; `step.sgd(...)`,
@@ -389,5 +551,12 @@ def auto_parallel(loss_fn, params, *batch, mesh, microbatches, memory_budget=Non
   """
   param_specs = tf.nest.map_structure(lambda v: _spec_of(v, "params"), params)
   batch_specs = tuple(_spec_of(b, f"batch argument {k + 1}") for k, b in enumerate(batch))
+  concrete = not any(isinstance(v, tf.TensorSpec) for v in tf.nest.flatten(params) + list(batch))
+  if profile and not concrete:
+    raise InputError("profile=True times the plan's stages on real values: give params and the batch as tensors "
+                     "or arrays, not tf.TensorSpecs (or profile=False)", node="profile")
+  if profile is None:
+    profile = concrete and calibration is None
   return AutoParallel(loss_fn, param_specs, batch_specs, mesh, microbatches, memory_budget, layers, schedule,
-                      exchange, calibration, plan_kwargs, intra_candidate)
+                      exchange, calibration, plan_kwargs, intra_candidate,
+                      profile_values=(params, batch) if profile else None)

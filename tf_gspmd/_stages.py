@@ -119,7 +119,8 @@ def trace_forward(fn, arg_specs, mesh):
 
 
 def plan_stages(fn, *arg_specs, mesh, layers, microbatches=1, memory_budget=None, params=(0,), optimizer_slots=2,
-                max_stages=None, calibration=None, t_max_step=0.005, solver_time_limit=10.0, whole_mesh=False):
+                max_stages=None, calibration=None, t_max_step=0.005, solver_time_limit=10.0, whole_mesh=False,
+                measured=None, measured_only=False):
   """Pipeline stages, submeshes and intra-operator plans for `fn` on `mesh` (Alpa's two levels; no devices needed).
 
   fn: the forward step (e.g. the loss of a model from its parameters and a batch), called with tensors of
@@ -139,6 +140,9 @@ def plan_stages(fn, *arg_specs, mesh, layers, microbatches=1, memory_budget=None
   solver_time_limit: seconds the intra-operator program of one layer may take.
   whole_mesh: only configurations of the whole mesh (with max_stages=1 and microbatches=1: the step priced as
     its intra-operator plan alone, no pipeline).
+  measured: {(first layer, last layer, submesh shape, logical shape): seconds per microbatch}: stages timed on
+    this machine, priced at their measurement instead of the model's (gs.auto_parallel's profiling);
+    `measured_only`: plans of those stages alone.
 
   Returns a StagePlan (print it for the table); raises AutoShardingError naming the smallest feasible budget when
   no plan fits `memory_budget`.
@@ -164,4 +168,5 @@ def plan_stages(fn, *arg_specs, mesh, layers, microbatches=1, memory_budget=None
   return stages.plan(program, layers=layers, microbatches=int(microbatches), memory_budget=budget, params=trained,
                      calib=calibration, optimizer_slots=optimizer_slots, max_stages=max_stages,
                      t_max_step=t_max_step, solver_time_limit=solver_time_limit, names=names,
-                     whole_mesh=whole_mesh)
+                     whole_mesh=whole_mesh, measured=measured,
+                     measured_only=measured_only)

@@ -77,6 +77,8 @@ class Stage:
   seconds: float                             # predicted latency of one microbatch (forward + backward)
   memory_bytes: float                        # per device, with `in_flight` microbatches' activations
   in_flight: int
+  model_seconds: Optional[float] = None      # the cost model's latency (differs from `seconds` when measured)
+  measured: bool = False                     # `seconds` is a measured run of this stage on this submesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +142,8 @@ def _table(stages, layers):
   for k, s in enumerate(stages):
     devs = f"{s.devices[0]}..{s.devices[-1]}"
     rows.append(f"  {k:>5} {s.layers[0]:>4}-{s.layers[1]:<4} {len(s.ops):>5} {str(s.submesh):>9} "
-                f"{str(s.mesh.shape):>9} {devs:>14} {s.seconds * 1e3:>9.3f} {s.memory_bytes:>15,.0f} {s.in_flight:>9}")
+                f"{str(s.mesh.shape):>9} {devs:>14} {s.seconds * 1e3:>9.3f} {s.memory_bytes:>15,.0f} {s.in_flight:>9}"
+                + (f"   measured (model {s.model_seconds * 1e3:.3f})" if s.measured else ""))
     for name, sh in s.parameters[:6]:
       rows.append(f"        param {name}: {sh}")
     if len(s.parameters) > 6:
@@ -327,8 +330,9 @@ def _names(program, names):
   return lambda r: names.get(r.split(":")[0], r.split(":")[0]) if names else r
 
 
-def _describe(pricer, cfgs, rows, cols, sol, names):
-  """A Solution of the program as a Candidate: the stages, their tensors, layouts and devices."""
+def _describe(pricer, cfgs, rows, cols, sol, names, model_t=None, measured=frozenset()):
+  """A Solution of the program as a Candidate: the stages, their tensors, layouts and devices (`model_t`: the
+  model's latency table, where `measured` {(i, j, c)} replaced some of its figures)."""
   shapes = [cfgs[c].shape for _, _, c in sol.stages]
   positions = stage_dp.tile(rows, cols, shapes)
   layers = pricer.layers
@@ -361,17 +365,23 @@ def _describe(pricer, cfgs, rows, cols, sol, names):
     mesh = Mesh(cfg.logical, AXES)
     out.append(Stage(layers=(i, j), ops=ops, submesh=cfg.shape, devices=tuple(devs), mesh=mesh,
                      inputs=tuple(entering.items()), outputs=tuple(leaving.items()), parameters=tuple(params.items()),
-                     seconds=lat, memory_bytes=mem, in_flight=n - q))
+                     seconds=lat, memory_bytes=mem, in_flight=n - q,
+                     model_seconds=float(model_t[i, j, c]) if model_t is not None else lat,
+                     measured=(i, j, c) in measured))
   return Candidate(stages=tuple(out), predicted_seconds=sol.total)
 
 
 def plan(program, *, layers, microbatches=1, memory_budget=None, params=(), calib=None, optimizer_slots=2,
-         max_stages=None, t_max_step=0.005, solver_time_limit=10.0, names=None, whole_mesh=False):
+         max_stages=None, t_max_step=0.005, solver_time_limit=10.0, names=None, whole_mesh=False, measured=None,
+         measured_only=False):
   """The StagePlan of `program` (traced, imported: `program.ir`) on `program.mesh` (see the module docstring).
 
   whole_mesh: price only configurations of the whole mesh (with max_stages=1: the intra-operator plan alone).
   layers: how many layers to cluster the ops into. params: Placeholder names of the parameters (trained: their
   gradients are all-reduced, their optimizer state kept). names: {Placeholder name: readable name}.
+  measured: {(first layer, last layer, submesh shape, logical shape): seconds per microbatch} of stages timed on
+  this machine (`with_measured`), used in place of the model's latencies; `measured_only`: plans of those
+  stages alone.
   """
   timings = {}
   start = time.perf_counter()
@@ -384,7 +394,8 @@ def plan(program, *, layers, microbatches=1, memory_budget=None, params=(), cali
   start = time.perf_counter()
   pricer = Pricer(program, found, params, microbatches, calib, optimizer_slots, solver_time_limit)
   cfgs = [c for c in stage_dp.configs(rows, cols) if not whole_mesh or c.size == rows * cols]
-  t, state, act = pricer.tables(cfgs)
+  model_t, state, act = pricer.tables(cfgs)
+  t, hits = with_measured(model_t, cfgs, measured, measured_only)
   timings["intra-operator costs"] = time.perf_counter() - start
   start = time.perf_counter()
   sols, tried = stage_dp.solve(t, state, act, [c.size for c in cfgs], rows * cols, microbatches,
@@ -399,10 +410,38 @@ def plan(program, *, layers, microbatches=1, memory_budget=None, params=(), cali
         f"of the microbatches in flight): the smallest feasible budget is {smallest:,.0f} B; raise the budget, "
         f"use more devices or fewer optimizer slots", node=getattr(program.fn, "__name__", "the step"))
   namer = _names(program, names)
-  cands = [_describe(pricer, cfgs, rows, cols, s, namer) for s in sols]
+  cands = [_describe(pricer, cfgs, rows, cols, s, namer, model_t, hits) for s in sols]
   return StagePlan(layers=found, mesh_shape=(rows, cols), microbatches=microbatches, memory_budget=memory_budget,
                    best=cands[0], runners_up=tuple(cands[1:]), calibration=calib, timings=timings,
                    intra_solves=pricer.solves, t_max_tried=tried, program=program, names=names)
+
+
+def with_measured(t, cfgs, measured, only=False):
+  """(t', hits): the latency table with measured stage runs in place of the model's figures, and the (i, j, c)
+  entries replaced. `measured`: {(first layer, last layer, submesh shape, logical shape): seconds per microbatch}
+  (Alpa times its candidate stages; here the stages of the plans chosen so far are timed, see gs.auto_parallel).
+  The model's figures of the stages not timed are scaled by the median measured / model ratio of the stages
+  timed on a submesh of their size (of all timed stages where none was), so what the model misses on small
+  submeshes (per-op costs that arithmetic does not count, one core per device) steers the choice among the
+  untimed ones too. `only`: the stages not timed are left out (infinite latency)."""
+  if not measured:
+    return t, frozenset()
+  t = t.copy()
+  index = {(c.shape, c.logical): k for k, c in enumerate(cfgs)}
+  ratios, hits = {}, {}
+  for (i, j, shape, logical), seconds in measured.items():
+    c = index.get((tuple(shape), tuple(logical)))
+    if c is None or not (0 <= i <= j < t.shape[0]) or not np.isfinite(t[i, j, c]) or t[i, j, c] <= 0:
+      continue
+    ratios.setdefault(cfgs[c].size, []).append(seconds / t[i, j, c])
+    hits[(i, j, c)] = seconds
+  everywhere = float(np.median([r for rs in ratios.values() for r in rs])) if ratios else 1.0
+  for c, cfg in enumerate(cfgs):
+    t[:, :, c] = np.inf if only else t[:, :, c] * (float(np.median(ratios[cfg.size])) if cfg.size in ratios
+                                                     else everywhere)
+  for (i, j, c), seconds in hits.items():
+    t[i, j, c] = seconds
+  return t, frozenset(hits)
 
 
 def _on_shared_devices(sols, cfgs, calib, devices, microbatches):

@@ -373,3 +373,48 @@ def test_devices_sharing_cores_serialise_the_pipeline():
   assert plan.predicted_seconds == pytest.approx(max(sum(lat) + 3 * max(lat), 4 * sum(lat)))
   side_by_side = _plan(CFG, mesh, 6)
   assert plan.predicted_seconds > side_by_side.predicted_seconds
+
+
+def test_measured_stages_replace_and_rescale_the_model():
+  """Measured stage latencies replace the model's entries; the untimed entries of a measured submesh size are
+  scaled by that size's median measured / model ratio (of all timed stages where none of the size was timed);
+  `only` keeps the timed stages alone."""
+  cfgs = stage_dp.configs(2, 4)
+  rng = np.random.default_rng(3)
+  t = rng.uniform(1e-3, 5e-3, (4, 4, len(cfgs)))
+  kept = t.copy()
+  one = next(c for c, cfg in enumerate(cfgs) if cfg.size == 1)
+  two = next(c for c, cfg in enumerate(cfgs) if cfg.size == 2)
+  measured = {(0, 1, cfgs[one].shape, cfgs[one].logical): 3 * t[0, 1, one],
+              (2, 2, cfgs[one].shape, cfgs[one].logical): 5 * t[2, 2, one],
+              (1, 3, cfgs[two].shape, cfgs[two].logical): 2 * t[1, 3, two],
+              (0, 9, cfgs[two].shape, cfgs[two].logical): 1.0}   # (no such layer: ignored)
+  got, hits = stages.with_measured(t, cfgs, measured)
+  assert hits == {(0, 1, one), (2, 2, one), (1, 3, two)}
+  assert got[0, 1, one] == measured[(0, 1, cfgs[one].shape, cfgs[one].logical)]
+  assert got[1, 3, two] == pytest.approx(2 * t[1, 3, two])
+  np.testing.assert_allclose(got[3, 3, one], 4 * t[3, 3, one])   # median of 3 and 5
+  np.testing.assert_allclose(got[0, 0, two], 2 * t[0, 0, two])
+  for c, cfg in enumerate(cfgs):
+    if cfg.size > 2:   # no stage of this size was timed: the median of every ratio (3, 5, 2)
+      np.testing.assert_allclose(got[:, :, c], 3 * t[:, :, c])
+  assert np.array_equal(t, kept), "the model's table is not changed"
+  only, _ = stages.with_measured(t, cfgs, measured, only=True)
+  assert np.isfinite(only).sum() == 3 and only[2, 2, one] == measured[(2, 2, cfgs[one].shape, cfgs[one].logical)]
+  assert stages.with_measured(t, cfgs, None)[0] is t
+
+
+def test_a_plan_priced_with_measured_stages_marks_and_uses_them(traced):  # pylint: disable=unused-argument
+  cfg = tm.Config(layers=2, d_model=32, heads=2, d_ff=64, vocab=64, seq=8, batch=4)
+  mesh = gs.Mesh((2, 4), ("host", "device"))
+  first = _plan(cfg, mesh, 4)
+  # every stage of the model's choice measured 10x slower than priced: the plan is re-priced with them
+  measured = {(s.layers[0], s.layers[1], tuple(s.submesh), tuple(s.mesh.shape)): 10 * s.seconds for s in first.stages}
+  again = gs.plan_stages(_loss(cfg), *_specs(cfg), mesh=mesh, layers=4, microbatches=4, calibration=PIPE,
+                         measured=measured, measured_only=True)
+  assert all(s.measured and s.model_seconds > 0 for s in again.stages)
+  assert [(s.layers, s.submesh) for s in again.stages] == [(s.layers, s.submesh) for s in first.stages]
+  lat = [10 * f.seconds for f in first.stages]
+  assert [s.seconds for s in again.stages] == pytest.approx(lat)
+  assert again.predicted_seconds == pytest.approx(stage_dp.latency(lat, 4))
+  assert "measured (model " in str(again)
