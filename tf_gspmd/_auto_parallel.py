@@ -129,6 +129,9 @@ class AutoParallel:
     param_names: the readable name of each leaf of `params` (tf.nest order); boundaries: what travels between
       consecutive stages.
     last_seconds: wall time of the last call.
+    profiled_rounds: how many plans had their stages timed (`profile`); whole_timings: {layout: seconds} of the
+      step without a pipeline as timed, whole_layouts: the layouts `intra_plan` holds ("planned",
+      "whole-step automatic" or "data parallel"). `select(plan)` runs the other plan.
   """
 
   def __init__(self, loss_fn, param_specs, batch_specs, mesh, microbatches, memory_budget, layers, schedule,
@@ -184,11 +187,12 @@ class AutoParallel:
     if profile_values is not None:
       self._profile(pipelined, profile_values, profile_rounds, memory_budget)
     whole = self.intra_plan
-    self._use(whole if whole is not None and whole.predicted_seconds < self.pipelined_plan.predicted_seconds
+    self.select(whole if whole is not None and whole.predicted_seconds < self.pipelined_plan.predicted_seconds
               else self.pipelined_plan)
 
-  def _use(self, plan):
-    """Builds the runtime of `plan` (the pipelined plan or the intra-operator one), unless it is the one built."""
+  def select(self, plan):
+    """Runs `plan` from now on: `step.pipelined_plan` or `step.intra_plan` (the runtime is built anew unless it
+    is the plan already running), e.g. to time the plan the planner turned down."""
     if getattr(self, "plan", None) is plan and getattr(self, "pipeline", None) is not None:
       return
     whole = plan is self.intra_plan and plan is not self.pipelined_plan
@@ -239,7 +243,7 @@ class AutoParallel:
       plan = self.pipelined_plan
       if all(s.measured for s in plan.stages):
         break
-      self._use(plan)
+      self.select(plan)
       for s, seconds in zip(plan.stages, self._stage_seconds(params, batch)):
         measured[(s.layers[0], s.layers[1], tuple(s.submesh), tuple(s.mesh.shape))] = seconds
       self.profiled_rounds += 1
