@@ -53,6 +53,16 @@ def reference(params, tokens, labels):
   return loss.numpy(), {k: tf.convert_to_tensor(g).numpy() for k, g in tape.gradient(loss, p).items()}
 
 
+def _matches_reference(step, tokens, labels):
+  """`step`'s loss and gradients from init() equal the unpartitioned program's."""
+  params = init()
+  loss, grads = step(params, tokens, labels)
+  want_loss, want_grads = reference(params, tokens, labels)
+  assert_close(loss, want_loss)
+  for k, g in grads.items():
+    np.testing.assert_allclose(np.asarray(g), want_grads[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
 @pytest.fixture(scope="module")
 def step():
   mesh = gs.Mesh((2, 4), ("host", "device"))
@@ -195,12 +205,7 @@ def test_a_one_stage_plan_runs_on_the_whole_mesh():
   one = gs.auto_parallel(loss_fn, init(), tokens, labels, mesh=mesh, microbatches=2, layers=4, calibration=CAL,
                          max_stages=1, memory_budget=1 << 40)
   assert len(one.stages) == 1 and one.stages[0].mesh.size == 8 and not one.boundaries
-  params = init()
-  loss, grads = one(params, tokens, labels)
-  want_loss, want_grads = reference(params, tokens, labels)
-  assert_close(loss, want_loss)
-  for k, g in grads.items():
-    np.testing.assert_allclose(g.numpy(), want_grads[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  _matches_reference(one, tokens, labels)
 
 
 def test_the_intra_only_plan_runs_when_a_pipeline_cannot_pay():
@@ -216,12 +221,7 @@ def test_the_intra_only_plan_runs_when_a_pipeline_cannot_pay():
   assert len(step.stages) == 1 and step.stages[0].mesh.size == 8 and not step.boundaries
   # one stage and one call each way: 2 calls, nothing moved, no microbatches
   assert step.plan.predicted_seconds >= 2 * slow_calls.seconds_per_call
-  params = init()
-  loss, grads = step(params, tokens, labels)
-  want_loss, want_grads = reference(params, tokens, labels)
-  assert_close(loss, want_loss)
-  for k, g in grads.items():
-    np.testing.assert_allclose(g.numpy(), want_grads[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  _matches_reference(step, tokens, labels)
   # Under cheap calls and moves the pipeline pays, and is chosen over the intra-only plan.
   fast = gs.auto_parallel(loss_fn, init(), tokens, labels, mesh=mesh, microbatches=4, layers=6, calibration=CAL)
   assert fast.plan is fast.pipelined_plan and len(fast.stages) > 1 and fast.microbatches == 4
@@ -244,12 +244,7 @@ def test_profiling_times_the_chosen_stages_and_the_step_without_a_pipeline():
   faster = min((step.intra_plan, step.pipelined_plan), key=lambda p: p.predicted_seconds)
   assert step.plan is faster
   assert "steps timed without a pipeline, whole batch: planned" in str(step)
-  params = init()
-  loss, grads = step(params, tokens, labels)
-  want_loss, want_grads = reference(params, tokens, labels)
-  assert_close(loss, want_loss)
-  for k, g in grads.items():
-    np.testing.assert_allclose(np.asarray(g), want_grads[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  _matches_reference(step, tokens, labels)
   with pytest.raises(InputError, match="profile=True times the plan's stages on real values"):
     gs.auto_parallel(loss_fn, {k: tf.TensorSpec(v.shape) for k, v in init().items()}, tokens, labels, mesh=mesh,
                      microbatches=4, profile=True)
