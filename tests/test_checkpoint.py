@@ -212,21 +212,7 @@ def test_keras_model_parallel_checkpoint_holds_slices_and_restores_on_another_la
   x = rng.standard_normal((8, 24)).astype(np.float32)
   y = rng.standard_normal((8, 20)).astype(np.float32)
 
-  def build(mesh_shape, up, down):
-    keras.utils.set_random_seed(1)
-    mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"], keras.distribution.list_devices("cpu")[:8])
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map[".*up/kernel"] = up
-    layout_map[".*down/kernel"] = down
-    dist = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
-    with dist.scope():
-      model = keras.Sequential([keras.Input((24,)), keras.layers.Dense(40, name="up"),
-                                keras.layers.Dense(20, name="down")])
-      model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-      model.optimizer.build(model.trainable_variables)
-    return model, dist
-
-  model, dist = build((2, 4), (None, "model"), ("model", None))
+  model, dist = _keras_dense_pair((2, 4), (None, "model"), ("model", None))
   with dist.scope():
     model.fit(x, y, batch_size=8, epochs=2, verbose=0)
   ckpt = tf.train.Checkpoint(model=model, opt=model.optimizer)
@@ -240,7 +226,7 @@ def test_keras_model_parallel_checkpoint_holds_slices_and_restores_on_another_la
   key = next(k for k, v in shapes.items() if v == [24, 40] and "trainable" in k)   # the kernel itself
   np.testing.assert_array_equal(tf.train.load_variable(path, key), kernel.numpy())
 
-  fresh, dist2 = build((1, 8), ("model", None), (None, "model"))
+  fresh, dist2 = _keras_dense_pair((1, 8), ("model", None), (None, "model"))
   assert gs.sharding_of(fresh.get_layer("up").kernel).spec == P("model", None)
   tf.train.Checkpoint(model=fresh, opt=fresh.optimizer).read(path).assert_consumed()
   got = [v.numpy() for v in fresh.weights + fresh.optimizer.variables]
@@ -257,6 +243,26 @@ def test_keras_model_parallel_checkpoint_holds_slices_and_restores_on_another_la
                              atol=1e-5)
 
 
+def _keras_dense_pair(mesh_shape, up, down=None):
+  """(model, distribution): Dense(40, "up") -> Dense(20, "down") on 24 features under Keras's ModelParallel on
+  the first 8 CPUs as (batch, model) of `mesh_shape`, the kernels laid out as `up` / `down` (None: not named),
+  compiled with Adam(0.01) and mse, its optimizer built; seeded alike on every call."""
+  import keras  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(1)
+  mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"], keras.distribution.list_devices("cpu")[:8])
+  layout_map = keras.distribution.LayoutMap(mesh)
+  layout_map[".*up/kernel"] = up
+  if down is not None:
+    layout_map[".*down/kernel"] = down
+  dist = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+  with dist.scope():
+    model = keras.Sequential([keras.Input((24,)), keras.layers.Dense(40, name="up"),
+                              keras.layers.Dense(20, name="down")])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+  return model, dist
+
+
 def test_asynchronous_save_of_a_keras_model_parallel_model_writes_slices_while_it_trains(rng, tmp_path):
   """A Keras ModelParallel model saved with experimental_enable_async_checkpoint: the host copy is this process's
   tiles (no whole kernel), training steps run while the write is pending, the next save waits for the previous
@@ -267,20 +273,7 @@ def test_asynchronous_save_of_a_keras_model_parallel_model_writes_slices_while_i
   x = rng.standard_normal((8, 24)).astype(np.float32)
   y = rng.standard_normal((8, 20)).astype(np.float32)
 
-  def build(up):
-    keras.utils.set_random_seed(1)
-    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], keras.distribution.list_devices("cpu")[:8])
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map[".*up/kernel"] = up
-    dist = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
-    with dist.scope():
-      model = keras.Sequential([keras.Input((24,)), keras.layers.Dense(40, name="up"),
-                                keras.layers.Dense(20, name="down")])
-      model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-      model.optimizer.build(model.trainable_variables)
-    return model, dist
-
-  model, dist = build((None, "model"))
+  model, dist = _keras_dense_pair((2, 4), (None, "model"))
   kernel = model.get_layer("up").kernel
   assert state.storage_of(kernel) is not None
   options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
@@ -304,7 +297,7 @@ def test_asynchronous_save_of_a_keras_model_parallel_model_writes_slices_while_i
              if v == [24, 40] and "trainable" in k)
   for path, values in ((first, first_values), (second, second_values)):
     np.testing.assert_array_equal(tf.train.load_variable(path, key), values[0])
-    fresh, _ = build(("model", None))
+    fresh, _ = _keras_dense_pair((2, 4), ("model", None))
     tf.train.Checkpoint(model=fresh, opt=fresh.optimizer).read(path).assert_existing_objects_matched()
     got = [v.numpy() for v in fresh.weights + fresh.optimizer.variables]
     assert len(got) == len(values)
