@@ -132,11 +132,12 @@ def _layer_dp(best, prev, layers, devices, sizes):
   return F, bj, bz
 
 
-def _run(best_of, layers, devices, sizes, max_stages, budgeted):
-  """The stages of F[0][devices] for each number of stages s (or for any, without a budget), where F[k, d] is the
-  least sum of latencies of layers k..L-1 on d devices."""
+def _run(best_of, layers, devices, sizes, max_stages, counted):
+  """The stages of F[0][devices] for each number of stages s up to max_stages (`counted`: under a budget, or a
+  limit on the stages; otherwise for any number), where F[k, d] is the least sum of latencies of layers k..L-1 on
+  d devices."""
   found = []
-  if not budgeted:
+  if not counted:
     best, which = best_of(1)
     F = np.full((layers + 1, devices + 1), INF)
     F[layers, 0] = 0.0
@@ -198,6 +199,7 @@ def solve(t, state, act, cfg_sizes, devices, microbatches, budget=None, max_stag
   layers = t.shape[0]
   cfg_size = np.asarray(cfg_sizes)
   sizes = sorted(set(int(s) for s in cfg_sizes))
+  limited = max_stages is not None and max_stages < min(layers, devices)
   max_stages = min(layers, devices, max_stages or layers)
   budgeted = budget is not None
 
@@ -217,7 +219,7 @@ def solve(t, state, act, cfg_sizes, devices, microbatches, budget=None, max_stag
       best, which = fastest[s]
       return np.where(best <= t_max, best, INF), which
 
-    return _run(best_of, layers, devices, sizes, max_stages, budgeted)
+    return _run(best_of, layers, devices, sizes, max_stages, budgeted or limited)
 
   if not values.size or not run_at(values[-1]):
     return [], tried[0]
@@ -244,7 +246,7 @@ def solve(t, state, act, cfg_sizes, devices, microbatches, budget=None, max_stag
   return ordered[:keep], tried[0]
 
 
-def brute_force(t, state, act, cfg_sizes, devices, microbatches, budget=None):
+def brute_force(t, state, act, cfg_sizes, devices, microbatches, budget=None, max_stages=None):
   """The least T* over every partition of the layers into contiguous stages and every configuration of each
   whose sizes add up to `devices` (a check of `solve` on small tables); None when nothing fits."""
   layers = t.shape[0]
@@ -253,6 +255,8 @@ def brute_force(t, state, act, cfg_sizes, devices, microbatches, budget=None):
     bounds = [0] + [k + 1 for k, c in enumerate(cuts) if c] + [layers]
     ranges = [(bounds[q], bounds[q + 1] - 1) for q in range(len(bounds) - 1)]
     n = len(ranges)
+    if max_stages is not None and n > max_stages:
+      continue
     for cfgs in itertools.product(range(len(cfg_sizes)), repeat=n):
       if sum(cfg_sizes[c] for c in cfgs) != devices:
         continue

@@ -120,6 +120,20 @@ def test_stage_program_matches_brute_force(seed):
   assert sum(cfgs[c].size for _, _, c in sols[0].stages) == 8
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_max_stages_binds_without_a_memory_budget(seed):
+  rng = np.random.default_rng(100 + seed)
+  cfgs = stage_dp.configs(2, 4)
+  sizes = [c.size for c in cfgs]
+  t, state, act = _random_tables(rng, 4, cfgs)
+  b = int(rng.integers(2, 9))
+  for limit in (1, 2):
+    sols, _ = stage_dp.solve(t, state, act, sizes, 8, b, max_stages=limit)
+    want = stage_dp.brute_force(t, state, act, sizes, 8, b, max_stages=limit)
+    assert sols and all(len(s.stages) <= limit for s in sols)
+    assert sols[0].total == pytest.approx(want, rel=1e-12)
+
+
 def test_stage_program_matches_brute_force_on_measured_costs(traced):
   layers = clustering.cluster(traced, 4)
   pricer = stages.Pricer(traced, layers, traced.input_names[:-2], 4, CAL, 2, 10.0)
