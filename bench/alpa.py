@@ -37,8 +37,9 @@ import statistics
 import sys
 import time
 
-import numpy as np
-import tensorflow as tf
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import numpy as np  # noqa: E402  pylint: disable=g-import-not-at-top
+import tensorflow as tf  # noqa: E402  pylint: disable=g-import-not-at-top
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import train_moe as moe  # noqa: E402  pylint: disable=g-import-not-at-top
@@ -335,11 +336,11 @@ def main():
                  help="plan every row for a (N / 8, 8) mesh without devices (a larger config) instead of measuring")
   p.add_argument("--layers", type=int, default=None, help="transformer decoder blocks (4; 16 planned)")
   p.add_argument("--d_model", type=int, default=64)
-  p.add_argument("--heads", type=int, default=4)
+  p.add_argument("--heads", type=int, default=None, help="attention heads (4; 8 planned, one per `model` device)")
   p.add_argument("--d_ff", type=int, default=256)
   p.add_argument("--vocab", type=int, default=8192)
   p.add_argument("--seq", type=int, default=32)
-  p.add_argument("--batch", type=int, default=None, help="transformer sequences (32; 2 per device planned)")
+  p.add_argument("--batch", type=int, default=None, help="transformer sequences (32; 4 per device planned)")
   p.add_argument("--moe_layers", type=int, default=None, help="MoE blocks (2; 4 planned)")
   p.add_argument("--moe_d_ff", type=int, default=128)
   p.add_argument("--experts", type=int, default=8, help="experts (planned: at least one per device)")
@@ -357,7 +358,8 @@ def main():
   big = devices > 8
   a.layers = a.layers or (16 if big else 4)
   a.moe_layers = a.moe_layers or (4 if big else 2)
-  a.batch = a.batch or (2 * devices if big else 32)
+  a.heads = a.heads or (8 if big else 4)
+  a.batch = a.batch or (4 * devices if big else 32)
   a.moe_batch = a.moe_batch or (2 * devices if big else 16)
   a.microbatches = a.microbatches or (16 if big else 4)
   if not big:
