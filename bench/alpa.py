@@ -145,7 +145,10 @@ def unet_loss(prm, images, labels):
   u2 = block(tf.concat([up(mid), d2], axis=-1), "up2")
   u1 = block(tf.concat([up(u2), d1], axis=-1), "up1")
   logits = tf.nn.conv2d(u1, prm["classifier/w"], 1, "SAME") + prm["classifier/b"]
-  return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+  # per pixel, kept [batch, rows, cols]: the sparse cross-entropy op flattens them, which moves the shard
+  # boundaries of a batch and rows split together (a gather; README, Known limitations)
+  picked = tf.one_hot(labels, logits.shape[-1]) * tf.nn.log_softmax(logits)
+  return -tf.reduce_mean(tf.reduce_sum(picked, axis=-1))
 
 
 def unet_shapes(width, channels=3, classes=3):
