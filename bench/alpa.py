@@ -120,7 +120,7 @@ def mixture_of_experts(a, devices, microbatches):  # pylint: disable=unused-argu
     return {name: np.asarray(moe._initializer(kind, 1000 + k)(shape), np.float32)  # pylint: disable=protected-access
             for k, (name, (shape, _, kind)) in enumerate(sorted(specs.items()))}
 
-  hand = (f"expert parallel ({devices} experts' axis, as train_moe)", gs.Mesh((devices,), ("expert",)),
+  hand = (f"expert parallel (`expert` axis of {devices}, as train_moe)", gs.Mesh((devices,), ("expert",)),
           (P("expert", None),) * 2, {n: s for n, (_, s, _) in specs.items()}, make(True))
   return Model("moe", make(False), {n: shape for n, (shape, _, _) in specs.items()},
                tm.synthetic_batch(cfg, seed=1), init, hand, "the MoE blocks are not written as stacked stages",
