@@ -1,38 +1,189 @@
-"""The automatic two-level plan (gs.auto_parallel) against hand plans, on 8 logical CPUs.
+"""The automatic two-level plan (gs.auto_parallel) against hand plans: measured on 8 logical CPUs, planned for 256.
 
-  python bench/alpa.py                  # a transformer with a large vocabulary head, mesh (2, 4)
+  python bench/alpa.py                       # transformer, MoE and U-Net on mesh (2, 4), measured
+  python bench/alpa.py --model moe           # one of them
+  python bench/alpa.py --plan_devices 256    # the same plans for a (32, 8) mesh, planned without its devices
+
+Models (each a functional `loss_fn(params, *batch)`, the loss a mean over the batch rows):
+  transformer  a decoder with a large vocabulary head (examples/transformer_model.py)
+  moe          the GShard mixture-of-experts decoder of examples/train_moe.py (top-2 gating, expert capacity)
+  unet         a small conv U-Net: 2 down blocks, a bottleneck, 2 up blocks with skip concatenations, a 1x1
+               classifier per pixel (the Keras model of examples/train_convnet.py in functional form)
 
 One training step (loss and gradients of every parameter, no optimizer update) per plan:
-  data parallel     gs.function, batch split over all 8 devices, weights replicated
-  Megatron          gs.function on (data, model): heads and MLP hidden over model, batch over data
+  data parallel     gs.function, batch split over all devices, weights replicated
+  hand layout       gs.function with the model's own layout: transformer Megatron on (data, model) (heads and MLP
+                    hidden over model); MoE expert parallel as train_moe.py (one `expert` axis: groups outside the
+                    experts, experts inside, all-to-alls between); U-Net spatial (batch over data, image rows over
+                    spatial, halo exchanges) as train_convnet.py
   intra-op auto     gs.function with in_shardings="auto" (the integer program over the whole step)
-  GSPMD pipeline    gs.pipeline over (stage, data) = (4, 2): the decoder blocks as stages (identical stages only;
-                    the embedding and the head outside the pipeline)
+  GSPMD pipeline    gs.pipeline over (stage, data) = (4, devices / 4): the transformer's decoder blocks as stages
+                    (identical stages only: a '-' row for the others)
   auto two-level    gs.auto_parallel: stages, submeshes and their intra-operator plans (an MPMD pipeline), or
                     the intra-operator plan alone when the planner prices no pipeline below it (then the
                     pipeline it turned down is run too, for its measured and predicted step)
-For each: the measured step (median of --repeats after a warm-up), the predicted one where the library predicts it
-(the planner's T*; for intra-op auto, the planner's price of the whole step as one stage on the whole mesh) and
-memory per device (gs.function: the per-device program's estimated peak; auto two-level: the planner's count of
-its largest stage: weights, gradients, 2 optimizer slots and the activations in flight). Prints a markdown table.
+Measured (8 devices): the step's median of --repeats after a warm-up, every loss checked against the unpartitioned
+step's. Predicted: the planner's T* (for intra-op auto, its price of the whole step as one stage on the whole mesh).
+Memory per device: gs.function, the per-device program's estimated peak; two-level, the planner's count of its
+largest stage (weights, gradients, 2 optimizer slots, the activations in flight).
+With --plan_devices N (N = 8 x rows): every gs.function row lowered for (N / 8, 8) from TensorSpecs (plan mode,
+no devices, nothing of the model's size allocated) and the two-level plan from gs.plan_stages; a larger config.
 """
 
 import argparse
+import math
 import os
 import statistics
 import sys
 import time
 
-import numpy as np
-import tensorflow as tf
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import numpy as np  # noqa: E402  pylint: disable=g-import-not-at-top
+import tensorflow as tf  # noqa: E402  pylint: disable=g-import-not-at-top
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import train_moe as moe  # noqa: E402  pylint: disable=g-import-not-at-top
 import transformer_model as tm  # noqa: E402  pylint: disable=g-import-not-at-top
 
 import tf_gspmd as gs  # noqa: E402  pylint: disable=g-import-not-at-top
 from tf_gspmd import P  # noqa: E402  pylint: disable=g-import-not-at-top
 
+MODELS = ("transformer", "moe", "unet")
 
+
+class Model:
+  """A model for the bench: its loss, parameter shapes, batch, hand layout and (optional) GSPMD pipeline."""
+
+  def __init__(self, name, loss, shapes, batch, init, hand, pipeline, layers):
+    self.name, self.loss, self.shapes, self.batch, self.init = name, loss, shapes, batch, init
+    self.hand = hand          # (row label, mesh, batch specs, {param: spec}, loss to run)
+    self.pipeline = pipeline  # (row label, mesh, loss, {param: shape}, init, batch specs, {param: spec}) or reason
+    self.layers = layers      # the planner's layers
+
+
+def _grid(devices, axes):
+  """(devices / 8, 8) for 2-D axes (8 devices: (2, 4))."""
+  shape = (2, 4) if devices == 8 else (devices // 8, 8)
+  return gs.Mesh(shape, axes)
+
+
+# ---- the three models ------------------------------------------------------------------------------------------
+def transformer(a, devices, microbatches):
+  cfg = tm.Config(layers=a.layers, d_model=a.d_model, heads=a.heads, d_ff=a.d_ff, vocab=a.vocab, seq=a.seq,
+                  batch=a.batch)
+
+  def loss(prm, tok, tgt):
+    return tm.loss_fn(prm, tok, tgt, cfg)
+
+  meg = tm.megatron_specs(cfg)
+  hand = ("Megatron (data x model)", _grid(devices, ("data", "model")), (P("data", None),) * 2, meg, loss)
+  if cfg.layers % 4:
+    pipe = "the decoder blocks do not divide into 4 stages"
+  else:
+    pshapes = {k: ((4, cfg.layers // 4) + s if k.startswith("layers/") else s)
+               for k, s in tm.pipelined_shapes(cfg).items()}
+
+    def ploss(prm, tok, tgt):
+      return tm.pipelined_loss(prm, tok, tgt, cfg, microbatches)
+
+    pipe = (f"GSPMD pipeline (4 stages x {devices // 4} data, {microbatches} microbatches)",
+            gs.Mesh((4, devices // 4), ("stage", "data")), ploss, pshapes,
+            lambda: tm.init_pipelined_params(cfg, 4), (P("data", None),) * 2, tm.pipelined_specs(cfg))
+  return Model("transformer", loss, tm.param_shapes(cfg), tm.synthetic_batch(cfg, seed=1),
+               lambda: tm.init_params(cfg, seed=0), hand, pipe, cfg.layers + 2)
+
+
+def mixture_of_experts(a, devices, microbatches):  # pylint: disable=unused-argument
+  f = moe.FLAGS
+  if not f.is_parsed():
+    f(["alpa"])
+  experts = max(a.experts, devices) if devices > 8 else a.experts   # one expert (at least) per device
+  for k, v in dict(layers=a.moe_layers, d_model=a.d_model, heads=a.heads, d_ff=a.moe_d_ff, experts=experts,
+                   vocab=a.moe_vocab, seq_len=a.seq, batch=a.moe_batch, auto=False).items():
+    setattr(f, k, v)
+  specs = moe.param_specs(P)
+  cfg = tm.Config(vocab=a.moe_vocab, seq=a.seq, batch=a.moe_batch)
+
+  def make(annotated):
+    def loss(prm, tok, tgt):
+      keep = f.auto_parallel
+      f.auto_parallel = not annotated   # train_moe's annotations (gs.shard over `expert`) only when annotated
+      try:
+        logits, aux = moe.forward(prm, tok, gs if annotated else None, P)
+      finally:
+        f.auto_parallel = keep
+      lm = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tgt, logits=logits))
+      return lm + f.aux_weight * aux
+    return loss
+
+  def init():
+    return {name: np.asarray(moe._initializer(kind, 1000 + k)(shape), np.float32)  # pylint: disable=protected-access
+            for k, (name, (shape, _, kind)) in enumerate(sorted(specs.items()))}
+
+  hand = (f"expert parallel (`expert` axis of {devices}, as train_moe)", gs.Mesh((devices,), ("expert",)),
+          (P("expert", None),) * 2, {n: s for n, (_, s, _) in specs.items()}, make(True))
+  return Model("moe", make(False), {n: shape for n, (shape, _, _) in specs.items()},
+               tm.synthetic_batch(cfg, seed=1), init, hand, "the MoE blocks are not written as stacked stages",
+               f.layers + 2)
+
+
+def _conv(x, w, b):
+  return tf.nn.relu(tf.nn.conv2d(x, w, 1, "SAME") + b)
+
+
+def unet_loss(prm, images, labels):
+  """The U-Net's mean per-pixel cross-entropy (3 classes)."""
+  def block(x, name):
+    return _conv(_conv(x, prm[name + "_a/w"], prm[name + "_a/b"]), prm[name + "_b/w"], prm[name + "_b/b"])
+
+  def up(x):
+    return tf.repeat(tf.repeat(x, 2, axis=1), 2, axis=2)
+
+  d1 = block(images, "down1")
+  d2 = block(tf.nn.max_pool2d(d1, 2, 2, "VALID"), "down2")
+  mid = block(tf.nn.max_pool2d(d2, 2, 2, "VALID"), "mid")
+  u2 = block(tf.concat([up(mid), d2], axis=-1), "up2")
+  u1 = block(tf.concat([up(u2), d1], axis=-1), "up1")
+  logits = tf.nn.conv2d(u1, prm["classifier/w"], 1, "SAME") + prm["classifier/b"]
+  # per pixel, kept [batch, rows, cols]: the sparse cross-entropy op flattens them, which moves the shard
+  # boundaries of a batch and rows split together (a gather; README, Known limitations)
+  picked = tf.one_hot(labels, logits.shape[-1]) * tf.nn.log_softmax(logits)
+  return -tf.reduce_mean(tf.reduce_sum(picked, axis=-1))
+
+
+def unet_shapes(width, channels=3, classes=3):
+  w = width
+  shapes = {}
+  for name, cin, cout in (("down1", channels, w), ("down2", w, 2 * w), ("mid", 2 * w, 4 * w),
+                          ("up2", 6 * w, 2 * w), ("up1", 3 * w, w)):
+    shapes.update({name + "_a/w": (3, 3, cin, cout), name + "_a/b": (cout,), name + "_b/w": (3, 3, cout, cout),
+                   name + "_b/b": (cout,)})
+  shapes.update({"classifier/w": (1, 1, w, classes), "classifier/b": (classes,)})
+  return shapes
+
+
+def unet(a, devices, microbatches):  # pylint: disable=unused-argument
+  size, batch = (a.image, a.image_batch) if devices == 8 else (2 * a.image, 2 * devices)
+  shapes = unet_shapes(a.width)
+
+  def init():
+    rng = np.random.default_rng(0)
+    return {k: (rng.normal(0.0, math.sqrt(2.0 / np.prod(s[:-1])), s) if len(s) > 1 else np.zeros(s)).astype(np.float32)
+            for k, s in sorted(shapes.items())}
+
+  rng = np.random.default_rng(1)
+  images = rng.normal(0.0, 1.0, (batch, size, size, 3)).astype(np.float32)
+  labels = rng.integers(0, 3, (batch, size, size)).astype(np.int32)
+  hand = ("spatial (batch over data, rows over spatial)", _grid(devices, ("data", "spatial")),
+          (P("data", "spatial", None, None), P("data", "spatial", None)), {k: P() for k in shapes}, unet_loss)
+  return Model("unet", unet_loss, shapes, (images, labels), init, hand, "the U-Net's levels differ (no identical stages)",
+               6)
+
+
+BUILD = {"transformer": transformer, "moe": mixture_of_experts, "unet": unet}
+
+
+# ---- rows --------------------------------------------------------------------------------------------------------
 def _timed(fn, repeats):
   fn()   # warm-up: tracing, partitioning, lowering
   times = []
@@ -43,99 +194,183 @@ def _timed(fn, repeats):
   return statistics.median(times)
 
 
-def _grad_step(loss, names):
-  def step(tokens, targets, *values):
-    params = dict(zip(names, values))
+def _grad_step(loss, names, n_batch):
+  def step(*args):
+    params = dict(zip(names, args[n_batch:]))
     with tf.GradientTape() as tape:
       tape.watch(list(params.values()))
-      value = loss(params, tokens, targets)
+      value = loss(params, *args[:n_batch])
     return (value,) + tuple(tape.gradient(value, [params[k] for k in names]))
   return step
 
 
-def _spmd_row(name, step, mesh, in_shardings, args, repeats, **kwargs):
-  f = gs.function(step, mesh=mesh, in_shardings=in_shardings, **kwargs)
+def _spec(x):
+  return tf.TensorSpec(x.shape, tf.as_dtype(x.dtype))
+
+
+def _spmd_row(name, loss, mesh, batch_specs, param_specs, shapes, batch, init, measure, repeats):
+  """(name, measured s or None, predicted s or None, memory bytes per device, loss or None) of a gs.function row."""
+  names = sorted(shapes)
+  step = _grad_step(loss, names, len(batch))
+  shardings = "auto" if param_specs == "auto" else tuple(batch_specs) + tuple(param_specs[k] for k in names)
+  f = gs.function(step, mesh=mesh, in_shardings=shardings)
+  specs = [_spec(b) for b in batch] + [tf.TensorSpec(shapes[k], tf.float32) for k in names]
+  peak = f.lower(*specs).report.memory.peak_bytes
+  if not measure:
+    return name, None, None, peak, None
+  params = init()
+  args = tuple(batch) + tuple(params[k] for k in names)
   seconds = _timed(lambda: [np.asarray(o) for o in f(*args)][0], repeats)
-  low = f.lower(*[tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in args])
-  return name, seconds, None, low.report.memory.peak_bytes, f(*args)[0]
+  return name, seconds, None, peak, float(f(*args)[0])
+
+
+def _whole_prediction(m, mesh):
+  """The planner's price of the whole step as one stage on the whole mesh, the whole batch in one call."""
+  whole = gs.plan_stages(m.loss, {k: tf.TensorSpec(s, tf.float32) for k, s in m.shapes.items()},
+                         *[_spec(b) for b in m.batch], mesh=mesh, layers=m.layers, microbatches=1, max_stages=1,
+                         whole_mesh=True)
+  assert len(whole.stages) == 1, whole
+  return whole
+
+
+def _stage_memory(plan):
+  return max(s.memory_bytes for s in plan.stages)
+
+
+def _submeshes(plan):
+  return ", ".join(f"({r},{c})" for r, c in (s.submesh for s in plan.stages))
+
+
+def run_model(m, a, devices):
+  """The rows of model `m`: measured on 8 devices, planned only (plan mode) on more."""
+  measure = devices == 8
+  host = _grid(devices, ("host", "device"))
+  common = dict(shapes=m.shapes, batch=m.batch, init=m.init, measure=measure, repeats=a.repeats)
+  dp_axes = _grid(devices, ("data", "model"))
+  rows, want = [], None
+  if measure:
+    names = sorted(m.shapes)
+    params = m.init()
+    ref = tf.function(_grad_step(m.loss, names, len(m.batch)))
+    want = float(ref(*[tf.constant(x) for x in tuple(m.batch) + tuple(params[k] for k in names)])[0])
+  rows.append(_spmd_row(f"data parallel ({devices})", m.loss, dp_axes,
+                        [P(("data", "model"), *(None,) * (len(b.shape) - 1)) for b in m.batch],
+                        {k: P() for k in m.shapes}, **common))
+  label, mesh, batch_specs, specs, loss = m.hand
+  rows.append(_spmd_row(label, loss, mesh, batch_specs, specs, **common))
+  start = time.perf_counter()
+  auto = _spmd_row('intra-op auto (`in_shardings="auto"`)', m.loss, dp_axes, None, "auto", **common)
+  whole = _whole_prediction(m, host)
+  rows.append(auto[:2] + (whole.predicted_seconds,) + auto[3:])
+  print(f"[{m.name}] intra-op auto lowered and priced in {time.perf_counter() - start:.1f} s", flush=True)
+  if isinstance(m.pipeline, str):
+    rows.append(("GSPMD pipeline: - (" + m.pipeline + ")", None, None, None, None))
+  else:
+    label, mesh, ploss, pshapes, pinit, pbatch, pspecs = m.pipeline
+    rows.append(_spmd_row(label, ploss, mesh, pbatch, pspecs, **dict(common, shapes=pshapes, init=pinit)))
+  rows += two_level_rows(m, a, host, measure, whole)
+  return rows, want
+
+
+def two_level_rows(m, a, mesh, measure, whole):
+  start = time.perf_counter()
+  if not measure:   # what gs.auto_parallel plans: the pipelined plan, or the whole-mesh one when priced below it
+    micro = [tf.TensorSpec((b.shape[0] // a.microbatches,) + b.shape[1:], tf.as_dtype(b.dtype)) for b in m.batch]
+    plan = gs.plan_stages(m.loss, {k: tf.TensorSpec(s, tf.float32) for k, s in m.shapes.items()}, *micro,
+                          mesh=mesh, layers=m.layers, microbatches=a.microbatches)
+    took = time.perf_counter() - start
+    print(plan, flush=True)
+    print(f"[{m.name}] two-level planned for {mesh.size} devices in {took:.1f} s", flush=True)
+    piped = (f"{len(plan.stages)} stage(s) on {_submeshes(plan)}; {a.microbatches} microbatches; planned in "
+             f"{took:.0f} s")
+    if whole.predicted_seconds < plan.predicted_seconds:
+      return [(f"auto pipelined, turned down ({piped})", None, plan.predicted_seconds, _stage_memory(plan), None),
+              ("auto two-level (the intra-operator plan alone, no pipeline)", None, whole.predicted_seconds,
+               _stage_memory(whole), None)]
+    return [(f"auto two-level ({piped})", None, plan.predicted_seconds, _stage_memory(plan), None)]
+  params = m.init()
+  two = gs.auto_parallel(m.loss, params, *m.batch, mesh=mesh, microbatches=a.microbatches, layers=m.layers)
+  took = time.perf_counter() - start
+  print(two, flush=True)
+  rows = []
+  if two.plan is not two.pipelined_plan:   # the pipeline the planner turned down, run for its measurement
+    piped = gs.auto_parallel(m.loss, params, *m.batch, mesh=mesh, microbatches=a.microbatches, layers=m.layers,
+                             intra_candidate=False)
+    print(piped.plan, flush=True)
+    sec = _timed(lambda: piped(params, *m.batch), a.repeats)
+    rows.append((f"auto pipelined, turned down ({len(piped.plan.stages)} stage(s) on {_submeshes(piped.plan)})", sec,
+                 piped.plan.predicted_seconds, _stage_memory(piped.plan), float(piped(params, *m.batch)[0])))
+  what = (f"{len(two.plan.stages)} stages on {_submeshes(two.plan)}; {two.microbatches} microbatches"
+          if len(two.plan.stages) > 1 else "the intra-operator plan alone, no pipeline")
+  measured = _timed(lambda: two(params, *m.batch), a.repeats)
+  rows.append((f"auto two-level ({what}; planned in {took:.0f} s)", measured, two.plan.predicted_seconds,
+               _stage_memory(two.plan), float(two(params, *m.batch)[0])))
+  return rows
+
+
+def _ms(x, digits):
+  return "-" if x is None else f"{x * 1e3:.{digits}f}"
+
+
+def table(m, rows, want, devices):
+  print(f"\n{m.name} on {devices} devices" + (f"; unpartitioned loss {want:.6f}" if want is not None else
+                                             " (planned, no devices)"))
+  print("| plan | measured ms | predicted ms | memory / device (MiB) | loss |")
+  print("|---|---:|---:|---:|---:|")
+  for name, sec, pred, mem, value in rows:
+    mem_s = "-" if mem is None else f"{mem / 2**20:.2f}"
+    loss_s = "-" if value is None else f"{value:.6f}"
+    print(f"| {name} | {_ms(sec, 1)} | {_ms(pred, 2)} | {mem_s} | {loss_s} |")
+  if want is None:
+    return
+  for name, _, _, _, value in rows:
+    if value is not None:
+      np.testing.assert_allclose(value, want, rtol=1e-4, err_msg=f"{m.name}: {name}")
+  hand = [r[1] for r in rows[:-1] if r[1] is not None and "turned down" not in r[0]]
+  two = rows[-1]
+  print(f"\nauto two-level / best other plan (measured): {two[1] / min(hand):.2f}x; predicted / measured "
+        f"(two-level): {two[2] / two[1]:.3f}", flush=True)
 
 
 def main():
   p = argparse.ArgumentParser()
-  p.add_argument("--layers", type=int, default=4)
+  p.add_argument("--model", choices=MODELS + ("all",), default="all")
+  p.add_argument("--plan_devices", type=int, default=None,
+                 help="plan every row for a (N / 8, 8) mesh without devices (a larger config) instead of measuring")
+  p.add_argument("--layers", type=int, default=None, help="transformer decoder blocks (4; 16 planned)")
   p.add_argument("--d_model", type=int, default=64)
-  p.add_argument("--heads", type=int, default=4)
+  p.add_argument("--heads", type=int, default=None, help="attention heads (4; 8 planned, one per `model` device)")
   p.add_argument("--d_ff", type=int, default=256)
   p.add_argument("--vocab", type=int, default=8192)
   p.add_argument("--seq", type=int, default=32)
-  p.add_argument("--batch", type=int, default=32)
-  p.add_argument("--microbatches", type=int, default=4)
+  p.add_argument("--batch", type=int, default=None, help="transformer sequences (32; 4 per device planned)")
+  p.add_argument("--moe_layers", type=int, default=None, help="MoE blocks (2; 4 planned)")
+  p.add_argument("--moe_d_ff", type=int, default=128)
+  p.add_argument("--experts", type=int, default=8, help="experts (planned: at least one per device)")
+  p.add_argument("--moe_vocab", type=int, default=1024)
+  p.add_argument("--moe_batch", type=int, default=None, help="MoE groups (16; 2 per device planned)")
+  p.add_argument("--image", type=int, default=32, help="U-Net image size (twice that planned)")
+  p.add_argument("--image_batch", type=int, default=16)
+  p.add_argument("--width", type=int, default=8, help="U-Net channels of the first level")
+  p.add_argument("--microbatches", type=int, default=None, help="4 (16 planned)")
   p.add_argument("--repeats", type=int, default=5)
   a = p.parse_args()
-  gs.split_cpu_devices(8)
-  cfg = tm.Config(layers=a.layers, d_model=a.d_model, heads=a.heads, d_ff=a.d_ff, vocab=a.vocab, seq=a.seq,
-                  batch=a.batch)
-  names = sorted(tm.param_shapes(cfg))
-  params = tm.init_params(cfg, seed=0)
-  tokens, targets = tm.synthetic_batch(cfg, seed=1)
-
-  def loss(prm, tok, tgt):
-    return tm.loss_fn(prm, tok, tgt, cfg)
-
-  step = _grad_step(loss, names)
-  args = (tokens, targets) + tuple(params[k] for k in names)
-  want = float(tf.function(step)(*[tf.constant(x) for x in args])[0])
-  dm = gs.Mesh((2, 4), ("data", "model"))
-  rows = []
-  rows.append(_spmd_row("data parallel", step, dm, (P(("data", "model"), None),) * 2 + (P(),) * len(names), args,
-                        a.repeats))
-  meg = tm.megatron_specs(cfg)
-  rows.append(_spmd_row("Megatron", step, dm, (P("data", None),) * 2 + tuple(meg[k] for k in names), args,
-                        a.repeats))
-  auto = _spmd_row("intra-op auto", step, dm, "auto", args, a.repeats)
-  whole = gs.plan_stages(loss, {k: tf.TensorSpec(v.shape, tf.float32) for k, v in params.items()},
-                         tf.TensorSpec(tokens.shape, tf.int32), tf.TensorSpec(targets.shape, tf.int32),
-                         mesh=gs.Mesh((2, 4), ("host", "device")), layers=a.layers + 2, microbatches=1, max_stages=1,
-                         memory_budget=1 << 60)   # (the stage program bounds the stages under a budget)
-  assert len(whole.stages) == 1, whole
-  rows.append(auto[:2] + (whole.predicted_seconds,) + auto[3:])
-  if a.layers % 4 == 0:   # the GSPMD pipeline: 4 identical stages of the decoder blocks over `stage`
-    pm = gs.Mesh((4, 2), ("stage", "data"))
-    pnames = sorted(tm.pipelined_shapes(cfg))
-    pparams = tm.init_pipelined_params(cfg, 4)
-    pspecs = tm.pipelined_specs(cfg)
-
-    def ploss(prm, tok, tgt):
-      return tm.pipelined_loss(prm, tok, tgt, cfg, a.microbatches)
-
-    pargs = (tokens, targets) + tuple(pparams[k] for k in pnames)
-    rows.append(_spmd_row("GSPMD pipeline (4 stages x 2 data)", _grad_step(ploss, pnames), pm,
-                          (P("data", None),) * 2 + tuple(pspecs[k] for k in pnames), pargs, a.repeats))
-  start = time.perf_counter()
-  two = gs.auto_parallel(loss, params, tokens, targets, mesh=gs.Mesh((2, 4), ("host", "device")),
-                         microbatches=a.microbatches, layers=a.layers + 2)
-  planned = time.perf_counter() - start
-  print(two)
-  measured = _timed(lambda: two(params, tokens, targets), a.repeats)
-  got = float(two(params, tokens, targets)[0])
-  rows.append(("auto two-level (gs.auto_parallel)", measured, two.plan.predicted_seconds,
-               max(s.memory_bytes for s in two.plan.stages), got))
-  if two.plan is not two.pipelined_plan:   # the pipeline the planner turned down, run for its measurement
-    piped = gs.auto_parallel(loss, params, tokens, targets, mesh=gs.Mesh((2, 4), ("host", "device")),
-                             microbatches=a.microbatches, layers=a.layers + 2, intra_candidate=False)
-    print(piped.plan)
-    sec = _timed(lambda: piped(params, tokens, targets), a.repeats)
-    rows.insert(len(rows) - 1, ("auto pipelined (turned down)", sec, piped.plan.predicted_seconds,
-                                max(s.memory_bytes for s in piped.plan.stages), float(piped(params, tokens, targets)[0])))
-  print(f"\nplanned in {planned:.1f} s; unpartitioned loss {want:.6f}")
-  print("| plan | measured ms | predicted ms | memory / device (MiB) | loss |")
-  print("|---|---:|---:|---:|---:|")
-  for name, sec, pred, mem, value in rows:
-    pred_s = f"{pred * 1e3:.2f}" if pred is not None else "-"
-    print(f"| {name} | {sec * 1e3:.1f} | {pred_s} | {mem / 2**20:.2f} | {float(value):.6f} |")
-  best = min(r[1] for r in rows[:-1] if "turned down" not in r[0])
-  print(f"\nauto two-level / best other plan (measured): {rows[-1][1] / best:.2f}x; predicted / measured "
-        f"(two-level): {rows[-1][2] / rows[-1][1]:.3f}")
+  devices = a.plan_devices or 8
+  if devices % 8 or devices < 8:
+    p.error(f"--plan_devices {devices}: a multiple of 8 (the mesh is (N / 8, 8))")
+  big = devices > 8
+  a.layers = a.layers or (16 if big else 4)
+  a.moe_layers = a.moe_layers or (4 if big else 2)
+  a.heads = a.heads or (8 if big else 4)
+  a.batch = a.batch or (4 * devices if big else 32)
+  a.moe_batch = a.moe_batch or (2 * devices if big else 16)
+  a.microbatches = a.microbatches or (16 if big else 4)
+  if not big:
+    gs.split_cpu_devices(8)
+  for name in (MODELS if a.model == "all" else (a.model,)):
+    m = BUILD[name](a, devices, a.microbatches)
+    rows, want = run_model(m, a, devices)
+    table(m, rows, want, devices)
 
 
 if __name__ == "__main__":
