@@ -19,11 +19,13 @@ One training step (loss and gradients of every parameter, no optimizer update) p
   intra-op auto     gs.function with in_shardings="auto" (the integer program over the whole step)
   GSPMD pipeline    gs.pipeline over (stage, data) = (4, devices / 4): the transformer's decoder blocks as stages
                     (identical stages only: a '-' row for the others)
-  auto two-level    gs.auto_parallel: stages, submeshes and their intra-operator plans (an MPMD pipeline), or
-                    the intra-operator plan alone when the planner prices no pipeline below it (then the
-                    pipeline it turned down is run too, for its measured and predicted step)
+  auto two-level    gs.auto_parallel (profiling on): stages, submeshes and their intra-operator plans (an MPMD
+                    pipeline), or the step without a pipeline (one gs.function in the fastest of the planned,
+                    whole-step automatic and data-parallel layouts), whichever its profiled prices rank first;
+                    the plan it turned down is run too (`step.select`), for its measured and predicted step
 Measured (8 devices): the step's median of --repeats after a warm-up, every loss checked against the unpartitioned
-step's. Predicted: the planner's T* (for intra-op auto, its price of the whole step as one stage on the whole mesh).
+step's. Predicted: the planner's T* (for intra-op auto, its model's price of the whole step as one stage on the
+whole mesh; for the two-level rows, T* from the profiled stage latencies).
 Memory per device: gs.function, the per-device program's estimated peak; two-level, the planner's count of its
 largest stage (weights, gradients, 2 optimizer slots, the activations in flight).
 With --plan_devices N (N = 8 x rows): every gs.function row lowered for (N / 8, 8) from TensorSpecs (plan mode,
@@ -292,20 +294,25 @@ def two_level_rows(m, a, mesh, measure, whole):
   two = gs.auto_parallel(m.loss, params, *m.batch, mesh=mesh, microbatches=a.microbatches, layers=m.layers)
   took = time.perf_counter() - start
   print(two, flush=True)
-  rows = []
-  if two.plan is not two.pipelined_plan:   # the pipeline the planner turned down, run for its measurement
-    piped = gs.auto_parallel(m.loss, params, *m.batch, mesh=mesh, microbatches=a.microbatches, layers=m.layers,
-                             intra_candidate=False)
-    print(piped.plan, flush=True)
-    sec = _timed(lambda: piped(params, *m.batch), a.repeats)
-    rows.append((f"auto pipelined, turned down ({len(piped.plan.stages)} stage(s) on {_submeshes(piped.plan)})", sec,
-                 piped.plan.predicted_seconds, _stage_memory(piped.plan), float(piped(params, *m.batch)[0])))
-  what = (f"{len(two.plan.stages)} stages on {_submeshes(two.plan)}; {two.microbatches} microbatches"
-          if len(two.plan.stages) > 1 else "the intra-operator plan alone, no pipeline")
+  chosen = two.plan
+  what = (f"{len(chosen.stages)} stages on {_submeshes(chosen)}; {two.microbatches} microbatches"
+          if chosen is two.pipelined_plan else
+          f"no pipeline: one gs.function, {two.whole_layouts} layouts, the fastest of "
+          + ", ".join(f"{k} {_ms(v, 1)} ms" for k, v in two.whole_timings.items()))
   measured = _timed(lambda: two(params, *m.batch), a.repeats)
-  rows.append((f"auto two-level ({what}; planned in {took:.0f} s)", measured, two.plan.predicted_seconds,
-               _stage_memory(two.plan), float(two(params, *m.batch)[0])))
-  return rows
+  last = (f"auto two-level ({what}; planned and profiled in {took:.0f} s, {two.profiled_rounds} pipelined plan(s) "
+          f"timed)", measured, chosen.predicted_seconds, _stage_memory(chosen), float(two(params, *m.batch)[0]))
+  rows = []
+  other = two.pipelined_plan if chosen is not two.pipelined_plan else two.intra_plan
+  if other is not None:   # the plan the planner turned down, run for its measurement
+    two.select(other)
+    sec = _timed(lambda: two(params, *m.batch), a.repeats)
+    desc = (f"{len(other.stages)} stage(s) on {_submeshes(other)}" if other is two.pipelined_plan else
+            f"no pipeline, {two.whole_layouts} layouts")
+    rows.append((f"auto, turned down ({desc})", sec, other.predicted_seconds, _stage_memory(other),
+                 float(two(params, *m.batch)[0])))
+    two.select(chosen)
+  return rows + [last]
 
 
 def _ms(x, digits):
