@@ -17,8 +17,8 @@ table counts the ops of the unpartitioned and the per-device program and the col
 in-process graph: the ops that replace them), the copies that combined collectives make (concatenating and
 splitting their members) and the rest (compute).
 
-  python bench/runtime.py [--steps=10] [--layers=12] [--only=mlp_train_step] [--profile=/tmp/prof]
-                          [--collective_timeout=1800]
+  python bench/runtime.py [--steps=10] [--layers=12] [--only=mlp_train_step] [--xla=off|on|both]
+                          [--profile=/tmp/prof] [--collective_timeout=1800]
 """
 
 import os
@@ -36,6 +36,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 flags.DEFINE_integer("steps", 10, "Timed calls per configuration (after two warm-up calls).")
 flags.DEFINE_integer("layers", 12, "Transformer layers.")
 flags.DEFINE_list("only", [], "Run only these programs (mlp_train_step, transformer_train_step).")
+flags.DEFINE_enum("xla", "both", ["off", "on", "both"], "Which XLA settings to run (the XLA-on configurations "
+                  "compile for minutes; TF's collectives run with XLA off).")
 flags.DEFINE_float("collective_timeout", 1800.0, "gs.function's collective_timeout: the first XLA-on call compiles the "
                    "segments inside the call (the 12-layer transformer's took 398 s on 2 busy cores, past the 300 s "
                    "default).")
@@ -102,7 +104,7 @@ def main(_):
     consts = [tf.constant(a) for a in args]
     want = [np.asarray(t) for t in tf.nest.flatten(tf.function(fn)(*consts))]
     times, calls = {}, {}   # calls: what is timed, round-robin once everything is built (see _interleaved)
-    for jit in (False, True):
+    for jit in _jits():
       with tf.device("/device:CPU:0"):
         single = tf.function(fn, jit_compile=jit)
 
@@ -134,12 +136,12 @@ def main(_):
                         _op_count(low.program.in_process.graph_def) if low.program.in_process else None)
     times.update(_interleaved(calls, FLAGS.steps))
     rows.append((name, times))
-  base = "unpartitioned, XLA off"
+  base = f"unpartitioned, XLA {'on' if FLAGS.xla == 'on' else 'off'}"
   head = ("program", "XLA", "unpartitioned ms", "tf_gspmd ms", "DTensor ms", "tf_gspmd / unpart.", "DTensor / unpart.",
           "tf_gspmd / DTensor")
   table = []
   for name, times in rows:
-    for jit in (False, True):
+    for jit in _jits():
       u, g, d = times[("unpartitioned", jit)], times[("tf_gspmd", jit)], times[("DTensor", jit)]
       table.append((name, "on" if jit else "off", f"{u * 1e3:.1f}", f"{g * 1e3:.1f}",
                     f"{d * 1e3:.1f}" if d else "fails", f"{g / u:.2f}", f"{d / u:.2f}" if d else "-",
@@ -147,37 +149,44 @@ def main(_):
   print(f"median step time over {FLAGS.steps} calls, 8 logical CPU devices on {os.cpu_count()} cores ({base} is "
         "the single-device reference)")
   _print_table(head, table)
-  print()
-  print("ops (graph nodes, function bodies included) of the unpartitioned program, of the per-device program "
-        "(after the optimize pass) and of the in-process graph of all 8 devices (deduplicated), and the collectives "
-        "one step runs (XLA off)")
-  head = ("program", "unpartitioned ops", "per-device ops", "in-process graph ops", "logical collectives",
-          "collective ops emitted", "bytes sent / device")
-  table = []
-  for name, times in rows:
-    whole, local, report, together = times["ops"]
-    logical = ", ".join(f"{n} {k}" for k, n in sorted(report.counts().items()))
-    table.append((name, str(whole), str(local), str(together or "-"), logical or "none",
-                  str(len(report.emitted_ops())), f"{report.bytes_per_device():,}"))
-  _print_table(head, table)
-  print()
-  print("XLA off: the devices' programs as one in-process graph (exchange=\"auto\", the rows above) vs each "
-        "device's program on its own thread joined by TF's collective ops (exchange=\"collectives\")")
-  head = ("program", "in-process ms", "TF collectives ms", "in-process / collectives")
-  table = [(name, f"{times[('tf_gspmd', False)] * 1e3:.1f}", f"{times['collectives'] * 1e3:.1f}",
-            f"{times[('tf_gspmd', False)] / times['collectives']:.2f}") for name, times in rows]
-  _print_table(head, table)
-  print()
-  print("first call with XLA on (after lowering): the program instantiated (in-process: one graph for all devices, "
-        "each XLA segment compiled once, on the first device) plus one step; on a one-device mesh the program is "
-        "one segment")
-  head = ("program", "lowering 1 device s", "first call 1 device s", "lowering 8 devices s", "first call 8 devices s",
-          "first call 8 / 1")
-  table = []
-  for name, times in rows:
-    (l1, c1), (l8, c8) = times["first call"]
-    table.append((name, f"{l1:.1f}", f"{c1:.1f}", f"{l8:.1f}", f"{c8:.1f}", f"{c8 / c1:.2f}"))
-  _print_table(head, table)
+  if False in _jits():
+    print()
+    print("ops (graph nodes, function bodies included) of the unpartitioned program, of the per-device program "
+          "(after the optimize pass) and of the in-process graph of all 8 devices (deduplicated), and the "
+          "collectives one step runs (XLA off)")
+    head = ("program", "unpartitioned ops", "per-device ops", "in-process graph ops", "logical collectives",
+            "collective ops emitted", "bytes sent / device")
+    table = []
+    for name, times in rows:
+      whole, local, report, together = times["ops"]
+      logical = ", ".join(f"{n} {k}" for k, n in sorted(report.counts().items()))
+      table.append((name, str(whole), str(local), str(together or "-"), logical or "none",
+                    str(len(report.emitted_ops())), f"{report.bytes_per_device():,}"))
+    _print_table(head, table)
+    print()
+    print("XLA off: the devices' programs as one in-process graph (exchange=\"auto\", the rows above) vs each "
+          "device's program on its own thread joined by TF's collective ops (exchange=\"collectives\"), and both "
+          "against DTensor")
+    head = ("program", "in-process ms", "TF collectives ms", "DTensor ms", "in-process / collectives",
+            "in-process / DTensor", "TF collectives / DTensor")
+    table = []
+    for name, times in rows:
+      g, c, d = times[("tf_gspmd", False)], times["collectives"], times[("DTensor", False)]
+      table.append((name, f"{g * 1e3:.1f}", f"{c * 1e3:.1f}", f"{d * 1e3:.1f}" if d else "fails", f"{g / c:.2f}",
+                    f"{g / d:.2f}" if d else "-", f"{c / d:.2f}" if d else "-"))
+    _print_table(head, table)
+  if True in _jits():
+    print()
+    print("first call with XLA on (after lowering): the program instantiated (in-process: one graph for all "
+          "devices, each XLA segment compiled once, on the first device) plus one step; on a one-device mesh the "
+          "program is one segment")
+    head = ("program", "lowering 1 device s", "first call 1 device s", "lowering 8 devices s",
+            "first call 8 devices s", "first call 8 / 1")
+    table = []
+    for name, times in rows:
+      (l1, c1), (l8, c8) = times["first call"]
+      table.append((name, f"{l1:.1f}", f"{c1:.1f}", f"{l8:.1f}", f"{c8:.1f}", f"{c8 / c1:.2f}"))
+    _print_table(head, table)
   if FLAGS.profile:
     print()
     print("where a device's step time goes (profiler trace of 3 steps: ms per device per step the per-device "
@@ -185,12 +194,17 @@ def main(_):
     head = ("program", "XLA", "collectives ms", "combine copies ms", "compute ms", "collectives share")
     table = []
     for name, times in rows:
-      for jit in (False, True):
+      for jit in _jits():
         t = times[("split", jit)]
         total = sum(t.values()) or 1.0
         table.append((name, "on" if jit else "off", f"{t['collectives']:.1f}", f"{t['combine copies']:.1f}",
                       f"{t['compute']:.1f}", f"{t['collectives'] / total:.0%}"))
     _print_table(head, table)
+
+
+def _jits():
+  """The XLA settings to run (--xla): False for off, True for on."""
+  return {"off": (False,), "on": (True,), "both": (False, True)}[FLAGS.xla]
 
 
 def _print_table(head, table):

@@ -182,6 +182,22 @@ def test_sharded_tensor_passes_back_without_moving_data(rng, exchange):
   assert_close(z.numpy(), x * 2 + 1)
 
 
+
+def test_in_process_result_fed_to_collectives_is_packed_once(rng):
+  """A value laid out by an in-process call (per-device tensors, no parallel tensor) is packed on its first call
+  through TF's collectives and kept packed: the next call fed it packs nothing."""
+  x = rng.standard_normal((8, 8), np.float32)
+  y = gs.function(lambda x: x * 2.0, mesh=MESH24, in_shardings=P("data", "model"), exchange="auto")(x)
+  g = gs.function(lambda x: tf.reduce_sum(x, 0), mesh=MESH24, exchange="collectives")
+  first = g(y)
+  packed = y._packed  # pylint: disable=protected-access
+  assert packed is not None
+  second = g(y)
+  assert y._packed is packed   # pylint: disable=protected-access
+  for z in (first, second):
+    assert_close(z.numpy(), (x * 2).sum(0), rtol=1e-5, atol=1e-5)
+  assert_close(y.numpy(), x * 2)
+
 def test_sharded_tensor_with_other_sharding_is_resharded_inside(rng):
   f = gs.function(lambda x: x * 2.0, mesh=MESH24, in_shardings=P("data", "model"))
   x = rng.standard_normal((8, 8), np.float32)

@@ -175,10 +175,12 @@ class Executable:
     return _compat.call_flat(self.fn, [pid] + list(packed))
 
   def place(self, value, sharding, spec, what):
-    """An argument as one packed parallel tensor: in place for a matching ShardedTensor, else scattered (each
-    process takes its devices' shards of the global value)."""
-    if (isinstance(value, ShardedTensor) and value.sharding == sharding and value._packed is not None and  # pylint: disable=protected-access
-        value._packed[0] is self.pd):  # pylint: disable=protected-access
+    """An argument as one packed parallel tensor: in place for a matching ShardedTensor (packed once, on its first
+    call, and kept with it: a step fed the same value again packs nothing), else scattered (each process takes its
+    devices' shards of the global value)."""
+    if isinstance(value, ShardedTensor) and value.sharding == sharding:
+      if value._packed is None or value._packed[0] is not self.pd:  # pylint: disable=protected-access
+        self.components(value, sharding, spec, what)   # checks that it lives on this mesh's devices
       return value.packed_for(self.pd)
     return self.pd.pack(self.components(value, sharding, spec, what))
 
