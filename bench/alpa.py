@@ -23,8 +23,8 @@ One training step (loss and gradients of every parameter, no optimizer update) p
                     pipeline), or the step without a pipeline (one gs.function in the fastest of the planned,
                     whole-step automatic and data-parallel layouts), whichever its profiled prices rank first;
                     the plan it turned down is run too (`step.select`), for its measured and predicted step
-Measured (8 devices): the step's median of --repeats after a warm-up, every loss checked against the unpartitioned
-step's. Predicted: the planner's T* (for intra-op auto, its model's price of the whole step as one stage on the
+Measured (8 devices): the step's median of --repeats (the rows taking turns, so load falls on all alike), every
+loss checked against the unpartitioned step's. Predicted: the planner's T* (for intra-op auto, its model's price of the whole step as one stage on the
 whole mesh; for the two-level rows, T* from the profiled stage latencies).
 Memory per device: gs.function, the per-device program's estimated peak; two-level, the planner's count of its
 largest stage (weights, gradients, 2 optimizer slots, the activations in flight).
@@ -186,14 +186,22 @@ BUILD = {"transformer": transformer, "moe": mixture_of_experts, "unet": unet}
 
 
 # ---- rows --------------------------------------------------------------------------------------------------------
-def _timed(fn, repeats):
-  fn()   # warm-up: tracing, partitioning, lowering
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+def _time_rows(rows, repeats, block=2):
+  """The rows with each callable in the measured slot replaced by the median seconds of `repeats` calls. The rows
+  take turns in rounds, in an order rotated round by round, `block` timed calls each after an untimed one, so load
+  on the shared machine falls on all of them alike."""
+  runs = [k for k, r in enumerate(rows) if callable(r[1])]
+  for k in runs:
+    rows[k][1]()   # warm-up: tracing, partitioning, lowering
+  times = {k: [] for k in runs}
+  for r in range(-(-repeats // block)):
+    for k in runs[r % len(runs):] + runs[:r % len(runs)]:
+      rows[k][1]()
+      for _ in range(min(block, repeats - len(times[k]))):
+        start = time.perf_counter()
+        rows[k][1]()
+        times[k].append(time.perf_counter() - start)
+  return [(r[0], statistics.median(times[k])) + tuple(r[2:]) if k in times else r for k, r in enumerate(rows)]
 
 
 def _grad_step(loss, names, n_batch):
@@ -210,8 +218,9 @@ def _spec(x):
   return tf.TensorSpec(x.shape, tf.as_dtype(x.dtype))
 
 
-def _spmd_row(name, loss, mesh, batch_specs, param_specs, shapes, batch, init, measure, repeats):
-  """(name, measured s or None, predicted s or None, memory bytes per device, loss or None) of a gs.function row."""
+def _spmd_row(name, loss, mesh, batch_specs, param_specs, shapes, batch, init, measure):
+  """(name, a call to time or None, predicted s or None, memory bytes per device, loss or None) of a gs.function
+  row (the call returns the loss; the gradients stay on the devices, as the two-level step's do)."""
   names = sorted(shapes)
   step = _grad_step(loss, names, len(batch))
   shardings = "auto" if param_specs == "auto" else tuple(batch_specs) + tuple(param_specs[k] for k in names)
@@ -222,8 +231,7 @@ def _spmd_row(name, loss, mesh, batch_specs, param_specs, shapes, batch, init, m
     return name, None, None, peak, None
   params = init()
   args = tuple(batch) + tuple(params[k] for k in names)
-  seconds = _timed(lambda: [np.asarray(o) for o in f(*args)][0], repeats)
-  return name, seconds, None, peak, float(f(*args)[0])
+  return name, lambda: f(*args)[0].numpy(), None, peak, float(f(*args)[0])
 
 
 def _whole_prediction(m, mesh):
@@ -247,7 +255,7 @@ def run_model(m, a, devices):
   """The rows of model `m`: measured on 8 devices, planned only (plan mode) on more."""
   measure = devices == 8
   host = _grid(devices, ("host", "device"))
-  common = dict(shapes=m.shapes, batch=m.batch, init=m.init, measure=measure, repeats=a.repeats)
+  common = dict(shapes=m.shapes, batch=m.batch, init=m.init, measure=measure)
   dp_axes = _grid(devices, ("data", "model"))
   rows, want = [], None
   if measure:
@@ -271,7 +279,7 @@ def run_model(m, a, devices):
     label, mesh, ploss, pshapes, pinit, pbatch, pspecs = m.pipeline
     rows.append(_spmd_row(label, ploss, mesh, pbatch, pspecs, **dict(common, shapes=pshapes, init=pinit)))
   rows += two_level_rows(m, a, host, measure, whole)
-  return rows, want
+  return _time_rows(rows, a.repeats), want
 
 
 def two_level_rows(m, a, mesh, measure, whole):
@@ -299,19 +307,19 @@ def two_level_rows(m, a, mesh, measure, whole):
           if chosen is two.pipelined_plan else
           f"no pipeline: one gs.function, {two.whole_layouts} layouts, the fastest of "
           + ", ".join(f"{k} {_ms(v, 1)} ms" for k, v in two.whole_timings.items()))
-  measured = _timed(lambda: two(params, *m.batch), a.repeats)
+  def run(plan):
+    two.select(plan)   # (each plan's runtime is built once: switching lowers nothing again)
+    return two(params, *m.batch)[0]
+
   last = (f"auto two-level ({what}; planned and profiled in {took:.0f} s, {two.profiled_rounds} pipelined plan(s) "
-          f"timed)", measured, chosen.predicted_seconds, _stage_memory(chosen), float(two(params, *m.batch)[0]))
+          f"timed)", lambda: run(chosen), chosen.predicted_seconds, _stage_memory(chosen), float(run(chosen)))
   rows = []
   other = two.pipelined_plan if chosen is not two.pipelined_plan else two.intra_plan
   if other is not None:   # the plan the planner turned down, run for its measurement
-    two.select(other)
-    sec = _timed(lambda: two(params, *m.batch), a.repeats)
     desc = (f"{len(other.stages)} stage(s) on {_submeshes(other)}" if other is two.pipelined_plan else
             f"no pipeline, {two.whole_layouts} layouts")
-    rows.append((f"auto, turned down ({desc})", sec, other.predicted_seconds, _stage_memory(other),
-                 float(two(params, *m.batch)[0])))
-    two.select(chosen)
+    rows.append((f"auto, turned down ({desc})", lambda: run(other), other.predicted_seconds, _stage_memory(other),
+                 float(run(other))))
   return rows + [last]
 
 

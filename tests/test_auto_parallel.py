@@ -245,6 +245,13 @@ def test_profiling_times_the_chosen_stages_and_the_step_without_a_pipeline():
   assert step.plan is faster
   assert "steps timed without a pipeline, whole batch: planned" in str(step)
   _matches_reference(step, tokens, labels)
+  other = step.pipelined_plan if faster is step.intra_plan else step.intra_plan
+  runtime = (step.pipeline, step._whole)  # pylint: disable=protected-access
+  step.select(other)   # the turned-down plan runs too, and equals the unpartitioned step
+  assert step.plan is other and (step.pipeline, step._whole) != runtime  # pylint: disable=protected-access
+  _matches_reference(step, tokens, labels)
+  step.select(faster)   # switching back reuses the runtime built first
+  assert step.plan is faster and (step.pipeline, step._whole) == runtime  # pylint: disable=protected-access
   with pytest.raises(InputError, match="profile=True times the plan's stages on real values"):
     gs.auto_parallel(loss_fn, {k: tf.TensorSpec(v.shape) for k, v in init().items()}, tokens, labels, mesh=mesh,
                      microbatches=4, profile=True)

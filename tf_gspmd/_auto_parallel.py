@@ -188,12 +188,27 @@ class AutoParallel:
       self._profile(pipelined, profile_values, profile_rounds, memory_budget)
     whole = self.intra_plan
     self.select(whole if whole is not None and whole.predicted_seconds < self.pipelined_plan.predicted_seconds
-              else self.pipelined_plan)
+                else self.pipelined_plan)
+    self._built = {k: v for k, v in self._built.items() if v[0] in (self.pipelined_plan, self.intra_plan)}
+
+  _RUNTIME = ("microbatches", "_data_specs", "_fns", "_loss_ref", "_stage_params", "boundaries", "_data_dtype",
+              "stages", "pipeline", "_whole")
 
   def select(self, plan):
-    """Runs `plan` from now on: `step.pipelined_plan` or `step.intra_plan` (the runtime is built anew unless it
-    is the plan already running), e.g. to time the plan the planner turned down."""
-    if getattr(self, "plan", None) is plan and getattr(self, "pipeline", None) is not None:
+    """Runs `plan` from now on: `step.pipelined_plan` or `step.intra_plan`, e.g. to time the plan the planner
+    turned down (each plan's runtime is built once and kept: switching back and forth lowers nothing again)."""
+    current = getattr(self, "plan", None)
+    if current is plan and getattr(self, "pipeline", None) is not None:
+      return
+    if not hasattr(self, "_built"):
+      self._built = {}
+    if current is not None and getattr(self, "pipeline", None) is not None:
+      self._built[id(current)] = (current, {k: getattr(self, k) for k in self._RUNTIME})
+    kept = self._built.get(id(plan))
+    if kept is not None and kept[0] is plan:
+      self.plan = plan
+      for k, v in kept[1].items():
+        setattr(self, k, v)
       return
     whole = plan is self.intra_plan and plan is not self.pipelined_plan
     self.plan = plan
