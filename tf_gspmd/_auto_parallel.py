@@ -86,15 +86,15 @@ def _dense_gradient(p):
   return identity(p) if shape.rank else p
 
 
-def _best_of(fn, repeats=3):
-  """The least of `repeats` timed calls of `fn`, after one untimed (lowering, first run)."""
+def _median_of(fn, repeats=3):
+  """The median of `repeats` timed calls of `fn`, after one untimed (lowering, first run): a typical step."""
   fn()
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
     fn()
     times.append(time.perf_counter() - start)
-  return min(times)
+  return float(np.median(times))
 
 
 def _pack(tensors, dtype):
@@ -278,8 +278,7 @@ class AutoParallel:
     stage = plan.stages[0]
     mesh = Mesh(stage.mesh.shape, stage.mesh.axis_names, devices=[self._devices[p] for p in stage.devices])
     planned, entering = dict(stage.parameters), dict(stage.inputs)
-    leaves = [_to_tensor(p) for p in tf.nest.flatten(params)]
-    data = [_to_tensor(b) for b in batch]
+    leaves, data = tf.nest.flatten(params), list(batch)
     split = P(tuple(mesh.axis_names))
     variants = [("planned", tuple(planned[n].spec if n in planned else P() for n in self.param_names) +
                  tuple(entering[d].spec if d in entering else P() for d in self.data_names)),
@@ -294,7 +293,7 @@ class AutoParallel:
       if budget is not None and peak > budget:
         self.whole_timings[name] = None
         continue
-      seconds = _best_of(lambda f=f: f(*leaves, *data)[0].numpy())
+      seconds = _median_of(lambda f=f: f(*leaves, *data)[0].numpy())
       self.whole_timings[name] = seconds
       if best is None or seconds < best[0]:
         best = (seconds, name, f, list(low.in_shardings), peak)
@@ -309,21 +308,20 @@ class AutoParallel:
                                                                          predicted_seconds=seconds))
     self.whole_layouts, self._whole_fn = name, (self.intra_plan, f)
 
-  def _stage_seconds(self, params, batch, repeats=2):
+  def _stage_seconds(self, params, batch, repeats=3):
     """Per stage of the built plan, the seconds per microbatch its forward and backward take when it runs alone
-    (the pipeline's stages one at a time; the least of `repeats` steps after a first one that lowers them)."""
+    (the pipeline's stages one at a time; the median of `repeats` steps after a first one that lowers them)."""
     pipe = self.pipeline
     pipe.concurrent = False
     try:
-      best = None
+      busy = []
       for k in range(repeats + 1):
         self(params, *batch)
-        busy = pipe.last_run.busy
         if k:
-          best = list(busy) if best is None else [min(a, b) for a, b in zip(best, busy)]
+          busy.append(pipe.last_run.busy)
     finally:
       pipe.concurrent = True
-    return [b / self.microbatches for b in best]
+    return [float(b) / self.microbatches for b in np.median(np.array(busy), axis=0)]
 
   # ---- building ------------------------------------------------------------------------------------------
   def _build(self, flat_params, schedule, exchange):
@@ -443,18 +441,18 @@ class AutoParallel:
     """(loss, grads): the mean loss over the batch and its gradient per leaf of `params` (same structure), each
     a ShardedTensor on the submesh of the stage that reads it, laid out as planned (a parameter read by several
     stages: the sum of their gradients, as a host tensor)."""
-    flat = [_to_tensor(p) for p in tf.nest.flatten(params)]
-    if len(flat) != len(self.param_names):
-      raise InputError(f"params has {len(flat)} leaves; the step was planned with {len(self.param_names)}",
+    leaves = tf.nest.flatten(params)
+    if len(leaves) != len(self.param_names):
+      raise InputError(f"params has {len(leaves)} leaves; the step was planned with {len(self.param_names)}",
                        node="params")
-    if self._whole is not None:
+    if self._whole is not None:   # (the gs.function takes host values, tensors and ShardedTensors as they are)
       if len(batch) != len(self.data_names):
         raise InputError(f"the step takes {len(self.data_names)} batch argument(s); got {len(batch)}", node="batch")
       start = time.perf_counter()
-      leaves = [p if isinstance(p, ShardedTensor) else t for p, t in zip(tf.nest.flatten(params), flat)]
-      out = self._whole(*leaves, *[b if isinstance(b, ShardedTensor) else _to_tensor(b) for b in batch])
+      out = self._whole(*leaves, *batch)
       self.last_seconds = time.perf_counter() - start
       return out[0].numpy(), tf.nest.pack_sequence_as(self._structure, list(out[1:]))
+    flat = [_to_tensor(p) for p in leaves]
     value = dict(zip(self.param_names, flat))
     packed = self.pack_batch(*batch)
     start = time.perf_counter()
