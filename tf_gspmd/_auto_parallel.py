@@ -34,6 +34,7 @@ from tf_gspmd._mesh import Mesh, P
 from tf_gspmd._mpmd import Stage, mpmd_pipeline
 from tf_gspmd._stages import _paths, plan_stages
 from tf_gspmd.errors import AutoShardingError, InputError
+from tf_gspmd.rewriter.auto.calibrate import call_times
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
 _EXACT_IN_FLOAT64 = (tf.int8, tf.int16, tf.int32, tf.uint8, tf.uint16, tf.uint32, tf.bool)
@@ -84,17 +85,6 @@ def _dense_gradient(p):
     return tf.identity(x), grad
 
   return identity(p) if shape.rank else p
-
-
-def _median_of(fn, repeats=3):
-  """The median of `repeats` timed calls of `fn`, after one untimed (lowering, first run): a typical step."""
-  fn()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
 
 
 def _pack(tensors, dtype):
@@ -167,6 +157,8 @@ class AutoParallel:
     self._schedule, self._exchange, self._flat_specs = schedule, exchange, flat_params
     self.last_seconds = None
     self.profiled_rounds = 0
+    self.plan = self.pipeline = None
+    self._built = {}   # id(plan) -> (plan, its runtime's attributes): the plans built so far (`select`)
 
     def pipelined(measured, only=False):
       return plan_stages(loss_fn, param_specs, *micro, mesh=mesh, layers=layers, microbatches=self._pipe_microbatches,
@@ -197,12 +189,10 @@ class AutoParallel:
   def select(self, plan):
     """Runs `plan` from now on: `step.pipelined_plan` or `step.intra_plan`, e.g. to time the plan the planner
     turned down (each plan's runtime is built once and kept: switching back and forth lowers nothing again)."""
-    current = getattr(self, "plan", None)
-    if current is plan and getattr(self, "pipeline", None) is not None:
+    current = self.plan
+    if current is plan:
       return
-    if not hasattr(self, "_built"):
-      self._built = {}
-    if current is not None and getattr(self, "pipeline", None) is not None:
+    if current is not None:
       self._built[id(current)] = (current, {k: getattr(self, k) for k in self._RUNTIME})
     kept = self._built.get(id(plan))
     if kept is not None and kept[0] is plan:
@@ -222,11 +212,13 @@ class AutoParallel:
     program, the parameters and the batch in the plan's layouts (no microbatches, no recomputed forward)."""
     if self._whole_fn is not None and self._whole_fn[0] is self.plan:
       return self._whole_fn[1]   # (the one `_time_whole` timed)
-    planned = dict(self.plan.stages[0].parameters)
-    entering = dict(self.plan.stages[0].inputs)
-    return self._grad_function(self.stages[0].mesh,
-                               tuple(planned[n].spec if n in planned else P() for n in self.param_names) +
-                               tuple(entering[d].spec if d in entering else P() for d in self.data_names))
+    return self._grad_function(self.stages[0].mesh, self._planned_shardings(self.plan.stages[0]))
+
+  def _planned_shardings(self, stage):
+    """The P of every parameter leaf, then of every batch argument, as the plan's `stage` lays them out."""
+    planned, entering = dict(stage.parameters), dict(stage.inputs)
+    return (tuple(planned[n].spec if n in planned else P() for n in self.param_names) +
+            tuple(entering[d].spec if d in entering else P() for d in self.data_names))
 
   def _grad_function(self, mesh, in_shardings):
     """gs.function of (loss, gradient per parameter leaf) of the whole batch on `mesh`; the gradients leave in
@@ -260,7 +252,7 @@ class AutoParallel:
         break
       self.select(plan)
       for s, seconds in zip(plan.stages, self._stage_seconds(params, batch)):
-        measured[(s.layers[0], s.layers[1], tuple(s.submesh), tuple(s.mesh.shape))] = seconds
+        measured[s.key] = seconds
       self.profiled_rounds += 1
       self.pipelined_plan = pipelined(dict(measured))
     if not all(s.measured for s in self.pipelined_plan.stages):
@@ -277,11 +269,9 @@ class AutoParallel:
     plan = self.intra_plan
     stage = plan.stages[0]
     mesh = Mesh(stage.mesh.shape, stage.mesh.axis_names, devices=[self._devices[p] for p in stage.devices])
-    planned, entering = dict(stage.parameters), dict(stage.inputs)
     leaves, data = tf.nest.flatten(params), list(batch)
     split = P(tuple(mesh.axis_names))
-    variants = [("planned", tuple(planned[n].spec if n in planned else P() for n in self.param_names) +
-                 tuple(entering[d].spec if d in entering else P() for d in self.data_names)),
+    variants = [("planned", self._planned_shardings(stage)),
                 ("whole-step automatic", "auto"),
                 ("data parallel", (P(),) * len(leaves) + (split,) * len(data))]
     budget = parse_bytes(memory_budget, "memory_budget")
@@ -293,7 +283,7 @@ class AutoParallel:
       if budget is not None and peak > budget:
         self.whole_timings[name] = None
         continue
-      seconds = _median_of(lambda f=f: f(*leaves, *data)[0].numpy())
+      seconds = float(np.median(call_times(lambda f=f: f(*leaves, *data)[0].numpy(), 3)))   # a typical step
       self.whole_timings[name] = seconds
       if best is None or seconds < best[0]:
         best = (seconds, name, f, list(low.in_shardings), peak)

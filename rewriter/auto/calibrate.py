@@ -57,14 +57,19 @@ def _path():
                                                                   "calibration.json")
 
 
-def _best_of(fn, repeats=5):
-  fn()   # (warm-up: tracing, allocation)
+def call_times(fn, repeats):
+  """Seconds of each of `repeats` timed calls of `fn`, after one untimed (tracing, lowering, allocation)."""
+  fn()
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
     fn()
     times.append(time.perf_counter() - start)
-  return min(times)
+  return times
+
+
+def _best_of(fn, repeats=5):
+  return min(call_times(fn, repeats))
 
 
 def _time_matmul(n=512):

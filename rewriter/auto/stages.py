@@ -80,6 +80,11 @@ class Stage:
   model_seconds: Optional[float] = None      # the cost model's latency (differs from `seconds` when measured)
   measured: bool = False                     # `seconds` is a measured run of this stage on this submesh
 
+  @property
+  def key(self):
+    """(first layer, last layer, submesh shape, logical shape): how `plan(measured=...)` names this stage."""
+    return (self.layers[0], self.layers[1], tuple(self.submesh), tuple(self.mesh.shape))
+
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:

@@ -423,7 +423,7 @@ def test_a_plan_priced_with_measured_stages_marks_and_uses_them(traced):  # pyli
   mesh = gs.Mesh((2, 4), ("host", "device"))
   first = _plan(cfg, mesh, 4)
   # every stage of the model's choice measured 10x slower than priced: the plan is re-priced with them
-  measured = {(s.layers[0], s.layers[1], tuple(s.submesh), tuple(s.mesh.shape)): 10 * s.seconds for s in first.stages}
+  measured = {s.key: 10 * s.seconds for s in first.stages}
   again = gs.plan_stages(_loss(cfg), *_specs(cfg), mesh=mesh, layers=4, microbatches=4, calibration=PIPE,
                          measured=measured, measured_only=True)
   assert all(s.measured and s.model_seconds > 0 for s in again.stages)
