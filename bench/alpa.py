@@ -35,7 +35,6 @@ no devices, nothing of the model's size allocated) and the two-level plan from g
 import argparse
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -49,6 +48,7 @@ import transformer_model as tm  # noqa: E402  pylint: disable=g-import-not-at-to
 
 import tf_gspmd as gs  # noqa: E402  pylint: disable=g-import-not-at-top
 from tf_gspmd import P  # noqa: E402  pylint: disable=g-import-not-at-top
+from timing import interleaved  # noqa: E402  pylint: disable=g-import-not-at-top
 
 MODELS = ("transformer", "moe", "unet")
 
@@ -186,22 +186,11 @@ BUILD = {"transformer": transformer, "moe": mixture_of_experts, "unet": unet}
 
 
 # ---- rows --------------------------------------------------------------------------------------------------------
-def _time_rows(rows, repeats, block=2):
-  """The rows with each callable in the measured slot replaced by the median seconds of `repeats` calls. The rows
-  take turns in rounds, in an order rotated round by round, `block` timed calls each after an untimed one, so load
-  on the shared machine falls on all of them alike."""
-  runs = [k for k, r in enumerate(rows) if callable(r[1])]
-  for k in runs:
-    rows[k][1]()   # warm-up: tracing, partitioning, lowering
-  times = {k: [] for k in runs}
-  for r in range(-(-repeats // block)):
-    for k in runs[r % len(runs):] + runs[:r % len(runs)]:
-      rows[k][1]()
-      for _ in range(min(block, repeats - len(times[k]))):
-        start = time.perf_counter()
-        rows[k][1]()
-        times[k].append(time.perf_counter() - start)
-  return [(r[0], statistics.median(times[k])) + tuple(r[2:]) if k in times else r for k, r in enumerate(rows)]
+def _time_rows(rows, repeats):
+  """The rows with each call in the measured slot replaced by its median seconds over `repeats` calls, the rows
+  taking turns (`timing.interleaved`: load on the shared machine falls on all of them alike)."""
+  got = interleaved({k: r[1] for k, r in enumerate(rows) if callable(r[1])}, repeats, block=2)
+  return [(r[0], got[k]) + tuple(r[2:]) if k in got else r for k, r in enumerate(rows)]
 
 
 def _grad_step(loss, names, n_batch):

@@ -33,6 +33,8 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
+from timing import interleaved  # noqa: E402  pylint: disable=g-import-not-at-top
+
 flags.DEFINE_integer("steps", 10, "Timed calls per configuration (after two warm-up calls).")
 flags.DEFINE_integer("layers", 12, "Transformer layers.")
 flags.DEFINE_list("only", [], "Run only these programs (mlp_train_step, transformer_train_step).")
@@ -60,28 +62,6 @@ def programs():
          [P("data", None), P("data", None), P(None, "model"), P("model", None)])
   cfg = tm.Config(layers=FLAGS.layers)
   yield (f"transformer_train_step ({cfg.layers} layers, Adam)", *tm.megatron_train_args(cfg))
-
-
-def _interleaved(calls, steps, block=3):
-  """{key: median seconds of calls[key]()} (None where calls[key] is None) over `steps` timed calls each.
-
-  The configurations take turns in rounds, in an order rotated round by round, so a burst of load on the
-  machine falls on all of them alike rather than on whichever was being timed; in its turn each runs one
-  untimed call, then `block` timed ones back to back, as a training loop repeats its step (switching programs
-  every call would time them with cold caches).
-  """
-  keys = [k for k, c in calls.items() if c is not None]
-  for k in keys:
-    calls[k]()
-  times = {k: [] for k in keys}
-  for r in range(-(-steps // block)):
-    for k in keys[r % len(keys):] + keys[:r % len(keys)]:
-      calls[k]()
-      for _ in range(min(block, steps - len(times[k]))):
-        start = time.perf_counter()
-        calls[k]()
-        times[k].append(time.perf_counter() - start)
-  return {k: (float(np.median(times[k])) if k in times else None) for k in calls}
 
 
 def _check(got, want, what):
@@ -134,7 +114,7 @@ def main(_):
         times["ops"] = (_op_count(single.get_concrete_function(*consts).graph.as_graph_def()),
                         _op_count(low.graph_def), low.report,
                         _op_count(low.program.in_process.graph_def) if low.program.in_process else None)
-    times.update(_interleaved(calls, FLAGS.steps))
+    times.update(interleaved(calls, FLAGS.steps))
     rows.append((name, times))
   base = f"unpartitioned, XLA {'on' if FLAGS.xla == 'on' else 'off'}"
   head = ("program", "XLA", "unpartitioned ms", "tf_gspmd ms", "DTensor ms", "tf_gspmd / unpart.", "DTensor / unpart.",
