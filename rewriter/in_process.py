@@ -38,6 +38,8 @@ import tensorflow as tf
 from tf_gspmd import _compat
 from tf_gspmd.rewriter import collectives
 from tf_gspmd.rewriter import graph_view
+from tf_gspmd.rewriter import partition
+from tf_gspmd.rewriter import stacking
 from tf_gspmd.rewriter import vocabulary
 from tf_gspmd.rewriter.graph_view import prune
 
@@ -190,29 +192,58 @@ def _build(program):
   for x in graph_view.GraphView(gd).order():
     if x.op in ("Identity", "IdentityN") and any(graph_view.node_of(i) in handles for i in x.input):
       handles.add(x.name)
+  touching = {x.name for x in gd.node if x.name in handles or any(graph_view.node_of(i) in handles for i in x.input)}
+  # Replicated arguments are one value on every device: device 0's copy stands for all (see _same_tiles).
+  uniform = {name: ref(0, name) for name, sharding, spec in zip(program.local_inputs, program.param_shardings,
+                                                                program.arg_specs)
+             if sharding is not None and sharding.is_replicated}
+  # So are the reads of a replicated variable (every device holds and writes the same value): device 0 reads it
+  # for all, and each device's writes still go to its own copy.
+  replicated = {h for h, sharding in zip(program.variable_names, program.variable_shardings) if sharding.is_replicated}
+  nodes = {x.name: x for x in gd.node}
+
+  def variable(i):
+    x = nodes.get(graph_view.node_of(i))
+    while x is not None and x.op == "Identity":
+      x = nodes.get(graph_view.node_of(x.input[0]))
+    return None if x is None else x.name
+
+  read_once = {x.name for x in gd.node if x.op == "ReadVariableOp" and variable(x.input[0]) in replicated}
+  uniform.update({name: ref(0, name) for name in read_once})
+  stacker = stacking.Stacker(gd, out, devices, program.partition_id,
+                             touching, uniform,
+                             {name: partition.variable_shard(program, name) for name in program.local_variables},
+                             lambda x: [edges.ranked(p, x.name) for p in range(n)])
   printed = {}   # device p's print -> device 0's (see PRINT_OPS)
   for p in range(n):
     for x in gd.node:
+      if stacker.form[x.name] != stacking.PER_DEVICE and (x.name not in uniform or p and x.name in read_once):
+        continue
       if p and x.op in PRINT_OPS:
         printed[ref(p, x.name)] = ref(0, x.name)
         continue
       node = out.node.add()
       node.CopyFrom(x)
       # What touches a device's variables runs on that device, everything else on the first (see the docstring).
-      touches = x.name in handles or any(graph_view.node_of(i) in handles for i in x.input)
-      node.name, node.device = f"d{p}/{x.name}", devices[p if touches else 0]
+      node.name, node.device = f"d{p}/{x.name}", devices[p if x.name in touching else 0]
       del node.input[:]
       node.input.extend(ref(p, i) for i in x.input)
       if x.name == program.partition_id:
         _become_const(node, np.int32(p))
       elif x.op in vocabulary.EMITTED:   # (collectives.Backend emits none over a group of one)
         vocabulary.EMITTED[x.op].in_process(edges, x, node, p)
+  existing = {x.name for x in out.node}
+  outputs = [stacker.rename(ref(p, graph_view.normalize(t)), existing) for t in program.local_outputs
+             for p in range(n)]
+  for x in list(out.node):
+    renamed = [stacker.rename(i, existing) for i in x.input]
+    del x.input[:]
+    x.input.extend(graph_view.dedupe_controls(renamed))
   graph, same = _deduplicated(out, {**_same_tiles(program, ref), **printed},
                               {ref(p, h) for h in handles for p in range(n)})
   inputs = list(program.local_inputs) + list(program.local_variables)
   return InProcess(graph, tuple(ref(p, graph_view.normalize(t)) for t in inputs for p in range(n)),
-                   tuple(_renamed(ref(p, graph_view.normalize(t)), same) for t in program.local_outputs
-                         for p in range(n)),
+                   tuple(_renamed(t, same) for t in outputs),
                    # a side effect merged with an equal one (a check of the same tile) runs once, as that one
                    tuple(dict.fromkeys(_renamed(ref(p, s), same) for s in program.side_effects for p in range(n))))
 

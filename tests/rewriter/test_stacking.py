@@ -1,0 +1,130 @@
+"""Stacking in the one graph of every device's program: the devices' copies of an op run as one op over a leading
+device dimension (rules per op family, collectives as group gathers, replicated reads once); results equal the
+unpartitioned program and TF's collectives path."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_gspmd as gs
+from tf_gspmd import P
+from tf_gspmd.runtime.state import storage_of
+
+M8 = gs.Mesh((8,), ("d",))
+M24 = gs.Mesh((2, 4), ("a", "b"))
+RNG = np.random.default_rng(1)
+
+
+def _normal(*shape):
+  return RNG.standard_normal(shape).astype(np.float32)
+
+
+def _graph(f, *args):
+  return f.lower(*[tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in args]).program.in_process.graph_def
+
+
+def _ops(graph):
+  return [n.op for n in graph.node]
+
+
+def _both_paths(fn, mesh, args, ins, outs=None):
+  """Results of `fn` through the one graph and through TF's collectives, checked against the unpartitioned."""
+  want = tf.nest.map_structure(np.asarray, tf.function(fn)(*[tf.constant(a) for a in args]))
+  got = {}
+  for exchange in ("auto", "collectives"):
+    f = gs.function(fn, mesh=mesh, in_shardings=ins, out_shardings=outs, exchange=exchange)
+    got[exchange] = tf.nest.map_structure(lambda t: np.asarray(t.numpy()), f(*args))
+    tf.nest.map_structure(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5), got[exchange], want)
+  return got
+
+
+def test_a_split_layer_runs_as_one_op_over_the_devices():
+  def fn(x, w1, w2):
+    h = tf.nn.relu(x @ w1)
+    return tf.reduce_sum(tf.nn.softmax(h @ w2, axis=-1) * 3.0, axis=0)
+  args = [_normal(8, 16), _normal(16, 32), _normal(32, 12)]
+  ins = (P("a", None), P(None, "b"), P("b", None))
+  f = gs.function(fn, mesh=M24, in_shardings=ins)
+  ops = _ops(_graph(f, *args))
+  # one BatchMatMulV2 per matmul of the per-device program, not one MatMul per device
+  assert ops.count("MatMul") == 0 and ops.count("BatchMatMulV2") == 2, ops
+  assert ops.count("Relu") == 1 and ops.count("Softmax") == 1
+  _both_paths(fn, M24, args, ins)
+
+
+# Collectives over each axis of (2, 4): over "a" a group's members are not neighbours in mesh order.
+COLLECTIVES = [
+    ("all-reduce sum over b", lambda x, w: x @ w, [_normal(8, 64), _normal(64, 16)], (P(None, "b"), P("b", None)),
+     None),
+    ("all-reduce sum over a", lambda x, w: x @ w, [_normal(8, 64), _normal(64, 16)], (P(None, "a"), P("a", None)),
+     None),
+    ("all-reduce max over a", lambda x: tf.reduce_max(x, axis=0), [_normal(64, 5)], P("a", None), None),
+    ("all-gather over a", lambda x: x * 2.0, [_normal(64, 3)], P("a", None), P()),
+    ("all-gather over both", lambda x: x * 2.0, [_normal(64, 3)], P(("a", "b"), None), P()),
+    ("all-to-all over b", lambda x: x + 1.0, [_normal(8, 16)], P("b", None), P(None, "b")),
+    ("all-to-all over a", lambda x: x + 1.0, [_normal(8, 16, 2)], P("a", None, None), P(None, "a", None)),
+]
+
+
+@pytest.mark.parametrize("name,fn,args,ins,outs", COLLECTIVES, ids=[c[0] for c in COLLECTIVES])
+def test_collectives_run_over_the_device_dimension(name, fn, args, ins, outs):
+  f = gs.function(fn, mesh=M24, in_shardings=ins, out_shardings=outs)
+  graph = _graph(f, *args)
+  # the collective is one set of ops on the stacked operand: no device's copy of it
+  emitted = set(f.lower(*[tf.TensorSpec(a.shape) for a in args]).report.counts())
+  assert emitted, name
+  copies = [n.name for n in graph.node if n.name.startswith("d") and "gspmd/all" in n.name]
+  assert not copies, (name, copies[:4])
+  got = _both_paths(fn, M24, args, ins, outs)
+  if "reduce" not in name:   # data that only moves: the same bits on both paths
+    np.testing.assert_array_equal(got["auto"], got["collectives"])
+
+
+def test_a_replicated_variable_is_read_once_and_written_on_every_device():
+  v = tf.Variable(_normal(16, 8))
+  w = tf.Variable(_normal(8, 8))
+  v0, w0, x = v.numpy(), w.numpy(), _normal(4, 16)
+
+  def step(x):
+    y = tf.reduce_sum(x @ v @ w)
+    v.assign_sub(0.01 * tf.ones_like(v) * y)
+    return y
+
+  f = gs.function(step, mesh=M8, in_shardings=P("d", None))
+  graph = _graph(f, x)
+  reads = [n for n in graph.node if n.op == "ReadVariableOp"]
+  writes = [n for n in graph.node if n.op == "AssignSubVariableOp"]
+  assert len(reads) == 2 and len(writes) == 8, ([n.name for n in reads], len(writes))
+  y = f(x).numpy()
+  np.testing.assert_allclose(y, np.sum(x @ v0 @ w0), rtol=1e-4)
+  np.testing.assert_allclose(v.numpy(), v0 - 0.01 * y, rtol=1e-4, atol=1e-4)
+  y2 = f(x).numpy()   # every device's copy was written: device 0 reads the new value
+  np.testing.assert_allclose(y2, np.sum(x @ (v0 - 0.01 * y) @ w0), rtol=1e-4)
+  copies = [c.read_value().numpy() for c in storage_of(v).components]
+  assert len(copies) == 8
+  for c in copies:
+    np.testing.assert_array_equal(c, copies[0])
+
+
+def test_an_op_without_a_rule_runs_per_device_between_packs():
+  def fn(x):
+    top = tf.math.top_k(x * 2.0, k=3).values   # TopKV2: no stacking rule
+    return tf.nn.relu(top) + 1.0
+  args = [_normal(16, 10)]
+  f = gs.function(fn, mesh=M8, in_shardings=P("d", None))
+  ops = _ops(_graph(f, *args))
+  assert ops.count("TopKV2") == 8 and ops.count("Mul") == 1 and ops.count("Relu") == 1, ops
+  assert ops.count("Unpack") >= 1 and ops.count("Pack") >= 1
+  _both_paths(fn, M8, args, P("d", None))
+
+
+def test_uneven_and_sliced_shards_follow_the_rules():
+  """Slices, pads, concatenations, gathers, reshapes and reductions over a stacked dimension, on a layout that
+  pads (10 rows over 4 devices)."""
+  def fn(x, idx):
+    y = tf.concat([x[:, 1:], x[:, :1] * 2.0], axis=1)
+    y = tf.pad(y, [[0, 0], [1, 2]]) + tf.reduce_mean(y, axis=1, keepdims=True)
+    g = tf.gather(y, idx, axis=1)
+    return tf.reshape(tf.transpose(g), [-1]), tf.reduce_max(tf.expand_dims(y, 1), axis=[1, 2])
+  args = [_normal(10, 6), np.array([0, 3, 8, 5], np.int32)]
+  _both_paths(fn, M24, args, (P("b", None), P()))
