@@ -87,7 +87,12 @@ def run(program):
   """Pass: program.in_process, the per-device programs of every mesh device as one graph without collectives."""
   if not applies(program):
     return program
-  return program.replace(in_process=_build(program))
+  try:
+    return program.replace(in_process=_build(program, grouped=True))
+  except ValueError as e:   # reads and writes joined into a cycle (rare): each crosses on its own
+    if "cycle" not in str(e):
+      raise
+    return program.replace(in_process=_build(program, grouped=False))
 
 
 def _keys(program, colls):
@@ -176,7 +181,7 @@ class Edges:
     node.input.extend(inputs)
 
 
-def _build(program):
+def _build(program, grouped):
   gd = program.local_graph_def
   devices = program.devices
   n = len(devices)
@@ -213,7 +218,7 @@ def _build(program):
   stacker = stacking.Stacker(gd, out, devices, program.partition_id,
                              touching, uniform,
                              {name: partition.variable_shard(program, name) for name in program.local_variables},
-                             lambda x: [edges.ranked(p, x.name) for p in range(n)])
+                             lambda x: [edges.ranked(p, x.name) for p in range(n)], grouped)
   printed = {}   # device p's print -> device 0's (see PRINT_OPS)
   for p in range(n):
     for x in gd.node:
@@ -227,7 +232,14 @@ def _build(program):
       # What touches a device's variables runs on that device, everything else on the first (see the docstring).
       node.name, node.device = f"d{p}/{x.name}", devices[p if x.name in touching else 0]
       del node.input[:]
-      node.input.extend(ref(p, i) for i in x.input)
+      # Device p's copy of a replicated variable is not read (device 0's read stands for it): its writes need
+      # not wait for device 0's read.
+      node.input.extend(ref(p, i) for i in x.input
+                        if not (p and x.name in touching and graph_view.is_control(i) and i[1:] in read_once and
+                                variable(nodes[i[1:]].input[0]) == variable(x.input[0])))
+      value = stacker.write_value(x, p)
+      if value is not None:   # one of a group of writes whose values reach the device together
+        node.input[1] = value
       if x.name == program.partition_id:
         _become_const(node, np.int32(p))
       elif x.op in vocabulary.EMITTED:   # (collectives.Backend emits none over a group of one)

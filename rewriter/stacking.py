@@ -47,6 +47,7 @@ _GRADS = frozenset(("TanhGrad", "SigmoidGrad", "ReluGrad", "Relu6Grad", "EluGrad
                     "SoftsignGrad", "RsqrtGrad", "SqrtGrad", "ReciprocalGrad", "InvGrad", "LeakyReluGrad"))
 _REDUCTIONS = frozenset(("Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"))
 _NEVER_UNIFORM = frozenset(("Placeholder", "PlaceholderWithDefault"))
+_WRITES = frozenset(("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"))
 _COLLECTIVES = frozenset(("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2"))
 _REDUCE_BY = {b"Add": "Sum", b"Mul": "Prod", b"Max": "Max", b"Min": "Min"}
 
@@ -117,17 +118,35 @@ class Stacker:
   """Decides each node's form and writes the uniform and stacked ones into `out` (the per-device copies are
   rewriter/in_process.py's). `per_device` names nodes that must stay per device."""
 
-  def __init__(self, gd, out, devices, partition_id, per_device, uniform_refs, variables, groups):
+  def __init__(self, gd, out, devices, partition_id, per_device, uniform_refs, variables, groups, grouped=True):
     self.out, self.devices, self.n = out, devices, len(devices)
     self.form = {}
     self._uniform = dict(uniform_refs)  # node name -> the name of its uniform tensor's node
     self._packed, self._unpacked = {}, {}
     self._made = set()
+    self._groups_of = []
+    self._nodes = {x.name: x for x in gd.node}
     self._groups = groups   # collective NodeDef -> per device, the mesh positions of its group in rank order
     graph = tf.Graph()
     with graph.as_default():
       tf.graph_util.import_graph_def(_for_shapes(gd, variables), name="")
     self.graph = graph
+    # Reads join by level -- the most nodes on a path from the inputs that order a read after them (a control
+    # input of a read): a read cannot reach another read of its level, nor anything that reaches one -- and
+    # writes by height, the longest path to an output. Each keeps the graph acyclic when the members of a group
+    # become one node (the two together almost always; see in_process.run).
+    order = graph_view.GraphView(gd).order()
+    ordering = {node_of(i) for x in gd.node if x.op == "ReadVariableOp" for i in x.input if is_control(i)}
+    level, height, after = {}, {}, {}
+    for x in order:
+      level[x.name] = (x.name in ordering) + max((level[node_of(i)] for i in x.input), default=0)
+      for i in x.input:
+        after.setdefault(node_of(i), []).append(x.name)
+    for x in reversed(order):
+      height[x.name] = 1 + max((height[y] for y in after.get(x.name, ())), default=-1)
+    self._read_group = self._group(order, [x for x in gd.node if x.op == "ReadVariableOp" and x.name in per_device
+                                           and x.name not in self._uniform], lambda x: x.name + ":0", level) \
+        if grouped else {}
     for x in graph_view.GraphView(gd).order():
       if x.name in self._uniform:
         self.form[x.name] = UNIFORM
@@ -148,6 +167,9 @@ class Stacker:
         self.form[x.name] = UNIFORM
       else:
         self.form[x.name] = STACKED if self._stacked(x) else PER_DEVICE
+    self._write_group = self._group(order, [x for x in gd.node if x.op in _WRITES and x.name in per_device and
+                                            self.form[node_of(x.input[1])] != PER_DEVICE], lambda x: x.input[1],
+                                    height) if grouped else {}
 
   # ---- references ----------------------------------------------------------------------------------------------
 
@@ -174,11 +196,69 @@ class Stacker:
     if form == STACKED:
       return f"stk/{name}:{k}"
     key = (name, k)
+    if key not in self._packed and key in self._read_group:
+      self._stack_reads(self._read_group[key])
     if key not in self._packed:
       pack = self._node(f"stk_pack/{name}/{k}", "Pack", [self.per_device_ref(i, p) for p in range(self.n)],
                         T=self._dtype(i), N=self.n, axis=0)
-      self._packed[key] = pack
-    return f"{self._packed[key]}:0"
+      self._packed[key] = f"{pack}:0"
+    return self._packed[key]
+
+  # ---- variable reads and writes, a group at a time -------------------------------------------------------------
+  # A read runs on its variable's device and a write there too; each value that crosses between a device and the
+  # first one is a send and a receive in TF's executor, which cost more than the small ops around them. Reads of
+  # one shape at one depth of the per-device program cross as one tensor per device, and so do writes: equal
+  # depth (the longest path from the program's inputs) keeps the graph acyclic when they are joined.
+
+  def _group(self, order, nodes, value, level):
+    """{(node name, 0): (group id, position)} for `nodes` grouped by `level`, the form, dtype and shape of
+    `value(node)`: groups of two or more."""
+    groups = {}
+    for x in nodes:
+      shape = self._shape(value(x))
+      if shape is not None:
+        key = (level[x.name], self.form.get(node_of(value(x))), self._dtype(value(x)), tuple(shape))
+        groups.setdefault(key, []).append(x.name)
+    found = {}
+    for members in groups.values():
+      if len(members) > 1:
+        gid = len(self._groups_of)
+        self._groups_of.append(members)
+        found.update({(m, 0): (gid, j) for j, m in enumerate(members)})
+    return found
+
+  def _stack_reads(self, group):
+    gid, _ = group
+    members = self._groups_of[gid]
+    dtype = self._dtype(members[0] + ":0")
+    per_device = [self._node(f"stk_reads/{gid}/d{p}", "Pack", [f"d{p}/{m}:0" for m in members], device=self.devices[p],
+                             T=dtype, N=len(members), axis=0) + ":0" for p in range(self.n)]
+    both = self._node(f"stk_reads/{gid}", "Pack", per_device, T=dtype, N=self.n, axis=1)
+    each = self._node(f"stk_reads/{gid}/each", "Unpack", [both + ":0"], T=dtype, num=len(members), axis=0)
+    for j, m in enumerate(members):
+      self._packed[(m, 0)] = f"{each}:{j}"
+
+  def write_value(self, x, p):
+    """Device p's value input of write NodeDef `x`, or None where it is not one of a group."""
+    key = (x.name, 0)
+    if key not in self._write_group:
+      return None
+    gid, j = self._write_group[key]
+    members = self._groups_of[gid]
+    name = f"stk_writes/{gid}"
+    if name not in self._made:
+      values = [self._nodes[m].input[1] for m in members]
+      dtype = self._dtype(values[0])
+      if self.form[node_of(values[0])] == UNIFORM:   # the same values for every device
+        both = self._node(name, "Pack", [self._uniform_ref(v) for v in values], T=dtype, N=len(members), axis=0)
+        each = [f"{both}:0"] * self.n
+      else:
+        both = self._node(name, "Pack", [self.stacked_ref(v) for v in values], T=dtype, N=len(members), axis=1)
+        unpacked = self._node(f"{name}/each", "Unpack", [both + ":0"], T=dtype, num=self.n, axis=0)
+        each = [f"{unpacked}:{q}" for q in range(self.n)]
+      for q in range(self.n):
+        self._node(f"{name}/d{q}", "Unpack", [each[q]], device=self.devices[q], T=dtype, num=len(members), axis=0)
+    return f"{name}/d{p}:{j}"
 
   def per_device_ref(self, i, p):
     """Device p's tensor of input `i` (a data reference of the per-device program)."""
@@ -209,12 +289,12 @@ class Stacker:
 
   # ---- emission ------------------------------------------------------------------------------------------------
 
-  def _node(self, name, op, inputs, **attrs):
+  def _node(self, name, op, inputs, device=None, **attrs):
     if name in self._made:   # a helper another consumer made already
       return name
     self._made.add(name)
     node = self.out.node.add()
-    node.name, node.op, node.device = name, op, self.devices[0]
+    node.name, node.op, node.device = name, op, device or self.devices[0]
     node.input.extend(inputs)
     for key, v in attrs.items():
       if isinstance(v, tf.DType):
@@ -338,7 +418,7 @@ class Stacker:
       return True
     if op in ("Softmax", "LogSoftmax"):   # over the last dimension; TF's CPU kernel takes rank <= 5: as a matrix
       shape = self._shape(x.name + ":0")
-      if shape is None or not shape or self.form[node_of(data[0])] != STACKED:
+      if shape is None or not shape or self.form[node_of(data[0])] == UNIFORM:
         return False
       flat = self._node(f"stkh/{x.name}/rows", "Reshape", [self.stacked_ref(data[0]),
                                                     self._const(f"stkh/{x.name}/rows_shape", np.array([-1, shape[-1]], np.int64))],
@@ -357,7 +437,7 @@ class Stacker:
       return True
     if op == "Transpose":
       perm = self._value(data[1])
-      if perm is None or self.form[node_of(data[0])] != STACKED:
+      if perm is None or self.form[node_of(data[0])] == UNIFORM:
         return False
       perm = [0] + [int(a) % len(perm) + 1 for a in perm]
       node_perm = self._const(f"stkh/{x.name}/perm", np.array(perm, np.int32))
@@ -367,7 +447,7 @@ class Stacker:
     if op in _REDUCTIONS or op in ("ArgMax", "ArgMin", "Cumsum", "Cumprod"):
       axes = self._value(data[1])
       in_rank = self._rank(data[0])
-      if axes is None or in_rank is None or self.form[node_of(data[0])] != STACKED:
+      if axes is None or in_rank is None or self.form[node_of(data[0])] == UNIFORM:
         return False
       axes = np.asarray(axes)
       shifted = (axes % max(in_rank, 1)) + 1 if in_rank else axes
@@ -401,14 +481,14 @@ class Stacker:
       return True
     if op == "Split":
       axis, in_rank = self._value(data[0]), self._rank(data[1])
-      if axis is None or in_rank is None or self.form[node_of(data[1])] != STACKED:
+      if axis is None or in_rank is None or self.form[node_of(data[1])] == UNIFORM:
         return False
       self._copy(x, name, [self._const(f"stkh/{x.name}/axis", np.int32(int(axis) % in_rank + 1)),
                            self.stacked_ref(data[1])])
       return True
     if op == "SplitV":
       sizes, axis, in_rank = self._value(data[1]), self._value(data[2]), self._rank(data[0])
-      if sizes is None or axis is None or in_rank is None or self.form[node_of(data[0])] != STACKED:
+      if sizes is None or axis is None or in_rank is None or self.form[node_of(data[0])] == UNIFORM:
         return False
       self._copy(x, name, [self.stacked_ref(data[0]), self._uniform_ref(data[1]),
                            self._const(f"stkh/{x.name}/axis", np.int32(int(axis) % in_rank + 1))])
@@ -423,7 +503,7 @@ class Stacker:
       return True
     if op == "Unpack":
       in_rank = self._rank(data[0])
-      if in_rank is None or self.form[node_of(data[0])] != STACKED:
+      if in_rank is None or self.form[node_of(data[0])] == UNIFORM:
         return False
       self._copy(x, name, [self.stacked_ref(data[0])], axis=x.attr["axis"].i % in_rank + 1)
       return True
@@ -439,7 +519,7 @@ class Stacker:
   def _shaping(self, x, data, name, rank):
     op = x.op
     src = data[0]
-    if self.form[node_of(src)] != STACKED:
+    if self.form[node_of(src)] == UNIFORM:
       return False
     in_rank = self._rank(src)
     if in_rank is None:

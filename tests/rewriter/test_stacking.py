@@ -128,3 +128,34 @@ def test_uneven_and_sliced_shards_follow_the_rules():
     return tf.reshape(tf.transpose(g), [-1]), tf.reduce_max(tf.expand_dims(y, 1), axis=[1, 2])
   args = [_normal(10, 6), np.array([0, 3, 8, 5], np.int32)]
   _both_paths(fn, M24, args, (P("b", None), P()))
+
+
+def test_reads_and_writes_of_one_shape_cross_between_devices_together():
+  """Three split variables of one shape (a weight and two moments, as an optimizer keeps them): each device's
+  reads reach the first device as one tensor, and the written values come back as one."""
+  w, m, s = (gs.variable(k, (16, 8), mesh=M8, spec=P("d", None), seed=k) for k in (0.5, 0.1, 1.0))
+  w0, m0, s0, x = w.numpy(), m.numpy(), s.numpy(), _normal(4, 16)
+
+  def step(x):
+    g = tf.ones_like(w) * tf.reduce_sum(x @ w)
+    m.assign(0.9 * m + g)
+    s.assign(0.5 * s + g * g)
+    w.assign_sub(0.01 * m / (tf.sqrt(s) + 1.0))
+    return tf.reduce_sum(w)
+
+  f = gs.function(step, mesh=M8, in_shardings=P())
+  graph = _graph(f, x)
+  nodes = {n.name: n for n in graph.node}
+  crossing = [(nodes[i.lstrip("^").split(":")[0]].op, n.op) for n in graph.node for i in n.input
+              if i.lstrip("^").split(":")[0] in nodes and nodes[i.lstrip("^").split(":")[0]].device != n.device]
+  reads = [n for n in graph.node if n.op == "ReadVariableOp"]
+  assert len(reads) >= 3 * 8
+  assert len(crossing) < len(reads), crossing   # not one crossing per read
+  y = f(x).numpy()
+  g = np.ones_like(w0) * np.sum(x @ w0)
+  m1, s1 = 0.9 * m0 + g, 0.5 * s0 + g * g
+  w1 = w0 - 0.01 * m1 / (np.sqrt(s1) + 1.0)
+  np.testing.assert_allclose(m.numpy(), m1, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(s.numpy(), s1, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(w.numpy(), w1, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(y, np.sum(w1), rtol=1e-4)
