@@ -14,6 +14,9 @@ Then:
     everything else on the first mesh device. A logical CPU is a label on the same cores, and one executor
     needs no send/receive pair for each edge between devices; XLA segments then compile once for the mesh
     (TF keeps an XLA cache per device);
+  * stacking (rewriter/stacking.py): the devices' copies of an op run as one op over a leading device dimension,
+    collectives included, and a replicated variable is read once, on device 0; each device's variable reads of
+    one shape reach the first device as one tensor, and the values written come back likewise;
   * deduplication: copies of an argument that hold the same tile are read from the first device holding it (a
     replicated argument is the same everywhere), and a stateless node that repeats an earlier one (same op,
     attributes and inputs) is left out and its uses read the earlier one. What the devices compute alike -- a
@@ -213,12 +216,14 @@ def _build(program, grouped):
       x = nodes.get(graph_view.node_of(x.input[0]))
     return None if x is None else x.name
 
-  read_once = {x.name for x in gd.node if x.op == "ReadVariableOp" and variable(x.input[0]) in replicated}
+  # XLA segments (jit_compile=True on CPU) are function calls that run per device: such a program is not stacked.
+  stack = not program.jit
+  read_once = {x.name for x in gd.node if stack and x.op == "ReadVariableOp" and variable(x.input[0]) in replicated}
   uniform.update({name: ref(0, name) for name in read_once})
   stacker = stacking.Stacker(gd, out, devices, program.partition_id,
-                             touching, uniform,
+                             touching if stack else {x.name for x in gd.node}, uniform if stack else {},
                              {name: partition.variable_shard(program, name) for name in program.local_variables},
-                             lambda x: [edges.ranked(p, x.name) for p in range(n)], grouped)
+                             lambda x: [edges.ranked(p, x.name) for p in range(n)], grouped and stack)
   printed = {}   # device p's print -> device 0's (see PRINT_OPS)
   for p in range(n):
     for x in gd.node:

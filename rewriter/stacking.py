@@ -127,6 +127,10 @@ class Stacker:
     self._groups_of = []
     self._nodes = {x.name: x for x in gd.node}
     self._groups = groups   # collective NodeDef -> per device, the mesh positions of its group in rank order
+    self._read_group = self._write_group = {}
+    if all(x.name in per_device for x in gd.node):   # nothing to stack
+      self.form = {x.name: PER_DEVICE for x in gd.node}
+      return
     graph = tf.Graph()
     with graph.as_default():
       tf.graph_util.import_graph_def(_for_shapes(gd, variables), name="")
