@@ -252,6 +252,7 @@ def _build(program, grouped):
   existing = {x.name for x in out.node}
   outputs = [stacker.rename(ref(p, graph_view.normalize(t)), existing) for t in program.local_outputs
              for p in range(n)]
+  side_effects = [stacker.rename("^" + ref(p, s), existing)[1:] for s in program.side_effects for p in range(n)]
   for x in list(out.node):
     renamed = [stacker.rename(i, existing) for i in x.input]
     del x.input[:]
@@ -259,10 +260,26 @@ def _build(program, grouped):
   graph, same = _deduplicated(out, {**_same_tiles(program, ref), **printed},
                               {ref(p, h) for h in handles for p in range(n)})
   inputs = list(program.local_inputs) + list(program.local_variables)
+  # A side effect merged with an equal one (a check of the same tile) runs once, as that one.
+  effects = dict.fromkeys(_renamed(side_effects[k], same) for k in range(len(side_effects)))
   return InProcess(graph, tuple(ref(p, graph_view.normalize(t)) for t in inputs for p in range(n)),
-                   tuple(_renamed(t, same) for t in outputs),
-                   # a side effect merged with an equal one (a check of the same tile) runs once, as that one
-                   tuple(dict.fromkeys(_renamed(ref(p, s), same) for s in program.side_effects for p in range(n))))
+                   tuple(_renamed(t, same) for t in outputs), _joined_per_device(graph, effects))
+
+
+def _joined_per_device(graph, effects):
+  """One NoOp per device that waits for that device's side effects (added to `graph`), for the call to wait on:
+  each control edge from another device to the first is a send/receive pair in TF's executor."""
+  devices = {x.name: x.device for x in graph.node}
+  by_device = {}
+  for name in effects:
+    by_device.setdefault(devices[name], []).append(name)
+  joined = []
+  for k, (device, names) in enumerate(by_device.items()):
+    node = graph.node.add()
+    node.name, node.op, node.device = f"side_effects_on_{k}", "NoOp", device
+    node.input.extend("^" + name for name in names)
+    joined.append(node.name)
+  return tuple(joined)
 
 
 def _creates_resource(node):
