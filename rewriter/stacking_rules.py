@@ -307,17 +307,58 @@ class Rules:
       return self._node(f"stkh/{x.name}/{label}", "Reshape", [ref, self._const(f"stkh/{x.name}/{label}_shape", np.array(dims, np.int64))],
                         T=t, Tshape=tf.int64) + ":0"
 
+    # A group that is one mesh axis (or neighbouring axes): the device dimension, read as [outer, size, inner],
+    # varies the middle index within a group.
+    inner = next((b for b in range(1, self.n // size + 1) if (self.n // size) % b == 0 and all(
+        ranked[p] == tuple((p // (size * b)) * size * b + j * b + p % b for j in range(size)) for p in range(self.n))),
+                 None)
+    if inner is not None and x.op in ("CollectiveReduceV2", "CollectiveGatherV2"):
+      mesh = [self.n // (size * inner), size, inner]
+      source = self.stacked_ref(x.input[0])
+      if x.op == "CollectiveReduceV2":   # reduced over the middle index, where every member sits
+        grouped = reshape(source, mesh + shape, "grouped")
+        merged = self._node(f"stkh/{x.name}/reduced", _REDUCE_BY[x.attr["merge_op"].s],
+                            [grouped, self._const(f"stkh/{x.name}/reduced_axis", np.int32(1))] + self.controls(x),
+                            T=t, Tidx=tf.int32, keep_dims=True) + ":0"
+        dims = shape
+      else:   # the members' operands in rank order along their dim 0: the middle index moved next to it
+        grouped = reshape(source, mesh + shape, "grouped")
+        moved = self._node(f"stkh/{x.name}/moved", "Transpose",
+                           [grouped, self._const(f"stkh/{x.name}/perm", np.array(
+                               [0, 2, 1] + list(range(3, len(shape) + 3)), np.int32))] + self.controls(x),
+                           T=t, Tperm=tf.int32) + ":0"
+        dims = [size * shape[0]] + shape[1:]
+        merged = reshape(moved, [mesh[0], 1, inner] + dims, "merged")
+      wide = self._node(f"stkh/{x.name}/wide", "BroadcastTo",
+                        [merged, self._const(f"stkh/{x.name}/wide_shape", np.array(mesh + dims, np.int64))],
+                        T=t, Tidx=tf.int64) + ":0"
+      self._node(name, "Reshape", [wide, self._const(f"stkh/{x.name}/shape", np.array([self.n] + dims, np.int64))],
+                 T=t, Tshape=tf.int64)
+      return True
     members = gather(self.stacked_ref(x.input[0]), flat, "members", self.controls(x))
     which = [groups.index(ranked[p]) for p in range(self.n)]
+
+    def spread(ref, dims, label):
+      """Each device's copy of its group's row of `ref` ([groups] + dims): neighbours in mesh order form a group
+      when the collective runs over the mesh's last axes, and a broadcast costs less than a gather there."""
+      if which != [p // size for p in range(self.n)]:
+        return gather(ref, which, label)
+      one = reshape(ref, [len(groups), 1] + dims, f"{label}_one")
+      wide = self._node(f"stkh/{x.name}/{label}_wide", "BroadcastTo",
+                        [one, self._const(f"stkh/{x.name}/{label}_wide_shape",
+                                          np.array([len(groups), size] + dims, np.int64))],
+                        T=t, Tidx=tf.int64) + ":0"
+      return reshape(wide, [self.n] + dims, label)
+
     if x.op == "CollectiveReduceV2":
       grouped = reshape(members, [len(groups), size] + shape, "grouped")
       reduced = self._node(f"stkh/{x.name}/reduced", _REDUCE_BY[x.attr["merge_op"].s],
                            [grouped, self._const(f"stkh/{x.name}/reduced_axis", np.int32(1))], T=t, Tidx=tf.int32,
                            keep_dims=False) + ":0"
-      result = gather(reduced, which, "result")
+      result = spread(reduced, shape, "result")
     elif x.op == "CollectiveGatherV2":
       grouped = reshape(members, [len(groups), size * shape[0]] + shape[1:], "grouped")
-      result = gather(grouped, which, "result")
+      result = spread(grouped, [size * shape[0]] + shape[1:], "result")
     else:
       blocks = reshape(members, [len(groups), size, size, shape[0] // size] + shape[1:], "blocks")
       moved = self._node(f"stkh/{x.name}/moved", "Transpose",
