@@ -5,16 +5,18 @@ Every mesh device runs the same per-device program, so in one graph each op appe
 of one shape. A small step is then dominated by the executor's per-op cost, 8 times over on 8 devices. Here a
 tensor of the per-device program has one of three forms in the graph:
 
-  * uniform (`uni/<name>`): one tensor, the same on every device -- constants and what is computed from them alone;
+  * uniform (`uni/<name>`): one tensor, the same on every device -- constants, replicated arguments, reads of
+    replicated variables (device 0's), and what is computed from them alone;
   * stacked (`stk/<name>`): one tensor of shape [devices] + the per-device shape, device p's value at index p --
-    the partition id (0, 1, ...) and what an op with a rule below computes from stacked and uniform operands;
+    the partition id (0, 1, ...) and what an op with a rule (rewriter/stacking_rules.py) computes from stacked
+    and uniform operands, all-reduces, all-gathers and all-to-alls included;
   * per device (`d<p>/<name>`, as rewriter/in_process.py builds them): everything else -- what touches a
-    device's variables, arguments, collectives (their in-process meanings), stateful ops, function calls, and
-    ops without a rule.
+    device's variables, split arguments, collective-permutes (their in-process meanings), stateful ops, function
+    calls, and ops without a rule.
 
-The rules, op by op, are rewriter/stacking_rules.py. Between forms the graph packs per-device tensors (`Pack`)
-or unpacks a stacked one (`Unpack`), once per tensor. Values are exactly those of the per-device ops: the same
-kernels on the same elements.
+Between forms the graph packs per-device tensors (`Pack`)
+or unpacks a stacked one (`Unpack`), once per tensor. Values are those of the per-device ops, up to the order
+of floating-point sums.
 """
 
 import numpy as np

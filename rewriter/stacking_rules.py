@@ -3,7 +3,8 @@
 rewriter/stacking.py decides which form each tensor of the one in-process graph takes (uniform, stacked, per
 device); a node with a stacked operand is stacked when its op has a rule here. A rule writes the op for
 tensors of shape [devices] + the per-device shape, from operands in their stacked form (or uniform ones where
-the op broadcasts them), with the same kernels on the same elements as the per-device copies would run:
+the op broadcasts them), computing what the per-device copies would (up to the order of floating-point sums: a
+BatchMatMulV2 for a MatMul, a reduction over a group dimension for an AddN of the members):
 
   * elementwise ops broadcast a uniform operand as on one device; a stacked operand of lower rank gets unit
     dimensions after the device dimension; ops without broadcasting (AddN, the gradients of unary ops) take
