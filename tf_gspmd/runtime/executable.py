@@ -53,6 +53,23 @@ def _function_from_graph_def(graph_def, inputs, outputs):
   return tf.compat.v1.wrap_function(body, specs)
 
 
+def _past_identities(graph_def, tensors):
+  """`tensors` with each result Identity (the partitioner names every result with one) replaced by what it
+  passes on: the function returns that tensor, and each device runs one op fewer per result (a training step
+  returns every updated weight and optimizer slot)."""
+  nodes = {n.name: n for n in graph_def.node}
+  out = []
+  for t in tensors:
+    name, _, index = t.rpartition(":")
+    node = nodes.get(name)
+    if index == "0" and node is not None and node.op == "Identity" and len(node.input) == 1 and \
+        not node.input[0].startswith("^"):
+      source = node.input[0]
+      t = source if ":" in source else source + ":0"
+    out.append(t)
+  return out
+
+
 def _without_control_inputs(graph_def, control):
   out = tf.compat.v1.GraphDef()
   out.CopyFrom(graph_def)
@@ -160,7 +177,7 @@ class Executable:
     if self._fn is None:
       program = self.program
       inputs = [program.partition_id + ":0"] + [n + ":0" for n in program.inputs + program.variable_inputs]
-      outputs = [n + ":0" for n in program.outputs]
+      outputs = _past_identities(program.graph_def, [n + ":0" for n in program.outputs])
       # A concrete function straight from the GraphDef (no Python tracing); side-effect ops are control outputs.
       fn = _function_from_graph_def(program.graph_def, inputs, outputs + list(program.side_effects))
       if program.jit == "whole":   # GPU: the per-device program, collectives included, compiled by XLA
