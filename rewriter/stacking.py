@@ -27,6 +27,12 @@ from tf_gspmd.rewriter import graph_view
 from tf_gspmd.rewriter.graph_view import is_control, node_of, split_ref
 from tf_gspmd.rewriter.stacking_rules import COLLECTIVES, PER_DEVICE, STACKED, UNIFORM, Rules
 
+# Stacking saves the executor's per-op cost (a few microseconds an op) for every device but the first, and costs
+# a copy wherever per-device tensors are packed or a group's result is spread: it pays for small tensors, where a
+# step is dominated by the number of ops. Larger tensors stay per device (a 4 MiB gradient's all-reduce is one
+# AddN the members read, with no copy).
+STACK_LIMIT = 1 << 14   # elements per device
+
 _NEVER_UNIFORM = frozenset(("Placeholder", "PlaceholderWithDefault"))
 _WRITES = frozenset(("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"))
 
@@ -136,7 +142,7 @@ class Stacker(Rules):
       elif x.name == partition_id:
         self._const(f"stk/{x.name}", np.arange(self.n, dtype=np.int32))
         self.form[x.name] = STACKED
-      elif x.op in COLLECTIVES and x.name not in per_device and self._collective(x):
+      elif x.op in COLLECTIVES and x.name not in per_device and self._small(x) and self._collective(x):
         self.form[x.name] = STACKED
       elif x.name in per_device or _compat.op_def(x.op) is None or graph_view.is_stateful(x.op) or \
           x.op in _NEVER_UNIFORM or any(v.HasField("func") or v.list.func for v in x.attr.values()):
@@ -149,10 +155,22 @@ class Stacker(Rules):
         self._uniform[x.name] = f"uni/{x.name}"
         self.form[x.name] = UNIFORM
       else:
-        self.form[x.name] = STACKED if self._stacked(x) else PER_DEVICE
+        self.form[x.name] = STACKED if self._small(x) and self._stacked(x) else PER_DEVICE
     self._write_group = self._group(order, [x for x in gd.node if x.op in _WRITES and x.name in per_device and
-                                            self.form[node_of(x.input[1])] != PER_DEVICE], lambda x: x.input[1],
+                                            self.form[node_of(x.input[1])] != PER_DEVICE and
+                                            self._elements(x.input[1]) <= STACK_LIMIT], lambda x: x.input[1],
                                     height) if grouped else {}
+
+  def _elements(self, i):
+    shape = self._shape(i)
+    return float("inf") if shape is None else int(np.prod(shape, dtype=np.int64))
+
+  def _small(self, x):
+    """Whether stacking NodeDef `x` pays: its results, and what must be packed to feed it, are at most
+    STACK_LIMIT elements per device."""
+    op = self.graph.get_operation_by_name(x.name)
+    return all(self._elements(f"{x.name}:{k}") <= STACK_LIMIT for k in range(len(op.outputs))) and all(
+        self._elements(i) <= STACK_LIMIT for i in x.input if not is_control(i) and self.form[node_of(i)] == PER_DEVICE)
 
   # ---- references ----------------------------------------------------------------------------------------------
 
