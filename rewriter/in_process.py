@@ -50,7 +50,8 @@ from tf_gspmd.rewriter.graph_view import prune
 @dataclasses.dataclass(frozen=True)
 class InProcess:
   """The multi-device graph of one step: `inputs` and `outputs` are tensor names, argument-major (argument k of
-  device p at k * devices + p); `side_effects` op names of every device's side effects."""
+  device p at k * devices + p); `side_effects` op names of one NoOp per device that runs after that device's side
+  effects."""
   graph_def: tf.compat.v1.GraphDef
   inputs: Tuple[str, ...]
   outputs: Tuple[str, ...]
@@ -261,7 +262,7 @@ def _build(program, grouped):
                               {ref(p, h) for h in handles for p in range(n)})
   inputs = list(program.local_inputs) + list(program.local_variables)
   # A side effect merged with an equal one (a check of the same tile) runs once, as that one.
-  effects = dict.fromkeys(_renamed(side_effects[k], same) for k in range(len(side_effects)))
+  effects = dict.fromkeys(_renamed(s, same) for s in side_effects)
   return InProcess(graph, tuple(ref(p, graph_view.normalize(t)) for t in inputs for p in range(n)),
                    tuple(_renamed(t, same) for t in outputs), _joined_per_device(graph, effects))
 
