@@ -133,10 +133,10 @@ class Stacker(Rules):
         after.setdefault(node_of(i), []).append(x.name)
     for x in reversed(order):
       height[x.name] = 1 + max((height[y] for y in after.get(x.name, ())), default=-1)
-    self._read_group = self._group(order, [x for x in gd.node if x.op == "ReadVariableOp" and x.name in per_device
-                                           and x.name not in self._uniform], lambda x: x.name + ":0", level) \
+    self._read_group = self._group([x for x in gd.node if x.op == "ReadVariableOp" and x.name in per_device
+                                    and x.name not in self._uniform], lambda x: x.name + ":0", level) \
         if grouped else {}
-    for x in graph_view.GraphView(gd).order():
+    for x in order:
       if x.name in self._uniform:
         self.form[x.name] = UNIFORM
       elif x.name == partition_id:
@@ -156,9 +156,9 @@ class Stacker(Rules):
         self.form[x.name] = UNIFORM
       else:
         self.form[x.name] = STACKED if self._small(x) and self._stacked(x) else PER_DEVICE
-    self._write_group = self._group(order, [x for x in gd.node if x.op in _WRITES and x.name in per_device and
-                                            self.form[node_of(x.input[1])] != PER_DEVICE and
-                                            self._elements(x.input[1]) <= STACK_LIMIT], lambda x: x.input[1],
+    self._write_group = self._group([x for x in gd.node if x.op in _WRITES and x.name in per_device and
+                                     self.form[node_of(x.input[1])] != PER_DEVICE and
+                                     self._elements(x.input[1]) <= STACK_LIMIT], lambda x: x.input[1],
                                     height) if grouped else {}
 
   def _elements(self, i):
@@ -208,10 +208,10 @@ class Stacker(Rules):
   # ---- variable reads and writes, a group at a time -------------------------------------------------------------
   # A read runs on its variable's device and a write there too; each value that crosses between a device and the
   # first one is a send and a receive in TF's executor, which cost more than the small ops around them. Reads of
-  # one shape at one depth of the per-device program cross as one tensor per device, and so do writes: equal
-  # depth (the longest path from the program's inputs) keeps the graph acyclic when they are joined.
+  # one shape at one level of the per-device program cross as one tensor per device, and so do the values of
+  # writes of one shape at one height (see __init__).
 
-  def _group(self, order, nodes, value, level):
+  def _group(self, nodes, value, level):
     """{(node name, 0): (group id, position)} for `nodes` grouped by `level`, the form, dtype and shape of
     `value(node)`: groups of two or more."""
     groups = {}
