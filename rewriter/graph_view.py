@@ -200,6 +200,15 @@ def dedupe_controls(inputs):
   return data + ctrl
 
 
+def through_identities(nodes, inp):
+  """The name of the node behind input string `inp` past any Identity ops (`nodes`: name -> NodeDef; a variable
+  read's handle resolves to the handle's placeholder), or None where the chain leaves `nodes`."""
+  x = nodes.get(node_of(inp))
+  while x is not None and x.op == "Identity":
+    x = nodes.get(node_of(x.input[0]))
+  return None if x is None else x.name
+
+
 def prune(graph_def, roots):
   """A copy of `graph_def` with only the nodes that `roots` (node names) depend on."""
   return GraphView(graph_def).pruned(roots)

@@ -211,15 +211,11 @@ def _build(program, grouped):
   replicated = {h for h, sharding in zip(program.variable_names, program.variable_shardings) if sharding.is_replicated}
   nodes = {x.name: x for x in gd.node}
 
-  def variable(i):
-    x = nodes.get(graph_view.node_of(i))
-    while x is not None and x.op == "Identity":
-      x = nodes.get(graph_view.node_of(x.input[0]))
-    return None if x is None else x.name
-
   # XLA segments (jit_compile=True on CPU) are function calls that run per device: such a program is not stacked.
   stack = not program.jit
-  read_once = {x.name for x in gd.node if stack and x.op == "ReadVariableOp" and variable(x.input[0]) in replicated}
+  read_once = {x.name: graph_view.through_identities(nodes, x.input[0]) for x in gd.node  # read -> its variable
+               if stack and x.op == "ReadVariableOp"}
+  read_once = {r: v for r, v in read_once.items() if v in replicated}
   uniform.update({name: ref(0, name) for name in read_once})
   stacker = stacking.Stacker(gd, out, devices, program.partition_id,
                              touching if stack else {x.name for x in gd.node}, uniform if stack else {},
@@ -242,7 +238,7 @@ def _build(program, grouped):
       # not wait for device 0's read.
       node.input.extend(ref(p, i) for i in x.input
                         if not (p and x.name in touching and graph_view.is_control(i) and i[1:] in read_once and
-                                variable(nodes[i[1:]].input[0]) == variable(x.input[0])))
+                                read_once[i[1:]] == graph_view.through_identities(nodes, x.input[0])))
       value = stacker.write_value(x, p)
       if value is not None:   # one of a group of writes whose values reach the device together
         node.input[1] = value

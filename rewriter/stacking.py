@@ -45,16 +45,10 @@ def _for_shapes(gd, variables):
   out.CopyFrom(gd)
   nodes = {x.name: x for x in gd.node}
   consts = {x.name: x for x in gd.node if x.op == "Const"}
-
-  def handle(i):
-    x = nodes.get(node_of(i))
-    while x is not None and x.op == "Identity":
-      x = nodes.get(node_of(x.input[0]))
-    return None if x is None else x.name
-
   for x in out.node:
-    if x.op == "ReadVariableOp" and variables.get(handle(x.input[0])) is not None:
-      shape, _ = variables[handle(x.input[0])]
+    handle = graph_view.through_identities(nodes, x.input[0]) if x.op == "ReadVariableOp" else None
+    if variables.get(handle) is not None:
+      shape, _ = variables[handle]
       dtype = x.attr["dtype"].type
       x.op = "Placeholder"
       x.ClearField("attr")

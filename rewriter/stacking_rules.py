@@ -67,10 +67,8 @@ class Rules:
     shape = self._shape(i)
     if shape is None:
       return None
-    target = self._const(f"stk_shape/{node_of(i)}/{split_ref(i)[1]}/{rank}",
-                         np.array([self.n] + [1] * (rank - own) + shape, np.int64))
-    return self._node(f"stk_rank/{node_of(i)}/{split_ref(i)[1]}/{rank}", "Reshape", [self.stacked_ref(i), target],
-                      T=self._dtype(i), Tshape=tf.int64) + ":0"
+    return self._reshape(f"stk_rank/{node_of(i)}/{split_ref(i)[1]}/{rank}", self.stacked_ref(i),
+                         [self.n] + [1] * (rank - own) + shape, self._dtype(i))
 
   def _broadcast(self, i):
     """Input `i` stacked, a uniform one broadcast over the device dimension."""
@@ -82,6 +80,11 @@ class Rules:
     target = self._const(f"stk_shape/{node_of(i)}/{split_ref(i)[1]}/b", np.array([self.n] + shape, np.int64))
     return self._node(f"stk_bcast/{node_of(i)}/{split_ref(i)[1]}", "BroadcastTo", [self._uniform_ref(i), target],
                       T=self._dtype(i), Tidx=tf.int64) + ":0"
+
+  def _reshape(self, name, ref, dims, dtype, controls=()):
+    """A Reshape node `name` of tensor `ref` to the static `dims`; its output."""
+    target = self._const(f"stk_reshape/{name}", np.array(dims, np.int64))
+    return self._node(name, "Reshape", [ref, target] + list(controls), T=dtype, Tshape=tf.int64) + ":0"
 
   # ---- rules ----------------------------------------------------------------------------------------------------
 
@@ -110,20 +113,15 @@ class Rules:
       shape = self._shape(x.name + ":0")
       if shape is None or not shape or self.form[node_of(data[0])] == UNIFORM:
         return False
-      flat = self._node(f"stkh/{x.name}/rows", "Reshape", [self.stacked_ref(data[0]),
-                                                    self._const(f"stkh/{x.name}/rows_shape", np.array([-1, shape[-1]], np.int64))],
-                        T=x.attr["T"], Tshape=tf.int64)
-      soft = self._node(f"stkh/{x.name}/flat", op, [flat + ":0"], T=x.attr["T"])
-      self._node(name, "Reshape", [soft + ":0", self._const(f"stkh/{x.name}/shape", np.array([self.n] + shape, np.int64))] +
-                 self.controls(x), T=x.attr["T"], Tshape=tf.int64)
+      flat = self._reshape(f"stkh/{x.name}/rows", self.stacked_ref(data[0]), [-1, shape[-1]], x.attr["T"])
+      soft = self._node(f"stkh/{x.name}/flat", op, [flat], T=x.attr["T"])
+      self._reshape(name, soft + ":0", [self.n] + shape, x.attr["T"], self.controls(x))
       return True
     if op == "Reshape":
       shape = self._shape(x.name + ":0")
       if shape is None:
         return False
-      target = self._const(f"stkh/{x.name}/shape", np.array([self.n] + shape, np.int64))
-      self._node(name, "Reshape", [self.stacked_ref(data[0]), target] + self.controls(x), T=x.attr["T"],
-                 Tshape=tf.int64)
+      self._reshape(name, self.stacked_ref(data[0]), [self.n] + shape, x.attr["T"], self.controls(x))
       return True
     if op == "Transpose":
       perm = self._value(data[1])
@@ -305,8 +303,7 @@ class Rules:
                         Tparams=t, Tindices=tf.int32, Taxis=tf.int32, batch_dims=0) + ":0"
 
     def reshape(ref, dims, label):
-      return self._node(f"stkh/{x.name}/{label}", "Reshape", [ref, self._const(f"stkh/{x.name}/{label}_shape", np.array(dims, np.int64))],
-                        T=t, Tshape=tf.int64) + ":0"
+      return self._reshape(f"stkh/{x.name}/{label}", ref, dims, t)
 
     # A group that is one mesh axis (or neighbouring axes): the device dimension, read as [outer, size, inner],
     # varies the middle index within a group.
@@ -333,8 +330,7 @@ class Rules:
       wide = self._node(f"stkh/{x.name}/wide", "BroadcastTo",
                         [merged, self._const(f"stkh/{x.name}/wide_shape", np.array(mesh + dims, np.int64))],
                         T=t, Tidx=tf.int64) + ":0"
-      self._node(name, "Reshape", [wide, self._const(f"stkh/{x.name}/shape", np.array([self.n] + dims, np.int64))],
-                 T=t, Tshape=tf.int64)
+      self._reshape(name, wide, [self.n] + dims, t)
       return True
     members = gather(self.stacked_ref(x.input[0]), flat, "members", self.controls(x))
     which = [groups.index(ranked[p]) for p in range(self.n)]
