@@ -15,8 +15,8 @@ from typing import Any, Optional, Tuple
 import tensorflow as tf
 
 from tf_gspmd.errors import PartitionError, ShardingError
-from tf_gspmd.rewriter import (auto, cleanup, combine, completion, constants, grappler, import_annotations, in_process,
-                               jit, memory, ordering, partition, schedules, trace, weight_update, xla_export)
+from tf_gspmd.rewriter import (auto, cleanup, combine, completion, constants, grappler, horizontal, import_annotations,
+                               in_process, jit, memory, ordering, partition, schedules, trace, weight_update, xla_export)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +161,7 @@ PASSES = (
     ("collective_keys", in_process.keys),          # CPUs of one process: each device's collective keys
     ("compile", jit.run),                          # XLA: segments between collectives (CPU) or whole (GPU, TPU)
     ("optimize", grappler.run_local),              # TF's graph optimizer on the per-device program, once
+    ("fuse", horizontal.run),                      # like element-wise chains (an optimizer's, per weight) as one
     ("constants", constants.run),                  # its constants per device (report.constants); strict: none > 1 MiB
     ("in_process", in_process.run),                # CPUs of one process: one graph, collectives as device edges
     ("order", ordering.run),                       # every device launches its collectives in one order
@@ -170,7 +171,7 @@ PASSES = (
 )
 # With partitioner="xla", XLA partitions and runs the exported program: the passes above that prepare tf_gspmd's
 # per-device program to run are skipped; those before them still plan it, for the report.
-RUN_ONLY = frozenset(("collective_keys", "compile", "optimize", "in_process", "order", "device_program"))
+RUN_ONLY = frozenset(("collective_keys", "compile", "optimize", "fuse", "in_process", "order", "device_program"))
 
 
 def run(program):

@@ -30,13 +30,13 @@ from tf_gspmd.rewriter.graph_view import is_control, node_of, split_ref
 UNIFORM, STACKED, PER_DEVICE = "U", "S", "P"   # the forms of a tensor (rewriter/stacking.py)
 
 # Ops applied element by element with broadcasting: over a stacked operand the device dimension is one more.
-_BROADCASTING = frozenset((
+BROADCASTING = frozenset((
     "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "MulNoNan", "Maximum", "Minimum", "Pow",
     "SquaredDifference", "FloorDiv", "FloorMod", "Mod", "TruncateDiv", "TruncateMod", "Equal", "NotEqual", "Less",
     "LessEqual", "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr", "BitwiseAnd", "BitwiseOr", "BitwiseXor",
     "SelectV2", "Atan2", "Xdivy", "Xlogy", "Xlog1py",
 ))
-_UNARY = frozenset((
+UNARY = frozenset((
     "Identity", "StopGradient", "PreventGradient", "Neg", "Abs", "Sign", "Sqrt", "Rsqrt", "Square", "Exp", "Expm1",
     "Log", "Log1p", "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "Softplus", "Softsign", "Erf", "Erfc",
     "Floor", "Ceil", "Round", "Rint", "Reciprocal", "Inv", "Sin", "Cos", "Tan", "Cast", "LogicalNot", "IsNan",
@@ -44,8 +44,8 @@ _UNARY = frozenset((
     "Acos", "Asin", "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Lgamma", "Digamma", "LeakyRelu",
 ))
 # Two same-shaped operands, element by element (gradients of unary ops).
-_GRADS = frozenset(("TanhGrad", "SigmoidGrad", "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "SoftplusGrad",
-                    "SoftsignGrad", "RsqrtGrad", "SqrtGrad", "ReciprocalGrad", "InvGrad", "LeakyReluGrad"))
+SAME_SHAPE_GRADS = frozenset(("TanhGrad", "SigmoidGrad", "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad",
+                              "SoftplusGrad", "SoftsignGrad", "RsqrtGrad", "SqrtGrad", "ReciprocalGrad", "InvGrad", "LeakyReluGrad"))
 _REDUCTIONS = frozenset(("Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"))
 COLLECTIVES = frozenset(("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2"))
 _REDUCE_BY = {b"Add": "Sum", b"Mul": "Prod", b"Max": "Max", b"Min": "Min"}
@@ -95,13 +95,13 @@ class Rules:
     out = self._tensor(x.name + ":0") if self.graph.get_operation_by_name(x.name).outputs else None
     rank = out.shape.rank if out is not None else None
     op = x.op
-    if op in _UNARY or op in _GRADS or op in _BROADCASTING or op == "AddN" or op == "BiasAdd":
+    if op in UNARY or op in SAME_SHAPE_GRADS or op in BROADCASTING or op == "AddN" or op == "BiasAdd":
       if rank is None:
         return False
       if op == "BiasAdd" and (x.attr["data_format"].s not in (b"", b"NHWC") or
                               self.form[node_of(data[1])] != UNIFORM):
         return False
-      if op in _GRADS or op == "AddN":   # no broadcasting: every operand stacked at the output's shape
+      if op in SAME_SHAPE_GRADS or op == "AddN":   # no broadcasting: every operand stacked at the output's shape
         ins = [self._broadcast(i) for i in data]
       else:
         ins = [self._operand(i, rank) for i in data]
