@@ -37,8 +37,9 @@ _ELEMENTWISE = (UNARY - {"Identity"}) | BROADCASTING | _SAME_SHAPE
 
 
 def run(program):
-  """Pass: the per-device program with its like element-wise chains fused (not with XLA, which fuses them itself)."""
-  if program.jit is not None or program.local_graph_def is None:
+  """Pass: the per-device program with its like element-wise chains fused (not with XLA, which fuses them itself,
+  nor in plan mode, where nothing runs)."""
+  if program.jit is not None or program.local_graph_def is None or program.devices is None:
     return program
   keep = set(program.local_inputs) | set(program.local_variables) | set(program.local_outputs) | set(
       program.side_effects) | {program.partition_id} | set(program.report.emitted())
@@ -325,7 +326,7 @@ class _Plan:
     for t, e in enumerate(self.entries):
       if e[0] == "operand" and readers.get(t, set()) <= BROADCASTING:
         refs = [m[t] for m in members]
-        if len(set(refs)) == 1 or (e[3] and len({self._value(r).tobytes() for r in refs}) == 1):
+        if len(set(refs)) == 1 or (e[3] and len({self.value(r).tobytes() for r in refs}) == 1):
           self.shared.add(t)
     while True:   # every op needs an operand with the member dimension
       lane = {}
@@ -337,7 +338,7 @@ class _Plan:
       for t in flat:
         self.shared -= set(self.entries[t][4])
 
-  def _value(self, r):
+  def value(self, r):
     return tf.make_ndarray(self.fusion.nodes[node_of(r)].attr["value"].tensor)
 
   def _padded(self, shape):
@@ -399,7 +400,7 @@ def _emit(out, plan, scope):
       if t in plan.shared:
         refs[t] = first[t]
       elif is_const:
-        refs[t] = const(name, np.stack([plan._value(m[t]) for m in plan.members]).reshape(padded))  # pylint: disable=protected-access
+        refs[t] = const(name, np.stack([plan.value(m[t]) for m in plan.members]).reshape(padded))
       else:
         node = out.node.add()
         node.name, node.op = name, "Pack"

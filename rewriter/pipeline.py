@@ -15,8 +15,9 @@ from typing import Any, Optional, Tuple
 import tensorflow as tf
 
 from tf_gspmd.errors import PartitionError, ShardingError
-from tf_gspmd.rewriter import (auto, cleanup, combine, completion, constants, grappler, horizontal, import_annotations,
-                               in_process, jit, memory, ordering, partition, schedules, trace, weight_update, xla_export)
+from tf_gspmd.rewriter import (auto, cleanup, combine, completion, constants, grappler, horizontal,
+                               import_annotations, in_process, jit, memory, ordering, partition, schedules, trace,
+                               weight_update, xla_export)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,7 +45,8 @@ UNARY = frozenset((
 ))
 # Two same-shaped operands, element by element (gradients of unary ops).
 SAME_SHAPE_GRADS = frozenset(("TanhGrad", "SigmoidGrad", "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad",
-                              "SoftplusGrad", "SoftsignGrad", "RsqrtGrad", "SqrtGrad", "ReciprocalGrad", "InvGrad", "LeakyReluGrad"))
+                              "SoftplusGrad", "SoftsignGrad", "RsqrtGrad", "SqrtGrad", "ReciprocalGrad", "InvGrad",
+                              "LeakyReluGrad"))
 _REDUCTIONS = frozenset(("Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"))
 COLLECTIVES = frozenset(("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2"))
 _REDUCE_BY = {b"Add": "Sum", b"Mul": "Prod", b"Max": "Max", b"Min": "Min"}
