@@ -37,9 +37,12 @@ _ELEMENTWISE = (UNARY - {"Identity"}) | BROADCASTING | _SAME_SHAPE
 
 
 def run(program):
-  """Pass: the per-device program with its like element-wise chains fused (not with XLA, which fuses them itself,
-  nor in plan mode, where nothing runs)."""
-  if program.jit is not None or program.local_graph_def is None or program.devices is None:
+  """Pass: the per-device program with its like element-wise chains fused, where each device runs it through TF's
+  collectives. Not with XLA, which fuses them itself; not in plan mode, where nothing runs; not where the devices
+  run as one in-process graph, whose stacking already runs each op once for all devices (fusing there measured
+  slower: the fused tensors pass stacking's size limit)."""
+  if program.jit is not None or program.local_graph_def is None or program.devices is None or \
+      program.in_process is not None:
     return program
   keep = set(program.local_inputs) | set(program.local_variables) | set(program.local_outputs) | set(
       program.side_effects) | {program.partition_id} | set(program.report.emitted())

@@ -162,9 +162,9 @@ PASSES = (
     ("collective_keys", in_process.keys),          # CPUs of one process: each device's collective keys
     ("compile", jit.run),                          # XLA: segments between collectives (CPU) or whole (GPU, TPU)
     ("optimize", grappler.run_local),              # TF's graph optimizer on the per-device program, once
-    ("fuse", horizontal.run),                      # like element-wise chains (an optimizer's, per weight) as one
     ("constants", constants.run),                  # its constants per device (report.constants); strict: none > 1 MiB
     ("in_process", in_process.run),                # CPUs of one process: one graph, collectives as device edges
+    ("fuse", horizontal.run),                      # else: like element-wise chains (an optimizer's, per weight) as one
     ("order", ordering.run),                       # every device launches its collectives in one order
     ("schedules", schedules.run),                  # gs.pipeline schedules stated in the report
     ("device_program", device_program),            # the record the runtime runs

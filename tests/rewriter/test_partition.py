@@ -50,7 +50,7 @@ def test_pipeline_is_one_list_and_times_every_pass():
   names = [name for name, _ in pipeline.PASSES]
   assert names == ["trace", "grappler", "import_annotations", "auto_shard", "complete", "weight_update_sharding",
                    "xla_export", "partition", "combine", "cleanup", "verify", "memory", "collective_keys", "compile",
-                   "optimize", "fuse", "constants", "in_process", "order", "schedules", "device_program", "xla_planned"]
+                   "optimize", "constants", "in_process", "fuse", "order", "schedules", "device_program", "xla_planned"]
   low = _megatron()
   assert set(low.report.pass_times) == set(names)
   # On CPU devices TF's graph optimizer ran once on the per-device program; the runtime does not run it again.
