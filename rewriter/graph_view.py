@@ -8,8 +8,6 @@ A tensor reference is "node:index"; a control input is "^node". Public sharding 
 
 import heapq
 
-import numpy as np
-
 import tensorflow as tf
 
 from tf_gspmd import _compat
@@ -239,60 +237,4 @@ def side_effect_nodes(graph_def):
     op_def = _compat.op_def(n.op)
     if op_def is not None and op_def.is_stateful and not op_def.output_arg and n.op != "NoOp":
       out.append(n.name)
-  return out
-
-
-def for_shape_inference(gd, variables):
-  """`gd` for shape inference only: each collective replaced by an op of its result's shape (TF's shape functions
-  leave a gather's or a receive's unknown), each read of a captured variable (`variables`: handle -> (shape,
-  dtype) of a device's shard) by a placeholder of the shard's shape."""
-  out = tf.compat.v1.GraphDef()
-  out.CopyFrom(gd)
-  nodes = {x.name: x for x in gd.node}
-  consts = {x.name: x for x in gd.node if x.op == "Const"}
-  for x in out.node:
-    handle = through_identities(nodes, x.input[0]) if x.op == "ReadVariableOp" else None
-    if variables.get(handle) is not None:
-      shape, _ = variables[handle]
-      dtype = x.attr["dtype"].type
-      x.op = "Placeholder"
-      x.ClearField("attr")
-      x.attr["dtype"].type = dtype
-      x.attr["shape"].shape.CopyFrom(tf.TensorShape(shape).as_proto())
-      kept = [i for i in x.input if is_control(i)]
-      del x.input[:]
-      x.input.extend(kept)
-      continue
-    if not x.op.startswith("Collective"):
-      continue
-    data = [i for i in x.input if not is_control(i)]
-    controls = [i for i in x.input if is_control(i)]
-    dtype = x.attr["T"].type
-    if x.op in ("CollectiveReduceV2", "CollectiveAllToAllV2", "CollectiveBcastSendV2"):
-      op, inputs, attrs = "Identity", [data[0]], {}
-    elif x.op == "CollectiveGatherV2" and node_of(data[1]) in consts:
-      size = int(tf.make_ndarray(consts[node_of(data[1])].attr["value"].tensor))
-      axis = out.node.add()
-      axis.name, axis.op = f"{x.name}/shape_axis", "Const"
-      axis.attr["dtype"].type = tf.int32.as_datatype_enum
-      axis.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.int32(0)))
-      op, inputs, attrs = "ConcatV2", [data[0]] * size + [axis.name], {"N": size, "Tidx": tf.int32}
-    elif x.op == "CollectiveBcastRecvV2":
-      zero = out.node.add()
-      zero.name, zero.op = f"{x.name}/shape_zero", "Const"
-      zero.attr["dtype"].type = dtype
-      zero.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.zeros((), tf.as_dtype(dtype).as_numpy_dtype)))
-      op, inputs, attrs = "Fill", [data[3], zero.name], {"index_type": tf.as_dtype(x.attr["Tshape"].type)}
-    else:
-      continue
-    x.op = op
-    x.ClearField("attr")
-    x.attr["T"].type = dtype
-    for key, v in attrs.items():
-      if isinstance(v, int):
-        x.attr[key].i = v
-      else:
-        x.attr[key].type = v.as_datatype_enum
-    del x.input[:]
-    x.input.extend(inputs + controls)
   return out

@@ -27,11 +27,11 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gspmd.rewriter import graph_view
-from tf_gspmd.rewriter import partition
 from tf_gspmd.rewriter.graph_view import is_control, node_of, normalize, split_ref
 from tf_gspmd.rewriter.stacking_rules import BROADCASTING, SAME_SHAPE_GRADS, UNARY
 
 FUSE_LIMIT = 1 << 14   # elements of a chain's largest tensor: above it, the copies cost more than the ops they save
+CONST_LIMIT = 1 << 16   # bytes of the one constant the members' differing constants become (else they are packed)
 _SAME_SHAPE = SAME_SHAPE_GRADS | {"AddN"}   # operands of the result's shape, no broadcasting
 _ELEMENTWISE = (UNARY - {"Identity"}) | BROADCASTING | _SAME_SHAPE
 
@@ -46,25 +46,25 @@ def run(program):
     return program
   keep = set(program.local_inputs) | set(program.local_variables) | set(program.local_outputs) | set(
       program.side_effects) | {program.partition_id} | set(program.report.emitted())
-  variables = {name: partition.variable_shard(program, name) for name in program.local_variables}
-  fused = fuse(program.local_graph_def, keep, variables)
+  fused = fuse(program.local_graph_def, keep)
   return program if fused is None else program.replace(local_graph_def=fused)
 
 
-def fuse(gd, keep=(), variables=None):
+def fuse(gd, keep=()):
   """`gd` with its groups of like element-wise chains fused (see the module docstring), or None where none is.
-  `keep`: nodes that stay as they are; `variables`: handle -> (shape, dtype) of a device's shard of a captured
-  variable, for the shapes of its reads."""
-  return _Fusion(gd, set(keep), variables or {}).result()
+  `keep`: nodes that stay as they are."""
+  return _Fusion(gd, set(keep)).result()
 
 
 class _Fusion:
 
-  def __init__(self, gd, keep, variables):
+  def __init__(self, gd, keep):
     graph = tf.Graph()
     with graph.as_default():
-      tf.graph_util.import_graph_def(graph_view.for_shape_inference(gd, variables), name="")
-    self.graph = graph   # shapes by node name (removing a reshape that keeps its shape changes none)
+      tf.graph_util.import_graph_def(gd, name="")
+    # Static shapes by node name, as TF infers them in the program itself: what is fused or removed has static shapes
+    # there, so every tensor keeps its static shape (removing a reshape that keeps its operand's changes none).
+    self.graph = graph
     self.gd, self.reshapes = self._without_shape_preserving_reshapes(gd, keep)
     gd = self.gd
     self.nodes = {x.name: x for x in gd.node}
@@ -331,6 +331,9 @@ class _Plan:
         refs = [m[t] for m in members]
         if len(set(refs)) == 1 or (e[3] and len({self.value(r).tobytes() for r in refs}) == 1):
           self.shared.add(t)
+    # Differing constants become one constant, up to CONST_LIMIT bytes; larger ones are packed as other operands.
+    self.stacked = {t for t, e in enumerate(self.entries) if e[0] == "operand" and e[3] and
+                    self.k * int(np.prod(e[2])) * tf.as_dtype(e[1]).size <= CONST_LIMIT}
     while True:   # every op needs an operand with the member dimension
       lane = {}
       for t, e in enumerate(self.entries):
@@ -351,7 +354,7 @@ class _Plan:
     ops = sum(1 for e in self.entries if e[0] != "operand")
     cost = ops
     for t, e in enumerate(self.entries):
-      if e[0] == "operand" and t not in self.shared and not e[3]:
+      if e[0] == "operand" and t not in self.shared and t not in self.stacked:
         cost += 1 + self._padded(e[2])   # a Pack, and a Reshape where the rank is lower
     cost += sum(1 + self._padded(self.entries[t][3]) for t in self.results)   # an Unpack (and a Reshape)
     return self.k * ops > cost
@@ -398,11 +401,11 @@ def _emit(out, plan, scope):
   for t, e in enumerate(plan.entries):
     name = f"{scope}/{t}"
     if e[0] == "operand":
-      _, dtype, shape, is_const = e
+      _, dtype, shape, _ = e
       padded = [k] + [1] * (rank - len(shape)) + list(shape)
       if t in plan.shared:
         refs[t] = first[t]
-      elif is_const:
+      elif t in plan.stacked:
         refs[t] = const(name, np.stack([plan.value(m[t]) for m in plan.members]).reshape(padded))
       else:
         node = out.node.add()

@@ -182,3 +182,15 @@ def test_a_partitioned_training_step_fuses_its_optimizer_and_matches_unpartition
   plain = lowered("collectives")
   assert count(plain, "Sqrt") == count(in_process, "Sqrt") == 3 and count(fused, "Sqrt") == 1
   assert len(fused.node) < len(plain.node)
+
+
+def test_differing_constants_become_one_constant_only_while_small():
+  consts = [RNG.standard_normal((40, 400)).astype(np.float32) for _ in range(3)]   # 62.5 KiB each
+
+  def fn(*xs):
+    return [((x * c) + 1.0) * 2.0 - 3.0 for x, c in zip(xs, consts)]
+
+  fused, _, after = _fused(fn, [_normal(40, 400) for _ in range(3)])
+  assert fused is not None and after["Mul"] == 2
+  sizes = [len(n.attr["value"].tensor.tensor_content) for n in fused.node if n.op == "Const"]
+  assert max(sizes) <= horizontal.CONST_LIMIT and after["Pack"] == 2   # the xs, and the three constants
