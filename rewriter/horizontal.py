@@ -12,13 +12,15 @@ ops, and every device pays TF's executor its per-op cost (a few microseconds) fo
     and dtypes -- and do not depend on one another are a group. Groups are formed in graph order, one at a time,
     from the chains that none of the group reaches through the graph as fused so far, so the graph stays acyclic;
   * a group runs each op once on a leading member dimension: an operand the members read from different tensors
-    is packed along it (differing constants become one constant), one they all read broadcasts (where the ops
-    reading it broadcast), a tensor of lower rank than the chain's highest gets unit dimensions after the member
-    dimension (so broadcasting pairs the dimensions it paired before), and each result read outside the chain is
-    unpacked for its readers.
+    is packed along it (differing constants become one constant, up to CONST_LIMIT bytes), one they all read
+    broadcasts (where the ops reading it broadcast), a tensor of lower rank than the chain's highest gets unit
+    dimensions after the member dimension (so broadcasting pairs the dimensions it paired before), and each result
+    read outside the chain is unpacked for its readers.
 
 A group is fused only where that saves ops (each pack, unpack and reshape is one). Every element goes through the
-same ops in the same order, so the results are exactly the members' own.
+same ops in the same order, so the results are exactly the members' own. The pass also drops reshapes whose
+operand already has their shape. Shapes are those TF infers in the program itself: every tensor keeps its static
+shape.
 """
 
 import hashlib

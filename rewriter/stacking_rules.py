@@ -29,7 +29,8 @@ from tf_gspmd.rewriter.graph_view import is_control, node_of, split_ref
 
 UNIFORM, STACKED, PER_DEVICE = "U", "S", "P"   # the forms of a tensor (rewriter/stacking.py)
 
-# Ops applied element by element with broadcasting: over a stacked operand the device dimension is one more.
+# Ops applied element by element with broadcasting: over a stacked operand the device dimension is one more (the
+# same sets tell rewriter/horizontal.py which ops a fused chain may hold).
 BROADCASTING = frozenset((
     "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "MulNoNan", "Maximum", "Minimum", "Pow",
     "SquaredDifference", "FloorDiv", "FloorMod", "Mod", "TruncateDiv", "TruncateMod", "Equal", "NotEqual", "Less",
