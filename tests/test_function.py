@@ -185,13 +185,16 @@ def test_sharded_tensor_passes_back_without_moving_data(rng, exchange):
 
 def test_in_process_result_fed_to_collectives_is_packed_once(rng):
   """A value laid out by an in-process call (per-device tensors, no parallel tensor) is packed on its first call
-  through TF's collectives and kept packed: the next call fed it packs nothing."""
+  through TF's collectives and kept packed: the next call fed it packs nothing. The in-process graph's results
+  are held by the first device; packed, each component is on its own device, where its program reads it."""
   x = rng.standard_normal((8, 8), np.float32)
   y = gs.function(lambda x: x * 2.0, mesh=MESH24, in_shardings=P("data", "model"), exchange="auto")(x)
   g = gs.function(lambda x: tf.reduce_sum(x, 0), mesh=MESH24, exchange="collectives")
   first = g(y)
   packed = y._packed  # pylint: disable=protected-access
   assert packed is not None
+  held = [tf.DeviceSpec.from_string(c.device) for c in packed[0].unpack(packed[1])]
+  assert held == [tf.DeviceSpec.from_string(d) for d in MESH24.resolve_devices()]
   second = g(y)
   assert y._packed is packed   # pylint: disable=protected-access
   for z in (first, second):

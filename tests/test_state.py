@@ -186,7 +186,10 @@ def test_keras_transformer_trains_20_adam_steps_sharded_like_unpartitioned():
       # arithmetic, so both runs update it from rounding noise that Adam scales up to a fraction of the lr.
       assert np.abs(want).max() < 1e-2 and np.abs(got).max() < 1e-2
       continue
-    assert_close(got, want, rtol=1e-3, atol=1e-4)
+    # Adam divides each gradient by its running RMS, so rounding differences (TF's ring all-reduce sums in another
+    # order than one device does) grow over 20 steps at lr 1e-2 to ~1e-4 in a few elements; a wrong gradient
+    # moves a weight by up to the learning rate per step.
+    assert_close(got, want, rtol=1e-3, atol=3e-4)
   assert int(opt.iterations.numpy()) == 20
 
 

@@ -46,9 +46,12 @@ class ShardedTensor:
     return self._components
 
   def packed_for(self, pd):
-    """The components as one parallel tensor of `pd` (kept from the producing call, or packed once)."""
+    """The components as one parallel tensor of `pd` (kept from the producing call, or packed once). A component
+    held by another device than its own (a result of the in-process graph, held by the first device) is copied
+    onto its device as it is packed: a program run on `pd` then reads every argument where it runs, instead of
+    each device receiving it from the first device on every call."""
     if self._packed is None or self._packed[0] is not pd:
-      self._packed = (pd, pd.pack(list(self.components)))
+      self._packed = (pd, pd.pack(_on_devices(self.components, pd.components)))
     return self._packed[1]
 
   @property
@@ -104,6 +107,18 @@ class ShardedTensor:
 
   def __repr__(self):
     return f"ShardedTensor(shape={self.shape.as_list()}, dtype={self.dtype.name}, sharding={self.sharding})"
+
+
+def _on_devices(components, devices):
+  """`components` with each one not on its device of `devices` copied there."""
+  out = []
+  for c, d in zip(components, devices):
+    if tf.DeviceSpec.from_string(c.device) == tf.DeviceSpec.from_string(d):
+      out.append(c)
+    else:
+      with tf.device(d):
+        out.append(tf.identity(c))
+  return out
 
 
 def shard_host_value(value, sharding, shape, positions=None):
