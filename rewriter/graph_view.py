@@ -8,6 +8,7 @@ A tensor reference is "node:index"; a control input is "^node". Public sharding 
 
 import heapq
 
+import numpy as np
 import tensorflow as tf
 
 from tf_gspmd import _compat
@@ -51,6 +52,46 @@ def node_def(name, op, inputs=(), attrs=None):
   for k, v in (attrs or {}).items():
     nd.attr[k].CopyFrom(v)
   return nd
+
+
+def write(node, op, inputs=(), **attrs):
+  """NodeDef `node` (its name and device kept) made op `op` of `inputs`, with only `attrs` (see `set_attrs`)."""
+  node.op = op
+  node.ClearField("attr")
+  del node.input[:]
+  node.input.extend(inputs)
+  set_attrs(node, **attrs)
+  return node
+
+
+def write_const(node, value):
+  """NodeDef `node` (its name and device kept) made a Const holding `value`."""
+  value = np.asarray(value)
+  return write(node, "Const", dtype=tf.as_dtype(value.dtype), value=value)
+
+
+def set_attrs(node, **attrs):
+  """Attributes of NodeDef `node` (each replacing the one it had) from Python values: a tf.DType, a bool, an int, a
+  str, a list of ints, a tf.TensorShape, a numpy array (a tensor) or an AttrValue."""
+  for key, v in attrs.items():
+    a = node.attr[key]
+    a.Clear()
+    if isinstance(v, tf.DType):
+      a.type = v.as_datatype_enum
+    elif isinstance(v, bool):
+      a.b = v
+    elif isinstance(v, int):
+      a.i = v
+    elif isinstance(v, str):
+      a.s = v.encode()
+    elif isinstance(v, (list, tuple)):
+      a.list.i.extend(v)
+    elif isinstance(v, tf.TensorShape):
+      a.shape.CopyFrom(v.as_proto())
+    elif isinstance(v, np.ndarray):
+      a.tensor.CopyFrom(tf.make_tensor_proto(v))
+    else:
+      a.CopyFrom(v)
 
 
 class GraphView:

@@ -386,17 +386,12 @@ def _emit(out, plan, scope):
   first = plan.members[0]
 
   def const(name, value):
-    node = out.node.add()
-    node.name, node.op = name, "Const"
-    node.attr["dtype"].type = tf.as_dtype(value.dtype).as_datatype_enum
-    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
+    graph_view.write_const(out.node.add(name=name), value)
     return name + ":0"
 
   def reshape(name, r, dims, dtype):
-    node = out.node.add()
-    node.name, node.op = name, "Reshape"
-    node.input.extend([r, const(name + "/shape", np.array(dims, np.int64))])
-    node.attr["T"].type, node.attr["Tshape"].type = dtype, tf.int64.as_datatype_enum
+    graph_view.write(out.node.add(name=name), "Reshape", [r, const(name + "/shape", np.array(dims, np.int64))],
+                     T=tf.as_dtype(dtype), Tshape=tf.int64)
     return name + ":0"
 
   refs = {}
@@ -410,10 +405,8 @@ def _emit(out, plan, scope):
       elif t in plan.stacked:
         refs[t] = const(name, np.stack([plan.value(m[t]) for m in plan.members]).reshape(padded))
       else:
-        node = out.node.add()
-        node.name, node.op = name, "Pack"
-        node.input.extend(m[t] for m in plan.members)
-        node.attr["T"].type, node.attr["N"].i, node.attr["axis"].i = dtype, k, 0
+        graph_view.write(out.node.add(name=name), "Pack", [m[t] for m in plan.members], T=tf.as_dtype(dtype), N=k,
+                         axis=0)
         refs[t] = reshape(name + "/ranked", name + ":0", padded, dtype) if len(shape) < rank else name + ":0"
       continue
     x = fusion.nodes[first[t]]
@@ -429,10 +422,8 @@ def _emit(out, plan, scope):
     source = refs[t]
     if len(shape) < rank:
       source = reshape(f"{scope}/{t}/unranked", source, [k] + list(shape), dtype)
-    node = out.node.add()
-    node.name, node.op = f"{scope}/{t}/each", "Unpack"
-    node.input.append(source)
-    node.attr["T"].type, node.attr["num"].i, node.attr["axis"].i = dtype, k, 0
+    node = graph_view.write(out.node.add(name=f"{scope}/{t}/each"), "Unpack", [source], T=tf.as_dtype(dtype), num=k,
+                            axis=0)
     for j, m in enumerate(plan.members):
       replaced[f"{m[t]}:0"] = f"{node.name}:{j}"
   for t, e in enumerate(plan.entries):

@@ -165,24 +165,9 @@ class Edges:
     return node
 
   def const(self, name, value, p):
-    _become_const(self.add(name, p), value)
+    graph_view.write_const(self.add(name, p), value)
     return name
 
-  @staticmethod
-  def become(node, op, inputs, dtype, **attrs):
-    """NodeDef `node` turned into op `op` of `inputs` with T=`dtype` and `attrs` (ints, tf.DTypes or AttrValues)."""
-    node.op = op
-    node.ClearField("attr")
-    node.attr["T"].CopyFrom(dtype)
-    for k, v in attrs.items():
-      if isinstance(v, tf.DType):
-        node.attr[k].type = v.as_datatype_enum
-      elif isinstance(v, int):
-        node.attr[k].i = v
-      else:
-        node.attr[k].CopyFrom(v)
-    del node.input[:]
-    node.input.extend(inputs)
 
 
 def _build(program, grouped):
@@ -243,7 +228,7 @@ def _build(program, grouped):
       if value is not None:   # one of a group of writes whose values reach the device together
         node.input[1] = value
       if x.name == program.partition_id:
-        _become_const(node, np.int32(p))
+        graph_view.write_const(node, np.int32(p))
       elif x.op in vocabulary.EMITTED:   # (collectives.Backend emits none over a group of one)
         vocabulary.EMITTED[x.op].in_process(edges, x, node, p)
   existing = {x.name for x in out.node}
@@ -284,16 +269,6 @@ def _creates_resource(node):
   op_def = _compat.op_def(node.op)
   return op_def is not None and op_def.is_stateful and any(
       a.type == tf.resource.as_datatype_enum for a in op_def.output_arg)
-
-
-def _become_const(node, value):
-  """Turn NodeDef `node` into a Const holding `value` (its name and device kept)."""
-  value = np.asarray(value)
-  node.op = "Const"
-  node.ClearField("attr")
-  del node.input[:]
-  node.attr["dtype"].type = tf.as_dtype(value.dtype).as_datatype_enum
-  node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
 
 
 def _renamed(i, same):

@@ -49,14 +49,8 @@ def _for_shapes(gd, variables):
     handle = graph_view.through_identities(nodes, x.input[0]) if x.op == "ReadVariableOp" else None
     if variables.get(handle) is not None:
       shape, _ = variables[handle]
-      dtype = x.attr["dtype"].type
-      x.op = "Placeholder"
-      x.ClearField("attr")
-      x.attr["dtype"].type = dtype
-      x.attr["shape"].shape.CopyFrom(tf.TensorShape(shape).as_proto())
-      kept = [i for i in x.input if is_control(i)]
-      del x.input[:]
-      x.input.extend(kept)
+      graph_view.write(x, "Placeholder", [i for i in x.input if is_control(i)],
+                       dtype=tf.as_dtype(x.attr["dtype"].type), shape=tf.TensorShape(shape))
       continue
     if not x.op.startswith("Collective"):
       continue
@@ -67,29 +61,15 @@ def _for_shapes(gd, variables):
       op, inputs, attrs = "Identity", [data[0]], {}
     elif x.op == "CollectiveGatherV2" and node_of(data[1]) in consts:
       size = int(tf.make_ndarray(consts[node_of(data[1])].attr["value"].tensor))
-      axis = out.node.add()
-      axis.name, axis.op = f"{x.name}/shape_axis", "Const"
-      axis.attr["dtype"].type = tf.int32.as_datatype_enum
-      axis.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.int32(0)))
+      axis = graph_view.write_const(out.node.add(name=f"{x.name}/shape_axis"), np.int32(0))
       op, inputs, attrs = "ConcatV2", [data[0]] * size + [axis.name], {"N": size, "Tidx": tf.int32}
     elif x.op == "CollectiveBcastRecvV2":
-      zero = out.node.add()
-      zero.name, zero.op = f"{x.name}/shape_zero", "Const"
-      zero.attr["dtype"].type = dtype
-      zero.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.zeros((), tf.as_dtype(dtype).as_numpy_dtype)))
+      zero = graph_view.write_const(out.node.add(name=f"{x.name}/shape_zero"),
+                                    np.zeros((), tf.as_dtype(dtype).as_numpy_dtype))
       op, inputs, attrs = "Fill", [data[3], zero.name], {"index_type": tf.as_dtype(x.attr["Tshape"].type)}
     else:
       continue
-    x.op = op
-    x.ClearField("attr")
-    x.attr["T"].type = dtype
-    for key, v in attrs.items():
-      if isinstance(v, int):
-        x.attr[key].i = v
-      else:
-        x.attr[key].type = v.as_datatype_enum
-    del x.input[:]
-    x.input.extend(inputs + controls)
+    graph_view.write(x, op, inputs + controls, T=tf.as_dtype(dtype), **attrs)
   return out
 
 
@@ -288,33 +268,14 @@ class Stacker(Rules):
     if name in self._made:   # a helper another consumer made already
       return name
     self._made.add(name)
-    node = self.out.node.add()
-    node.name, node.op, node.device = name, op, device or self.devices[0]
-    node.input.extend(inputs)
-    for key, v in attrs.items():
-      if isinstance(v, tf.DType):
-        node.attr[key].type = v.as_datatype_enum
-      elif isinstance(v, bool):
-        node.attr[key].b = v
-      elif isinstance(v, int):
-        node.attr[key].i = v
-      elif isinstance(v, str):
-        node.attr[key].s = v.encode()
-      elif isinstance(v, (list, tuple)):
-        node.attr[key].list.i.extend(v)
-      else:
-        node.attr[key].CopyFrom(v)
+    graph_view.write(self.out.node.add(name=name, device=device or self.devices[0]), op, inputs, **attrs)
     return name
 
   def _const(self, name, value):
     if name in self._made:
       return f"{name}:0"
     self._made.add(name)
-    value = np.asarray(value)
-    node = self.out.node.add()
-    node.name, node.op, node.device = name, "Const", self.devices[0]
-    node.attr["dtype"].type = tf.as_dtype(value.dtype).as_datatype_enum
-    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
+    graph_view.write_const(self.out.node.add(name=name, device=self.devices[0]), value)
     return f"{name}:0"
 
   def _copy(self, x, name, inputs, **attrs):
@@ -323,14 +284,7 @@ class Stacker(Rules):
     node.name, node.device = name, self.devices[0]
     del node.input[:]
     node.input.extend(list(inputs) + self.controls(x))
-    for key, v in attrs.items():
-      if isinstance(v, bool):
-        node.attr[key].b = v
-      elif isinstance(v, int):
-        node.attr[key].i = v
-      else:
-        node.attr[key].list.Clear()
-        node.attr[key].list.i.extend(v)
+    graph_view.set_attrs(node, **attrs)
     return name
 
   # ---- what the per-device program says about a tensor ----------------------------------------------------------

@@ -25,6 +25,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd.rewriter import graph_view
+
 _MERGE = {b"Add": "AddN", b"Mul": "Mul", b"Max": "Maximum", b"Min": "Minimum"}
 
 
@@ -50,24 +52,24 @@ def _all_reduce(edges, x, node, p):
   dtype = x.attr["T"]
   control = edges.controls(p, x)
   if p != ranked[0]:
-    edges.become(node, "Identity", [edges.ref(ranked[0], x.name)] + control, dtype)
+    graph_view.write(node, "Identity", [edges.ref(ranked[0], x.name)] + control, T=dtype)
   elif x.attr["merge_op"].s == b"Add":
-    edges.become(node, "AddN", [edges.ref(q, x.input[0]) for q in ranked] + control, dtype, N=len(ranked))
+    graph_view.write(node, "AddN", [edges.ref(q, x.input[0]) for q in ranked] + control, T=dtype, N=len(ranked))
   else:   # a chain of the binary merge in rank order
     merge = _MERGE[x.attr["merge_op"].s]
     acc = edges.ref(ranked[0], x.input[0])
     for k, q in enumerate(ranked[1:-1]):
       step = edges.add(f"{node.name}/merge_{k}", p)
-      edges.become(step, merge, [acc, edges.ref(q, x.input[0])], dtype)
+      graph_view.write(step, merge, [acc, edges.ref(q, x.input[0])], T=dtype)
       acc = step.name
-    edges.become(node, merge, [acc, edges.ref(ranked[-1], x.input[0])] + control, dtype)
+    graph_view.write(node, merge, [acc, edges.ref(ranked[-1], x.input[0])] + control, T=dtype)
 
 
 def _all_gather(edges, x, node, p):
   ranked = edges.ranked(p, x.name)
-  edges.become(node, "ConcatV2", [edges.ref(q, x.input[0]) for q in ranked] +
-               [edges.const(f"{node.name}/axis", np.int32(0), p)] + edges.controls(p, x), x.attr["T"],
-               N=len(ranked), Tidx=tf.int32)
+  graph_view.write(node, "ConcatV2", [edges.ref(q, x.input[0]) for q in ranked] +
+                   [edges.const(f"{node.name}/axis", np.int32(0), p)] + edges.controls(p, x), T=x.attr["T"],
+                   N=len(ranked), Tidx=tf.int32)
 
 
 def _all_to_all(edges, x, node, p):
@@ -76,20 +78,21 @@ def _all_to_all(edges, x, node, p):
   blocks = []
   for q in ranked:
     split = edges.add(f"{node.name}/blocks_of_{q}", p)
-    edges.become(split, "Split", [axis, edges.ref(q, x.input[0])], x.attr["T"], num_split=len(ranked))
+    graph_view.write(split, "Split", [axis, edges.ref(q, x.input[0])], T=x.attr["T"], num_split=len(ranked))
     blocks.append(f"{split.name}:{ranked.index(p)}")
-  edges.become(node, "ConcatV2", blocks + [axis] + edges.controls(p, x), x.attr["T"], N=len(ranked), Tidx=tf.int32)
+  graph_view.write(node, "ConcatV2", blocks + [axis] + edges.controls(p, x), T=x.attr["T"], N=len(ranked),
+                   Tidx=tf.int32)
 
 
 def _send(edges, x, node, p):
-  edges.become(node, "Identity", [edges.ref(p, x.input[0])] + edges.controls(p, x), x.attr["T"])
+  graph_view.write(node, "Identity", [edges.ref(p, x.input[0])] + edges.controls(p, x), T=x.attr["T"])
 
 
 def _receive(edges, x, node, p):
   """What the group's other member sends, in the shape this one expects."""
   sender, send_op = edges.sender(p, x.name)
-  edges.become(node, "Reshape", [edges.ref(sender, send_op), edges.ref(p, edges.input(x, "shape"))] +
-               edges.controls(p, x), x.attr["T"], Tshape=x.attr["Tshape"])
+  graph_view.write(node, "Reshape", [edges.ref(sender, send_op), edges.ref(p, edges.input(x, "shape"))] +
+                   edges.controls(p, x), T=x.attr["T"], Tshape=x.attr["Tshape"])
 
 
 def _plain_reduce(node_def):
