@@ -110,10 +110,9 @@ def main(_):
       if not jit:   # the same program with TF's collective ops between the devices (exchange="collectives")
         fc, placed_c, _ = _first_call(tf, gs, fn, mesh, args, specs, jit, want, name, exchange="collectives")
         calls["collectives"] = lambda: tf.nest.flatten(fc(*placed_c))[-1].numpy()
-        arg_specs = [tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in args]
-        low = f.lower(*arg_specs)
+        low = f.lower(*placed)   # the lowerings the calls run (cached)
         times["ops"] = (_op_count(single.get_concrete_function(*consts).graph.as_graph_def()),
-                        _op_count(fc.lower(*arg_specs).graph_def), low.report,
+                        _op_count(fc.lower(*placed_c).graph_def), low.report,
                         _op_count(low.program.in_process.graph_def) if low.program.in_process else None)
     times.update(interleaved(calls, FLAGS.steps))
     rows.append((name, times))

@@ -23,6 +23,7 @@ operand already has their shape. Shapes are those TF infers in the program itsel
 shape.
 """
 
+import collections
 import hashlib
 
 import numpy as np
@@ -36,6 +37,11 @@ FUSE_LIMIT = 1 << 14   # elements of a chain's largest tensor: above it, the cop
 CONST_LIMIT = 1 << 16   # bytes of the one constant the members' differing constants become (else they are packed)
 _SAME_SHAPE = SAME_SHAPE_GRADS | {"AddN"}   # operands of the result's shape, no broadcasting
 _ELEMENTWISE = (UNARY - {"Identity"}) | BROADCASTING | _SAME_SHAPE
+
+# A chain's template entries: what it reads from outside (`const`: a Const), and its ops (`inputs`: positions of
+# the entries they read).
+_Operand = collections.namedtuple("_Operand", "dtype shape const")
+_Op = collections.namedtuple("_Op", "op attrs dtype shape inputs")
 
 
 def run(program):
@@ -129,10 +135,10 @@ class _Fusion:
       return False
     if len(self.graph.get_operation_by_name(x.name).outputs) != 1:
       return False
-    out = self._shape(x.name + ":0")
-    if not out or np.prod(out) > FUSE_LIMIT:   # unknown, scalar or large
+    shapes = [self._shape(r) for r in [x.name + ":0"] + list(x.input)]
+    if not shapes[0]:   # unknown or scalar
       return False
-    return all(self._shape(i) is not None and np.prod(self._shape(i)) <= FUSE_LIMIT for i in x.input)
+    return all(shape is not None and np.prod(shape) <= FUSE_LIMIT for shape in shapes)
 
   # ---- chains and their signatures ----------------------------------------------------------------------------------
 
@@ -158,7 +164,7 @@ class _Fusion:
 
   def _leaf(self, r):
     t = self._tensor(r)
-    return ("operand", t.dtype.as_datatype_enum, tuple(t.shape.as_list()), self.nodes[node_of(r)].op == "Const")
+    return _Operand(t.dtype.as_datatype_enum, tuple(t.shape.as_list()), self.nodes[node_of(r)].op == "Const")
 
   def _entry(self, x):
     t = self._tensor(x.name + ":0")
@@ -207,7 +213,7 @@ class _Fusion:
         x = self.nodes[n]
         inputs = tuple(index[node_of(i) if node_of(i) in inside else normalize(i)] for i in x.input)
         index[n] = len(entries)
-        entries.append(self._entry(x) + (inputs,))
+        entries.append(_Op(*self._entry(x), inputs))
         refs.append(n)
     return (tuple(entries), tuple(index[n] for n in results)), refs
 
@@ -320,31 +326,31 @@ class _Plan:
     self.fusion, self.members = fusion, members
     self.entries, self.results = signature
     self.k = len(members)
-    self.rank = max(len(e[3]) if e[0] != "operand" else len(e[2]) for e in self.entries)
+    self.rank = max(len(e.shape) for e in self.entries)
     readers = {}
     for t, e in enumerate(self.entries):
-      if e[0] != "operand":
-        for i in e[4]:
-          readers.setdefault(i, set()).add(e[0])
+      if isinstance(e, _Op):
+        for i in e.inputs:
+          readers.setdefault(i, set()).add(e.op)
     # An operand slot broadcasts (every member reads one tensor, or equal constants) only into ops that broadcast.
     self.shared = set()
     for t, e in enumerate(self.entries):
-      if e[0] == "operand" and readers.get(t, set()) <= BROADCASTING:
+      if isinstance(e, _Operand) and readers.get(t, set()) <= BROADCASTING:
         refs = [m[t] for m in members]
-        if len(set(refs)) == 1 or (e[3] and len({self.value(r).tobytes() for r in refs}) == 1):
+        if len(set(refs)) == 1 or (e.const and len({self.value(r).tobytes() for r in refs}) == 1):
           self.shared.add(t)
     # Differing constants become one constant, up to CONST_LIMIT bytes; larger ones are packed as other operands.
-    self.stacked = {t for t, e in enumerate(self.entries) if e[0] == "operand" and e[3] and
-                    self.k * int(np.prod(e[2])) * tf.as_dtype(e[1]).size <= CONST_LIMIT}
+    self.stacked = {t for t, e in enumerate(self.entries) if isinstance(e, _Operand) and e.const and
+                    self.k * int(np.prod(e.shape)) * tf.as_dtype(e.dtype).size <= CONST_LIMIT}
     while True:   # every op needs an operand with the member dimension
       lane = {}
       for t, e in enumerate(self.entries):
-        lane[t] = t not in self.shared if e[0] == "operand" else any(lane[i] for i in e[4])
-      flat = [t for t, e in enumerate(self.entries) if e[0] != "operand" and not lane[t]]
+        lane[t] = t not in self.shared if isinstance(e, _Operand) else any(lane[i] for i in e.inputs)
+      flat = [t for t, e in enumerate(self.entries) if isinstance(e, _Op) and not lane[t]]
       if not flat:
         break
       for t in flat:
-        self.shared -= set(self.entries[t][4])
+        self.shared -= set(self.entries[t].inputs)
 
   def value(self, r):
     return tf.make_ndarray(self.fusion.nodes[node_of(r)].attr["value"].tensor)
@@ -353,12 +359,12 @@ class _Plan:
     return len(shape) < self.rank
 
   def saves(self):
-    ops = sum(1 for e in self.entries if e[0] != "operand")
+    ops = sum(1 for e in self.entries if isinstance(e, _Op))
     cost = ops
     for t, e in enumerate(self.entries):
-      if e[0] == "operand" and t not in self.shared and t not in self.stacked:
-        cost += 1 + self._padded(e[2])   # a Pack, and a Reshape where the rank is lower
-    cost += sum(1 + self._padded(self.entries[t][3]) for t in self.results)   # an Unpack (and a Reshape)
+      if isinstance(e, _Operand) and t not in self.shared and t not in self.stacked:
+        cost += 1 + self._padded(e.shape)   # a Pack, and a Reshape where the rank is lower
+    cost += sum(1 + self._padded(self.entries[t].shape) for t in self.results)   # an Unpack (and a Reshape)
     return self.k * ops > cost
 
 
@@ -369,7 +375,7 @@ def _rewrite(gd, plans):
   replaced, removed = {}, set()
   for g, plan in enumerate(plans):
     replaced.update(_emit(out, plan, f"fused_{g}"))
-    removed.update(m[t] for m in plan.members for t, e in enumerate(plan.entries) if e[0] != "operand")
+    removed.update(m[t] for m in plan.members for t, e in enumerate(plan.entries) if isinstance(e, _Op))
   kept = [x for x in out.node if x.name not in removed]
   del out.node[:]
   out.node.extend(kept)
@@ -397,8 +403,8 @@ def _emit(out, plan, scope):
   refs = {}
   for t, e in enumerate(plan.entries):
     name = f"{scope}/{t}"
-    if e[0] == "operand":
-      _, dtype, shape, _ = e
+    if isinstance(e, _Operand):
+      dtype, shape = e.dtype, e.shape
       padded = [k] + [1] * (rank - len(shape)) + list(shape)
       if t in plan.shared:
         refs[t] = first[t]
@@ -414,11 +420,11 @@ def _emit(out, plan, scope):
     node.CopyFrom(x)
     node.name = name
     del node.input[:]
-    node.input.extend(refs[i] for i in e[4])
+    node.input.extend(refs[i] for i in e.inputs)
     refs[t] = name + ":0"
   replaced = {}
   for t in plan.results:
-    _, _, dtype, shape, _ = plan.entries[t]
+    dtype, shape = plan.entries[t].dtype, plan.entries[t].shape
     source = refs[t]
     if len(shape) < rank:
       source = reshape(f"{scope}/{t}/unranked", source, [k] + list(shape), dtype)
@@ -427,7 +433,7 @@ def _emit(out, plan, scope):
     for j, m in enumerate(plan.members):
       replaced[f"{m[t]}:0"] = f"{node.name}:{j}"
   for t, e in enumerate(plan.entries):
-    if e[0] != "operand":
+    if isinstance(e, _Op):
       for m in plan.members:
         replaced["^" + m[t]] = f"^{scope}/{t}"
   return replaced
