@@ -19,8 +19,9 @@ ops, and every device pays TF's executor its per-op cost (a few microseconds) fo
 
 A group is fused only where that saves ops (each pack, unpack and reshape is one). Every element goes through the
 same ops in the same order, so the results are exactly the members' own. The pass also drops reshapes whose
-operand already has their shape. Shapes are those TF infers in the program itself: every tensor keeps its static
-shape.
+operand already has their static shape in the program itself, so every tensor keeps its static shape. What is
+fused is judged with a read of a variable given its shard's shape (TF's import leaves it unknown): an optimizer's
+updates of variables fuse as those of arguments do.
 """
 
 import collections
@@ -30,6 +31,8 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gspmd.rewriter import graph_view
+from tf_gspmd.rewriter import partition
+from tf_gspmd.rewriter import shape_refine
 from tf_gspmd.rewriter.graph_view import is_control, node_of, normalize, split_ref
 from tf_gspmd.rewriter.stacking_rules import BROADCASTING, SAME_SHAPE_GRADS, UNARY
 
@@ -54,27 +57,31 @@ def run(program):
     return program
   keep = set(program.local_inputs) | set(program.local_variables) | set(program.local_outputs) | set(
       program.side_effects) | {program.partition_id} | set(program.report.emitted())
-  fused = fuse(program.local_graph_def, keep)
+  variables = {name: partition.variable_shard(program, name) for name in program.local_variables}
+  fused = fuse(program.local_graph_def, keep, variables)
   return program if fused is None else program.replace(local_graph_def=fused)
 
 
-def fuse(gd, keep=()):
+def fuse(gd, keep=(), variables=None):
   """`gd` with its groups of like element-wise chains fused (see the module docstring), or None where none is.
-  `keep`: nodes that stay as they are."""
-  return _Fusion(gd, set(keep)).result()
+  `keep`: nodes that stay as they are; `variables`: handle -> (shape, dtype) of a device's shard of the variable
+  it reads (what a read of it computes on has that shape)."""
+  return _Fusion(gd, set(keep), variables or {}).result()
 
 
 class _Fusion:
 
-  def __init__(self, gd, keep):
-    graph = tf.Graph()
-    with graph.as_default():
-      tf.graph_util.import_graph_def(gd, name="")
-    # Static shapes by node name, as TF infers them in the program itself: what is fused or removed has static shapes
-    # there, so every tensor keeps its static shape (removing a reshape that keeps its operand's changes none).
-    self.graph = graph
+  def __init__(self, gd, keep, variables):
+    # Static shapes by node name, as TF infers them in the program itself: a reshape is removed only where it keeps
+    # its operand's static shape there, so every tensor keeps its static shape.
+    self.graph = _imported(gd)
     self.gd, self.reshapes = self._without_shape_preserving_reshapes(gd, keep)
     gd = self.gd
+    # What is fused: shapes where a read of a variable has its shard's shape and a collective its result's, which
+    # TF's import leaves unknown (an optimizer's update of a variable).
+    for_shapes = shape_refine.for_shapes(gd, variables)
+    if for_shapes != gd:
+      self.graph = _imported(for_shapes)
     self.nodes = {x.name: x for x in gd.node}
     self.order = [x.name for x in graph_view.GraphView(gd).order()]
     self.position = {n: k for k, n in enumerate(self.order)}
@@ -366,6 +373,13 @@ class _Plan:
         cost += 1 + self._padded(e.shape)   # a Pack, and a Reshape where the rank is lower
     cost += sum(1 + self._padded(self.entries[t].shape) for t in self.results)   # an Unpack (and a Reshape)
     return self.k * ops > cost
+
+
+def _imported(gd):
+  graph = tf.Graph()
+  with graph.as_default():
+    tf.graph_util.import_graph_def(gd, name="")
+  return graph
 
 
 def _rewrite(gd, plans):

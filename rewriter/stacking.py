@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from tf_gspmd import _compat
 from tf_gspmd.rewriter import graph_view
+from tf_gspmd.rewriter import shape_refine
 from tf_gspmd.rewriter.graph_view import is_control, node_of, split_ref
 from tf_gspmd.rewriter.stacking_rules import COLLECTIVES, PER_DEVICE, STACKED, UNIFORM, Rules
 
@@ -35,42 +36,6 @@ STACK_LIMIT = 1 << 14   # elements per device
 
 _NEVER_UNIFORM = frozenset(("Placeholder", "PlaceholderWithDefault"))
 _WRITES = frozenset(("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"))
-
-
-def _for_shapes(gd, variables):
-  """`gd` for shape inference only: each collective replaced by an op of its result's shape (TF's shape functions
-  leave a gather's or a receive's unknown), each read of a captured variable (`variables`: handle -> (shape,
-  dtype) of a device's shard) by a placeholder of the shard's shape."""
-  out = tf.compat.v1.GraphDef()
-  out.CopyFrom(gd)
-  nodes = {x.name: x for x in gd.node}
-  consts = {x.name: x for x in gd.node if x.op == "Const"}
-  for x in out.node:
-    handle = graph_view.through_identities(nodes, x.input[0]) if x.op == "ReadVariableOp" else None
-    if variables.get(handle) is not None:
-      shape, _ = variables[handle]
-      graph_view.write(x, "Placeholder", [i for i in x.input if is_control(i)],
-                       dtype=tf.as_dtype(x.attr["dtype"].type), shape=tf.TensorShape(shape))
-      continue
-    if not x.op.startswith("Collective"):
-      continue
-    data = [i for i in x.input if not is_control(i)]
-    controls = [i for i in x.input if is_control(i)]
-    dtype = x.attr["T"].type
-    if x.op in ("CollectiveReduceV2", "CollectiveAllToAllV2", "CollectiveBcastSendV2"):
-      op, inputs, attrs = "Identity", [data[0]], {}
-    elif x.op == "CollectiveGatherV2" and node_of(data[1]) in consts:
-      size = int(tf.make_ndarray(consts[node_of(data[1])].attr["value"].tensor))
-      axis = graph_view.write_const(out.node.add(name=f"{x.name}/shape_axis"), np.int32(0))
-      op, inputs, attrs = "ConcatV2", [data[0]] * size + [axis.name], {"N": size, "Tidx": tf.int32}
-    elif x.op == "CollectiveBcastRecvV2":
-      zero = graph_view.write_const(out.node.add(name=f"{x.name}/shape_zero"),
-                                    np.zeros((), tf.as_dtype(dtype).as_numpy_dtype))
-      op, inputs, attrs = "Fill", [data[3], zero.name], {"index_type": tf.as_dtype(x.attr["Tshape"].type)}
-    else:
-      continue
-    graph_view.write(x, op, inputs + controls, T=tf.as_dtype(dtype), **attrs)
-  return out
 
 
 class Stacker(Rules):
@@ -92,7 +57,7 @@ class Stacker(Rules):
       return
     graph = tf.Graph()
     with graph.as_default():
-      tf.graph_util.import_graph_def(_for_shapes(gd, variables), name="")
+      tf.graph_util.import_graph_def(shape_refine.for_shapes(gd, variables), name="")
     self.graph = graph
     # Reads join by level -- the most nodes on a path from the inputs that order a read after them (a control
     # input of a read): a read cannot reach another read of its level, nor anything that reaches one -- and

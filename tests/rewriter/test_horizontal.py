@@ -5,6 +5,7 @@ one another, directly or through other ops, are never fused into a cycle."""
 import collections
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_gspmd as gs
@@ -182,6 +183,44 @@ def test_a_partitioned_training_step_fuses_its_optimizer_and_matches_unpartition
   plain = lowered("collectives")
   assert count(plain, "Sqrt") == count(in_process, "Sqrt") == 3 and count(fused, "Sqrt") == 1
   assert len(fused.node) < len(plain.node)
+
+
+def _keras_step(keras, layers):
+  """(an Adam step of a Keras MLP, the model): the optimizer updates captured variables, as `fit` does."""
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((16,))] + [keras.layers.Dense(16, activation="tanh") for _ in range(layers)])
+  opt = keras.optimizers.Adam(1e-2)
+  opt.build(model.trainable_variables)
+
+  def step(x, y):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(tf.square(model(x) - y))
+    opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    return loss
+  return step, model
+
+
+def test_an_optimizers_updates_of_captured_variables_fuse(monkeypatch):
+  """Reads of variables have no static shape where TF imports the program; the pass gives them their shards'."""
+  keras = pytest.importorskip("keras")
+  x, y = _normal(8, 16), _normal(8, 16)
+  step, model = _keras_step(keras, 4)
+  ref_step, ref = _keras_step(keras, 4)
+  f = gs.function(step, mesh=M24, in_shardings=(P("data", None),) * 2, exchange="collectives")
+  specs = [tf.TensorSpec([8, 16])] * 2
+  count = lambda gd, op: sum(n.op == op for n in gd.node)
+  fused = f.lower(*specs).program.local_graph_def
+  ref_step = tf.function(ref_step)
+  for _ in range(3):
+    np.testing.assert_allclose(f(x, y).numpy(), ref_step(x, y).numpy(), rtol=1e-5)
+  for got, want in zip(model.get_weights(), ref.get_weights()):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  monkeypatch.setattr(pipeline, "PASSES", tuple(p for p in pipeline.PASSES if p[0] != "fuse"))
+  plain = gs.function(step, mesh=M24, in_shardings=(P("data", None),) * 2, exchange="collectives").lower(
+      *specs).program.local_graph_def
+  # Per variable, a square root of its second moment and one of a scalar correction: the 8 of the moments run as 2
+  # (the kernels', the biases').
+  assert count(plain, "Sqrt") == 16 and count(fused, "Sqrt") == 10
 
 
 def test_differing_constants_become_one_constant_only_while_small():
