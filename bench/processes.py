@@ -1,10 +1,12 @@
 """Step time and traffic across processes: one process x 8 CPUs vs 2 x 4 vs 4 x 2, same program, same mesh.
 
 Runs the training binary `examples/train_transformer.py` (decoder LM, Megatron on (2,4): heads and MLP hidden
-over `model`, batch over `data`) for --steps steps in one process, then under `python -m tf_gspmd.launch` as 2
-and 4 worker processes on 127.0.0.1 (TF's gRPC collective runtime), and prints per configuration: the median
-step time after warm-up, its ratio to one process, the bytes per device a step sends and how many of them cross
-process boundaries, and whether the losses equal the one-process losses (relative 1e-5).
+over `model`, batch over `data`) for --steps steps in one process -- as the one in-process graph (exchange
+"auto") and through TF's collectives (--exchange=collectives: each device's program on its own thread, the
+runtime several processes use) -- then under `python -m tf_gspmd.launch` as 2 and 4 worker processes on
+127.0.0.1 (TF's gRPC collective runtime), and prints per configuration: the median step time after warm-up, its
+ratio to one process (in-process, and through TF's collectives), the bytes per device a step sends and how many
+of them cross process boundaries, and whether the losses equal the one-process losses (relative 1e-5).
 
   python bench/processes.py [--steps=20] [--binary_flags=--layers=2,--d_model=64]
 """
@@ -25,9 +27,9 @@ FLAGS = flags.FLAGS
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 
-def _run(workers, logdir):
+def _run(workers, logdir, extra=()):
   binary = [os.path.join(ROOT, "examples", "train_transformer.py"), f"--steps={FLAGS.steps}", "--check_steps=0",
-            "--ckpt_every=0", f"--logdir={logdir}", *FLAGS.binary_flags]
+            "--ckpt_every=0", f"--logdir={logdir}", *FLAGS.binary_flags, *extra]
   command = [sys.executable] + (binary if workers == 1 else ["-m", "tf_gspmd.launch", f"--workers={workers}", "--",
                                                             *binary])
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="3",
@@ -51,16 +53,21 @@ def main(_):
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     for w in (int(x) for x in FLAGS.workers):
-      rows.append((w,) + _run(w, os.path.join(tmp, str(w))))
-  base_losses, base_time = rows[0][1], rows[0][2]
+      rows.append((f"{w} x {8 // w}", w) + _run(w, os.path.join(tmp, str(w))))
+      if w == 1:   # the same runtime as several processes, in one
+        rows.append(("1 x 8, TF's collectives", w) + _run(w, os.path.join(tmp, "1c"), ["--exchange=collectives"]))
+  base_losses, base_time = rows[0][2], rows[0][3]
+  coll_time = next((r[3] for r in rows if r[0].endswith("collectives")), None)
   print(f"train_transformer {' '.join(FLAGS.binary_flags)} on mesh (2,4), {FLAGS.steps} steps, median after 3 "
         "warm-up steps, all on this machine's cores")
-  print("| processes x devices | step ms | vs 1 process | B/device per step | B/device across processes | "
-        "losses = 1 process |")
-  print("|---|---|---|---|---|---|")
-  for w, losses, t, sent, across in rows:
+  print("| processes x devices | step ms | vs 1 process | vs 1 process, TF's collectives | B/device per step | "
+        "B/device across processes | losses = 1 process |")
+  print("|---|---|---|---|---|---|---|")
+  for name, _, losses, t, sent, across in rows:
     same = all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, base_losses)) and len(losses) == len(base_losses)
-    print(f"| {w} x {8 // w} | {t:.0f} | {t / base_time:.2f} | {sent:,} | {across:,} | {'yes' if same else 'NO'} |")
+    vs_coll = f"{t / coll_time:.2f}" if coll_time else "-"
+    print(f"| {name} | {t:.0f} | {t / base_time:.2f} | {vs_coll} | {sent:,} | {across:,} | "
+          f"{'yes' if same else 'NO'} |")
 
 
 if __name__ == "__main__":

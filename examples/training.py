@@ -42,6 +42,10 @@ flags.DEFINE_bool("auto", False, "Choose the layouts of the batch, the weights a
 flags.DEFINE_float("memory_budget_mib", None, "With --auto: MiB per device the arguments, weights, optimizer state and "
                    "the activations live at the peak may take (--plan prints what a plan takes, counted this way).")
 flags.DEFINE_bool("jit", False, "Compile the compute between collectives with XLA (jit_compile=True).")
+flags.DEFINE_enum("exchange", "auto", ["auto", "collectives"], "How the devices exchange data (gs.function's "
+                  "`exchange`): auto runs the CPUs of one process as one in-process graph; collectives runs each "
+                  "device's program on its own thread, joined by TF's collective ops, as GPUs and several processes "
+                  "do.")
 flags.DEFINE_bool("auto_parallel", False, "Plan pipeline stages, their submeshes and intra-operator layouts "
                   "automatically (gs.auto_parallel, Alpa's two levels) and train the model's plain-TF step as an MPMD "
                   "pipeline, SGD at --lr; with --plan: only the plan, for --plan_mesh, without devices.")
@@ -231,7 +235,7 @@ def run(task):
   if FLAGS.resume and latest:
     ckpt.restore(latest).assert_existing_objects_matched()
     print(f"resumed from {latest} at step {int(step_var.numpy())}")
-  train = gs.function(model.step, mesh=mesh, jit_compile=FLAGS.jit, **_shardings(task, mesh))
+  train = gs.function(model.step, mesh=mesh, jit_compile=FLAGS.jit, exchange=FLAGS.exchange, **_shardings(task, mesh))
   writer = tf.summary.create_file_writer(directory) if chief else tf.summary.create_noop_writer()
   first = int(step_var.numpy())
   bar = keras.utils.Progbar(FLAGS.steps, verbose=1 if sys.stdout.isatty() else 0)
