@@ -218,6 +218,20 @@ def test_2d_layout_trains_and_matches_the_unpartitioned_program(tmp_path):
   assert "check: first 2 losses match the unpartitioned program" in out
 
 
+def test_one_process_through_tfs_collectives_trains_as_the_in_process_graph(tmp_path, tmp_path_factory):
+  """--exchange=collectives: each device's program on its own thread joined by TF's collective ops (the runtime
+  GPUs and several processes use), in one process: the losses are the in-process graph's."""
+  binary = "train_transformer.py"
+  want = _losses(_one_process_losses(binary, tmp_path_factory)[0])
+  out = _run(binary, "--exchange=collectives", "--steps=4", "--check_steps=2", "--ckpt_every=0",
+             f"--logdir={tmp_path}")
+  assert "check: first 2 losses match the unpartitioned program" in out
+  got = _losses(out)
+  assert sorted(got) == [0, 1, 2, 3]
+  for k, loss in got.items():
+    assert loss == pytest.approx(want[k], rel=1e-5)
+
+
 @pytest.mark.parametrize("layout", ["megatron", "2d"])
 def test_plan_at_the_128b_models_dims_keeps_weights_to_the_layouts_arithmetic(layout):
   """2 of DenseLm128B32x32's 64 layers at its full dims on its (32, 64) mesh: the model is built shape-only, the
