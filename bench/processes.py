@@ -53,17 +53,17 @@ def main(_):
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     for w in (int(x) for x in FLAGS.workers):
-      rows.append((f"{w} x {8 // w}", w) + _run(w, os.path.join(tmp, str(w))))
+      rows.append((f"{w} x {8 // w}",) + _run(w, os.path.join(tmp, str(w))))
       if w == 1:   # the same runtime as several processes, in one
-        rows.append(("1 x 8, TF's collectives", w) + _run(w, os.path.join(tmp, "1c"), ["--exchange=collectives"]))
-  base_losses, base_time = rows[0][2], rows[0][3]
-  coll_time = next((r[3] for r in rows if r[0].endswith("collectives")), None)
+        rows.append(("1 x 8, TF's collectives",) + _run(w, os.path.join(tmp, "1c"), ["--exchange=collectives"]))
+  base_losses, base_time = rows[0][1], rows[0][2]
+  coll_time = next((r[2] for r in rows if r[0].endswith("collectives")), None)
   print(f"train_transformer {' '.join(FLAGS.binary_flags)} on mesh (2,4), {FLAGS.steps} steps, median after 3 "
         "warm-up steps, all on this machine's cores")
   print("| processes x devices | step ms | vs 1 process | vs 1 process, TF's collectives | B/device per step | "
         "B/device across processes | losses = 1 process |")
   print("|---|---|---|---|---|---|---|")
-  for name, _, losses, t, sent, across in rows:
+  for name, losses, t, sent, across in rows:
     same = all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, base_losses)) and len(losses) == len(base_losses)
     vs_coll = f"{t / coll_time:.2f}" if coll_time else "-"
     print(f"| {name} | {t:.0f} | {t / base_time:.2f} | {vs_coll} | {sent:,} | {across:,} | "

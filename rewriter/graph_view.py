@@ -46,12 +46,8 @@ def public_key(r):
 
 
 def node_def(name, op, inputs=(), attrs=None):
-  """A NodeDef: `inputs` as reference strings, `attrs` as {key: tf.compat.v1.AttrValue}."""
-  nd = tf.compat.v1.NodeDef(name=name, op=op)
-  nd.input.extend(inputs)
-  for k, v in (attrs or {}).items():
-    nd.attr[k].CopyFrom(v)
-  return nd
+  """A NodeDef: `inputs` as reference strings, `attrs` as {key: tf.compat.v1.AttrValue} (see `write`)."""
+  return write(tf.compat.v1.NodeDef(name=name), op, inputs, **(attrs or {}))
 
 
 def write(node, op, inputs=(), **attrs):

@@ -79,9 +79,8 @@ class _Fusion:
     gd = self.gd
     # What is fused: shapes where a read of a variable has its shard's shape and a collective its result's, which
     # TF's import leaves unknown (an optimizer's update of a variable).
-    for_shapes = shape_refine.for_shapes(gd, variables)
-    if for_shapes != gd:
-      self.graph = _imported(for_shapes)
+    if shape_refine.adds_shapes(gd, variables):
+      self.graph = _imported(shape_refine.for_shapes(gd, variables))
     self.nodes = {x.name: x for x in gd.node}
     self.order = [x.name for x in graph_view.GraphView(gd).order()]
     self.position = {n: k for k, n in enumerate(self.order)}

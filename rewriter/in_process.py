@@ -169,7 +169,6 @@ class Edges:
     return name
 
 
-
 def _build(program, grouped):
   gd = program.local_graph_def
   devices = program.devices

@@ -209,6 +209,19 @@ def list_element_shape(op):
   return (shape[1:] if kind.endswith("stacked") else shape), t.dtype
 
 
+# Collectives whose result TF's shape functions already give their operand's shape.
+_SHAPE_KEEPING = ("CollectiveReduceV2", "CollectiveAllToAllV2", "CollectiveBcastSendV2")
+
+
+def adds_shapes(gd, variables):
+  """Whether `for_shapes(gd, variables)` can give a tensor a static shape TF's import of `gd` leaves unknown: `gd`
+  reads one of `variables`, or has a collective other than those that keep their operand's shape."""
+  nodes = {x.name: x for x in gd.node}
+  return any((x.op.startswith("Collective") and x.op not in _SHAPE_KEEPING) or
+             (x.op == "ReadVariableOp" and variables.get(graph_view.through_identities(nodes, x.input[0])) is not None)
+             for x in gd.node)
+
+
 def for_shapes(gd, variables):
   """`gd` for shape inference only: each collective replaced by an op of its result's shape (TF's shape functions
   leave a gather's or a receive's unknown), each read of a captured variable (`variables`: handle -> (shape,
@@ -229,7 +242,7 @@ def for_shapes(gd, variables):
     data = [i for i in x.input if not is_control(i)]
     controls = [i for i in x.input if is_control(i)]
     dtype = x.attr["T"].type
-    if x.op in ("CollectiveReduceV2", "CollectiveAllToAllV2", "CollectiveBcastSendV2"):
+    if x.op in _SHAPE_KEEPING:
       op, inputs, attrs = "Identity", [data[0]], {}
     elif x.op == "CollectiveGatherV2" and node_of(data[1]) in consts:
       size = int(tf.make_ndarray(consts[node_of(data[1])].attr["value"].tensor))
