@@ -1,6 +1,9 @@
 """Cleanup and verify passes on the per-device program."""
 
+import tensorflow as tf
+
 from tf_gspmd.errors import PartitionError
+from tf_gspmd.rewriter import graph_view
 from tf_gspmd.rewriter.vocabulary import TF_COLLECTIVE_OPS
 from tf_gspmd.rewriter.graph_view import prune
 
@@ -11,7 +14,7 @@ def run(program):
   inside a body that stays runs, as TF keeps a function's stateful ops)."""
   roots = (list(program.local_outputs) + list(program.side_effects) + list(program.local_inputs) +
            list(program.local_variables) + [program.partition_id])
-  gd = prune(program.local_graph_def, roots)
+  gd = merge_reads(prune(program.local_graph_def, roots), {graph_view.node_of(r) for r in roots})
   kept = {n.name for n in gd.node}
   report = program.report
   dropped = {k: None for k in report.emitted() if k not in kept}
@@ -21,6 +24,49 @@ def run(program):
   if bodies:
     report = report.without_bodies_of(bodies)
   return program.replace(local_graph_def=gd, report=report)
+
+
+def merge_reads(gd, keep=()):
+  """`gd` with every variable read that repeats another -- same variable handle input, control inputs and
+  attributes -- left out, its consumers reading the other (nodes in `keep` stay).
+
+  An optimizer reads its step counter once per weight it updates (Keras's Adam: 2 of every 7 reads of a small
+  transformer's step), and TF's graph optimizer merges no stateful op, nor therefore what is computed from the
+  reads. Two such reads have the same ancestors, so no write is ordered between them: they read one value. After
+  the merge TF's optimizer merges what is computed from them alike (the step's bias corrections, once per weight
+  before).
+  """
+  first, same = {}, {}
+  for n in gd.node:
+    if n.op != "ReadVariableOp" or n.name in keep:
+      continue
+    key = tf.compat.v1.NodeDef()
+    key.CopyFrom(n)
+    key.name = ""
+    data = [i for i in n.input if not graph_view.is_control(i)]
+    del key.input[:]
+    key.input.extend(data + sorted(set(n.input) - set(data)))
+    key = key.SerializeToString(deterministic=True)
+    if key in first:
+      same[n.name] = first[key]
+    else:
+      first[key] = n.name
+  if not same:
+    return gd
+  out = tf.compat.v1.GraphDef()
+  out.CopyFrom(gd)
+  del out.node[:]
+  for n in gd.node:
+    if n.name in same:
+      continue
+    node = out.node.add()
+    node.CopyFrom(n)
+    if any(graph_view.node_of(i) in same for i in n.input):
+      inputs = [("^" + same[i[1:]] if graph_view.is_control(i) else f"{same[graph_view.node_of(i)]}:0")
+                if graph_view.node_of(i) in same else i for i in n.input]
+      del node.input[:]
+      node.input.extend(graph_view.dedupe_controls(inputs))
+  return out
 
 
 def verify(program):
