@@ -187,6 +187,23 @@ def assert_report_counts_program(low):
     assert low.report.bytes_per_device() == most, str(low.report)
 
 
+def keras_adam_step(keras, layers):
+  """(an Adam step of a Keras MLP of `layers` tanh Dense layers of width 16, the model, the optimizer): the
+  optimizer updates captured variables, as `fit` does. Built from seed 0: two calls give equal models."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((16,))] + [keras.layers.Dense(16, activation="tanh") for _ in range(layers)])
+  opt = keras.optimizers.Adam(1e-2)
+  opt.build(model.trainable_variables)
+
+  def step(x, y):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(tf.square(model(x) - y))
+    opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    return loss
+  return step, model, opt
+
+
 def loop_step(x, w):
   """Three iterations of tanh(y @ w) + 1 and their gradient: the forward loop keeps its intermediates in lists."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top

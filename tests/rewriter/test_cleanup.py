@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import assert_close
+from conftest import assert_close, keras_adam_step
 import tf_gspmd as gs
 from tf_gspmd import P
 from tf_gspmd.rewriter import cleanup
@@ -85,21 +85,8 @@ def test_an_optimizers_step_counter_is_read_once_per_device_and_trains_as_unpart
   rng = np.random.default_rng(0)
   x, y = rng.standard_normal((8, 16)).astype(np.float32), rng.standard_normal((8, 16)).astype(np.float32)
 
-  def make():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((16,))] + [keras.layers.Dense(16, activation="tanh") for _ in range(3)])
-    opt = keras.optimizers.Adam(1e-2)
-    opt.build(model.trainable_variables)
-
-    def step(x, y):
-      with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(tf.square(model(x) - y))
-      opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-      return loss
-    return step, model, opt
-
-  step, model, _ = make()
-  ref_step, ref, _ = make()
+  step, model, _ = keras_adam_step(keras, 3)
+  ref_step, ref, _ = keras_adam_step(keras, 3)
   specs = (tf.TensorSpec([8, 16]),) * 2
   f = gs.function(step, mesh=MESH, in_shardings=(P("data", None),) * 2, exchange=exchange)
   counts = _reads(f.lower(*specs).program.local_graph_def)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import keras_adam_step
 import tf_gspmd as gs
 from tf_gspmd import P
 from tf_gspmd.rewriter import graph_view
@@ -185,27 +186,12 @@ def test_a_partitioned_training_step_fuses_its_optimizer_and_matches_unpartition
   assert len(fused.node) < len(plain.node)
 
 
-def _keras_step(keras, layers):
-  """(an Adam step of a Keras MLP, the model): the optimizer updates captured variables, as `fit` does."""
-  keras.utils.set_random_seed(0)
-  model = keras.Sequential([keras.Input((16,))] + [keras.layers.Dense(16, activation="tanh") for _ in range(layers)])
-  opt = keras.optimizers.Adam(1e-2)
-  opt.build(model.trainable_variables)
-
-  def step(x, y):
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_mean(tf.square(model(x) - y))
-    opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-    return loss
-  return step, model
-
-
 def test_an_optimizers_updates_of_captured_variables_fuse(monkeypatch):
   """Reads of variables have no static shape where TF imports the program; the pass gives them their shards'."""
   keras = pytest.importorskip("keras")
   x, y = _normal(8, 16), _normal(8, 16)
-  step, model = _keras_step(keras, 4)
-  ref_step, ref = _keras_step(keras, 4)
+  step, model, _ = keras_adam_step(keras, 4)
+  ref_step, ref, _ = keras_adam_step(keras, 4)
   f = gs.function(step, mesh=M24, in_shardings=(P("data", None),) * 2, exchange="collectives")
   specs = [tf.TensorSpec([8, 16])] * 2
   count = lambda gd, op: sum(n.op == op for n in gd.node)
