@@ -204,6 +204,20 @@ def keras_adam_step(keras, layers):
   return step, model, opt
 
 
+def sigkill_when(procs, victim, ready, timeout, explain, settle=0.0):
+  """Waits until `ready()` while every process of `procs` runs (failing with `explain()` if one exits first or
+  `timeout` seconds pass), sleeps `settle` seconds and SIGKILLs `procs[victim]`; returns when it was killed."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  deadline = time.time() + timeout
+  while not ready():
+    assert all(p.poll() is None for p in procs) and time.time() < deadline, explain()
+    time.sleep(0.05)
+  time.sleep(settle)
+  procs[victim].send_signal(signal.SIGKILL)
+  return time.time()
+
+
 def loop_step(x, w):
   """Three iterations of tanh(y @ w) + 1 and their gradient: the forward loop keeps its intermediates in lists."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top

@@ -2,17 +2,15 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import assert_close
+from conftest import assert_close, sigkill_when
 import tf_gspmd as gs
 from tf_gspmd import P
 
@@ -136,12 +134,8 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
   proc = subprocess.Popen([sys.executable, "-c", _SAVER, str(directory), str(marker)], env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   try:
-    deadline = time.time() + 180
-    while not marker.exists():
-      assert proc.poll() is None and time.time() < deadline, "the saving process did not start"
-      time.sleep(0.05)
-    time.sleep(0.7)    # several saves later, most likely in the middle of one
-    proc.send_signal(signal.SIGKILL)
+    # several saves after the first, most likely in the middle of one
+    sigkill_when([proc], 0, marker.exists, 180, lambda: "the saving process did not start", settle=0.7)
     proc.wait(30)
   finally:
     if proc.poll() is None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import sigkill_when
 import tf_gspmd as gs
 from tf_gspmd import _cluster, _mesh
 from tf_gspmd import launch
@@ -278,20 +279,14 @@ def test_a_worker_killed_during_a_save_leaves_the_previous_checkpoint_and_names_
   """SIGKILL process 1 while the processes save again and again: process 0 exits with ProcessLostError naming
   it; the latest checkpoint is whole (one step's values) and CheckpointManager keeps working on it."""
   from tf_gspmd import launch  # pylint: disable=g-import-not-at-top
-  import signal  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
   command = [sys.executable, os.path.join(PROGRAMS, "sharded_checkpoint.py"), f"--save={tmp_path}", "--loop"]
   logs = [tmp_path / f"worker_{k}.log" for k in range(2)]
   procs = [subprocess.Popen(command, env=dict(_env(), **env), cwd=ROOT, stdout=open(log, "w"),
                             stderr=subprocess.STDOUT)
            for env, log in zip(launch.worker_envs(2, 4), logs)]
   try:
-    deadline = time.time() + 300
-    while not (tmp_path / "first_done").exists():
-      assert all(p.poll() is None for p in procs) and time.time() < deadline, logs[0].read_text()[-3000:]
-      time.sleep(0.05)
-    time.sleep(1.5)   # several saves later, most likely in the middle of one
-    procs[1].send_signal(signal.SIGKILL)
+    # several saves after the first, most likely in the middle of one
+    sigkill_when(procs, 1, (tmp_path / "first_done").exists, 300, lambda: logs[0].read_text()[-3000:], settle=1.5)
     procs[0].wait(120)
   finally:
     for p in procs:

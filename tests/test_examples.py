@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from conftest import sigkill_when
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 SMALL = {
     "train_transformer.py": ["--layers=1", "--d_model=32", "--d_ff=64", "--seq_len=16", "--batch=8", "--lr=1e-2"],
@@ -117,11 +119,8 @@ def test_sigkill_then_resume_continues_with_the_same_losses(tmp_path):
   proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "examples", binary), *SMALL[binary], *flags,
                            f"--logdir={tmp_path / 'resumed'}"], stdout=log, stderr=subprocess.STDOUT, env=_env())
   try:
-    deadline = time.time() + 240
-    while "step 9 loss" not in open(tmp_path / "killed.log").read():
-      assert proc.poll() is None and time.time() < deadline, open(tmp_path / "killed.log").read()[-2000:]
-      time.sleep(0.1)
-    proc.send_signal(signal.SIGKILL)
+    text = lambda: open(tmp_path / "killed.log").read()
+    sigkill_when([proc], 0, lambda: "step 9 loss" in text(), 240, lambda: text()[-2000:])
     proc.wait(30)
   finally:
     if proc.poll() is None:
@@ -161,12 +160,8 @@ def test_a_lost_worker_stops_the_others_by_name_and_resume_continues(tmp_path, t
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
            for env, log in zip(launch.worker_envs(2, 4), logs)]
   try:
-    deadline = time.time() + 300
-    while "step 9 loss" not in logs[1].read_text():
-      assert all(p.poll() is None for p in procs) and time.time() < deadline, logs[0].read_text()[-3000:]
-      time.sleep(0.1)
-    procs[1].send_signal(signal.SIGKILL)
-    killed = time.time()
+    killed = sigkill_when(procs, 1, lambda: "step 9 loss" in logs[1].read_text(), 300,
+                          lambda: logs[0].read_text()[-3000:])
     procs[0].wait(120)
     took = time.time() - killed
   finally:
