@@ -15,8 +15,9 @@ BatchMatMulV2 for a MatMul, a reduction over a group dimension for an AddN of th
   * a gather takes the device dimension as one more batch dimension;
   * Softmax and LogSoftmax run on rows (TF's CPU kernel takes rank <= 5);
   * a collective gathers each group's members (runtime rank order) into a group dimension, then sums, multiplies,
-    takes the max or min (all-reduce), concatenates (all-gather) or exchanges blocks (all-to-all) there, and
-    each device takes its group's result -- a handful of ops for the whole mesh.
+    takes the max or min (all-reduce) or concatenates (all-gather) there, and each device takes its group's
+    result -- a handful of ops for the whole mesh; an all-to-all is one gather of the members' chunks, each to
+    the device that takes it.
 
 A rule returns False where it does not apply (an unknown shape, an operand it cannot take); the node then runs
 per device.
@@ -334,6 +335,12 @@ class Rules:
                         T=t, Tidx=tf.int64) + ":0"
       self._reshape(name, wide, [self.n] + dims, t)
       return True
+    if x.op == "CollectiveAllToAllV2":   # device q, rank k of its group, takes chunk k of each member, in rank order
+      chunks = reshape(self.stacked_ref(x.input[0]), [self.n * size, shape[0] // size] + shape[1:], "chunks")
+      taken = gather(chunks, [member * size + ranked[q].index(q) for q in range(self.n) for member in ranked[q]],
+                     "taken", self.controls(x))
+      self._node(name, "Identity", [reshape(taken, [self.n] + shape, "result")], T=t)
+      return True
     members = gather(self.stacked_ref(x.input[0]), flat, "members", self.controls(x))
     which = [groups.index(ranked[p]) for p in range(self.n)]
 
@@ -355,16 +362,9 @@ class Rules:
                            [grouped, self._const(f"stkh/{x.name}/reduced_axis", np.int32(1))], T=t, Tidx=tf.int32,
                            keep_dims=False) + ":0"
       result = spread(reduced, shape, "result")
-    elif x.op == "CollectiveGatherV2":
+    else:
       grouped = reshape(members, [len(groups), size * shape[0]] + shape[1:], "grouped")
       result = spread(grouped, [size * shape[0]] + shape[1:], "result")
-    else:
-      blocks = reshape(members, [len(groups), size, size, shape[0] // size] + shape[1:], "blocks")
-      moved = self._node(f"stkh/{x.name}/moved", "Transpose",
-                         [blocks, self._const(f"stkh/{x.name}/perm", np.array([0, 2, 1] + list(range(3, len(shape) + 3)),
-                                                                       np.int32))], T=t, Tperm=tf.int32) + ":0"
-      rows = reshape(moved, [self.n] + shape, "rows")
-      result = gather(rows, [flat.index(p) for p in range(self.n)], "result")
     self._node(name, "Identity", [result], T=t)
     return True
 

@@ -75,6 +75,9 @@ def test_collectives_run_over_the_device_dimension(name, fn, args, ins, outs):
   assert emitted, name
   copies = [n.name for n in graph.node if n.name.startswith("d") and "gspmd/all" in n.name]
   assert not copies, (name, copies[:4])
+  if "all-to-all" in name:   # one gather moves every member's chunks to the devices that take them
+    exchange = [n.op for n in graph.node if n.name.startswith("stkh/") and "all_to_all" in n.name]
+    assert exchange.count("GatherV2") == 1 and "Transpose" not in exchange, exchange
   got = _both_paths(fn, M24, args, ins, outs)
   if "reduce" not in name:   # data that only moves: the same bits on both paths
     np.testing.assert_array_equal(got["auto"], got["collectives"])
