@@ -55,17 +55,13 @@ def merge_reads(gd, keep=()):
     return gd
   out = tf.compat.v1.GraphDef()
   out.CopyFrom(gd)
+  view = graph_view.GraphView(out)
+  for repeat, read in same.items():
+    view.rewire(f"{repeat}:0", f"{read}:0")
+    view.rewire(f"^{repeat}", f"^{read}")
+  kept = [n for n in out.node if n.name not in same]
   del out.node[:]
-  for n in gd.node:
-    if n.name in same:
-      continue
-    node = out.node.add()
-    node.CopyFrom(n)
-    if any(graph_view.node_of(i) in same for i in n.input):
-      inputs = [("^" + same[i[1:]] if graph_view.is_control(i) else f"{same[graph_view.node_of(i)]}:0")
-                if graph_view.node_of(i) in same else i for i in n.input]
-      del node.input[:]
-      node.input.extend(graph_view.dedupe_controls(inputs))
+  out.node.extend(kept)
   return out
 
 
