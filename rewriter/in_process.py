@@ -50,17 +50,22 @@ from tf_gspmd.rewriter.graph_view import prune
 @dataclasses.dataclass(frozen=True)
 class InProcess:
   """The multi-device graph of one step: `inputs` and `outputs` are tensor names, argument-major (argument k of
-  device p at k * devices + p); `side_effects` op names of one NoOp per device that runs after that device's side
+  device p at k * devices + p; a stacked variable's one handle); `side_effects` op names of one NoOp per device that runs after that device's side
   effects."""
   graph_def: tf.compat.v1.GraphDef
   inputs: Tuple[str, ...]
   outputs: Tuple[str, ...]
   side_effects: Tuple[str, ...]
+  stacked: Tuple[bool, ...] = ()   # per captured variable: its shards are rows of one variable (one input)
 
 
 # A print's operands are replicated (ops/fallback.py), so every device's copy prints the same text: in one graph
 # device 0's prints, once per call, as the tf.function would. (Through TF's collectives each device prints.)
 PRINT_OPS = frozenset(("PrintV2",))
+
+# A variable of at most this many elements per device that the program only reads and writes whole is stored as
+# one [devices, ...] tf.Variable (runtime/state.py): one read and one write per step instead of one per device.
+STACKED_VARIABLE_LIMIT = stacking.STACK_LIMIT
 
 
 def _one_process_of_cpus(program):
@@ -199,12 +204,14 @@ def _build(program, grouped):
   stack = not program.jit
   read_once = {x.name: graph_view.through_identities(nodes, x.input[0]) for x in gd.node  # read -> its variable
                if stack and x.op == "ReadVariableOp"}
-  read_once = {r: v for r, v in read_once.items() if v in replicated}
+  shards = {name: partition.variable_shard(program, name) for name in program.local_variables}
+  stacked = {v for v in program.local_variables if stack and _stackable(gd, v, shards[v], program.local_outputs)}
+  read_once = {r: v for r, v in read_once.items() if v in replicated and v not in stacked}
   uniform.update({name: ref(0, name) for name in read_once})
   stacker = stacking.Stacker(gd, out, devices, program.partition_id,
-                             touching if stack else {x.name for x in gd.node}, uniform if stack else {},
-                             {name: partition.variable_shard(program, name) for name in program.local_variables},
-                             lambda x: [edges.ranked(p, x.name) for p in range(n)], grouped and stack)
+                             touching if stack else {x.name for x in gd.node}, uniform if stack else {}, shards,
+                             lambda x: [edges.ranked(p, x.name) for p in range(n)], grouped and stack,
+                             stacked_variables={v: v in replicated for v in stacked})
   printed = {}   # device p's print -> device 0's (see PRINT_OPS)
   for p in range(n):
     for x in gd.node:
@@ -240,11 +247,28 @@ def _build(program, grouped):
     x.input.extend(graph_view.dedupe_controls(renamed))
   graph, same = _deduplicated(out, {**_same_tiles(program, ref), **printed},
                               {ref(p, h) for h in handles for p in range(n)})
-  inputs = list(program.local_inputs) + list(program.local_variables)
+  inputs = [ref(p, graph_view.normalize(t)) for t in program.local_inputs for p in range(n)]
+  for v in program.local_variables:
+    inputs += [f"stk/{v}:0"] if v in stacked else [ref(p, graph_view.normalize(v)) for p in range(n)]
   # A side effect merged with an equal one (a check of the same tile) runs once, as that one.
   effects = dict.fromkeys(_renamed(s, same) for s in side_effects)
-  return InProcess(graph, tuple(ref(p, graph_view.normalize(t)) for t in inputs for p in range(n)),
-                   tuple(_renamed(t, same) for t in outputs), _joined_per_device(graph, effects))
+  return InProcess(graph, tuple(inputs), tuple(_renamed(t, same) for t in outputs),
+                   _joined_per_device(graph, effects), tuple(v in stacked for v in program.local_variables))
+
+
+def _stackable(gd, handle, shard, outputs):
+  """Whether the variable of handle Placeholder `handle` (`shard`: its shard's (shape, dtype)) can be stored stacked: only read
+  and written whole (ReadVariableOp, Assign*VariableOp on the handle itself, nothing else takes it) and small
+  enough (STACKED_VARIABLE_LIMIT)."""
+  if shard is None or int(np.prod(shard[0], dtype=np.int64)) > STACKED_VARIABLE_LIMIT or \
+      any(graph_view.node_of(t) == handle for t in outputs):
+    return False
+  for x in gd.node:
+    uses = [k for k, i in enumerate(x.input) if graph_view.node_of(i) == handle]
+    if uses and (uses != [0] or graph_view.is_control(x.input[0]) or
+                 x.op not in ("ReadVariableOp",) + tuple(stacking.WRITES)):
+      return False
+  return True
 
 
 def _joined_per_device(graph, effects):

@@ -35,15 +35,18 @@ from tf_gspmd.rewriter.stacking_rules import COLLECTIVES, PER_DEVICE, STACKED, U
 STACK_LIMIT = 1 << 14   # elements per device
 
 _NEVER_UNIFORM = frozenset(("Placeholder", "PlaceholderWithDefault"))
-_WRITES = frozenset(("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"))
+WRITES = frozenset(("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"))
+_VARIABLE_OPS = WRITES | {"ReadVariableOp"}
 
 
 class Stacker(Rules):
   """Decides each node's form and writes the uniform and stacked ones into `out` (the per-device copies are
   rewriter/in_process.py's). `per_device` names nodes that must stay per device."""
 
-  def __init__(self, gd, out, devices, partition_id, per_device, uniform_refs, variables, groups, grouped=True):
+  def __init__(self, gd, out, devices, partition_id, per_device, uniform_refs, variables, groups, grouped=True,
+               stacked_variables=None):
     self.out, self.devices, self.n = out, devices, len(devices)
+    stacked_variables = stacked_variables or {}   # handle Placeholder -> whether replicated
     self.form = {}
     self._uniform = dict(uniform_refs)  # node name -> the name of its uniform tensor's node
     self._packed, self._unpacked = {}, {}
@@ -72,11 +75,27 @@ class Stacker(Rules):
         after.setdefault(node_of(i), []).append(x.name)
     for x in reversed(order):
       height[x.name] = 1 + max((height[y] for y in after.get(x.name, ())), default=-1)
+    def of_stacked(x):
+      return x.op in _VARIABLE_OPS and x.input[0] in stacked_variables
+
     self._read_group = self._group([x for x in gd.node if x.op == "ReadVariableOp" and x.name in per_device
-                                    and x.name not in self._uniform], lambda x: x.name + ":0", level) \
-        if grouped else {}
+                                    and x.name not in self._uniform and not of_stacked(x)],
+                                   lambda x: x.name + ":0", level) if grouped else {}
     for x in order:
-      if x.name in self._uniform:
+      if x.name in stacked_variables:   # a variable stored stacked (runtime/state.py): its one handle
+        self._copy(x, f"stk/{x.name}", [])
+        self.form[x.name] = STACKED
+      elif of_stacked(x):   # its read is the stacked value; a write writes every device's row at once
+        inputs = [f"stk/{x.input[0]}"] + ([self.stacked_ref(x.input[1])] if x.op in WRITES else [])
+        self._copy(x, f"stk/{x.name}", inputs)
+        self.form[x.name] = STACKED
+        if x.op == "ReadVariableOp" and stacked_variables[x.input[0]]:   # replicated: row 0 stands for all
+          self._node(f"uni/{x.name}", "GatherV2", [f"stk/{x.name}:0", self._const("uni/row_0", np.int32(0)),
+                                                   self._const("uni/row_0", np.int32(0))],
+                     Tparams=self._dtype(x.name + ":0"), Tindices=tf.int32, Taxis=tf.int32, batch_dims=0)
+          self._uniform[x.name] = f"uni/{x.name}"
+          self.form[x.name] = UNIFORM
+      elif x.name in self._uniform:
         self.form[x.name] = UNIFORM
       elif x.name == partition_id:
         self._const(f"stk/{x.name}", np.arange(self.n, dtype=np.int32))
@@ -95,7 +114,8 @@ class Stacker(Rules):
         self.form[x.name] = UNIFORM
       else:
         self.form[x.name] = STACKED if self._small(x) and self._stacked(x) else PER_DEVICE
-    self._write_group = self._group([x for x in gd.node if x.op in _WRITES and x.name in per_device and
+    self._write_group = self._group([x for x in gd.node if x.op in WRITES and not of_stacked(x) and
+                                     x.name in per_device and
                                      self.form[node_of(x.input[1])] != PER_DEVICE and
                                      self._elements(x.input[1]) <= STACK_LIMIT], lambda x: x.input[1],
                                     height) if grouped else {}

@@ -12,6 +12,7 @@ import tensorflow as tf
 import tf_gspmd as gs
 from tf_gspmd import P
 from tf_gspmd.errors import InputError
+from tf_gspmd.rewriter import in_process
 from tf_gspmd.rewriter.vocabulary import TF_COLLECTIVE_OPS
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
@@ -95,7 +96,12 @@ def test_a_training_loop_in_process_follows_the_collectives_path():
   assert losses["auto"][2] < losses["auto"][0]
 
 
-def test_variables_are_read_and_written_in_process():
+@pytest.mark.parametrize("stacked", [False, True], ids=["per_device", "stacked"])
+def test_variables_are_read_and_written_in_process(monkeypatch, stacked):
+  """Stored per device (above the stacking limit), each device's read and write runs on its variable's device;
+  stored stacked (runtime/state.py), one read and one write on the first device serve every device."""
+  if not stacked:
+    monkeypatch.setattr(in_process, "STACKED_VARIABLE_LIMIT", 0)
   v = tf.Variable(_normal(16, 8))
   v0, x = v.numpy(), _normal(4, 16)
 
@@ -108,9 +114,13 @@ def test_variables_are_read_and_written_in_process():
   program = f.lower(tf.TensorSpec(x.shape)).program
   graph = program.in_process.graph_def
   touching = [n for n in graph.node if n.op in ("ReadVariableOp", "AssignVariableOp", "AssignSubVariableOp")]
-  assert len(touching) >= 16   # a read and a write per device, each on its variable's device
-  for n in touching:
-    assert n.device == program.devices[int(n.name.split("/")[0][1:])], n
+  if stacked:
+    assert sorted(n.op for n in touching) == ["AssignSubVariableOp", "ReadVariableOp"], touching
+    assert {n.device for n in touching} == {program.devices[0]}
+  else:
+    assert len(touching) >= 16   # a read and a write per device, each on its variable's device
+    for n in touching:
+      assert n.device == program.devices[int(n.name.split("/")[0][1:])], n
   y = f(x).numpy()
   np.testing.assert_allclose(y, np.sum(x @ v0), rtol=1e-4)
   np.testing.assert_allclose(v.numpy(), v0 - 0.1 * y, rtol=1e-4, atol=1e-4)

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 import tf_gspmd as gs
 from tf_gspmd import P
+from tf_gspmd.rewriter import in_process
 from tf_gspmd.runtime.state import storage_of
 
 M8 = gs.Mesh((8,), ("d",))
@@ -83,7 +84,7 @@ def test_collectives_run_over_the_device_dimension(name, fn, args, ins, outs):
     np.testing.assert_array_equal(got["auto"], got["collectives"])
 
 
-def test_a_replicated_variable_is_read_once_and_written_on_every_device():
+def test_a_small_variable_is_stored_stacked_and_read_and_written_in_one_op():
   v = tf.Variable(_normal(16, 8))
   w = tf.Variable(_normal(8, 8))
   v0, w0, x = v.numpy(), w.numpy(), _normal(4, 16)
@@ -97,13 +98,18 @@ def test_a_replicated_variable_is_read_once_and_written_on_every_device():
   graph = _graph(f, x)
   reads = [n for n in graph.node if n.op == "ReadVariableOp"]
   writes = [n for n in graph.node if n.op == "AssignSubVariableOp"]
-  assert len(reads) == 2 and len(writes) == 8, ([n.name for n in reads], len(writes))
+  # one read of each variable's stack for every device (v's row 0 stands for its replicated value), one write
+  assert len(reads) == 2 and len(writes) == 1, ([n.name for n in reads], len(writes))
+  handles = [n for n in graph.node if n.op == "Placeholder" and n.attr["dtype"].type == tf.resource.as_datatype_enum]
+  assert len(handles) == 2, [n.name for n in handles]
   y = f(x).numpy()
   np.testing.assert_allclose(y, np.sum(x @ v0 @ w0), rtol=1e-4)
   np.testing.assert_allclose(v.numpy(), v0 - 0.01 * y, rtol=1e-4, atol=1e-4)
   y2 = f(x).numpy()   # every device's copy was written: device 0 reads the new value
   np.testing.assert_allclose(y2, np.sum(x @ (v0 - 0.01 * y) @ w0), rtol=1e-4)
-  copies = [c.read_value().numpy() for c in storage_of(v).components]
+  storage = storage_of(v)
+  assert storage.stacked and storage.stack.shape == (8, 16, 8)
+  copies = [c.read_value().numpy() for c in storage.components]
   assert len(copies) == 8
   for c in copies:
     np.testing.assert_array_equal(c, copies[0])
@@ -133,9 +139,11 @@ def test_uneven_and_sliced_shards_follow_the_rules():
   _both_paths(fn, M24, args, (P("b", None), P()))
 
 
-def test_reads_and_writes_of_one_shape_cross_between_devices_together():
-  """Three split variables of one shape (a weight and two moments, as an optimizer keeps them): each device's
-  reads reach the first device as one tensor, and the written values come back as one."""
+def test_reads_and_writes_of_one_shape_cross_between_devices_together(monkeypatch):
+  """Three split variables of one shape (a weight and two moments, as an optimizer keeps them) stored per device
+  (as a variable above the stacking limit is): each device's reads reach the first device as one tensor, and the
+  written values come back as one."""
+  monkeypatch.setattr(in_process, "STACKED_VARIABLE_LIMIT", 0)
   w, m, s = (gs.variable(k, (16, 8), mesh=M8, spec=P("d", None), seed=k) for k in (0.5, 0.1, 1.0))
   w0, m0, s0, x = w.numpy(), m.numpy(), s.numpy(), _normal(4, 16)
 
@@ -164,10 +172,14 @@ def test_reads_and_writes_of_one_shape_cross_between_devices_together():
   np.testing.assert_allclose(y, np.sum(w1), rtol=1e-4)
 
 
-def test_groups_that_would_close_a_cycle_fall_back_to_one_crossing_per_value():
+@pytest.mark.parametrize("stacked", [False, True], ids=["per_device", "stacked"])
+def test_groups_that_would_close_a_cycle_fall_back_to_one_crossing_per_value(monkeypatch, stacked):
   """Y and X are each written and read back at one level (their reads join); X's and Z's writes sit at one height
   (they join), and Z is written from Y's read: X's write would wait for Z's value, which waits for the joined
-  reads, one of which waits for X's write. The graph is built again without groups, and results hold."""
+  reads, one of which waits for X's write. The graph is built again without groups, and results hold. Stored
+  stacked, each read and write is one op for every device, ordered as the per-device program orders them."""
+  if not stacked:
+    monkeypatch.setattr(in_process, "STACKED_VARIABLE_LIMIT", 0)
   x_var, y_var, z_var = (gs.variable(0.0, (16, 4), mesh=M8, spec=P("d", None)) for _ in range(3))
 
   def step(x):
@@ -182,7 +194,8 @@ def test_groups_that_would_close_a_cycle_fall_back_to_one_crossing_per_value():
   x = np.arange(64, dtype=np.float32).reshape(16, 4)
   graph = _graph(f, x)
   assert not [n.name for n in graph.node if n.name.startswith(("stk_reads/", "stk_writes/"))]
-  assert _ops(graph).count("ReadVariableOp") == 3 * 8
+  assert _ops(graph).count("ReadVariableOp") == 3 * (1 if stacked else 8)
+  assert _ops(graph).count("AssignVariableOp") == 3 * (1 if stacked else 8)
   b, c = f(x)
   np.testing.assert_array_equal(b.numpy(), x * 3.0)
   np.testing.assert_array_equal(c.numpy(), x * 2.0 + 1.0)

@@ -274,8 +274,10 @@ class Executable:
     cached = self._storages
     if cached is not None and all(st._variable()._gspmd_storage is st for st in cached):  # pylint: disable=protected-access
       return cached   # none was laid out anew since the last call
-    self._storages = [_state.manage(v, sharding, self.devices, what=name)
-                      for name, v, sharding, _ in self.program.variables]
+    ip = self.program.in_process   # one graph for every device: the variables it reads in one op stacked
+    stacked = ip.stacked if ip is not None else (False,) * len(self.program.variables)
+    self._storages = [_state.manage(v, sharding, self.devices, what=name, stacked=kind)
+                      for (name, v, sharding, _), kind in zip(self.program.variables, stacked)]
     return self._storages
 
   def _in_process_fn(self):
@@ -298,7 +300,7 @@ class Executable:
     self._host_writes.before_step(storages)
     positions = self.local.positions
     if in_process:
-      flat = [c for comps in flat for c in comps] + [c.handle for st in storages for c in st.components]
+      flat = [c for comps in flat for c in comps] + [h for st in storages for h in st.handles()]
       with self._instantiation():
         outs = _compat.call_flat(self._in_process_fn(), flat)
       n = len(positions)

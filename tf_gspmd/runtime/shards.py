@@ -42,7 +42,7 @@ class Shard:
 def _cut(component, device, lengths):
   def read():
     with tf.device(device):
-      x = tf.identity(component.read_value() if isinstance(component, tf.Variable) else component)
+      x = tf.identity(component.read_value() if hasattr(component, "read_value") else component)
       return x if tuple(x.shape.as_list()) == tuple(lengths) else x[tuple(slice(0, n) for n in lengths)]
   return read
 

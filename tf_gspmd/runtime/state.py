@@ -70,6 +70,50 @@ def any_over_processes():
   return len(_over_processes) > 0
 
 
+class _Row:
+  """Position i's shard of a stacked storage: row i of its one tf.Variable, read and written as a per-device
+  shard is (`read_value`, `numpy`, `assign`, and `[index].assign` for part of it)."""
+
+  def __init__(self, storage, i):
+    self._storage, self._i = storage, i
+
+  @property
+  def shape(self):
+    return tf.TensorShape(self._storage.shard_shape)
+
+  @property
+  def dtype(self):
+    return self._storage.dtype
+
+  @property
+  def device(self):
+    return self._storage.stack.device
+
+  def read_value(self):
+    with tf.device(self.device):
+      return self._storage.stack[self._i]
+
+  def numpy(self):
+    return self.read_value().numpy()
+
+  def assign(self, value, read_value=False):
+    del read_value
+    self._storage.stack[self._i].assign(value)
+
+  def __getitem__(self, index):
+    return _RowPart(self._storage.stack, (self._i,) + tuple(index))
+
+
+class _RowPart:
+  """A block of one row of a stacked storage (`assign` only)."""
+
+  def __init__(self, stack, index):
+    self._stack, self._index = stack, index
+
+  def assign(self, value):
+    self._stack[self._index].assign(value)
+
+
 class ShardedStorage:
   """One shard of a variable per mesh device.
 
@@ -78,9 +122,13 @@ class ShardedStorage:
     components: this process's per-device tf.Variables of the shard shape (padding included for uneven dims),
       one per position of `positions` (every mesh position unless the mesh spans several processes).
     devices: the mesh's device names, in mesh order.
+    stacked: the shards are rows of one tf.Variable of shape [positions] + the shard shape (`stack`), on the
+      first device, and `components` are views of its rows. What a program run as one graph on the CPUs of one
+      process (rewriter/in_process.py) reads and writes in one op instead of one per device; a program that
+      runs per device (TF's collectives) has them stored per device (`manage` converts, shard by shard).
   """
 
-  def __init__(self, variable, sharding, devices):
+  def __init__(self, variable, sharding, devices, stacked=False):
     self._variable = weakref.ref(variable)
     self.shape = tuple(variable.shape.as_list())
     self.dtype = variable.dtype
@@ -88,6 +136,8 @@ class ShardedStorage:
     self.devices = tuple(devices)
     self.positions = parallel.local(self.devices).positions
     self.components = []
+    self.stacked = bool(stacked) and len(self.positions) == len(self.devices)
+    self.stack = None
     self.shards_newer = False   # the shards hold the current value; the tf.Variable's own buffer is stale
     self.host_newer = False     # the tf.Variable was assigned outside a gs.function since the last step
     self._packed = {}
@@ -124,13 +174,26 @@ class ShardedStorage:
   # ---- creation and bulk transfer ----------------------------------------------------------------------------
   def create(self, shard_fn):
     """Creates the per-device shards; `shard_fn(p, starts, lengths)` gives device p's unpadded slice."""
-    comps = []
-    for p in self.positions:
-      with tf.device(self.devices[p]):
-        comps.append(tf.Variable(self._padded(shard_fn(p, *self.tile_extent(p))), trainable=False,
-                                 name=f"gspmd_shard_{p}"))
-    self.components = comps
+    if self.stacked:
+      pieces = []
+      for p in self.positions:
+        with tf.device(self.devices[p]):
+          pieces.append(self._padded(shard_fn(p, *self.tile_extent(p))))
+      with tf.device(self.devices[self.positions[0]]):
+        self.stack = tf.Variable(tf.stack(pieces), trainable=False, name="gspmd_shards")
+      self.components = [_Row(self, i) for i in range(len(self.positions))]
+    else:
+      comps = []
+      for p in self.positions:
+        with tf.device(self.devices[p]):
+          comps.append(tf.Variable(self._padded(shard_fn(p, *self.tile_extent(p))), trainable=False,
+                                   name=f"gspmd_shard_{p}"))
+      self.components = comps
     self._packed.clear()
+
+  def handles(self):
+    """The resource handles a program takes: the stack's, or one per component."""
+    return [self.stack.handle] if self.stacked else [c.handle for c in self.components]
 
   def _padded(self, piece):
     piece = tf.convert_to_tensor(piece, self.dtype)
@@ -140,6 +203,9 @@ class ShardedStorage:
   def load(self, value):
     """Writes a global host value into the shards."""
     value = np.asarray(value)
+    if self.stacked:
+      self._load_ops(tf.constant(value))
+      return
     for p, comp in zip(self.positions, self.components):
       starts, lengths = self.tile_extent(p)
       with tf.device(self.devices[p]):
@@ -163,6 +229,8 @@ class ShardedStorage:
 
   def packed(self, pd):
     """The shards' handles packed as one parallel tensor of `pd` (cached)."""
+    if self.stacked:
+      raise AssertionError("a stacked storage has no per-device handles to pack (manage(..., stacked=False))")
     key = id(pd)
     if key not in self._packed:
       self._packed[key] = pd.pack([c.handle for c in self.components])
@@ -178,14 +246,24 @@ class ShardedStorage:
 
   def _load_ops(self, value):
     """Writes the host value `value` (a tensor) into the shards: one assign per component, each of its device's
-    tile (eagerly, or traced into the function that loads several variables at once)."""
-    for p, comp in zip(self.positions, self.components):
+    tile (eagerly, or traced into the function that loads several variables at once); a stacked storage's in one
+    assign of every tile."""
+    pieces = []
+    for p in self.positions:
       piece = value
       if not (self.sharding.is_maximal or self.sharding.is_replicated):
         starts, lengths = self.tile_extent(p)
         piece = value[tuple(slice(s, s + n) for s, n in zip(starts, lengths))]
+      pieces.append(self._padded(piece))
+    if self.stacked:
+      same = self.sharding.is_maximal or self.sharding.is_replicated
+      with tf.device(self.stack.device):
+        self.stack.assign(tf.broadcast_to(pieces[0], [len(pieces)] + list(self.shard_shape)) if same
+                          else tf.stack(pieces), read_value=False)
+      return
+    for p, comp, piece in zip(self.positions, self.components, pieces):
       with tf.device(self.devices[p]):
-        comp.assign(self._padded(piece), read_value=False)
+        comp.assign(piece, read_value=False)
 
   def after_step(self, written):
     if written:
@@ -489,8 +567,9 @@ def _managed_class(cls):
     return _classes[cls]
 
 
-def manage(v, sharding, devices, what=None):
-  """Stores variable `v` sharded as `sharding` on `devices` (re-laid out when it is stored otherwise)."""
+def manage(v, sharding, devices, what=None, stacked=None):
+  """Stores variable `v` sharded as `sharding` on `devices` (re-laid out when it is stored otherwise); stacked
+  or per device as `stacked` says (None: as it is stored, per device when new; see ShardedStorage)."""
   inner = _inner(v)
   if inner is None:
     raise InputError(f"{what or v!r} is not a resource variable; tf_gspmd stores tf.Variables and Keras variables")
@@ -498,12 +577,20 @@ def manage(v, sharding, devices, what=None):
     storage = getattr(inner, "_gspmd_storage", None)
     want = sharding if sharding.is_maximal else sharding.with_rank(inner.shape.rank)
     if storage is not None and storage.sharding == want and storage.devices == tuple(devices):
-      return storage
+      if stacked is None or storage.stacked == bool(stacked) or (stacked and len(storage.positions) < len(devices)):
+        return storage
+      # The same layout stored the other way: copied shard by shard on the devices.
+      new = ShardedStorage(inner, want, devices, stacked=stacked)
+      rows = [c.read_value() for c in storage.components]
+      new.create(lambda p, starts, lengths: rows[storage.positions.index(p)][tuple(slice(0, n) for n in lengths)])
+      new.shards_newer, new.host_newer = storage.shards_newer, storage.host_newer
+      inner._gspmd_storage = new   # pylint: disable=protected-access
+      return new
     if storage is not None:   # another layout: through the host, once
       value = storage.gather() if storage.shards_newer else _plain_read(inner).numpy()
     else:
       value = None
-    new = ShardedStorage(inner, want, devices)
+    new = ShardedStorage(inner, want, devices, stacked=bool(stacked))
     if value is None and getattr(inner, "_gspmd_init", None) is not None:
       new.create(inner._gspmd_init)   # pylint: disable=protected-access  (each shard on its own device)
       new.shards_newer = True
