@@ -15,8 +15,11 @@ Then:
     needs no send/receive pair for each edge between devices; XLA segments then compile once for the mesh
     (TF keeps an XLA cache per device);
   * stacking (rewriter/stacking.py): the devices' copies of an op run as one op over a leading device dimension,
-    collectives included, and a replicated variable is read once, on device 0; each device's variable reads of
-    one shape reach the first device as one tensor, and the values written come back likewise;
+    collectives included. A small variable the program only reads and writes whole is stored stacked (one
+    [devices, ...] tf.Variable on the first device, runtime/state.py): one read and one write serve every
+    device, and a replicated one's row 0 stands for its value. Other variables' reads and writes run per device:
+    a replicated variable is read once, on device 0; each device's reads of one shape reach the first device as
+    one tensor, and the values written come back likewise;
   * deduplication: copies of an argument that hold the same tile are read from the first device holding it (a
     replicated argument is the same everywhere), and a stateless node that repeats an earlier one (same op,
     attributes and inputs) is left out and its uses read the earlier one. What the devices compute alike -- a

@@ -115,6 +115,52 @@ def test_a_small_variable_is_stored_stacked_and_read_and_written_in_one_op():
     np.testing.assert_array_equal(c, copies[0])
 
 
+def test_a_variable_another_op_takes_stays_per_device():
+  """tf.gather on a variable takes its handle (ResourceGather): it is stored one per device, and the other
+  variable of the step, only read and written whole, is stacked."""
+  table = tf.Variable(_normal(32, 16))
+  w = tf.Variable(_normal(16, 4))
+  t0, w0 = table.numpy(), w.numpy()
+  ids = np.array([[1, 5], [7, 30], [2, 2], [0, 31]], np.int32)
+
+  def step(ids):
+    gs.shard(table, P(None, "d"))
+    y = tf.reduce_sum(tf.gather(table, ids) @ w)
+    w.assign_add(0.01 * tf.ones_like(w) * y)
+    return y
+
+  f = gs.function(step, mesh=M8, in_shardings=P())
+  graph = _graph(f, ids)
+  assert _ops(graph).count("ResourceGather") == 8 and _ops(graph).count("AssignAddVariableOp") == 1
+  y = f(ids).numpy()
+  np.testing.assert_allclose(y, np.sum(t0[ids] @ w0), rtol=1e-4)
+  np.testing.assert_allclose(w.numpy(), w0 + 0.01 * y, rtol=1e-4, atol=1e-4)
+  assert storage_of(w).stacked and not storage_of(table).stacked
+
+
+def test_a_variable_alternates_between_stacked_and_per_device_storage():
+  """One variable trained by a step run as one graph (stored stacked) and by the same step through TF's
+  collectives (stored per device): each call converts it on the devices and continues from the other's value."""
+  v = tf.Variable(_normal(16, 8))
+  x = _normal(4, 16)
+  want = v.numpy()
+
+  def step(x):
+    v.assign_sub(0.01 * tf.ones_like(v) * tf.reduce_sum(x @ v))
+    return tf.reduce_sum(v)
+
+  fs = {e: gs.function(step, mesh=M8, in_shardings=P("d", None), exchange=e) for e in ("auto", "collectives")}
+  for exchange in ("auto", "collectives", "auto", "auto", "collectives"):
+    want = want - 0.01 * np.sum(x @ want)
+    got = fs[exchange](x).numpy()
+    assert storage_of(v).stacked == (exchange == "auto")
+    np.testing.assert_allclose(got, np.sum(want), rtol=1e-4)
+  np.testing.assert_allclose(v.numpy(), want, rtol=1e-4, atol=1e-4)
+  v.assign(np.zeros((16, 8), np.float32))   # an eager write reaches whichever storage the next step uses
+  np.testing.assert_allclose(fs["auto"](x).numpy(), 0.0)
+  np.testing.assert_allclose(fs["collectives"](x).numpy(), 0.0)
+
+
 def test_an_op_without_a_rule_runs_per_device_between_packs():
   def fn(x):
     top = tf.math.top_k(x * 2.0, k=3).values   # TopKV2: no stacking rule

@@ -21,6 +21,7 @@ from tf_gspmd import _cluster
 from tf_gspmd import _compat
 from tf_gspmd._plan_scope import is_shape_only
 from tf_gspmd.errors import InputError, ProcessLostError
+from tf_gspmd.runtime import host_writes
 from tf_gspmd.runtime import parallel
 from tf_gspmd.runtime import state as _state
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor, shard_host_value
@@ -166,7 +167,7 @@ class Executable:
     self.n_outputs = len(program.outputs)
     self._call_options = None   # the function-call options of every call (see _instantiation)
     self._storages = None   # the storages of the last call
-    self._host_writes = _state.HostWrites()   # eager writes since the last step, copied into the shards
+    self._host_writes = host_writes.HostWrites()   # eager writes since the last step, copied into the shards
     # What each call's results are made of, built once (a training step has hundreds of results).
     self._results = [(sharding, tf.TensorShape(shape), tf.as_dtype(dtype))
                      for sharding, shape, dtype in program.results]
