@@ -196,6 +196,13 @@ def _attach_variable_shapes(tf_graph, infos):
         old = infos[op.name][0]
         infos[op.name][0] = TensorInfo(old.shape, old.dtype, tuple(shape.as_list()), op.get_attr("dtype"))
       continue
+    if op.type == "Placeholder" and "_handle_shapes" in op.node_def.attr:   # a captured variable (trace)
+      shapes, dtypes = op.node_def.attr["_handle_shapes"].list.shape, op.node_def.attr["_handle_dtypes"].list.type
+      shape = tf.TensorShape(shapes[0]) if len(shapes) == 1 and len(dtypes) == 1 else tf.TensorShape(None)
+      if shape.is_fully_defined():
+        old = infos[op.name][0]
+        infos[op.name][0] = TensorInfo(old.shape, old.dtype, tuple(shape.as_list()), tf.as_dtype(dtypes[0]))
+      continue
     if op.type in _READS and op.inputs:
       pairs = [(op.inputs[0], op.outputs[0] if op.type == "ReadVariableOp" else op.inputs[_READS[op.type]])]
     elif op.type.startswith("ResourceApply"):   # variable and slots are shaped like the gradient

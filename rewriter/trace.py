@@ -50,10 +50,23 @@ def run(program):
   if tensors:
     gd = _inline_captures(gd, tensors)
   gd, outputs, structure = _dense_results(gd, cf, getattr(program.fn, "__name__", "the function"))
+  _mark_variable_shapes(gd, variables)
   return program.replace(graph_def=gd, input_names=tuple(inputs), output_refs=tuple(outputs),
                          output_structure=structure, variable_names=tuple(n for n, _ in variables),
                          variables=tuple(v for _, v in variables), pipelines=tuple(schedules),
                          checks=_checks(cf.graph, gd))
+
+
+def _mark_variable_shapes(gd, variables):
+  """Each captured variable's handle Placeholder states its value's shape and dtype (TF's `_handle_shapes` and
+  `_handle_dtypes` attributes): a variable the program only gathers from (`tf.gather` on it is ResourceGather)
+  has no read or write to tell them."""
+  known = {name: v for name, v in variables if v is not None and v.shape.is_fully_defined()}
+  for node in gd.node:
+    v = known.get(node.name)
+    if v is not None and node.op == "Placeholder" and "_handle_shapes" not in node.attr:
+      node.attr["_handle_shapes"].list.shape.add().CopyFrom(v.shape.as_proto())
+      node.attr["_handle_dtypes"].list.type.append(v.dtype.as_datatype_enum)
 
 
 # Ops a program runs to check or show values (TF's debug ops): they run whenever the function runs, as in a

@@ -52,6 +52,17 @@ def test_resource_gather_from_a_row_split_variable(rng):
   assert low.report.counts() == {"all-reduce": 1}
 
 
+def test_resource_gather_from_a_variable_nothing_else_reads(rng):
+  """tf.gather is the captured variable's only use (ResourceGather, no read or write states its shape): the shape
+  comes from the variable the function captured."""
+  w0 = rng.standard_normal((10, 3)).astype(np.float32)
+  w = tf.Variable(w0)
+  ids = np.array([[0, 9, 4], [4, 7, 2]], np.int32)
+  f = gs.function(lambda i: tf.gather(w, i) * 2.0, mesh=MESH, in_shardings=P("data", None))
+  assert_close(f(ids).numpy(), w0[ids] * 2.0)
+  assert f.lower(tf.TensorSpec(ids.shape, tf.int32)).report.counts() == {}   # w replicated: no collective
+
+
 @pytest.mark.parametrize("spec", [P(), P("data", "model"), P(None, "model")], ids=str)
 def test_gather_nd_and_its_gradient(rng, spec):
   x = rng.standard_normal((8, 12)).astype(np.float32)
