@@ -53,8 +53,8 @@ from tf_gspmd.rewriter.graph_view import prune
 @dataclasses.dataclass(frozen=True)
 class InProcess:
   """The multi-device graph of one step: `inputs` and `outputs` are tensor names, argument-major (argument k of
-  device p at k * devices + p; a stacked variable's one handle); `side_effects` op names of one NoOp per device that runs after that device's side
-  effects."""
+  device p at k * devices + p; a stacked variable's one handle); `side_effects` op names of one NoOp per device
+  that runs after that device's side effects."""
   graph_def: tf.compat.v1.GraphDef
   inputs: Tuple[str, ...]
   outputs: Tuple[str, ...]
@@ -260,9 +260,9 @@ def _build(program, grouped):
 
 
 def _stackable(gd, handle, shard, outputs):
-  """Whether the variable of handle Placeholder `handle` (`shard`: its shard's (shape, dtype)) can be stored stacked: only read
-  and written whole (ReadVariableOp, Assign*VariableOp on the handle itself, nothing else takes it) and small
-  enough (STACKED_VARIABLE_LIMIT)."""
+  """Whether the variable of handle Placeholder `handle` (`shard`: its shard's (shape, dtype)) can be stored
+  stacked: only read and written whole (ReadVariableOp, Assign*VariableOp on the handle itself, nothing else
+  takes it) and small enough (STACKED_VARIABLE_LIMIT)."""
   if shard is None or int(np.prod(shard[0], dtype=np.int64)) > STACKED_VARIABLE_LIMIT or \
       any(graph_view.node_of(t) == handle for t in outputs):
     return False

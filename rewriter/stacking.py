@@ -75,6 +75,7 @@ class Stacker(Rules):
         after.setdefault(node_of(i), []).append(x.name)
     for x in reversed(order):
       height[x.name] = 1 + max((height[y] for y in after.get(x.name, ())), default=-1)
+
     def of_stacked(x):
       return x.op in _VARIABLE_OPS and x.input[0] in stacked_variables
 
@@ -90,8 +91,8 @@ class Stacker(Rules):
         self._copy(x, f"stk/{x.name}", inputs)
         self.form[x.name] = STACKED
         if x.op == "ReadVariableOp" and stacked_variables[x.input[0]]:   # replicated: row 0 stands for all
-          self._node(f"uni/{x.name}", "GatherV2", [f"stk/{x.name}:0", self._const("uni/row_0", np.int32(0)),
-                                                   self._const("uni/row_0", np.int32(0))],
+          zero = self._const("uni/zero", np.int32(0))   # (row 0 of axis 0)
+          self._node(f"uni/{x.name}", "GatherV2", [f"stk/{x.name}:0", zero, zero],
                      Tparams=self._dtype(x.name + ":0"), Tindices=tf.int32, Taxis=tf.int32, batch_dims=0)
           self._uniform[x.name] = f"uni/{x.name}"
           self.form[x.name] = UNIFORM
