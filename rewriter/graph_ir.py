@@ -186,22 +186,29 @@ class Graph:
 _READS = {"ReadVariableOp": 0, "AssignVariableOp": 1, "AssignAddVariableOp": 1, "AssignSubVariableOp": 1}
 
 
+def _stated_value(op):
+  """(shape, dtype) of the value behind handle op `op` as its attributes state them -- a VarHandleOp's, or those
+  rewriter/trace.py gives a captured variable's Placeholder (`_handle_shapes`) -- or None."""
+  if op.type == "VarHandleOp":
+    return tf.TensorShape(op.get_attr("shape")), op.get_attr("dtype")
+  attr = op.node_def.attr
+  if op.type == "Placeholder" and "_handle_shapes" in attr:
+    shapes, dtypes = attr["_handle_shapes"].list.shape, attr["_handle_dtypes"].list.type
+    if len(shapes) == 1 and len(dtypes) == 1:
+      return tf.TensorShape(shapes[0]), dtypes[0]
+  return None
+
+
 def _attach_variable_shapes(tf_graph, infos):
   """Give every variable handle the shape of its value, read off the ops that read or write it."""
   for op in tf_graph.get_operations():
     pairs = []
-    if op.type == "VarHandleOp":
-      shape = tf.TensorShape(op.get_attr("shape"))
+    stated = _stated_value(op)
+    if stated is not None:   # a handle that states its value's shape: a VarHandleOp, a captured variable's
+      shape, dtype = stated
       if shape.is_fully_defined():
         old = infos[op.name][0]
-        infos[op.name][0] = TensorInfo(old.shape, old.dtype, tuple(shape.as_list()), op.get_attr("dtype"))
-      continue
-    if op.type == "Placeholder" and "_handle_shapes" in op.node_def.attr:   # a captured variable (trace)
-      shapes, dtypes = op.node_def.attr["_handle_shapes"].list.shape, op.node_def.attr["_handle_dtypes"].list.type
-      shape = tf.TensorShape(shapes[0]) if len(shapes) == 1 and len(dtypes) == 1 else tf.TensorShape(None)
-      if shape.is_fully_defined():
-        old = infos[op.name][0]
-        infos[op.name][0] = TensorInfo(old.shape, old.dtype, tuple(shape.as_list()), tf.as_dtype(dtypes[0]))
+        infos[op.name][0] = TensorInfo(old.shape, old.dtype, tuple(shape.as_list()), tf.as_dtype(dtype))
       continue
     if op.type in _READS and op.inputs:
       pairs = [(op.inputs[0], op.outputs[0] if op.type == "ReadVariableOp" else op.inputs[_READS[op.type]])]

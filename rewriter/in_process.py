@@ -208,7 +208,7 @@ def _build(program, grouped):
   read_once = {x.name: graph_view.through_identities(nodes, x.input[0]) for x in gd.node  # read -> its variable
                if stack and x.op == "ReadVariableOp"}
   shards = {name: partition.variable_shard(program, name) for name in program.local_variables}
-  stacked = {v for v in program.local_variables if stack and _stackable(gd, v, shards[v], program.local_outputs)}
+  stacked = _stackable(gd, shards, program.local_outputs) if stack else set()
   read_once = {r: v for r, v in read_once.items() if v in replicated and v not in stacked}
   uniform.update({name: ref(0, name) for name in read_once})
   stacker = stacking.Stacker(gd, out, devices, program.partition_id,
@@ -259,19 +259,19 @@ def _build(program, grouped):
                    _joined_per_device(graph, effects), tuple(v in stacked for v in program.local_variables))
 
 
-def _stackable(gd, handle, shard, outputs):
-  """Whether the variable of handle Placeholder `handle` (`shard`: its shard's (shape, dtype)) can be stored
-  stacked: only read and written whole (ReadVariableOp, Assign*VariableOp on the handle itself, nothing else
-  takes it) and small enough (STACKED_VARIABLE_LIMIT)."""
-  if shard is None or int(np.prod(shard[0], dtype=np.int64)) > STACKED_VARIABLE_LIMIT or \
-      any(graph_view.node_of(t) == handle for t in outputs):
-    return False
+def _stackable(gd, shards, outputs):
+  """The captured variables' handle Placeholders (`shards`: each one's shard (shape, dtype), or None) whose
+  variables can be stored stacked: only read and written whole (ReadVariableOp, Assign*VariableOp on the handle
+  itself, nothing else takes it), not a result, and small enough (STACKED_VARIABLE_LIMIT)."""
+  found = {v for v, shard in shards.items()
+           if shard is not None and int(np.prod(shard[0], dtype=np.int64)) <= STACKED_VARIABLE_LIMIT}
+  found -= {graph_view.node_of(t) for t in outputs}
+  whole = ("ReadVariableOp",) + tuple(stacking.WRITES)
   for x in gd.node:
-    uses = [k for k, i in enumerate(x.input) if graph_view.node_of(i) == handle]
-    if uses and (uses != [0] or graph_view.is_control(x.input[0]) or
-                 x.op not in ("ReadVariableOp",) + tuple(stacking.WRITES)):
-      return False
-  return True
+    for k, i in enumerate(x.input):
+      if graph_view.node_of(i) in found and (k or graph_view.is_control(i) or x.op not in whole):
+        found.discard(graph_view.node_of(i))
+  return found
 
 
 def _joined_per_device(graph, effects):

@@ -77,7 +77,7 @@ class Stacker(Rules):
       height[x.name] = 1 + max((height[y] for y in after.get(x.name, ())), default=-1)
 
     def of_stacked(x):
-      return x.op in _VARIABLE_OPS and x.input[0] in stacked_variables
+      return x.op in _VARIABLE_OPS and node_of(x.input[0]) in stacked_variables
 
     self._read_group = self._group([x for x in gd.node if x.op == "ReadVariableOp" and x.name in per_device
                                     and x.name not in self._uniform and not of_stacked(x)],
@@ -87,10 +87,11 @@ class Stacker(Rules):
         self._copy(x, f"stk/{x.name}", [])
         self.form[x.name] = STACKED
       elif of_stacked(x):   # its read is the stacked value; a write writes every device's row at once
-        inputs = [f"stk/{x.input[0]}"] + ([self.stacked_ref(x.input[1])] if x.op in WRITES else [])
+        handle = node_of(x.input[0])
+        inputs = [f"stk/{handle}"] + ([self.stacked_ref(x.input[1])] if x.op in WRITES else [])
         self._copy(x, f"stk/{x.name}", inputs)
         self.form[x.name] = STACKED
-        if x.op == "ReadVariableOp" and stacked_variables[x.input[0]]:   # replicated: row 0 stands for all
+        if x.op == "ReadVariableOp" and stacked_variables[handle]:   # replicated: row 0 stands for all
           zero = self._const("uni/zero", np.int32(0))   # (row 0 of axis 0)
           self._node(f"uni/{x.name}", "GatherV2", [f"stk/{x.name}:0", zero, zero],
                      Tparams=self._dtype(x.name + ":0"), Tindices=tf.int32, Taxis=tf.int32, batch_dims=0)

@@ -175,21 +175,16 @@ class ShardedStorage:
   # ---- creation and bulk transfer ----------------------------------------------------------------------------
   def create(self, shard_fn):
     """Creates the per-device shards; `shard_fn(p, starts, lengths)` gives device p's unpadded slice."""
+    pieces = []
+    for p in self.positions:
+      with tf.device(self.devices[p]):
+        piece = self._padded(shard_fn(p, *self.tile_extent(p)))
+        pieces.append(piece if self.stacked else tf.Variable(piece, trainable=False, name=f"gspmd_shard_{p}"))
     if self.stacked:
-      pieces = []
-      for p in self.positions:
-        with tf.device(self.devices[p]):
-          pieces.append(self._padded(shard_fn(p, *self.tile_extent(p))))
       with tf.device(self.devices[self.positions[0]]):
         self.stack = tf.Variable(tf.stack(pieces), trainable=False, name="gspmd_shards")
-      self.components = [_Row(self, i) for i in range(len(self.positions))]
-    else:
-      comps = []
-      for p in self.positions:
-        with tf.device(self.devices[p]):
-          comps.append(tf.Variable(self._padded(shard_fn(p, *self.tile_extent(p))), trainable=False,
-                                   name=f"gspmd_shard_{p}"))
-      self.components = comps
+      pieces = [_Row(self, i) for i in range(len(self.positions))]
+    self.components = pieces
     self._packed.clear()
 
   def handles(self):
@@ -249,17 +244,15 @@ class ShardedStorage:
     """Writes the host value `value` (a tensor) into the shards: one assign per component, each of its device's
     tile (eagerly, or traced into the function that loads several variables at once); a stacked storage's in one
     assign of every tile."""
-    pieces = []
-    for p in self.positions:
-      piece = value
-      if not (self.sharding.is_maximal or self.sharding.is_replicated):
-        starts, lengths = self.tile_extent(p)
-        piece = value[tuple(slice(s, s + n) for s, n in zip(starts, lengths))]
-      pieces.append(self._padded(piece))
+    whole = self.sharding.is_maximal or self.sharding.is_replicated   # every tile is the whole value
+    if whole:
+      pieces = [self._padded(value)] * len(self.positions)
+    else:
+      pieces = [self._padded(value[tuple(slice(s, s + n) for s, n in zip(*self.tile_extent(p)))])
+                for p in self.positions]
     if self.stacked:
-      same = self.sharding.is_maximal or self.sharding.is_replicated
       with tf.device(self.stack.device):
-        self.stack.assign(tf.broadcast_to(pieces[0], [len(pieces)] + list(self.shard_shape)) if same
+        self.stack.assign(tf.broadcast_to(pieces[0], [len(pieces)] + list(self.shard_shape)) if whole
                           else tf.stack(pieces), read_value=False)
       return
     for p, comp, piece in zip(self.positions, self.components, pieces):
