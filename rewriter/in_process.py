@@ -41,11 +41,14 @@ from typing import Tuple
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd import _cluster
 from tf_gspmd import _compat
 from tf_gspmd.rewriter import collectives
 from tf_gspmd.rewriter import graph_view
+from tf_gspmd.rewriter import ordering
 from tf_gspmd.rewriter import partition
 from tf_gspmd.rewriter import stacking
+from tf_gspmd.rewriter import stacking_rules
 from tf_gspmd.rewriter import vocabulary
 from tf_gspmd.rewriter.graph_view import prune
 
@@ -71,25 +74,91 @@ PRINT_OPS = frozenset(("PrintV2",))
 STACKED_VARIABLE_LIMIT = stacking.STACK_LIMIT
 
 
-def _one_process_of_cpus(program):
-  return program.options.exchange == "auto" and program.processes is None and program.on_cpus
+def _processes_of_cpus(program):
+  """Whether the program runs on CPUs with exchange "auto": in one process, or in the processes that drive its
+  devices now (not a plan for other processes)."""
+  if program.options.exchange != "auto" or not program.on_cpus:
+    return False
+  if program.processes is None:
+    return True
+  return _cluster.is_multi_process() and all(_cluster.process_of(d) == q for d, q in zip(program.devices,
+                                                                                        program.processes))
+
+
+def local_positions(program):
+  """The mesh positions this process drives, in mesh order (every one in one process)."""
+  if program.processes is None:
+    return tuple(range(len(program.devices)))
+  me = _cluster.process_of(_cluster.host_device())
+  return tuple(p for p, q in enumerate(program.processes) if q == me)
 
 
 def applies(program):
-  """Whether the program's collectives can run as in-process edges (see the module docstring)."""
-  if not _one_process_of_cpus(program) or program.jit == "whole" or program.collective_keys is None:
+  """Whether the program's collectives can run as in-process edges, and TF's collectives across processes (see the
+  module docstring)."""
+  if not _processes_of_cpus(program) or program.jit == "whole" or program.collective_keys is None:
+    return False
+  if program.processes is not None and program.jit:   # XLA segments run per device: nothing would be stacked
     return False
   gd = program.local_graph_def
   if any(n.op in vocabulary.TF_COLLECTIVE_OPS for f in gd.library.function for n in f.node_def):
     return False
-  return all(n.op in vocabulary.EMITTED and n.name in program.collective_keys[0] and
-             vocabulary.EMITTED[n.op].runs_in_process(n) for n in gd.node if n.op in vocabulary.TF_COLLECTIVE_OPS)
+  across = crossing(program)
+  return across is not None and all(
+      n.op in vocabulary.EMITTED and n.name in program.collective_keys[0] and
+      (n.name in across or vocabulary.EMITTED[n.op].runs_in_process(n))
+      for n in gd.node if n.op in vocabulary.TF_COLLECTIVE_OPS)
+
+
+# The collectives that can cross processes in the one graph of a process: one op over the stacked operand.
+ACROSS_OPS = frozenset(("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2"))
+
+
+def crossing(program):
+  """{collective op name: (group key, group size, instance key)} of the per-device program's collectives whose
+  groups cross processes, each to run in this process's one graph as one op over the stacked operand among the
+  first devices of the processes its groups join; None when some collective can run neither so nor in the graph.
+
+  That takes groups of one member in each process they join, the member of local index i of each process (its
+  i-th position in mesh order) in the group of this process's i-th device, and the same processes for every
+  device of this process: then row i of the stacked operand meets row i of every other process's, as its device's
+  value meets its peers'. (A collective whose groups are within each process has its in-process meaning.)"""
+  if program.processes is None:
+    return {}
+  devices, processes = program.devices, program.processes
+  mine = local_positions(program)
+  index, seen = {}, {}
+  for p, q in enumerate(processes):   # each position's local index within its process
+    index[p] = seen[q] = seen.get(q, -1) + 1
+  heads = {q: processes.index(q) for q in set(processes)}   # each process's first position
+  where = {tf.DeviceSpec.from_string(d).to_string(): p for p, d in enumerate(devices)}
+  keys = program.collective_keys
+  found = {}
+  for x in program.local_graph_def.node:
+    if x.op not in vocabulary.TF_COLLECTIVE_OPS:
+      continue
+    joins = set()
+    for i, p in enumerate(mine):
+      members = sorted(collectives.group_members(keys[p][x.name][0]), key=collectives.rank_key)
+      members = [where[tf.DeviceSpec.from_string(d).to_string()] for d in members]
+      joined = tuple(processes[m] for m in members)
+      if len(set(joined)) > 1 and (len(set(joined)) != len(joined) or any(index[m] != i for m in members)):
+        return None
+      joins.add(joined if len(set(joined)) > 1 else None)
+    if joins == {None}:
+      continue   # within this process
+    if len(joins) != 1 or x.op not in ACROSS_OPS or len({keys[p][x.name][1] for p in mine}) != 1:
+      return None
+    joined, = joins
+    members = [devices[heads[q]] for q in joined]
+    found[x.name] = (collectives.group_key(members), len(members), keys[mine[0]][x.name][1])
+  return found
 
 
 def keys(program):
   """Pass (before XLA segments can hide them): program.collective_keys, per device {collective op name: (group
   key, instance key)}, evaluated from the per-device program's tables at each partition id."""
-  if not _one_process_of_cpus(program):
+  if not _processes_of_cpus(program):
     return program
   colls = [c for c in program.local_graph_def.node if c.op in vocabulary.TF_COLLECTIVE_OPS]
   return program.replace(collective_keys=_keys(program, colls) if colls else [{}] * len(program.devices))
@@ -101,6 +170,8 @@ def run(program):
     return program
   try:
     return program.replace(in_process=_build(program, grouped=True))
+  except stacking_rules.CannotStack:   # a collective across processes the one graph cannot hold: TF's collectives run
+    return program
   except ValueError as e:   # reads and writes joined into a cycle (rare): each crosses on its own
     if "cycle" not in str(e):
       raise
@@ -132,10 +203,10 @@ class Edges:
   """What a collective's in-process meaning (vocabulary.Collective.in_process) builds with: the one graph of every
   device's program under construction, device p's copy of node n named `d<p>/<n>`."""
 
-  def __init__(self, program, out):
+  def __init__(self, program, out, positions):
     self.out = out
-    self.devices = program.devices
-    self.keys = program.collective_keys
+    self.devices = [program.devices[p] for p in positions]   # this process's: p below is an index of these
+    self.keys = [program.collective_keys[p] for p in positions]
     self._position = {tf.DeviceSpec.from_string(d).to_string(): p for p, d in enumerate(self.devices)}
     colls = [c for c in program.local_graph_def.node if c.op in vocabulary.EMITTED]
     # instance key -> its send op (one instance key per op, the same on every device)
@@ -179,12 +250,16 @@ class Edges:
 
 def _build(program, grouped):
   gd = program.local_graph_def
-  devices = program.devices
+  positions = local_positions(program)
+  devices = [program.devices[p] for p in positions]
   n = len(devices)
+  across = crossing(program)
+  if across:   # the collectives across processes, issued in one order on this process's first device
+    gd = ordering.ordered(gd, among=set(across))
   out = tf.compat.v1.GraphDef()
   out.versions.CopyFrom(gd.versions)
   out.library.CopyFrom(gd.library)
-  edges = Edges(program, out)
+  edges = Edges(program, out, positions)
   ref = edges.ref
 
   # Resource handles -- the captured variables', those the program creates (a VarHandleOp: each device's copy
@@ -214,7 +289,8 @@ def _build(program, grouped):
   stacker = stacking.Stacker(gd, out, devices, program.partition_id,
                              touching if stack else {x.name for x in gd.node}, uniform if stack else {}, shards,
                              lambda x: [edges.ranked(p, x.name) for p in range(n)], grouped and stack,
-                             stacked_variables={v: v in replicated for v in stacked})
+                             stacked_variables={v: v in replicated for v in stacked}, positions=positions,
+                             across=across)
   printed = {}   # device p's print -> device 0's (see PRINT_OPS)
   for p in range(n):
     for x in gd.node:
@@ -237,7 +313,7 @@ def _build(program, grouped):
       if value is not None:   # one of a group of writes whose values reach the device together
         node.input[1] = value
       if x.name == program.partition_id:
-        graph_view.write_const(node, np.int32(p))
+        graph_view.write_const(node, np.int32(positions[p]))
       elif x.op in vocabulary.EMITTED:   # (collectives.Backend emits none over a group of one)
         vocabulary.EMITTED[x.op].in_process(edges, x, node, p)
   existing = {x.name for x in out.node}
@@ -248,7 +324,7 @@ def _build(program, grouped):
     renamed = [stacker.rename(i, existing) for i in x.input]
     del x.input[:]
     x.input.extend(graph_view.dedupe_controls(renamed))
-  graph, same = _deduplicated(out, {**_same_tiles(program, ref), **printed},
+  graph, same = _deduplicated(out, {**_same_tiles(program, positions, ref), **printed},
                               {ref(p, h) for h in handles for p in range(n)})
   inputs = [ref(p, graph_view.normalize(t)) for t in program.local_inputs for p in range(n)]
   for v in program.local_variables:
@@ -307,9 +383,10 @@ def _renamed(i, same):
   return name if ":" not in i else f"{name}:{index}"
 
 
-def _same_tiles(program, ref):
+def _same_tiles(program, positions, ref):
   """{argument Placeholder of device p: that of the first device holding the same tile}: equal tiles hold equal
-  values (a replicated argument is the same on every device), so the copies can read one."""
+  values (a replicated argument is the same on every device), so the copies can read one (p indexes `positions`,
+  the mesh positions of the graph's devices)."""
   same = {}
   for name, sharding, spec in zip(program.local_inputs, program.param_shardings, program.arg_specs):
     rank = spec.shape.rank
@@ -317,8 +394,8 @@ def _same_tiles(program, ref):
       continue
     s = sharding.with_rank(rank)
     first = {}
-    for p in range(len(program.devices)):
-      q = first.setdefault(tuple(s.tile_index(p, d) for d in range(rank)), p)
+    for p, position in enumerate(positions):
+      q = first.setdefault(tuple(s.tile_index(position, d) for d in range(rank)), p)
       if q != p:
         same[ref(p, name)] = ref(q, name)
   return same

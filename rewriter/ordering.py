@@ -44,16 +44,18 @@ def holds_collectives(graph_def):
       n.op in vocabulary.TF_COLLECTIVE_OPS for f in graph_def.library.function for n in f.node_def)
 
 
-def ordered(graph_def):
-  """A copy of `graph_def` whose collectives, in the graph and in every function body, are chained in one order."""
+def ordered(graph_def, among=None):
+  """A copy of `graph_def` whose collectives, in the graph and in every function body, are chained in one order;
+  `among`: only these collectives of the top-level graph (names) are chained."""
   out = tf.compat.v1.GraphDef()
   out.CopyFrom(graph_def)
   functions = {f.signature.name: f for f in out.library.function}
   holding = _functions_holding_collectives(functions)
-  for name in sorted(holding):
-    fdef = functions[name]
-    _chain(_Scope(fdef.node_def, _function_input), holding, fdef=fdef)
-  _chain(_Scope(out.node, _graph_input), holding)
+  if among is None:
+    for name in sorted(holding):
+      fdef = functions[name]
+      _chain(_Scope(fdef.node_def, _function_input), holding, fdef=fdef)
+  _chain(_Scope(out.node, _graph_input), holding, among=among)
   return out
 
 
@@ -175,11 +177,14 @@ def _instance_key(scope, nd):
   return None
 
 
-def _units(scope, holding):
+def _units(scope, holding, among=None):
   """(units, their order): the scope's collectives (a send and the receive of its instance together) and the
-  nodes calling functions in `holding`; ordered along the edges, lowest instance key first among those ready."""
+  nodes calling functions in `holding` (`among`: only the collectives of these names); ordered along the edges,
+  lowest instance key first among those ready."""
   by_key, units = {}, []
   for n in scope.node_list:
+    if among is not None and n.name not in among:
+      continue
     if n.op in vocabulary.TF_COLLECTIVE_OPS:
       key = _instance_key(scope, n)
       if key is None and n.op in _PAIRED:
@@ -239,10 +244,10 @@ def _add_control(nd, name):
     nd.input.append(f"^{name}")
 
 
-def _chain(scope, holding, fdef=None):
+def _chain(scope, holding, fdef=None, among=None):
   """Control edges that put the units of `scope` in their order (a function body's `fdef`: its results wait for
-  the last unit, its first unit for its arguments)."""
-  units, order = _units(scope, holding)
+  the last unit, its first unit for its arguments; `among`: see `ordered`)."""
+  units, order = _units(scope, holding, among)
   if not units:
     return
   ancestors = _unit_ancestors(scope, units)

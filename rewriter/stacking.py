@@ -44,8 +44,10 @@ class Stacker(Rules):
   rewriter/in_process.py's). `per_device` names nodes that must stay per device."""
 
   def __init__(self, gd, out, devices, partition_id, per_device, uniform_refs, variables, groups, grouped=True,
-               stacked_variables=None):
+               stacked_variables=None, positions=None, across=None):
     self.out, self.devices, self.n = out, devices, len(devices)
+    positions = range(self.n) if positions is None else positions   # the devices' mesh positions
+    across = across or {}   # collectives across processes (in_process.crossing)
     stacked_variables = stacked_variables or {}   # handle Placeholder -> whether replicated
     self.form = {}
     self._uniform = dict(uniform_refs)  # node name -> the name of its uniform tensor's node
@@ -100,7 +102,10 @@ class Stacker(Rules):
       elif x.name in self._uniform:
         self.form[x.name] = UNIFORM
       elif x.name == partition_id:
-        self._const(f"stk/{x.name}", np.arange(self.n, dtype=np.int32))
+        self._const(f"stk/{x.name}", np.array(positions, dtype=np.int32))
+        self.form[x.name] = STACKED
+      elif x.name in across:
+        self._across(x, *across[x.name])
         self.form[x.name] = STACKED
       elif x.op in COLLECTIVES and x.name not in per_device and self._small(x) and self._collective(x):
         self.form[x.name] = STACKED

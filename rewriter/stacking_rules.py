@@ -54,6 +54,11 @@ COLLECTIVES = frozenset(("CollectiveReduceV2", "CollectiveGatherV2", "Collective
 _REDUCE_BY = {b"Add": "Sum", b"Mul": "Prod", b"Max": "Max", b"Min": "Min"}
 
 
+class CannotStack(Exception):
+  """A node the one graph of a process cannot hold (a collective across processes on an operand of unknown shape):
+  the program runs per device, through TF's collectives."""
+
+
 class Rules:
   """The rules, as methods of rewriter.stacking.Stacker (whose forms, references and emission they use)."""
 
@@ -367,6 +372,45 @@ class Rules:
       result = spread(grouped, [size * shape[0]] + shape[1:], "result")
     self._node(name, "Identity", [result], T=t)
     return True
+
+  def _across(self, x, group_key, size, instance_key):
+    """A collective whose groups join one member of each of `size` processes, all at local index i for this
+    process's device i (in_process.crossing): one TF collective of the stacked operand among the processes' first
+    devices (`group_key`), on this process's first device. An all-reduce reduces every row with its peers' as it
+    is; an all-gather's and an all-to-all's blocks are put process-major around it, so that each process's block
+    is every row's."""
+    t = tf.as_dtype(x.attr["T"].type)
+    shape = self._shape(x.input[0])
+    if x.op != "CollectiveReduceV2" and (not shape or shape[0] % size):
+      raise CannotStack(f"collective {x.name} across processes has an operand of unknown shape")
+    operand = self._broadcast(x.input[0])
+    if operand is None:
+      raise CannotStack(f"collective {x.name} across processes has an operand of unknown shape")
+    consts = [self._const(f"stkx/{x.name}/{what}", np.int32(v))
+              for what, v in (("group_size", size), ("group_key", group_key), ("instance_key", instance_key))]
+    name = f"stk/{x.name}"
+
+    def reshape(ref, dims, label):
+      return self._reshape(f"stkx/{x.name}/{label}", ref, dims, t)
+
+    def swap(ref, rank, label):   # the first two dims exchanged
+      perm = self._const(f"stkx/{x.name}/{label}_perm", np.array([1, 0] + list(range(2, rank)), np.int32))
+      return self._node(f"stkx/{x.name}/{label}", "Transpose", [ref, perm], T=t, Tperm=tf.int32) + ":0"
+
+    if x.op == "CollectiveReduceV2":
+      self._copy(x, name, [operand] + consts)
+      return
+    rest = int(np.prod(shape[1:], dtype=np.int64))
+    if x.op == "CollectiveGatherV2":   # [processes * n, rows, ...] -> row i: every process's rows of device i
+      self._copy(x, f"stkx/{x.name}/op", [operand] + consts)
+      got = reshape(f"stkx/{x.name}/op:0", [size, self.n, shape[0] * rest], "got")
+      self._reshape(name, swap(got, 3, "mine"), [self.n, size * shape[0]] + shape[1:], t)
+      return
+    block = shape[0] // size * rest   # an all-to-all: row block k of every device's operand to process k
+    out = reshape(swap(reshape(operand, [self.n, size, block], "blocks"), 3, "out"), [size, self.n * block], "sent")
+    self._copy(x, f"stkx/{x.name}/op", [out] + consts)
+    got = reshape(f"stkx/{x.name}/op:0", [size, self.n, block], "got")
+    self._reshape(name, swap(got, 3, "mine"), [self.n] + shape, t)
 
   def _gather(self, x, data, name):
     params, indices, axis = data

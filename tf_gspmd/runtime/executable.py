@@ -253,7 +253,15 @@ class Executable:
     return _compat.calls_with(self._call_options)
 
   def run_packed(self, pd, pid, packed):
-    """Run the per-device program on the parallel device `pd`, aborting its collectives past the deadline.
+    """Run the per-device program on the parallel device `pd`, aborting its collectives past the deadline."""
+    with self._deadline():
+      with tf.device(_compat.parallel_device_name(pd)), self._instantiation():
+        return self._call(pid, packed)[:self.n_outputs]
+
+  @contextlib.contextmanager
+  def _deadline(self):
+    """Aborts the collectives of the step it holds past the program's deadline; an error of a step on a mesh that
+    spans processes is the process that stopped answering (ProcessLostError).
 
     The deadline is kept by one watchdog thread of the process rather than in each collective's own timeout,
     which costs a timer thread per collective per device (thousands per second in a training loop).
@@ -261,8 +269,7 @@ class Executable:
     timeout = self.program.collective_timeout
     token = _DEADLINES.arm(timeout)
     try:
-      with tf.device(_compat.parallel_device_name(pd)), self._instantiation():
-        return self._call(pid, packed)[:self.n_outputs]
+      yield
     except tf.errors.OpError as e:
       if self.local.fully_local:
         raise
@@ -291,7 +298,7 @@ class Executable:
 
   def __call__(self, args):
     program = self.program
-    in_process = program.in_process is not None   # one graph for every device: no collectives to time out
+    in_process = program.in_process is not None   # one graph for this process's devices
     if in_process:
       flat = [self.components(value, sharding, spec, name, on_devices=False)
               for value, (name, spec, sharding) in zip(args, program.arguments)]
@@ -302,8 +309,12 @@ class Executable:
     positions = self.local.positions
     if in_process:
       flat = [c for comps in flat for c in comps] + [h for st in storages for h in st.handles()]
-      with self._instantiation():
-        outs = _compat.call_flat(self._in_process_fn(), flat)
+      if self.local.fully_local:   # no collectives to time out
+        with self._instantiation():
+          outs = _compat.call_flat(self._in_process_fn(), flat)
+      else:   # TF's collectives across processes, from this process's first device
+        with self._deadline(), self._instantiation():
+          outs = _compat.call_flat(self._in_process_fn(), flat)
       n = len(positions)
       outs = [dict(components=outs[k * n:(k + 1) * n]) for k in range(self.n_outputs)]
     else:

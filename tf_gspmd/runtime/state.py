@@ -137,7 +137,7 @@ class ShardedStorage:
     self.devices = tuple(devices)
     self.positions = parallel.local(self.devices).positions
     self.components = []
-    self.stacked = bool(stacked) and len(self.positions) == len(self.devices)
+    self.stacked = bool(stacked)
     self.stack = None
     self.shards_newer = False   # the shards hold the current value; the tf.Variable's own buffer is stale
     self.host_newer = False     # the tf.Variable was assigned outside a gs.function since the last step
@@ -528,7 +528,7 @@ def manage(v, sharding, devices, what=None, stacked=None):
     storage = getattr(inner, "_gspmd_storage", None)
     want = sharding if sharding.is_maximal else sharding.with_rank(inner.shape.rank)
     if storage is not None and storage.sharding == want and storage.devices == tuple(devices):
-      if stacked is None or storage.stacked == bool(stacked) or (stacked and len(storage.positions) < len(devices)):
+      if stacked is None or storage.stacked == bool(stacked):
         return storage
       # The same layout stored the other way: copied shard by shard on the devices.
       new = ShardedStorage(inner, want, devices, stacked=stacked)
