@@ -381,8 +381,8 @@ class Rules:
     is every row's."""
     t = tf.as_dtype(x.attr["T"].type)
     shape = self._shape(x.input[0])
-    if x.op != "CollectiveReduceV2" and (not shape or shape[0] % size):
-      raise CannotStack(f"collective {x.name} across processes has an operand of unknown shape")
+    if x.op != "CollectiveReduceV2" and (not shape or x.op == "CollectiveAllToAllV2" and shape[0] % size):
+      raise CannotStack(f"collective {x.name} across processes has an operand of unknown shape or rank 0")
     operand = self._broadcast(x.input[0])
     if operand is None:
       raise CannotStack(f"collective {x.name} across processes has an operand of unknown shape")
