@@ -26,13 +26,24 @@ Then:
     replicated weight's update, the layer norm of an all-reduced activation -- runs once.
 
 These are the semantics of TF's ops as the partitioner uses them; the per-device program, its report and the
-bytes it counts are unchanged (`program.in_process` is another way to run them). Nothing can hang: there are no
-collectives left to wait for. The runtime calls the graph once per step with every device's arguments; a
-result's per-device tensors may live in the first device's memory (the host's, as for every logical CPU).
+bytes it counts are unchanged (`program.in_process` is another way to run them). The runtime calls the graph once
+per step with every device's arguments; a result's per-device tensors may live in the first device's memory (the
+host's, as for every logical CPU).
 
-The pass leaves the program alone (`in_process` None: TF's collectives run) when the mesh spans processes or
-non-CPU devices, when devices are not known (plan mode), when a collective sits inside a function body, or when
-the caller chose `exchange="collectives"`.
+Across processes (CPUs of several processes, `gs.initialize`), each process builds the graph of its own devices
+(`local_positions`; the partition ids are their mesh positions). A collective whose groups stay within each
+process has its in-process meaning. One whose groups join one member of each of several processes -- a flat
+collective over a mesh axis that spans them, or the across level of one built in two levels -- is one TF
+collective of the stacked operand among the first devices of those processes (`crossing`), when every device of
+the process is the member at its own local index: row i then meets row i of every peer process, as device i's
+value meets its peers'. Those ops are chained in one order (rewriter/ordering.py), the same in every process, and
+run under the step's deadline. The bytes that cross processes are those of the per-device ops, now sent once per
+process.
+
+The pass leaves the program alone (`in_process` None: TF's collectives run on every device) on non-CPU devices,
+when devices are not known (plan mode, a plan for other processes), when a collective sits inside a function body,
+when a collective across processes has several members in one process (a flat all-to-all over every device) or an
+operand of unknown shape, with XLA segments across processes, or when the caller chose `exchange="collectives"`.
 """
 
 import dataclasses

@@ -27,7 +27,7 @@ class Options:
   weight_update_sharding: Any = None  # None/False, True (the "data" axis, else the first), or a mesh axis name
   jit_compile: Any = "auto"          # "auto" (GPU/TPU), True (every backend; CPU in segments), False
   auto: Any = None                   # auto.AutoOptions: layouts chosen by the auto_shard pass, or None
-  exchange: str = "auto"             # "auto": in-process edges on CPUs of one process (in_process pass); "collectives"
+  exchange: str = "auto"             # "auto": one graph per process on CPUs (in_process pass); "collectives"
   partitioner: str = "tf_gspmd"      # "tf_gspmd", or "xla": XLA partitions the exported program (xla_export pass)
 
 
@@ -159,11 +159,11 @@ PASSES = (
     ("cleanup", cleanup.run),                      # dead nodes removed
     ("verify", cleanup.verify),                    # invariants of the per-device program
     ("memory", memory.run),                        # estimated peak bytes per device (report.memory)
-    ("collective_keys", in_process.keys),          # CPUs of one process: each device's collective keys
+    ("collective_keys", in_process.keys),          # CPUs: each device's collective keys
     ("compile", jit.run),                          # XLA: segments between collectives (CPU) or whole (GPU, TPU)
     ("optimize", grappler.run_local),              # TF's graph optimizer on the per-device program, once
     ("constants", constants.run),                  # its constants per device (report.constants); strict: none > 1 MiB
-    ("in_process", in_process.run),                # CPUs of one process: one graph, collectives as device edges
+    ("in_process", in_process.run),                # CPUs: one graph per process, collectives as device edges
     ("fuse", horizontal.run),                      # else: like element-wise chains (an optimizer's, per weight) as one
     ("order", ordering.run),                       # every device launches its collectives in one order
     ("schedules", schedules.run),                  # gs.pipeline schedules stated in the report

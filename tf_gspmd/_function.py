@@ -504,10 +504,11 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=Fal
     auto_pins: with "auto": "all" (default) pins every tensor the solver priced, so the partitioner does what it
       priced; "state" pins only the arguments and variables and leaves the rest to completion (what a program
       given only those layouts runs, e.g. a Keras LayoutMap's; the budget still bounds the completed plan).
-    exchange: "auto": on CPU devices of one process, every device's program runs as one TF graph in which
-      each collective is the ops that compute its result from the members' tensors, passed between the devices
-      by reference (no collective runtime; the same results and the same report); elsewhere TF's collectives.
-      "collectives": TF's collective ops always.
+    exchange: "auto": on CPU devices, the program of every device of a process runs as one TF graph in which
+      each collective within the process is the ops that compute its result from the members' tensors, passed
+      between the devices by reference, and each collective across processes one TF collective per process (the
+      same results and the same report); elsewhere TF's collectives. "collectives": TF's collective ops on every
+      device always.
     partitioner: "tf_gspmd" (tf_gspmd partitions the program and runs it on every mesh device) or "xla": the
       program after completion (and automatic sharding) is exported with every layout written as XLA sharding
       and compiled with tf.function(jit_compile=True), for XLA's own SPMD partitioner; tf_gspmd's partitioner,

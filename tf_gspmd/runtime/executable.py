@@ -3,9 +3,10 @@
 TF's collectives deadlock when several logical devices run them inside one tf.function; TF's
 ParallelDevice (DTensor's runtime) instead runs one function per component device on its own thread, which
 is what an SPMD program needs. The per-device GraphDef becomes one concrete function (no retracing); the
-partition id is a packed per-device input. On CPU devices of one process the lowering also holds every device's
-program as one graph without collectives (`DeviceProgram.in_process`, the in_process pass): then a step is one call of
-that function with every device's arguments and variable handles, and results keep per-device tensors.
+partition id is a packed per-device input. On CPU devices the lowering also holds the program of every device of
+this process as one graph (`DeviceProgram.in_process`, the in_process pass), without collectives in one process and
+with one TF collective per collective across processes otherwise: then a step is one call of that function with
+every local device's arguments and variable handles, and results keep per-device tensors.
 """
 
 import contextlib

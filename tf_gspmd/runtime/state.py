@@ -3,8 +3,8 @@
 A variable captured by a gs.function is *managed* from its first run: its value lives as one shard per mesh
 device (a tf.Variable of the shard shape on that device), laid out by the sharding completion gave its
 handle. The partitioned program reads and updates the shards in place; the full value is never put together
-during a step. A program run as one graph on the CPUs of one process keeps a small variable's shards as the rows
-of one tf.Variable instead (`ShardedStorage.stacked`), which it reads and writes in one op for every device.
+during a step. A program run as one graph on the CPUs of a process keeps a small variable's shards there as the
+rows of one tf.Variable instead (`ShardedStorage.stacked`), which it reads and writes in one op for every device.
 
 The user's `tf.Variable` object stays the variable: tf_gspmd changes its class to a subclass whose eager
 reads (`numpy()`, `value()`, `read_value()`, `tf.convert_to_tensor`) first copy the current shards into it,
@@ -124,8 +124,8 @@ class ShardedStorage:
       one per position of `positions` (every mesh position unless the mesh spans several processes).
     devices: the mesh's device names, in mesh order.
     stacked: the shards are rows of one tf.Variable of shape [positions] + the shard shape (`stack`), on the
-      first device, and `components` are views of its rows. What a program run as one graph on the CPUs of one
-      process (rewriter/in_process.py) reads and writes in one op instead of one per device; a program that
+      first local device, and `components` are views of its rows. What a program run as one graph on the CPUs of
+      a process (rewriter/in_process.py) reads and writes in one op instead of one per device; a program that
       runs per device (TF's collectives) has them stored per device (`manage` converts, shard by shard).
   """
 
