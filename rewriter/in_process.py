@@ -148,6 +148,8 @@ def crossing(program):
   for x in program.local_graph_def.node:
     if x.op not in vocabulary.TF_COLLECTIVE_OPS:
       continue
+    if any(x.name not in keys[p] for p in mine):
+      return None   # (a collective the keys pass did not see)
     joins = set()
     for i, p in enumerate(mine):
       members = sorted(collectives.group_members(keys[p][x.name][0]), key=collectives.rank_key)
