@@ -43,9 +43,9 @@ flags.DEFINE_float("memory_budget_mib", None, "With --auto: MiB per device the a
                    "the activations live at the peak may take (--plan prints what a plan takes, counted this way).")
 flags.DEFINE_bool("jit", False, "Compile the compute between collectives with XLA (jit_compile=True).")
 flags.DEFINE_enum("exchange", "auto", ["auto", "collectives"], "How the devices exchange data (gs.function's "
-                  "`exchange`): auto runs the CPUs of one process as one in-process graph; collectives runs each "
-                  "device's program on its own thread, joined by TF's collective ops, as GPUs and several processes "
-                  "do.")
+                  "`exchange`): auto runs the CPUs of each process as one graph (TF's collectives only across "
+                  "processes); collectives runs each device's program on its own thread, joined by TF's collective "
+                  "ops, as GPUs do.")
 flags.DEFINE_bool("auto_parallel", False, "Plan pipeline stages, their submeshes and intra-operator layouts "
                   "automatically (gs.auto_parallel, Alpa's two levels) and train the model's plain-TF step as an MPMD "
                   "pipeline, SGD at --lr; with --plan: only the plan, for --plan_mesh, without devices.")
