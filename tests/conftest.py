@@ -1,6 +1,7 @@
 """Test session set-up: 8 logical CPU devices before TensorFlow initialises, and shared helpers."""
 
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -8,6 +9,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import tf_gspmd as gs  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "cluster_programs"))
+import with_collectives  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 NUM_DEVICES = 8
 
@@ -17,30 +21,14 @@ gs.split_cpu_devices(NUM_DEVICES)
 
 def pytest_addoption(parser):
   parser.addoption("--exchange", default="auto", choices=("auto", "collectives"),
-                   help="collectives: every gs.function left at exchange='auto' exchanges data through TF's "
-                        "collective ops (the path GPUs and several processes take), not the in-process graph")
+                   help="collectives: every gs.function left at exchange='auto' (here and in the processes a test "
+                        "launches) exchanges data through TF's collective ops on every device (the path GPUs take), "
+                        "not one graph per process")
 
 
 def pytest_configure(config):
   if config.getoption("--exchange") == "collectives":
-    _force_collectives()
-
-
-def _force_collectives():
-  """Makes exchange='auto' mean 'collectives' for every gs.function built from now on (Keras's included)."""
-  import functools  # pylint: disable=g-import-not-at-top
-  import inspect  # pylint: disable=g-import-not-at-top
-  init = gs.ShardedFunction.__init__
-  signature = inspect.signature(init)
-
-  @functools.wraps(init)
-  def collectives_init(self, *args, **kwargs):
-    bound = signature.bind(self, *args, **kwargs)
-    if bound.arguments.get("exchange", "auto") == "auto":
-      bound.arguments["exchange"] = "collectives"
-    return init(*bound.args, **bound.kwargs)
-
-  gs.ShardedFunction.__init__ = collectives_init
+    with_collectives.force_collectives(gs)
 
 
 @pytest.fixture

@@ -201,6 +201,15 @@ def test_two_processes_match_one(one_process, two_processes):
       np.testing.assert_allclose(r[key], one_process[key], rtol=1e-5)
 
 
+def test_two_processes_through_tf_collectives_on_every_device_match_one(one_process):
+  """The step with exchange="collectives": each device's program on its own thread, TF's collectives within each
+  process and across."""
+  for r in _launch(2, "megatron_step.py", "--steps=3", exchange="collectives").values():
+    np.testing.assert_allclose(r["losses"], one_process["losses"], rtol=1e-5)
+    for key in ("h_sum", "w1", "w2"):
+      np.testing.assert_allclose(r[key], one_process[key], rtol=1e-5)
+
+
 def test_checkpoint_of_two_processes_restores_anywhere(one_process, two_processes):
   results, ckpt = two_processes
   prefix = results[0]["saved"]
@@ -219,13 +228,15 @@ def test_checkpoint_of_two_processes_restores_anywhere(one_process, two_processe
   np.testing.assert_allclose(here["restored_w1"], one_process["w1"], rtol=1e-5)
 
 
-def test_keras_fit_with_model_parallel_over_two_processes_matches_one():
-  """keras.distribution.initialize() joins the launcher's cluster; list_devices spans both processes."""
+@pytest.mark.parametrize("exchange", ["auto", "collectives"])
+def test_keras_fit_with_model_parallel_over_two_processes_matches_one(exchange):
+  """keras.distribution.initialize() joins the launcher's cluster; list_devices spans both processes. Each process
+  runs its devices as one graph, or (collectives) each device's program on its own thread."""
   keras = pytest.importorskip("keras")
   import keras_fit  # pylint: disable=g-import-not-at-top
   import tf_gspmd.keras  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
   want = keras_fit.fit(keras)
-  results = _launch(2, "keras_fit.py", devices_per_worker=4, timeout=420)
+  results = _launch(2, "keras_fit.py", devices_per_worker=4, timeout=420, exchange=exchange)
   for r in results.values():
     assert r["processes"] == 2 and len(r["losses"]) == 8
     np.testing.assert_allclose(r["losses"], want["losses"], rtol=1e-5)

@@ -125,7 +125,7 @@ def test_between_processes_each_destination_receives_its_slice(exchange):
   uneven and 3-D; every destination shard holds its slice, received as exactly its bytes, and only the pieces
   the slices need cross between the processes (none when the receiving process holds a replica)."""
   if exchange == "collectives":
-    pytest.skip("the processes exchange through TF's collectives under either option; run once")
+    pytest.skip("a move between meshes runs no gs.function: the same under either option; run once")
   results = cluster_runs.launch(2, "cross_mesh_move.py")
   for k, r in results.items():
     for name, case in r.items():

@@ -135,11 +135,15 @@ def test_sigkill_then_resume_continues_with_the_same_losses(tmp_path):
     assert abs(resumed[k] - straight[k]) <= 1e-5 * abs(straight[k]), (k, resumed[k], straight[k])
 
 
-@pytest.mark.parametrize("binary,workers", [("train_transformer.py", 2), ("train_transformer.py", 4),
-                                            ("train_moe.py", 2), ("train_convnet.py", 2)])
-def test_binary_over_several_processes_gives_the_one_process_losses(binary, workers, tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("binary,workers,exchange", [
+    ("train_transformer.py", 2, "auto"), ("train_transformer.py", 4, "auto"), ("train_moe.py", 2, "auto"),
+    ("train_convnet.py", 2, "auto"), ("train_transformer.py", 2, "collectives")])
+def test_binary_over_several_processes_gives_the_one_process_losses(binary, workers, exchange, tmp_path,
+                                                                    tmp_path_factory):
+  """Each process runs its devices as one graph (exchange auto), or each device's program on its own thread."""
   one = _losses(_one_process_losses(binary, tmp_path_factory)[0])
-  out = _launched(workers, binary, "--steps=10", "--check_steps=0", "--ckpt_every=5", f"--logdir={tmp_path}")
+  out = _launched(workers, binary, "--steps=10", "--check_steps=0", "--ckpt_every=5", f"--logdir={tmp_path}",
+                  f"--exchange={exchange}")
   for k in range(workers):
     losses = _losses(out, k)
     assert sorted(losses) == list(range(10)), out[-3000:]

@@ -186,9 +186,7 @@ def test_stages_in_two_processes(exchange):
   Each process runs its own stages' orders; loss and gradients equal plain TF's; between the processes move only
   the receivers' slices: per microbatch, stage 0's activations [4, 16] to stage 1's two devices (replicated
   there, 2 x 256 B) and their gradients to stage 0's four devices (P(None, "m"), 4 x [4, 8], 512 B)."""
-  if exchange == "collectives":
-    pytest.skip("the processes exchange through TF's collectives under either option; run once")
-  results = cluster_runs.launch(2, "mpmd_step.py")
+  results = cluster_runs.launch(2, "mpmd_step.py", exchange=exchange)
   for schedule in ("1f1b", "gpipe"):
     p0, p1 = results[0][schedule], results[1][schedule]
     assert p0["stages"] == [0] and p1["stages"] == [1, 2]
