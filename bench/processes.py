@@ -41,11 +41,12 @@ def _run(workers, logdir, extra=()):
   steps = re.findall(rf"^{prefix}step (\d+) loss ([0-9.eE+-]+) time (\d+) ms", out.stdout, re.M)
   per_step = re.search(rf"^{prefix}collectives per step: .*?, ([\d,]+) B/device(?:, ([\d,]+) B/device across)?",
                        out.stdout, re.M)
+  runtime = re.search(rf"^{prefix}runtime: (.*)$", out.stdout, re.M).group(1)
   sent = int(per_step.group(1).replace(",", ""))
   across = int(per_step.group(2).replace(",", "")) if per_step.group(2) else 0
   losses = [float(l) for _, l, _ in steps]
   times = [int(t) for _, _, t in steps][3:]
-  return losses, statistics.median(times), sent, across
+  return losses, statistics.median(times), sent, across, runtime.split(",")[0]
 
 
 def main(_):
@@ -60,13 +61,13 @@ def main(_):
   coll_time = next((r[2] for r in rows if r[0].endswith("collectives")), None)
   print(f"train_transformer {' '.join(FLAGS.binary_flags)} on mesh (2,4), {FLAGS.steps} steps, median after 3 "
         "warm-up steps, all on this machine's cores")
-  print("| processes x devices | step ms | vs 1 process | vs 1 process, TF's collectives | B/device per step | "
-        "B/device across processes | losses = 1 process |")
-  print("|---|---|---|---|---|---|---|")
-  for name, losses, t, sent, across in rows:
+  print("| processes x devices | runtime | step ms | vs 1 process | vs 1 process, TF's collectives | "
+        "B/device per step | B/device across processes | losses = 1 process |")
+  print("|---|---|---|---|---|---|---|---|")
+  for name, losses, t, sent, across, runtime in rows:
     same = all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, base_losses)) and len(losses) == len(base_losses)
     vs_coll = f"{t / coll_time:.2f}" if coll_time else "-"
-    print(f"| {name} | {t:.0f} | {t / base_time:.2f} | {vs_coll} | {sent:,} | {across:,} | "
+    print(f"| {name} | {runtime} | {t:.0f} | {t / base_time:.2f} | {vs_coll} | {sent:,} | {across:,} | "
           f"{'yes' if same else 'NO'} |")
 
 

@@ -264,6 +264,8 @@ def run(task):
     crossing = (f", {low.report.cross_process_bytes_per_device():,} B/device across processes"
                 if gs.process_count() > 1 else "")
     print(f"collectives per step: {low.report.counts()}, {low.report.bytes_per_device():,} B/device{crossing}")
+    print("runtime: " + ("one graph per process" if low.program.in_process is not None else
+                         "each device's program on its own thread, TF's collectives"))
     if low.auto_plan is not None:
       print(low.auto_plan)
   if FLAGS.check_steps and first == 0 and losses:
