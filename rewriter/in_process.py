@@ -126,14 +126,17 @@ ACROSS_OPS = frozenset(("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveA
 
 
 def crossing(program):
-  """{collective op name: (group key, group size, instance key)} of the per-device program's collectives whose
-  groups cross processes, each to run in this process's one graph as one op over the stacked operand among the
-  first devices of the processes its groups join; None when some collective can run neither so nor in the graph.
+  """{collective op name: (group key, processes, instance key, slots)} of the per-device program's collectives
+  whose groups cross processes, each to run in this process's one graph as one op over the stacked operand among
+  the first devices of the processes its groups join; None when some collective can run neither so nor in the
+  graph.
 
-  That takes groups of one member in each process they join, the member of local index i of each process (its
-  i-th position in mesh order) in the group of this process's i-th device, and the same processes for every
-  device of this process: then row i of the stacked operand meets row i of every other process's, as its device's
-  value meets its peers'. (A collective whose groups are within each process has its in-process meaning.)"""
+  That takes groups whose members in each process they join are the same local indices (a position's index among
+  its process's positions in mesh order), in every process, the same processes for every device of this process,
+  and one member in each process but for an all-to-all: then row i of the stacked operand meets row i of every
+  peer process, as device i's value meets its peers'. `slots[i]` (an all-to-all's): for each member of device i's
+  group within a process, in rank order, the row of what it sends and device i's slot among them (row * members per
+  process + slot). A collective whose groups stay within each process has its in-process meaning."""
   if program.processes is None:
     return {}
   devices, processes = program.devices, program.processes
@@ -150,21 +153,31 @@ def crossing(program):
       continue
     if any(x.name not in keys[p] for p in mine):
       return None   # (a collective the keys pass did not see)
-    joins = set()
+    joins, slots = set(), []
     for i, p in enumerate(mine):
       members = sorted(collectives.group_members(keys[p][x.name][0]), key=collectives.rank_key)
       members = [where[tf.DeviceSpec.from_string(d).to_string()] for d in members]
-      joined = tuple(processes[m] for m in members)
-      if len(set(joined)) > 1 and (len(set(joined)) != len(joined) or any(index[m] != i for m in members)):
+      joined = tuple(dict.fromkeys(processes[m] for m in members))   # in rank order
+      if len(joined) == 1:
+        joins.add(None)   # within this process
+        continue
+      per = len(members) // len(joined)
+      rows = {tuple(index[m] for m in members[k * per:(k + 1) * per]) for k in range(len(joined))}
+      if len(members) % len(joined) or len(rows) != 1 or i not in next(iter(rows)) or \
+          tuple(processes[m] for m in members) != tuple(q for q in joined for _ in range(per)) or \
+          (per > 1 and x.op != "CollectiveAllToAllV2"):
         return None
-      joins.add(joined if len(set(joined)) > 1 else None)
+      row, = rows
+      joins.add(joined)
+      slots.append([r * per + row.index(i) for r in row])
     if joins == {None}:
-      continue   # within this process
+      continue
     if len(joins) != 1 or x.op not in ACROSS_OPS or len({keys[p][x.name][1] for p in mine}) != 1:
       return None
     joined, = joins
     members = [devices[heads[q]] for q in joined]
-    found[x.name] = (collectives.group_key(members), len(members), keys[mine[0]][x.name][1])
+    found[x.name] = (collectives.group_key(members), len(members), keys[mine[0]][x.name][1],
+                     np.array(slots, np.int32))
   return found
 
 

@@ -373,15 +373,16 @@ class Rules:
     self._node(name, "Identity", [result], T=t)
     return True
 
-  def _across(self, x, group_key, size, instance_key):
-    """A collective whose groups join one member of each of `size` processes, all at local index i for this
-    process's device i (in_process.crossing): one TF collective of the stacked operand among the processes' first
-    devices (`group_key`), on this process's first device. An all-reduce reduces every row with its peers' as it
-    is; an all-gather's and an all-to-all's blocks are put process-major around it, so that each process's block
-    is every row's."""
+  def _across(self, x, group_key, size, instance_key, slots):
+    """A collective whose groups cross processes (in_process.crossing): one TF collective of the stacked operand
+    among the first devices of the `size` processes they join (`group_key`), on this process's first device.
+    An all-reduce reduces every row with its peers' as it is; an all-gather's blocks are put process-major
+    around it; an all-to-all sends each process every device's blocks for its members, and each device takes
+    its own from what arrives (`slots`)."""
     t = tf.as_dtype(x.attr["T"].type)
     shape = self._shape(x.input[0])
-    if x.op != "CollectiveReduceV2" and (not shape or x.op == "CollectiveAllToAllV2" and shape[0] % size):
+    per = slots.shape[1]   # the group's members in each process
+    if x.op != "CollectiveReduceV2" and (not shape or x.op == "CollectiveAllToAllV2" and shape[0] % (size * per)):
       raise CannotStack(f"collective {x.name} across processes has an operand of unknown shape or rank 0")
     operand = self._broadcast(x.input[0])
     if operand is None:
@@ -406,10 +407,17 @@ class Rules:
       got = reshape(f"stkx/{x.name}/op:0", [size, self.n, shape[0] * rest], "got")
       self._reshape(name, swap(got, 3, "mine"), [self.n, size * shape[0]] + shape[1:], t)
       return
-    block = shape[0] // size * rest   # an all-to-all: row block k of every device's operand to process k
-    out = reshape(swap(reshape(operand, [self.n, size, block], "blocks"), 3, "out"), [size, self.n * block], "sent")
+    block = shape[0] // (size * per) * rest   # an all-to-all: what a device sends each member
+    out = reshape(swap(reshape(operand, [self.n, size, per * block], "blocks"), 3, "out"),
+                  [size, self.n * per * block], "sent")
     self._copy(x, f"stkx/{x.name}/op", [out] + consts)
-    got = reshape(f"stkx/{x.name}/op:0", [size, self.n, block], "got")
+    got = reshape(f"stkx/{x.name}/op:0", [size, self.n * per, block], "got")   # [process, its row, slot, block]
+    if slots.reshape(-1).tolist() != list(range(self.n * per)):
+      got = self._node(f"stkx/{x.name}/taken", "GatherV2",
+                       [got, self._const(f"stkx/{x.name}/slots", slots),
+                        self._const(f"stkx/{x.name}/slots_axis", np.int32(1))],
+                       Tparams=t, Tindices=tf.int32, Taxis=tf.int32, batch_dims=0) + ":0"
+    got = reshape(got, [size, self.n, per * block], "each")
     self._reshape(name, swap(got, 3, "mine"), [self.n] + shape, t)
 
   def _gather(self, x, data, name):

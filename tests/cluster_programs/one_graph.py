@@ -1,7 +1,6 @@
 """Programs whose collectives cross processes, run with exchange "auto": each process runs its devices as one
 graph, with one TF collective of the stacked operand for each collective across processes (rewriter/in_process.py),
-or -- where a group has several members in some process and cannot be so split (a flat all-to-all) -- through
-TF's collectives per device.
+or -- where it cannot (collective-permutes across processes) -- through TF's collectives on every device.
 
 The cases of hierarchical.py (two levels: within each process in the graph, across in one op), and collectives
 over the axis of (2, 4) whose groups have one member in each process they join. Every process prints one JSON line
@@ -27,6 +26,7 @@ def cases(gs, tf):
   wide = rng.standard_normal((8, 40)).astype(np.float32)
   rows = rng.standard_normal((6, 16)).astype(np.float32)
   ints = rng.integers(-50, 50, (8, 40)).astype(np.int32)
+  tall = rng.standard_normal((32, 8)).astype(np.float32)
 
   def several(a, i, c):   # independent collectives across processes: one order in every process
     return tf.concat([tf.reduce_sum(a, 0), tf.cast(tf.reduce_sum(i, 0), tf.float32), tf.reduce_max(a, 0),
@@ -39,8 +39,10 @@ def cases(gs, tf):
       ("a_axis_all_to_all", m24, tf.identity, (wide,), (P("a", None),), P(None, "a")),
       ("a_axis_uneven_gather", m24, lambda a: a * 2.0, (rows,), (P("a", None),), P()),
       ("a_axis_several", m24, several, (wide, ints, rows), (P("a", None),) * 3, P()),
-      # an all-to-all over all 8 devices: several members in each process, not split: per device
+      # an all-to-all over all 8 devices: several members in each process, in one op of the process's blocks
       ("flat_all_to_all", m8, tf.identity, (wide,), (P("d", None),), P(None, "d")),
+      # neighbours' rows (collective-permutes), across the processes' boundaries: per device
+      ("shift_across", m8, lambda a: a[1:] + a[:-1], (tall,), (P("d", None),), P("d", None)),
   ]
 
 
