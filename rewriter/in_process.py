@@ -36,14 +36,16 @@ process has its in-process meaning. One whose groups join one member of each of 
 collective over a mesh axis that spans them, or the across level of one built in two levels -- is one TF
 collective of the stacked operand among the first devices of those processes (`crossing`), when every device of
 the process is the member at its own local index: row i then meets row i of every peer process, as device i's
-value meets its peers'. Those ops are chained in one order (rewriter/ordering.py), the same in every process, and
-run under the step's deadline. The bytes that cross processes are those of the per-device ops, now sent once per
-process.
+value meets its peers' (an all-to-all may have several members in each process: each process sends another its
+devices' blocks for that one's members). A collective-permute's transfer between two processes is TF's broadcast
+send or receive on its device. Those ops are chained in one order (rewriter/ordering.py), the same in every
+process, and run under the step's deadline. The bytes that cross processes are those of the per-device ops, sent
+once per process.
 
 The pass leaves the program alone (`in_process` None: TF's collectives run on every device) on non-CPU devices,
 when devices are not known (plan mode, a plan for other processes), when a collective sits inside a function body,
-when a collective across processes has several members in one process (a flat all-to-all over every device) or an
-operand of unknown shape, with XLA segments across processes, or when the caller chose `exchange="collectives"`.
+when a collective across processes joins members at different local indices or an operand of unknown shape, with
+XLA segments across processes, or when the caller chose `exchange="collectives"`.
 """
 
 import dataclasses
@@ -114,22 +116,25 @@ def applies(program):
   gd = program.local_graph_def
   if any(n.op in vocabulary.TF_COLLECTIVE_OPS for f in gd.library.function for n in f.node_def):
     return False
-  across = crossing(program)
-  return across is not None and all(
+  found = crossing(program)
+  return found is not None and all(
       n.op in vocabulary.EMITTED and n.name in program.collective_keys[0] and
-      (n.name in across or vocabulary.EMITTED[n.op].runs_in_process(n))
+      (n.name in found[0] or vocabulary.EMITTED[n.op].runs_in_process(n))
       for n in gd.node if n.op in vocabulary.TF_COLLECTIVE_OPS)
 
 
-# The collectives that can cross processes in the one graph of a process: one op over the stacked operand.
+# The collectives that can cross processes in the one graph of a process: one op over the stacked operand; and
+# the halves of a collective-permute's transfers, TF's op on the device whose peer is in another process.
 ACROSS_OPS = frozenset(("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2"))
+PERMUTE_OPS = frozenset(("CollectiveBcastSendV2", "CollectiveBcastRecvV2"))
 
 
 def crossing(program):
-  """{collective op name: (group key, processes, instance key, slots)} of the per-device program's collectives
+  """({collective op name: (group key, processes, instance key, slots)} of the per-device program's collectives
   whose groups cross processes, each to run in this process's one graph as one op over the stacked operand among
-  the first devices of the processes its groups join; None when some collective can run neither so nor in the
-  graph.
+  the first devices of the processes its groups join, {collective-permute op name: the local devices whose
+  transfer crosses processes, each to run TF's op on its device}); None when some collective can run neither so
+  nor in the graph.
 
   That takes groups whose members in each process they join are the same local indices (a position's index among
   its process's positions in mesh order), in every process, the same processes for every device of this process,
@@ -138,7 +143,7 @@ def crossing(program):
   group within a process, in rank order, the row of what it sends and device i's slot among them (row * members per
   process + slot). A collective whose groups stay within each process has its in-process meaning."""
   if program.processes is None:
-    return {}
+    return {}, {}
   devices, processes = program.devices, program.processes
   mine = local_positions(program)
   index, seen = {}, {}
@@ -147,12 +152,18 @@ def crossing(program):
   heads = {q: processes.index(q) for q in set(processes)}   # each process's first position
   where = {tf.DeviceSpec.from_string(d).to_string(): p for p, d in enumerate(devices)}
   keys = program.collective_keys
-  found = {}
+  found, pairs = {}, {}
   for x in program.local_graph_def.node:
     if x.op not in vocabulary.TF_COLLECTIVE_OPS:
       continue
     if any(x.name not in keys[p] for p in mine):
       return None   # (a collective the keys pass did not see)
+    if x.op in PERMUTE_OPS:   # a transfer between two devices: across processes, TF's op on this device
+      remote = frozenset(i for i, p in enumerate(mine) if any(
+          not _cluster.is_local(d) for d in collectives.group_members(keys[p][x.name][0])))
+      if remote:
+        pairs[x.name] = remote
+      continue
     joins, slots = set(), []
     for i, p in enumerate(mine):
       members = sorted(collectives.group_members(keys[p][x.name][0]), key=collectives.rank_key)
@@ -178,7 +189,7 @@ def crossing(program):
     members = [devices[heads[q]] for q in joined]
     found[x.name] = (collectives.group_key(members), len(members), keys[mine[0]][x.name][1],
                      np.array(slots, np.int32))
-  return found
+  return found, pairs
 
 
 def keys(program):
@@ -279,9 +290,10 @@ def _build(program, grouped):
   positions = local_positions(program)
   devices = [program.devices[p] for p in positions]
   n = len(devices)
-  across = crossing(program)
-  if across:   # the collectives across processes, issued in one order on this process's first device
-    gd = ordering.ordered(gd, among=set(across))
+  across, pairs = crossing(program)
+  if across or pairs:   # the collectives across processes, issued in one order (a permute's with its transfers)
+    gd = ordering.ordered(gd, among=set(across) | ({x.name for x in gd.node if x.op in PERMUTE_OPS} if pairs else
+                                                   set()))
   out = tf.compat.v1.GraphDef()
   out.versions.CopyFrom(gd.versions)
   out.library.CopyFrom(gd.library)
@@ -328,7 +340,7 @@ def _build(program, grouped):
       node = out.node.add()
       node.CopyFrom(x)
       # What touches a device's variables runs on that device, everything else on the first (see the docstring).
-      node.name, node.device = f"d{p}/{x.name}", devices[p if x.name in touching else 0]
+      node.name, node.device = f"d{p}/{x.name}", devices[p if x.name in touching or x.name in pairs else 0]
       del node.input[:]
       # Device p's copy of a replicated variable is not read (device 0's read stands for it): its writes need
       # not wait for device 0's read.
@@ -340,7 +352,7 @@ def _build(program, grouped):
         node.input[1] = value
       if x.name == program.partition_id:
         graph_view.write_const(node, np.int32(positions[p]))
-      elif x.op in vocabulary.EMITTED:   # (collectives.Backend emits none over a group of one)
+      elif x.op in vocabulary.EMITTED and p not in pairs.get(x.name, ()):   # (none over a group of one)
         vocabulary.EMITTED[x.op].in_process(edges, x, node, p)
   existing = {x.name for x in out.node}
   outputs = [stacker.rename(ref(p, graph_view.normalize(t)), existing) for t in program.local_outputs

@@ -356,9 +356,9 @@ def test_collectives_across_processes_in_two_levels_match_the_unpartitioned_prog
 def test_one_graph_per_process_runs_each_collective_across_processes_as_one_op(workers):
   """exchange "auto" over several processes: each process runs its devices as one graph, in which a collective
   across processes (one member in each process; the across level of one in two levels; an all-to-all with several
-  members in each) is one TF collective of the stacked operand, issued in one order in every process; a program
-  with collective-permutes across processes runs per device. Every result is the unpartitioned program's, call
-  after call (50 calls of a program with five independent collectives across processes)."""
+  members in each) is one TF collective of the stacked operand, and a collective-permute's transfer across
+  processes TF's op on its device, issued in one order in every process. Every result is the unpartitioned
+  program's, call after call (50 calls of a program with five independent collectives across processes)."""
   results = _launch(workers, "one_graph.py", timeout=420)
   sequences = {}
   for r in results.values():
@@ -368,10 +368,10 @@ def test_one_graph_per_process_runs_each_collective_across_processes_as_one_op(w
       np.testing.assert_allclose(np.asarray(case["got"]), np.asarray(case["want"]), rtol=1e-2 if loose else 1e-5,
                                  atol=1e-2 if loose else 1e-5, err_msg=name)
       assert case["again"] == case["got"], name
-      assert case["one_graph"] is (name != "shift_across"), name   # (collective-permutes across: per device)
-      if case["one_graph"]:   # one TF collective per collective across processes, ordered by the graph's edges
-        want = {"a_axis_several": 5, "reduce_scatter": 2}.get(name, 1) if case["kinds"] else 0
-        assert len(case["sequence"]) == want, (name, case)
+      assert case["one_graph"], name
+      # one TF collective per collective across processes (a permute: its transfers), ordered by the graph's edges
+      want = {"a_axis_several": 5, "reduce_scatter": 2}.get(name, 1) if case["kinds"] else 0
+      assert len(case["sequence"]) == want, (name, case)
         sequences.setdefault(name, set()).add(tuple(case["sequence"]))
   assert all(len(s) == 1 for s in sequences.values()), sequences   # the same order in every process
   assert "a_axis_several" in sequences and "both_axes_sum" in sequences

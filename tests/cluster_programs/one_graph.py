@@ -1,6 +1,6 @@
 """Programs whose collectives cross processes, run with exchange "auto": each process runs its devices as one
-graph, with one TF collective of the stacked operand for each collective across processes (rewriter/in_process.py),
-or -- where it cannot (collective-permutes across processes) -- through TF's collectives on every device.
+graph, with one TF collective of the stacked operand for each collective across processes, and TF's broadcast op on its
+device for each transfer of a collective-permute across processes (rewriter/in_process.py).
 
 The cases of hierarchical.py (two levels: within each process in the graph, across in one op), and collectives
 over the axis of (2, 4) whose groups have one member in each process they join. Every process prints one JSON line
@@ -41,7 +41,7 @@ def cases(gs, tf):
       ("a_axis_several", m24, several, (wide, ints, rows), (P("a", None),) * 3, P()),
       # an all-to-all over all 8 devices: several members in each process, in one op of the process's blocks
       ("flat_all_to_all", m8, tf.identity, (wide,), (P("d", None),), P(None, "d")),
-      # neighbours' rows (collective-permutes), across the processes' boundaries: per device
+      # neighbours' rows (collective-permutes), across the processes' boundaries: a transfer per device
       ("shift_across", m8, lambda a: a[1:] + a[:-1], (tall,), (P("d", None),), P("d", None)),
   ]
 
