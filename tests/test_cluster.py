@@ -372,7 +372,7 @@ def test_one_graph_per_process_runs_each_collective_across_processes_as_one_op(w
       # one TF collective per collective across processes (a permute: its transfers), ordered by the graph's edges
       want = {"a_axis_several": 5, "reduce_scatter": 2}.get(name, 1) if case["kinds"] else 0
       assert len(case["sequence"]) == want, (name, case)
-        sequences.setdefault(name, set()).add(tuple(case["sequence"]))
+      sequences.setdefault(name, set()).add(tuple(case["sequence"]))
   assert all(len(s) == 1 for s in sequences.values()), sequences   # the same order in every process
   assert "a_axis_several" in sequences and "both_axes_sum" in sequences
 
