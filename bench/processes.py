@@ -4,9 +4,10 @@ Runs the training binary `examples/train_transformer.py` (decoder LM, Megatron o
 over `model`, batch over `data`) for --steps steps in one process -- as the one in-process graph (exchange
 "auto") and through TF's collectives (--exchange=collectives: each device's program on its own thread, the
 runtime of GPUs) -- then under `python -m tf_gspmd.launch` as 2 and 4 worker processes on 127.0.0.1 (each runs
-its devices as one graph, with TF's gRPC collectives across processes), and prints per configuration: the median step time after warm-up, its
-ratio to one process (in-process, and through TF's collectives), the bytes per device a step sends and how many
-of them cross process boundaries, and whether the losses equal the one-process losses (relative 1e-5).
+its devices as one graph, with TF's gRPC collectives across processes), and prints per configuration: the runtime
+that ran it, the median step time after warm-up, its ratio to one process (in-process, and through TF's
+collectives), the bytes per device a step sends and how many of them cross process boundaries, and whether the
+losses equal the one-process losses (relative 1e-5).
 
   python bench/processes.py [--steps=20] [--binary_flags=--layers=2,--d_model=64]
 """

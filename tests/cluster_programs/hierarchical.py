@@ -61,11 +61,12 @@ def run(gs, tf):
   return out
 
 
-def main():
+def main(run_cases=run):
+  """Joins the cluster and prints `run_cases`'s record of every case."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
   k, n = gs.initialize(cpu_devices=8)
-  print("RESULT " + json.dumps({"process": k, "processes": n, "cases": run(gs, tf)}), flush=True)
+  print("RESULT " + json.dumps({"process": k, "processes": n, "cases": run_cases(gs, tf)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ with, per case, the partitioned and the unpartitioned results, whether it ran as
 of the graph's TF collectives in the order its edges force.
 """
 
-import json
 import os
 import sys
 
@@ -68,12 +67,5 @@ def run(gs, tf):
   return out
 
 
-def main():
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
-  k, n = gs.initialize(cpu_devices=8)
-  print("RESULT " + json.dumps({"process": k, "processes": n, "cases": run(gs, tf)}), flush=True)
-
-
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(hierarchical.main(run))
