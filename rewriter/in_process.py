@@ -107,20 +107,21 @@ def local_positions(program):
 
 
 def applies(program):
-  """Whether the program's collectives can run as in-process edges, and TF's collectives across processes (see the
-  module docstring)."""
+  """`crossing(program)` where the program can run as one graph per process (collectives within a process as
+  in-process edges, those across processes as TF's), else None (see the module docstring)."""
   if not _processes_of_cpus(program) or program.jit == "whole" or program.collective_keys is None:
-    return False
+    return None
   if program.processes is not None and program.jit:   # XLA segments run per device: nothing would be stacked
-    return False
+    return None
   gd = program.local_graph_def
   if any(n.op in vocabulary.TF_COLLECTIVE_OPS for f in gd.library.function for n in f.node_def):
-    return False
+    return None
   found = crossing(program)
-  return found is not None and all(
-      n.op in vocabulary.EMITTED and n.name in program.collective_keys[0] and
-      (n.name in found[0] or vocabulary.EMITTED[n.op].runs_in_process(n))
-      for n in gd.node if n.op in vocabulary.TF_COLLECTIVE_OPS)
+  if found is None or not all(n.op in vocabulary.EMITTED and n.name in program.collective_keys[0] and
+                              (n.name in found[0] or vocabulary.EMITTED[n.op].runs_in_process(n))
+                              for n in gd.node if n.op in vocabulary.TF_COLLECTIVE_OPS):
+    return None
+  return found
 
 
 # The collectives that can cross processes in the one graph of a process: one op over the stacked operand; and
@@ -130,7 +131,7 @@ PERMUTE_OPS = frozenset(("CollectiveBcastSendV2", "CollectiveBcastRecvV2"))
 
 
 def crossing(program):
-  """({collective op name: (group key, processes, instance key, slots)} of the per-device program's collectives
+  """({collective op name: (group key, process count, instance key, slots)} of the per-device program's collectives
   whose groups cross processes, each to run in this process's one graph as one op over the stacked operand among
   the first devices of the processes its groups join, {collective-permute op name: the local devices whose
   transfer crosses processes, each to run TF's op on its device}); None when some collective can run neither so
@@ -202,17 +203,19 @@ def keys(program):
 
 
 def run(program):
-  """Pass: program.in_process, the per-device programs of every mesh device as one graph without collectives."""
-  if not applies(program):
+  """Pass: program.in_process, the per-device programs of this process's devices as one graph (see the module
+  docstring)."""
+  found = applies(program)
+  if found is None:
     return program
   try:
-    return program.replace(in_process=_build(program, grouped=True))
+    return program.replace(in_process=_build(program, found, grouped=True))
   except stacking_rules.CannotStack:   # a collective across processes the one graph cannot hold: TF's collectives run
     return program
   except ValueError as e:   # reads and writes joined into a cycle (rare): each crosses on its own
     if "cycle" not in str(e):
       raise
-    return program.replace(in_process=_build(program, grouped=False))
+    return program.replace(in_process=_build(program, found, grouped=False))
 
 
 def _keys(program, colls):
@@ -285,12 +288,12 @@ class Edges:
     return name
 
 
-def _build(program, grouped):
+def _build(program, found, grouped):
   gd = program.local_graph_def
   positions = local_positions(program)
   devices = [program.devices[p] for p in positions]
   n = len(devices)
-  across, pairs = crossing(program)
+  across, pairs = found   # (crossing)
   if across or pairs:   # the collectives across processes, issued in one order (a permute's with its transfers)
     gd = ordering.ordered(gd, among=set(across) | ({x.name for x in gd.node if x.op in PERMUTE_OPS} if pairs else
                                                    set()))
