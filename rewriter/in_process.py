@@ -138,8 +138,8 @@ def crossing(program):
   nor in the graph.
 
   That takes groups whose members in each process they join are the same local indices (a position's index among
-  its process's positions in mesh order), in every process, the same processes for every device of this process,
-  and one member in each process but for an all-to-all: then row i of the stacked operand meets row i of every
+  its process's positions in mesh order), in every process, the same processes for every device of a process, and
+  one member in each process but for an all-to-all (checked for every process, so that all decide alike): then row i of the stacked operand meets row i of every
   peer process, as device i's value meets its peers'. `slots[i]` (an all-to-all's): for each member of device i's
   group within a process, in rank order, the row of what it sends and device i's slot among them (row * members per
   process + slot). A collective whose groups stay within each process has its in-process meaning."""
@@ -153,11 +153,12 @@ def crossing(program):
   heads = {q: processes.index(q) for q in set(processes)}   # each process's first position
   where = {tf.DeviceSpec.from_string(d).to_string(): p for p, d in enumerate(devices)}
   keys = program.collective_keys
+  me = processes[mine[0]]
   found, pairs = {}, {}
   for x in program.local_graph_def.node:
     if x.op not in vocabulary.TF_COLLECTIVE_OPS:
       continue
-    if any(x.name not in keys[p] for p in mine):
+    if any(x.name not in k for k in keys):
       return None   # (a collective the keys pass did not see)
     if x.op in PERMUTE_OPS:   # a transfer between two devices: across processes, TF's op on this device
       remote = frozenset(i for i, p in enumerate(mine) if any(
@@ -165,31 +166,31 @@ def crossing(program):
       if remote:
         pairs[x.name] = remote
       continue
-    joins, slots = set(), []
-    for i, p in enumerate(mine):
+    # Every process decides alike (each checks every process's devices): a collective runs one way in all.
+    joins, slots = {}, []
+    for p in range(len(devices)):
       members = sorted(collectives.group_members(keys[p][x.name][0]), key=collectives.rank_key)
       members = [where[tf.DeviceSpec.from_string(d).to_string()] for d in members]
       joined = tuple(dict.fromkeys(processes[m] for m in members))   # in rank order
+      joins.setdefault(processes[p], set()).add(joined if len(joined) > 1 else None)
       if len(joined) == 1:
-        joins.add(None)   # within this process
-        continue
+        continue   # within the process
       per = len(members) // len(joined)
       rows = {tuple(index[m] for m in members[k * per:(k + 1) * per]) for k in range(len(joined))}
-      if len(members) % len(joined) or len(rows) != 1 or i not in next(iter(rows)) or \
+      if len(members) % len(joined) or len(rows) != 1 or index[p] not in next(iter(rows)) or \
           tuple(processes[m] for m in members) != tuple(q for q in joined for _ in range(per)) or \
-          (per > 1 and x.op != "CollectiveAllToAllV2"):
+          (per > 1 and x.op != "CollectiveAllToAllV2") or x.op not in ACROSS_OPS:
         return None
       row, = rows
-      joins.add(joined)
-      slots.append([r * per + row.index(i) for r in row])
-    if joins == {None}:
-      continue
-    if len(joins) != 1 or x.op not in ACROSS_OPS or len({keys[p][x.name][1] for p in mine}) != 1:
+      if processes[p] == me:
+        slots.append([r * per + row.index(index[p]) for r in row])
+    if any(len(j) != 1 for j in joins.values()) or len({k[x.name][1] for k in keys}) != 1:
       return None
-    joined, = joins
-    members = [devices[heads[q]] for q in joined]
-    found[x.name] = (collectives.group_key(members), len(members), keys[mine[0]][x.name][1],
-                     np.array(slots, np.int32))
+    joined, = joins[me]
+    if joined is not None:
+      members = [devices[heads[q]] for q in joined]
+      found[x.name] = (collectives.group_key(members), len(members), keys[mine[0]][x.name][1],
+                       np.array(slots, np.int32))
   return found, pairs
 
 
