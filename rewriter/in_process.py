@@ -99,11 +99,9 @@ def _processes_of_cpus(program):
 
 
 def local_positions(program):
-  """The mesh positions this process drives, in mesh order (every one in one process)."""
-  if program.processes is None:
-    return tuple(range(len(program.devices)))
-  me = _cluster.process_of(_cluster.host_device())
-  return tuple(p for p, q in enumerate(program.processes) if q == me)
+  """The mesh positions this process drives, in mesh order (every one in one process): those of the runtime's
+  `parallel.Local`, whose devices take the graph's arguments in this order."""
+  return tuple(p for p, d in enumerate(program.devices) if _cluster.is_local(d))
 
 
 def applies(program):

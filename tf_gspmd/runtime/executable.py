@@ -310,12 +310,9 @@ class Executable:
     positions = self.local.positions
     if in_process:
       flat = [c for comps in flat for c in comps] + [h for st in storages for h in st.handles()]
-      if self.local.fully_local:   # no collectives to time out
-        with self._instantiation():
-          outs = _compat.call_flat(self._in_process_fn(), flat)
-      else:   # TF's collectives across processes, from this process's first device
-        with self._deadline(), self._instantiation():
-          outs = _compat.call_flat(self._in_process_fn(), flat)
+      # In one process there are no collectives to time out; across processes TF's, from the first local device.
+      with contextlib.nullcontext() if self.local.fully_local else self._deadline(), self._instantiation():
+        outs = _compat.call_flat(self._in_process_fn(), flat)
       n = len(positions)
       outs = [dict(components=outs[k * n:(k + 1) * n]) for k in range(self.n_outputs)]
     else:
