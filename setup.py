@@ -1,6 +1,21 @@
 """tf_gspmd: GSPMD sharding completion and SPMD partitioning for TensorFlow."""
 
+import os
+
 from setuptools import setup
+
+# Source directory -> the package it is installed as; every folder below one with an __init__.py is a subpackage.
+PACKAGE_DIRS = {"tf_gspmd": "tf_gspmd", "tf_gspmd.ops": "ops", "tf_gspmd.rewriter": "rewriter"}
+
+
+def _packages():
+  found = []
+  for package, directory in PACKAGE_DIRS.items():
+    for root, _, files in os.walk(directory):
+      if "__init__.py" in files:
+        found.append(".".join([package] + os.path.relpath(root, directory).split(os.sep)[(root == directory):]))
+  return sorted(set(found))
+
 
 setup(
     name="tf_gspmd",
@@ -9,7 +24,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=["tf_gspmd", "tf_gspmd.ops", "tf_gspmd.rewriter", "tf_gspmd.rewriter.auto", "tf_gspmd.runtime"],
+    packages=["tf_gspmd", "tf_gspmd.ops", "tf_gspmd.rewriter", "tf_gspmd.rewriter.sharding.auto", "tf_gspmd.runtime"],
     package_dir={"tf_gspmd": "tf_gspmd", "tf_gspmd.ops": "ops", "tf_gspmd.rewriter": "rewriter"},
     install_requires=["tensorflow>=2.16", "numpy", "absl-py", "rich", "tensorboard", "highspy>=1.7"],
     extras_require={"test": ["pytest", "hypothesis", "keras-hub==0.32.0"]},

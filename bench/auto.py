@@ -4,7 +4,7 @@ Six programs, each lowered in plan mode (no devices; any mesh size) on meshes (8
 with its hand plan and once with `in_shardings="auto"` (every argument, data batches included, and every
 captured variable chosen by the integer program of rewriter/auto/) under a memory budget equal to the hand
 plan's memory per device: its arguments + captured variables (padding included) + the rest of what the plan's
-program holds at its peak at its layouts (`rewriter.auto.plan_memory`, the count the budget constrains);
+program holds at its peak at its layouts (`rewriter.sharding.auto.plan_memory`, the count the budget constrains);
 `--budget=state` gives the arguments + variables only.
 
   mlp             reference workload 1: gelu(x @ w1) @ w2, x[64,1024], w1[1024,4096], w2[4096,1024]; Megatron
@@ -54,7 +54,7 @@ flags.DEFINE_list("only", [], f"Run only these workloads ({', '.join(WORKLOADS)}
 flags.DEFINE_list("meshes", ["8", "2x4", "32x64"], "Mesh shapes, axis sizes joined by x (one or two axes).")
 flags.DEFINE_enum("budget", "memory", ["memory", "state"],
                   "The auto plan's memory_budget: the hand plan's arguments + variables + activations live at the "
-                  "peak per device (memory; where the library prices activations, rewriter.auto.plan_memory), or "
+                  "peak per device (memory; where the library prices activations, rewriter.sharding.auto.plan_memory), or "
                   "its arguments + variables only (state).")
 flags.DEFINE_bool("verbose", False, "Print each auto plan's choices (str(low.auto_plan)).")
 FLAGS = flags.FLAGS
@@ -143,9 +143,9 @@ def state_bytes(low, specs):
 
 def activation_bytes(low):
   """What the plan's program holds at its peak besides arguments and variables (constants, live activations), per
-  device at the plan's layouts, as the budget counts it (rewriter.auto.plan_memory); None when the library has no
+  device at the plan's layouts, as the budget counts it (rewriter.sharding.auto.plan_memory); None when the library has no
   such count."""
-  from tf_gspmd.rewriter import auto as auto_pass  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.rewriter.sharding import auto as auto_pass  # pylint: disable=g-import-not-at-top
   plan_memory = getattr(auto_pass, "plan_memory", None)
   return None if plan_memory is None else plan_memory(low.program)[1]
 

@@ -217,7 +217,7 @@ def _time_split(directory, calls, devices, exchange):
   import glob  # pylint: disable=g-import-not-at-top
   import re  # pylint: disable=g-import-not-at-top
   from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.rewriter.vocabulary import TF_COLLECTIVE_OPS  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.rewriter.collectives.vocabulary import TF_COLLECTIVE_OPS  # pylint: disable=g-import-not-at-top
   split = {"collectives": 0.0, "combine copies": 0.0, "compute": 0.0}
   for path in glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True):
     space = xplane_pb2.XSpace()

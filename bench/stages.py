@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import transformer_model as tm  # noqa: E402  pylint: disable=g-import-not-at-top
 
 import tf_gspmd as gs  # noqa: E402  pylint: disable=g-import-not-at-top
-from tf_gspmd.rewriter.auto import calibrate  # noqa: E402  pylint: disable=g-import-not-at-top
+from tf_gspmd.rewriter.stages import calibrate  # noqa: E402  pylint: disable=g-import-not-at-top
 
 
 def main():

@@ -44,7 +44,7 @@ class ListShape(collections.namedtuple("ListShape", "element_shape element_dtype
   ATTRS = ("_gspmd_list_element_shape", "_gspmd_list_element_dtype")   # where the body's parameter holds it
 
   def attrs(self):
-    """The body parameter's node attributes that say it (see rewriter/graph_ir.py)."""
+    """The body parameter's node attributes that say it (see rewriter/graph/graph_ir.py)."""
     return {self.ATTRS[0]: tf.compat.v1.AttrValue(shape=tf.TensorShape(self.element_shape).as_proto()),
             self.ATTRS[1]: tf.compat.v1.AttrValue(type=self.element_dtype.as_datatype_enum)}
 

@@ -7,128 +7,17 @@ runtime (`tf_gspmd.runtime`), because it needs the devices; everything here runs
 reads one record, `DeviceProgram` (built by the last pass), never the Program or its IR.
 """
 
-import dataclasses
 import os
 import time
-from typing import Any, Optional, Tuple
-
-import tensorflow as tf
 
 from tf_gspmd.errors import PartitionError, ShardingError
-from tf_gspmd.rewriter import (auto, cleanup, combine, completion, constants, grappler, horizontal,
-                               import_annotations, in_process, jit, memory, ordering, partition, schedules, trace,
-                               weight_update, xla_export)
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-  strict: bool = False               # an op without a rule, or an involuntary full gather, is an error
-  collective_timeout: float = 300.0  # seconds before a stuck program's collectives are aborted
-  weight_update_sharding: Any = None  # None/False, True (the "data" axis, else the first), or a mesh axis name
-  jit_compile: Any = "auto"          # "auto" (GPU/TPU), True (every backend; CPU in segments), False
-  auto: Any = None                   # auto.AutoOptions: layouts chosen by the auto_shard pass, or None
-  exchange: str = "auto"             # "auto": one graph per process on CPUs (in_process pass); "collectives"
-  partitioner: str = "tf_gspmd"      # "tf_gspmd", or "xla": XLA partitions the exported program (xla_export pass)
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceProgram:
-  """What the runtime runs, and all it reads: the per-device program, how every device calls it, and the state it
-  keeps on the devices. The last pass (`device_program`) builds it from the Program."""
-
-  devices: Tuple[str, ...]               # the mesh's devices, row-major
-  graph_def: Any                         # the per-device GraphDef
-  partition_id: str                      # its partition-id Placeholder (scalar int32)
-  inputs: Tuple[str, ...]                # its Placeholders of the arguments, in order
-  variable_inputs: Tuple[str, ...]       # its Placeholders of the captured variables' handles, in order
-  outputs: Tuple[str, ...]               # the ops whose output 0 is each flattened result
-  side_effects: Tuple[str, ...]          # ops that must run though no result depends on them
-  arguments: Tuple[Tuple[str, Any, Any], ...]   # per argument: (name, tf.TensorSpec, Sharding it is passed in)
-  variables: Tuple[Tuple[str, Any, Any, bool], ...]   # per captured variable: (name, tf.Variable, its Sharding, written)
-  results: Tuple[Any, ...]               # per flattened result: (Sharding, global shape tuple, tf.DType)
-  jit: Optional[str]                     # None, "segments" (XLA between collectives) or "whole" (XLA compiles it all)
-  locally_optimized: bool                # TF's graph optimizer already ran on graph_def (the runtime skips it)
-  in_process: Any                        # in_process.InProcess: every device's program as one graph, or None
-  collective_timeout: float              # seconds before a stuck step's collectives are aborted
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-  """Everything known about one lowering; passes fill in fields with `replace`."""
-
-  fn: Any
-  mesh: Any
-  options: Options
-  arg_specs: Tuple[Any, ...]
-  declared_in: Tuple[Any, ...]           # Sharding or None per argument (the function's in_shardings)
-  arriving_in: Tuple[Any, ...]           # Sharding or None per argument (layout of ShardedTensor arguments)
-  open_in: Tuple[Any, ...] = ()          # per argument: the dims its in_shardings entry leaves open (P.UNCONSTRAINED)
-  declared_out: Any = None               # None, or a tuple of Sharding-or-None per flattened output
-  devices: Optional[Tuple[str, ...]] = None
-  processes: Optional[Tuple[int, ...]] = None   # per mesh position: the process driving it (None: one)
-  variable_layout: Any = None            # tf.Variable -> the Sharding it is stored in (pinned), or None
-  # trace / grappler
-  graph_def: Any = None
-  input_names: Tuple[str, ...] = ()
-  output_refs: Tuple[str, ...] = ()
-  output_structure: Any = None
-  variable_names: Tuple[str, ...] = ()   # Placeholders of captured variables (resource handles)
-  variables: Tuple[Any, ...] = ()        # the captured tf.Variables, in the same order
-  variable_pins: Tuple[Any, ...] = ()    # the stored layout of each captured variable when lowered (or None)
-  pipelines: Tuple[Any, ...] = ()        # the `gs.pipeline` schedules built while tracing (_annotations.PipelineSpec)
-  checks: Tuple[str, ...] = ()           # assertions and prints that must run though no result reads them
-  # import_annotations / complete
-  ir: Any = None
-  annotations: Any = None                # ref -> Sharding, pinned
-  open_dims: Any = None                  # ref -> dims an annotation leaves open (completion may split only those)
-  shardings: Any = None                  # ref -> Sharding for every tensor
-  explanations: Any = None               # ref -> why completion chose it
-  param_shardings: Tuple[Any, ...] = ()
-  completion_iterations: int = 0
-  auto_plan: Any = None                  # auto.AutoPlan: what the auto_shard pass chose (None without it)
-  update_state: Tuple[str, ...] = ()     # handles of variables read only to compute updates (optimizer state)
-  # partition / cleanup
-  local_graph_def: Any = None
-  local_inputs: Tuple[str, ...] = ()
-  local_variables: Tuple[str, ...] = ()
-  local_outputs: Tuple[str, ...] = ()
-  side_effects: Tuple[str, ...] = ()
-  partition_id: Optional[str] = None     # the per-device program's partition-id input (scalar int32 Placeholder)
-  variable_shardings: Tuple[Any, ...] = ()  # per captured variable: the Sharding its shards are stored in
-  variables_written: Tuple[bool, ...] = ()  # per captured variable: whether the program may write it
-  output_specs: Tuple[Any, ...] = ()     # per flattened output: (Sharding, global shape tuple, tf.DType)
-  report: Any = None
-  jit: Optional[str] = None              # None (not compiled), "segments" (CPU) or "whole" (GPU, TPU)
-  locally_optimized: bool = False        # TF's graph optimizer already ran on local_graph_def (the runtime skips it)
-  collective_keys: Any = None            # per device: {collective op name: (group key, instance key)} (in_process)
-  in_process: Any = None                 # in_process.InProcess: every device's program as one graph, or None
-  device_program: Optional[DeviceProgram] = None   # what the runtime runs (the last pass)
-  exported: Any = None                   # xla_export.Exported: partitioner="xla"'s annotated global program
-  function_cache: Any = dataclasses.field(default_factory=dict, compare=False, repr=False)
-
-  def replace(self, **changes):
-    return dataclasses.replace(self, **changes)
-
-  @classmethod
-  def body(cls, parent, graph_def, input_names, output_refs, param_shardings, out_shardings):
-    """The program of a function body of `parent` (a While body, an If branch): its own graph, its parameters
-    arriving in `param_shardings`, its results declared as `out_shardings` (or None). It shares with the parent
-    what describes the lowering -- mesh, options, devices, processes, the stored variable layouts and the cache of
-    completed bodies -- and nothing else: every other field starts empty, whatever fields the parent has."""
-    return cls(fn=None, mesh=parent.mesh, options=parent.options, arg_specs=(), declared_in=tuple(param_shardings),
-               arriving_in=tuple(param_shardings), declared_out=tuple(out_shardings) if out_shardings else None,
-               devices=parent.devices, processes=parent.processes, variable_layout=parent.variable_layout,
-               graph_def=graph_def, input_names=tuple(input_names), output_refs=tuple(output_refs),
-               function_cache=parent.function_cache)
-
-  @property
-  def on_cpus(self):
-    """Whether the mesh's devices are known and every one is a CPU."""
-    return bool(self.devices) and all(tf.DeviceSpec.from_string(d).device_type.upper() == "CPU" for d in self.devices)
-
-  @property
-  def output_shardings(self):
-    return tuple(self.shardings[r] for r in self.ir.outputs)
+from tf_gspmd.rewriter.sharding import auto, completion, memory, weight_update
+from tf_gspmd.rewriter.backend import cleanup, constants, horizontal, jit, xla_export
+from tf_gspmd.rewriter.collectives import combine, ordering
+from tf_gspmd.rewriter.frontend import grappler, import_annotations, trace
+from tf_gspmd.rewriter.one_graph import in_process
+from tf_gspmd.rewriter.partition import partition, schedules
+from tf_gspmd.rewriter.program import DeviceProgram
 
 
 def device_program(program):

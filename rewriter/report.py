@@ -12,7 +12,7 @@ Bytes are per device (`shared` convention): the per-device *result* of an all-ga
 emitted ops (what the program sends), `logical_bytes_per_device()` the logical collectives.
 
 Loops: a record knows the While loops it runs in (`loops`, outer first, each with its trip count where
-`rewriter.loops` reads it statically). The totals are per step: a record inside loops of known trip counts
+`rewriter.graph.loops` reads it statically). The totals are per step: a record inside loops of known trip counts
 counts their product of times (`times`); inside a loop whose trip count is unknown it counts once per run of
 that loop, and the report says so ("per iteration of loop X (trip count unknown)"). `per_iteration=True` gives
 the totals with every record once: one iteration of every loop, the program's ops as emitted.
@@ -71,7 +71,7 @@ class Emitted:
 @dataclasses.dataclass(frozen=True)
 class Loop:
   """A While loop a collective runs in: the While node, how many times its body runs per run of the loop when
-  that is known statically (`rewriter.loops`), else None and a static bound where one is known."""
+  that is known statically (`rewriter.graph.loops`), else None and a static bound where one is known."""
 
   name: str                       # the While node (named in the graph or body that holds it)
   trips: Optional[int]            # runs of its body per run of the loop; None: not known statically
@@ -187,7 +187,7 @@ class LiveBuffer:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-  """Peak bytes one device holds while running the per-device program (see `rewriter.memory`).
+  """Peak bytes one device holds while running the per-device program (see `rewriter.sharding.memory`).
 
   `peak_bytes` = arguments + state + constants + activations, all at the peak; `collective_bytes` is the part of
   the activations that collectives produced (their receive buffers). `at` is the op running at the peak and
@@ -378,7 +378,7 @@ class Report:
   # the all-gathers flagged as involuntary full rematerializations (each also has a line in `warnings`)
   rematerializations: Tuple[CollectiveRecord, ...] = ()
   pipelines: Tuple[PipelineSchedule, ...] = ()
-  constants: Any = None   # rewriter.constants.Constants: the per-device program's constants (the constants pass)
+  constants: Any = None   # rewriter.backend.constants.Constants: the per-device program's constants (the constants pass)
   planned: Optional[str] = None   # set when another partitioner runs the program: this report is tf_gspmd's plan
   _memory: Optional[_Lazy] = dataclasses.field(default=None, repr=False, compare=False)
 

@@ -49,8 +49,8 @@ def assert_close(actual, expected, rtol=1e-5, atol=1e-5):
 def ir_of(fn, *shapes):
   """The IR graph of `fn` traced for float32 arguments of `shapes` (no partitioning, no devices)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.rewriter.graph_ir import Graph  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.rewriter.graph_view import ref, split_ref  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.rewriter.graph.graph_ir import Graph  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.rewriter.graph.graph_view import ref, split_ref  # pylint: disable=g-import-not-at-top
   cf = tf.function(fn).get_concrete_function(*[tf.TensorSpec(s) for s in shapes])
   return Graph(cf.graph.as_graph_def(), [t.op.name for t in cf.inputs],
                [ref(*split_ref(t.name)) for t in cf.outputs])
@@ -83,7 +83,7 @@ def _program_graphs(low):
   says, the partition id its last parameter."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tf_gspmd import _compat  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.rewriter.vocabulary import TF_COLLECTIVE_OPS  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.rewriter.collectives.vocabulary import TF_COLLECTIVE_OPS  # pylint: disable=g-import-not-at-top
   gd = low.graph_def
   graph = tf.Graph()
   with graph.as_default():
@@ -127,7 +127,7 @@ def sent_by_program(low):
 def _sent_by_graph(graph, pid, n, nodes, main):
   """Appends to `nodes` the collective nodes of `graph` (see sent_by_program; `main`: the program's graph)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.rewriter.vocabulary import TF_COLLECTIVE_OPS  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.rewriter.collectives.vocabulary import TF_COLLECTIVE_OPS  # pylint: disable=g-import-not-at-top
   with tf.compat.v1.Session(graph=graph) as sess:
     per_device = lambda t: [sess.run(t, {pid: p}) for p in range(n)]  # noqa: E731
     for op in graph.get_operations():

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import tf_gspmd as gs
 from tf_gspmd.errors import InputError
-from tf_gspmd.rewriter.auto import calibrate
+from tf_gspmd.rewriter.stages import calibrate
 
 from conftest import assert_close
 

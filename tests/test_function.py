@@ -214,7 +214,7 @@ def test_sharded_tensor_with_other_sharding_is_resharded_inside(rng):
 
 
 def test_fallback_is_correct_reported_and_warned_once(rng, monkeypatch):
-  from tf_gspmd.rewriter import partition  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.rewriter.partition import partition  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(partition, "_warned_fallback", set())   # (other tests may have met ReverseSequence first)
 
   def f(x):   # ReverseSequence has no rule

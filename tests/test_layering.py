@@ -17,7 +17,19 @@ FLOORS = (   # lowest first; a module belongs to the floor of its longest matchi
     ("core", ("tf_gspmd.errors", "tf_gspmd._cluster", "tf_gspmd._mesh", "tf_gspmd._sharding", "tf_gspmd._annotations",
               "tf_gspmd.initializers", "tf_gspmd._compat", "tf_gspmd._plan_scope")),
     ("ops", ("tf_gspmd.ops",)),
-    ("rewriter", ("tf_gspmd.rewriter",)),
+    # the rewriter, by phase: GraphDef reading and editing; the records of a lowering; tracing and annotations;
+    # the collectives; sharding completion and automatic sharding; inter-operator stages; partitioning; the
+    # one-graph form; the per-device back end; the pass list
+    ("rewriter.graph", ("tf_gspmd.rewriter", "tf_gspmd.rewriter.graph")),
+    ("rewriter.records", ("tf_gspmd.rewriter.program", "tf_gspmd.rewriter.report")),
+    ("rewriter.frontend", ("tf_gspmd.rewriter.frontend",)),
+    ("rewriter.collectives", ("tf_gspmd.rewriter.collectives",)),
+    ("rewriter.sharding", ("tf_gspmd.rewriter.sharding",)),
+    ("rewriter.stages", ("tf_gspmd.rewriter.stages",)),
+    ("rewriter.partition", ("tf_gspmd.rewriter.partition",)),
+    ("rewriter.one_graph", ("tf_gspmd.rewriter.one_graph",)),
+    ("rewriter.backend", ("tf_gspmd.rewriter.backend",)),
+    ("rewriter.pipeline", ("tf_gspmd.rewriter.pipeline",)),
     ("runtime", ("tf_gspmd.runtime",)),
     ("api", ("tf_gspmd", "tf_gspmd._function", "tf_gspmd._pipeline", "tf_gspmd._mpmd", "tf_gspmd._visualize", "tf_gspmd.keras",
              "tf_gspmd.tpu")),
@@ -93,7 +105,7 @@ def floor_of(name):
 
 
 def test_every_module_has_a_floor():
-  assert {"tf_gspmd", "tf_gspmd.ops.registry", "tf_gspmd.rewriter.completion", "tf_gspmd.runtime.executable",
+  assert {"tf_gspmd", "tf_gspmd.ops.registry", "tf_gspmd.rewriter.sharding.completion", "tf_gspmd.runtime.executable",
           "tf_gspmd.keras"} <= set(MODULES)   # the sources were found (pip checkout or Bazel runfiles)
   unplaced = [m for m in MODULES if floor_of(m) is None]
   assert not unplaced, f"give these modules a floor in tests/test_layering.py: {unplaced}"
@@ -188,10 +200,10 @@ def test_every_non_public_tensorflow_module_counts_as_private(module, private):
 
 
 @pytest.mark.parametrize("source,expected", [
-    ("from tf_gspmd.rewriter import completion", ["tf_gspmd.rewriter.completion"]),
+    ("from tf_gspmd.rewriter.sharding import completion", ["tf_gspmd.rewriter.sharding.completion"]),
     ("from tf_gspmd import ops as op_rules", ["tf_gspmd.ops"]),
     ("import tf_gspmd as gs", ["tf_gspmd"]),
-    ("def f():\n  from tf_gspmd.rewriter.graph_view import ref", ["tf_gspmd.rewriter.graph_view"]),
+    ("def f():\n  from tf_gspmd.rewriter.graph.graph_view import ref", ["tf_gspmd.rewriter.graph.graph_view"]),
 ])
 def test_import_reader_sees_every_form(tmp_path, monkeypatch, source, expected):
   path = tmp_path / "probe.py"

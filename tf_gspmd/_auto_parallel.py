@@ -34,7 +34,7 @@ from tf_gspmd._mesh import Mesh, P
 from tf_gspmd._mpmd import Stage, mpmd_pipeline
 from tf_gspmd._stages import _paths, plan_stages
 from tf_gspmd.errors import AutoShardingError, InputError
-from tf_gspmd.rewriter.auto.calibrate import call_times
+from tf_gspmd.rewriter.stages.calibrate import call_times
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
 _EXACT_IN_FLOAT64 = (tf.int8, tf.int16, tf.int32, tf.uint8, tf.uint16, tf.uint32, tf.bool)

@@ -15,10 +15,11 @@ from tf_gspmd._mesh import Mesh, P
 from tf_gspmd._sharding import Sharding, per_value, to_annotation
 from tf_gspmd._visualize import visualize_sharding
 from tf_gspmd.errors import InputError, MeshError, ShapeError
-from tf_gspmd.rewriter import auto as auto_pass
+from tf_gspmd.rewriter.sharding import auto as auto_pass
 from tf_gspmd.rewriter import pipeline
-from tf_gspmd.rewriter import xla_export
-from tf_gspmd.rewriter.graph_view import public_key
+from tf_gspmd.rewriter.program import Options, Program
+from tf_gspmd.rewriter.backend import xla_export
+from tf_gspmd.rewriter.graph.graph_view import public_key
 from tf_gspmd.runtime import state as _state
 from tf_gspmd.runtime import tpu as _tpu
 from tf_gspmd.runtime.executable import Executable
@@ -71,7 +72,7 @@ class Lowered:
 
   @property
   def auto_plan(self):
-    """What automatic sharding chose (`rewriter.auto.AutoPlan`), or None when nothing was "auto"."""
+    """What automatic sharding chose (`rewriter.sharding.auto.AutoPlan`), or None when nothing was "auto"."""
     return self.program.auto_plan
 
   @property
@@ -166,7 +167,7 @@ class ShardedFunction:
     if weight_update_sharding not in (None, False, True) and weight_update_sharding not in mesh.axis_names:
       raise MeshError(f"weight_update_sharding={weight_update_sharding!r} is not an axis of {mesh}; give True (the "
                       f"'data' axis) or one of {mesh.axis_names}")
-    self.options = pipeline.Options(strict=strict, collective_timeout=collective_timeout,
+    self.options = Options(strict=strict, collective_timeout=collective_timeout,
                                     weight_update_sharding=weight_update_sharding, jit_compile=jit_compile,
                                     exchange=exchange)
     self._auto = _auto_options(mesh, in_shardings, memory_budget, axis_cost, flops_per_byte, solver_time_limit,
@@ -235,7 +236,7 @@ class ShardedFunction:
         logging.info("tf_gspmd: retracing %s: %s", getattr(self.fn, "__name__", self.fn),
                      _retrace_reason(previous[-1], key))
     declared_in = self._declared_in(specs)
-    program = pipeline.Program(fn=self.fn, mesh=self.mesh, options=self._options(len(specs), devices),
+    program = Program(fn=self.fn, mesh=self.mesh, options=self._options(len(specs), devices),
                                arg_specs=specs,
                                declared_in=tuple(s for s, _ in declared_in),
                                open_in=tuple(o for _, o in declared_in), arriving_in=arriving, devices=devices,

@@ -17,7 +17,7 @@ from tf_gspmd._function import function as gs_function
 from tf_gspmd._mesh import Mesh, P
 from tf_gspmd._sharding import Sharding, to_sharding
 from tf_gspmd.errors import InputError, MeshError, SpecError
-from tf_gspmd.rewriter.graph_view import ref
+from tf_gspmd.rewriter.graph.graph_view import ref
 from tf_gspmd.runtime import parallel as _parallel
 from tf_gspmd.runtime import state as _state
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor, shard_host_value
@@ -174,7 +174,7 @@ class AutoLayoutMap(keras.distribution.LayoutMap):
   the Python that builds it.
 
   Attributes:
-    auto_plan: what the solver chose and why (`rewriter.auto.AutoPlan`: each choice, its runner-up and cost).
+    auto_plan: what the solver chose and why (`rewriter.sharding.auto.AutoPlan`: each choice, its runner-up and cost).
     memory: the memory account of the train step laid out by this map (`report.memory`: the plan's count, what
       `memory_budget` bounds, and the per-device program's estimate).
     batch_dim_name: the mesh axis the batch was split over (give it to ModelParallel).

@@ -6,8 +6,9 @@ import tensorflow as tf
 from tf_gspmd._function import function as gs_function, parse_bytes
 from tf_gspmd._mesh import Mesh, P
 from tf_gspmd.errors import InputError
-from tf_gspmd.rewriter import grappler, import_annotations, pipeline, trace
-from tf_gspmd.rewriter.auto import calibrate, stages
+from tf_gspmd.rewriter.frontend import grappler, import_annotations, trace
+from tf_gspmd.rewriter.program import Options, Program
+from tf_gspmd.rewriter.stages import calibrate, plan as stages
 
 
 def _time_all_reduce(best_of, elements=1 << 20):
@@ -98,7 +99,7 @@ def trace_forward(fn, arg_specs, mesh):
     return fn(*tf.nest.pack_sequence_as(list(arg_specs), list(args)))
 
   flat_fn.__name__ = getattr(fn, "__name__", "step")
-  program = pipeline.Program(fn=flat_fn, mesh=mesh, options=pipeline.Options(), arg_specs=tuple(flat),
+  program = Program(fn=flat_fn, mesh=mesh, options=Options(), arg_specs=tuple(flat),
                              declared_in=(None,) * len(flat), arriving_in=(None,) * len(flat))
   try:
     program = trace.run(program)

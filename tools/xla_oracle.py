@@ -46,7 +46,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_gspmd as gs  # noqa: E402
-from tf_gspmd.rewriter import loops, xla_export  # noqa: E402
+from tf_gspmd.rewriter.graph import loops  # noqa: E402
+from tf_gspmd.rewriter.backend import xla_export
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import oracle_programs  # noqa: E402  pylint: disable=g-import-not-at-top

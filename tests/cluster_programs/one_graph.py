@@ -1,6 +1,6 @@
 """Programs whose collectives cross processes, run with exchange "auto": each process runs its devices as one
 graph, with one TF collective of the stacked operand for each collective across processes, and TF's broadcast op on its
-device for each transfer of a collective-permute across processes (rewriter/in_process.py).
+device for each transfer of a collective-permute across processes (rewriter/one_graph/in_process.py).
 
 The cases of hierarchical.py (two levels: within each process in the graph, across in one op), and collectives
 over the axis of (2, 4) whose groups have one member in each process they join. Every process prints one JSON line
@@ -49,7 +49,7 @@ STEPS = 50   # calls of the program with several independent collectives across 
 
 
 def run(gs, tf):
-  from tf_gspmd.rewriter import ordering  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.rewriter.collectives import ordering  # pylint: disable=g-import-not-at-top
   out = {}
   for name, mesh, fn, inputs, in_shardings, out_sharding in cases(gs, tf):
     f = gs.function(fn, mesh=mesh, in_shardings=in_shardings, out_shardings=out_sharding)

@@ -6,7 +6,7 @@ import tensorflow as tf
 from conftest import check_partitioned
 import tf_gspmd as gs
 from tf_gspmd import P
-from tf_gspmd.rewriter.grappler_view import LIMIT_BYTES
+from tf_gspmd.rewriter.graph.grappler_view import LIMIT_BYTES
 
 MESH = gs.Mesh((2, 4), ("data", "model"))
 

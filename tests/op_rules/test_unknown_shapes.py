@@ -359,7 +359,7 @@ def test_unknown_rank_and_dims_never_raise_internal_errors(op_type):
 def test_op_reading_a_value_of_unknown_rank_runs_whole_with_a_warning(rng, monkeypatch):
   """x split, u = x of unknown rank: x + u runs whole on every device (x gathered), says so in the report and
   gives the unpartitioned result."""
-  from tf_gspmd.rewriter import partition  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.rewriter.partition import partition  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(partition, "_warned_unknown_rank", set())   # (warned once per op type and process)
   def fn(x):
     return tf.ensure_shape(x + _unknown_rank(x, tf.float32), SHAPE)

@@ -146,7 +146,7 @@ _DEADLINES = _Deadlines()
 
 
 class Executable:
-  """The imported per-device program of one lowering (a rewriter.pipeline.DeviceProgram), bound to the mesh's
+  """The imported per-device program of one lowering (a rewriter.program.DeviceProgram), bound to the mesh's
   devices."""
 
   def __init__(self, program):

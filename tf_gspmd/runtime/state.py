@@ -125,7 +125,7 @@ class ShardedStorage:
     devices: the mesh's device names, in mesh order.
     stacked: the shards are rows of one tf.Variable of shape [positions] + the shard shape (`stack`), on the
       first local device, and `components` are views of its rows. What a program run as one graph on the CPUs of
-      a process (rewriter/in_process.py) reads and writes in one op instead of one per device; a program that
+      a process (rewriter/one_graph/in_process.py) reads and writes in one op instead of one per device; a program that
       runs per device (TF's collectives) has them stored per device (`manage` converts, shard by shard).
   """
 

@@ -382,7 +382,7 @@ def annotated_program(fn, m, in_shardings, out_shardings=None):
 
 
 def from_exported(exported, m=None):
-  """The AnnotatedProgram of a gs.function's export (`partitioner="xla"`, `rewriter.xla_export.Exported`): its
+  """The AnnotatedProgram of a gs.function's export (`partitioner="xla"`, `rewriter.backend.xla_export.Exported`): its
   jit-compiled function of the flat arguments (flat results), traced into the TPU computation through its Python
   body; in_shardings read from the annotations on its argument Placeholders."""
   by_tensor = {r: s for r, s in exported.annotations.values()}

@@ -1,0 +1,481 @@
+"""In-process pass: on CPU devices of one process, the per-device programs become one graph.
+
+Every mesh device runs the same per-device program; TF's collective executor joins their collectives. On
+logical CPUs of one process that costs more than the data it moves: a small all-reduce over 4 logical CPUs
+takes ~400 us beyond its arithmetic (ring steps, callbacks, thread wake-ups), and a transformer step runs
+dozens. The devices share the host's memory and cores, so this pass instead copies the per-device program once
+per device into one GraphDef (node `d<p>/<name>`, the partition id a constant) and replaces each collective by
+its in-process meaning, the ordinary ops that compute its result from the members' tensors, which the
+collectives vocabulary (rewriter/collectives/vocabulary.py) states beside each op; `Edges` is what the meanings build with.
+
+Then:
+
+  * placement: what touches a device's variables (their reads, writes and the handles) runs on that device;
+    everything else on the first mesh device. A logical CPU is a label on the same cores, and one executor
+    needs no send/receive pair for each edge between devices; XLA segments then compile once for the mesh
+    (TF keeps an XLA cache per device);
+  * stacking (rewriter/one_graph/stacking.py): the devices' copies of an op run as one op over a leading device dimension,
+    collectives included. A small variable the program only reads and writes whole is stored stacked (one
+    [devices, ...] tf.Variable on the first device, runtime/state.py): one read and one write serve every
+    device, and a replicated one's row 0 stands for its value. Other variables' reads and writes run per device:
+    a replicated variable is read once, on device 0; each device's reads of one shape reach the first device as
+    one tensor, and the values written come back likewise;
+  * deduplication: copies of an argument that hold the same tile are read from the first device holding it (a
+    replicated argument is the same everywhere), and a stateless node that repeats an earlier one (same op,
+    attributes and inputs) is left out and its uses read the earlier one. What the devices compute alike -- a
+    replicated weight's update, the layer norm of an all-reduced activation -- runs once.
+
+These are the semantics of TF's ops as the partitioner uses them; the per-device program, its report and the
+bytes it counts are unchanged (`program.in_process` is another way to run them). The runtime calls the graph once
+per step with every device's arguments; a result's per-device tensors may live in the first device's memory (the
+host's, as for every logical CPU).
+
+Across processes (CPUs of several processes, `gs.initialize`), each process builds the graph of its own devices
+(`local_positions`; the partition ids are their mesh positions). A collective whose groups stay within each
+process has its in-process meaning. One whose groups join one member of each of several processes -- a flat
+collective over a mesh axis that spans them, or the across level of one built in two levels -- is one TF
+collective of the stacked operand among the first devices of those processes (`crossing`), when every device of
+the process is the member at its own local index: row i then meets row i of every peer process, as device i's
+value meets its peers' (an all-to-all may have several members in each process: each process sends another its
+devices' blocks for that one's members). A collective-permute's transfer between two processes is TF's broadcast
+send or receive on its device. Those ops are chained in one order (rewriter/collectives/ordering.py), the same in every
+process, and run under the step's deadline. The bytes that cross processes are those of the per-device ops, sent
+once per process.
+
+The pass leaves the program alone (`in_process` None: TF's collectives run on every device) on non-CPU devices,
+when devices are not known (plan mode, a plan for other processes), when a collective sits inside a function body,
+when a collective across processes joins members at different local indices or an operand of unknown shape, with
+XLA segments across processes, or when the caller chose `exchange="collectives"`.
+"""
+
+import dataclasses
+from typing import Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gspmd import _cluster
+from tf_gspmd import _compat
+from tf_gspmd.rewriter.collectives import builders as collectives
+from tf_gspmd.rewriter.graph import graph_view
+from tf_gspmd.rewriter.collectives import ordering
+from tf_gspmd.rewriter.one_graph import stacking
+from tf_gspmd.rewriter.one_graph import stacking_rules
+from tf_gspmd.rewriter.collectives import vocabulary
+from tf_gspmd.rewriter.graph.graph_view import prune
+
+
+@dataclasses.dataclass(frozen=True)
+class InProcess:
+  """The multi-device graph of one step: `inputs` and `outputs` are tensor names, argument-major (argument k of
+  device p at k * devices + p; a stacked variable's one handle); `side_effects` op names of one NoOp per device
+  that runs after that device's side effects."""
+  graph_def: tf.compat.v1.GraphDef
+  inputs: Tuple[str, ...]
+  outputs: Tuple[str, ...]
+  side_effects: Tuple[str, ...]
+  stacked: Tuple[bool, ...] = ()   # per captured variable: its shards are rows of one variable (one input)
+
+
+# A print's operands are replicated (ops/fallback.py), so every device's copy prints the same text: in one graph
+# device 0's prints, once per call, as the tf.function would. (Through TF's collectives each device prints.)
+PRINT_OPS = frozenset(("PrintV2",))
+
+# A variable of at most this many elements per device that the program only reads and writes whole is stored as
+# one [devices, ...] tf.Variable (runtime/state.py): one read and one write per step instead of one per device.
+STACKED_VARIABLE_LIMIT = stacking.STACK_LIMIT
+
+
+def _processes_of_cpus(program):
+  """Whether the program runs on CPUs with exchange "auto": in one process, or in the processes that drive its
+  devices now (not a plan for other processes)."""
+  if program.options.exchange != "auto" or not program.on_cpus:
+    return False
+  if program.processes is None:
+    return True
+  return _cluster.is_multi_process() and all(_cluster.process_of(d) == q for d, q in zip(program.devices,
+                                                                                        program.processes))
+
+
+def local_positions(program):
+  """The mesh positions this process drives, in mesh order (every one in one process): those of the runtime's
+  `parallel.Local`, whose devices take the graph's arguments in this order."""
+  return tuple(p for p, d in enumerate(program.devices) if _cluster.is_local(d))
+
+
+def applies(program):
+  """`crossing(program)` where the program can run as one graph per process (collectives within a process as
+  in-process edges, those across processes as TF's), else None (see the module docstring)."""
+  if not _processes_of_cpus(program) or program.jit == "whole" or program.collective_keys is None:
+    return None
+  if program.processes is not None and program.jit:   # XLA segments run per device: nothing would be stacked
+    return None
+  gd = program.local_graph_def
+  if any(n.op in vocabulary.TF_COLLECTIVE_OPS for f in gd.library.function for n in f.node_def):
+    return None
+  found = crossing(program)
+  if found is None or not all(n.op in vocabulary.EMITTED and n.name in program.collective_keys[0] and
+                              (n.name in found[0] or vocabulary.EMITTED[n.op].runs_in_process(n))
+                              for n in gd.node if n.op in vocabulary.TF_COLLECTIVE_OPS):
+    return None
+  return found
+
+
+# The collectives that can cross processes in the one graph of a process: one op over the stacked operand; and
+# the halves of a collective-permute's transfers, TF's op on the device whose peer is in another process.
+ACROSS_OPS = frozenset(("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2"))
+PERMUTE_OPS = frozenset(("CollectiveBcastSendV2", "CollectiveBcastRecvV2"))
+
+
+def crossing(program):
+  """({collective op name: (group key, process count, instance key, slots)} of the per-device program's collectives
+  whose groups cross processes, each to run in this process's one graph as one op over the stacked operand among
+  the first devices of the processes its groups join, {collective-permute op name: the local devices whose
+  transfer crosses processes, each to run TF's op on its device}); None when some collective can run neither so
+  nor in the graph.
+
+  That takes groups whose members in each process they join are the same local indices (a position's index among
+  its process's positions in mesh order), in every process, the same processes for every device of a process, and
+  one member in each process but for an all-to-all (checked for every process, so that all decide alike): then row i of the stacked operand meets row i of every
+  peer process, as device i's value meets its peers'. `slots[i]` (an all-to-all's): for each member of device i's
+  group within a process, in rank order, the row of what it sends and device i's slot among them (row * members per
+  process + slot). A collective whose groups stay within each process has its in-process meaning."""
+  if program.processes is None:
+    return {}, {}
+  devices, processes = program.devices, program.processes
+  mine = local_positions(program)
+  index, seen = {}, {}
+  for p, q in enumerate(processes):   # each position's local index within its process
+    index[p] = seen[q] = seen.get(q, -1) + 1
+  heads = {q: processes.index(q) for q in set(processes)}   # each process's first position
+  where = {tf.DeviceSpec.from_string(d).to_string(): p for p, d in enumerate(devices)}
+  keys = program.collective_keys
+  me = processes[mine[0]]
+  found, pairs = {}, {}
+  for x in program.local_graph_def.node:
+    if x.op not in vocabulary.TF_COLLECTIVE_OPS:
+      continue
+    if any(x.name not in k for k in keys):
+      return None   # (a collective the keys pass did not see)
+    if x.op in PERMUTE_OPS:   # a transfer between two devices: across processes, TF's op on this device
+      remote = frozenset(i for i, p in enumerate(mine) if any(
+          not _cluster.is_local(d) for d in collectives.group_members(keys[p][x.name][0])))
+      if remote:
+        pairs[x.name] = remote
+      continue
+    # Every process decides alike (each checks every process's devices): a collective runs one way in all.
+    joins, slots = {}, []
+    for p in range(len(devices)):
+      members = sorted(collectives.group_members(keys[p][x.name][0]), key=collectives.rank_key)
+      members = [where[tf.DeviceSpec.from_string(d).to_string()] for d in members]
+      joined = tuple(dict.fromkeys(processes[m] for m in members))   # in rank order
+      joins.setdefault(processes[p], set()).add(joined if len(joined) > 1 else None)
+      if len(joined) == 1:
+        continue   # within the process
+      per = len(members) // len(joined)
+      rows = {tuple(index[m] for m in members[k * per:(k + 1) * per]) for k in range(len(joined))}
+      if len(members) % len(joined) or len(rows) != 1 or index[p] not in next(iter(rows)) or \
+          tuple(processes[m] for m in members) != tuple(q for q in joined for _ in range(per)) or \
+          (per > 1 and x.op != "CollectiveAllToAllV2") or x.op not in ACROSS_OPS:
+        return None
+      row, = rows
+      if processes[p] == me:
+        slots.append([r * per + row.index(index[p]) for r in row])
+    if any(len(j) != 1 for j in joins.values()) or len({k[x.name][1] for k in keys}) != 1:
+      return None
+    joined, = joins[me]
+    if joined is not None:
+      members = [devices[heads[q]] for q in joined]
+      found[x.name] = (collectives.group_key(members), len(members), keys[mine[0]][x.name][1],
+                       np.array(slots, np.int32))
+  return found, pairs
+
+
+def keys(program):
+  """Pass (before XLA segments can hide them): program.collective_keys, per device {collective op name: (group
+  key, instance key)}, evaluated from the per-device program's tables at each partition id."""
+  if not _processes_of_cpus(program):
+    return program
+  colls = [c for c in program.local_graph_def.node if c.op in vocabulary.TF_COLLECTIVE_OPS]
+  return program.replace(collective_keys=_keys(program, colls) if colls else [{}] * len(program.devices))
+
+
+def run(program):
+  """Pass: program.in_process, the per-device programs of this process's devices as one graph (see the module
+  docstring)."""
+  found = applies(program)
+  if found is None:
+    return program
+  try:
+    return program.replace(in_process=_build(program, found, grouped=True))
+  except stacking_rules.CannotStack:   # a collective across processes the one graph cannot hold: TF's collectives run
+    return program
+  except ValueError as e:   # reads and writes joined into a cycle (rare): each crosses on its own
+    if "cycle" not in str(e):
+      raise
+    return program.replace(in_process=_build(program, found, grouped=False))
+
+
+def _keys(program, colls):
+  """Per device: {collective node name: (group key, instance key)}, evaluated from the program's tables."""
+  gd = program.local_graph_def
+  fetch = []
+  for c in colls:
+    args = [a.name for a in _compat.op_def(c.op).input_arg]
+    fetch += [graph_view.normalize(c.input[args.index(k)]) for k in ("group_key", "instance_key")]
+  sub = prune(gd, sorted({t.split(":")[0] for t in fetch}))
+  graph = tf.Graph()
+  with graph.as_default():
+    tf.graph_util.import_graph_def(sub, name="")
+  pid = graph_view.normalize(program.partition_id)
+  reads_pid = any(n.name == program.partition_id for n in sub.node)
+  per_device = []
+  with tf.compat.v1.Session(graph=graph) as sess:
+    for p in range(len(program.devices)):
+      values = sess.run(fetch, {pid: np.int32(p)} if reads_pid else None)
+      per_device.append({c.name: (int(values[2 * k]), int(values[2 * k + 1])) for k, c in enumerate(colls)})
+  return per_device
+
+
+class Edges:
+  """What a collective's in-process meaning (vocabulary.Collective.in_process) builds with: the one graph of every
+  device's program under construction, device p's copy of node n named `d<p>/<n>`."""
+
+  def __init__(self, program, out, positions):
+    self.out = out
+    self.devices = [program.devices[p] for p in positions]   # this process's: p below is an index of these
+    self.keys = [program.collective_keys[p] for p in positions]
+    self._position = {tf.DeviceSpec.from_string(d).to_string(): p for p, d in enumerate(self.devices)}
+    colls = [c for c in program.local_graph_def.node if c.op in vocabulary.EMITTED]
+    # instance key -> its send op (one instance key per op, the same on every device)
+    self._senders = {self.keys[0][c.name][1]: c.name for c in colls if vocabulary.EMITTED[c.op].sender}
+
+  def ref(self, p, name):
+    """Input string `name` of the per-device program, as device p's copy reads it."""
+    return f"^d{p}/{name[1:]}" if name.startswith("^") else f"d{p}/{name}"
+
+  def position(self, device):
+    return self._position[tf.DeviceSpec.from_string(device).to_string()]
+
+  def ranked(self, p, name):
+    """The mesh positions of the group of device p's collective `name`, in runtime rank order."""
+    members = sorted(collectives.group_members(self.keys[p][name][0]), key=collectives.rank_key)
+    return [self.position(d) for d in members]
+
+  def sender(self, p, name):
+    """(position, op name) of what device p's receive `name` receives: its group's other member's send."""
+    group, instance = self.keys[p][name]
+    return self.position(collectives.group_members(group)[0]), self._senders[instance]
+
+  def controls(self, p, x):
+    """NodeDef `x`'s control inputs, as device p's copy reads them."""
+    return [self.ref(p, i) for i in x.input if i.startswith("^")]
+
+  def input(self, x, arg):
+    """The input of NodeDef `x` that feeds its OpDef argument `arg`."""
+    return x.input[[a.name for a in _compat.op_def(x.op).input_arg].index(arg)]
+
+  def add(self, name, p):
+    """A new node named `name` on device p's device."""
+    node = self.out.node.add()
+    node.name, node.device = name, self.devices[p]
+    return node
+
+  def const(self, name, value, p):
+    graph_view.write_const(self.add(name, p), value)
+    return name
+
+
+def _build(program, found, grouped):
+  gd = program.local_graph_def
+  positions = local_positions(program)
+  devices = [program.devices[p] for p in positions]
+  n = len(devices)
+  across, pairs = found   # (crossing)
+  if across or pairs:   # the collectives across processes, issued in one order (a permute's with its transfers)
+    gd = ordering.ordered(gd, among=set(across) | ({x.name for x in gd.node if x.op in PERMUTE_OPS} if pairs else
+                                                   set()))
+  out = tf.compat.v1.GraphDef()
+  out.versions.CopyFrom(gd.versions)
+  out.library.CopyFrom(gd.library)
+  edges = Edges(program, out, positions)
+  ref = edges.ref
+
+  # Resource handles -- the captured variables', those the program creates (a VarHandleOp: each device's copy
+  # is its own resource only on its own device) -- and identities of them.
+  handles = set(program.local_variables) | {x.name for x in gd.node if _creates_resource(x)}
+  for x in graph_view.GraphView(gd).order():
+    if x.op in ("Identity", "IdentityN") and any(graph_view.node_of(i) in handles for i in x.input):
+      handles.add(x.name)
+  touching = {x.name for x in gd.node if x.name in handles or any(graph_view.node_of(i) in handles for i in x.input)}
+  # Replicated arguments are one value on every device: device 0's copy stands for all (see _same_tiles).
+  uniform = {name: ref(0, name) for name, sharding, spec in zip(program.local_inputs, program.param_shardings,
+                                                                program.arg_specs)
+             if sharding is not None and sharding.is_replicated}
+  # So are the reads of a replicated variable (every device holds and writes the same value): device 0 reads it
+  # for all, and each device's writes still go to its own copy.
+  replicated = {h for h, sharding in zip(program.variable_names, program.variable_shardings) if sharding.is_replicated}
+  nodes = {x.name: x for x in gd.node}
+
+  # XLA segments (jit_compile=True on CPU) are function calls that run per device: such a program is not stacked.
+  stack = not program.jit
+  read_once = {x.name: graph_view.through_identities(nodes, x.input[0]) for x in gd.node  # read -> its variable
+               if stack and x.op == "ReadVariableOp"}
+  shards = {name: variable_shard(program, name) for name in program.local_variables}
+  stacked = _stackable(gd, shards, program.local_outputs) if stack else set()
+  read_once = {r: v for r, v in read_once.items() if v in replicated and v not in stacked}
+  uniform.update({name: ref(0, name) for name in read_once})
+  stacker = stacking.Stacker(gd, out, devices, program.partition_id,
+                             touching if stack else {x.name for x in gd.node}, uniform if stack else {}, shards,
+                             lambda x: [edges.ranked(p, x.name) for p in range(n)], grouped and stack,
+                             stacked_variables={v: v in replicated for v in stacked}, positions=positions,
+                             across=across)
+  printed = {}   # device p's print -> device 0's (see PRINT_OPS)
+  for p in range(n):
+    for x in gd.node:
+      if stacker.form[x.name] != stacking.PER_DEVICE and (x.name not in uniform or p and x.name in read_once):
+        continue
+      if p and x.op in PRINT_OPS:
+        printed[ref(p, x.name)] = ref(0, x.name)
+        continue
+      node = out.node.add()
+      node.CopyFrom(x)
+      # What touches a device's variables runs on that device, everything else on the first (see the docstring).
+      node.name, node.device = f"d{p}/{x.name}", devices[p if x.name in touching or x.name in pairs else 0]
+      del node.input[:]
+      # Device p's copy of a replicated variable is not read (device 0's read stands for it): its writes need
+      # not wait for device 0's read.
+      node.input.extend(ref(p, i) for i in x.input
+                        if not (p and x.name in touching and graph_view.is_control(i) and i[1:] in read_once and
+                                read_once[i[1:]] == graph_view.through_identities(nodes, x.input[0])))
+      value = stacker.write_value(x, p)
+      if value is not None:   # one of a group of writes whose values reach the device together
+        node.input[1] = value
+      if x.name == program.partition_id:
+        graph_view.write_const(node, np.int32(positions[p]))
+      elif x.op in vocabulary.EMITTED and p not in pairs.get(x.name, ()):   # (none over a group of one)
+        vocabulary.EMITTED[x.op].in_process(edges, x, node, p)
+  existing = {x.name for x in out.node}
+  outputs = [stacker.rename(ref(p, graph_view.normalize(t)), existing) for t in program.local_outputs
+             for p in range(n)]
+  side_effects = [stacker.rename("^" + ref(p, s), existing)[1:] for s in program.side_effects for p in range(n)]
+  for x in list(out.node):
+    renamed = [stacker.rename(i, existing) for i in x.input]
+    del x.input[:]
+    x.input.extend(graph_view.dedupe_controls(renamed))
+  graph, same = _deduplicated(out, {**_same_tiles(program, positions, ref), **printed},
+                              {ref(p, h) for h in handles for p in range(n)})
+  inputs = [ref(p, graph_view.normalize(t)) for t in program.local_inputs for p in range(n)]
+  for v in program.local_variables:
+    inputs += [f"stk/{v}:0"] if v in stacked else [ref(p, graph_view.normalize(v)) for p in range(n)]
+  # A side effect merged with an equal one (a check of the same tile) runs once, as that one.
+  effects = dict.fromkeys(_renamed(s, same) for s in side_effects)
+  return InProcess(graph, tuple(inputs), tuple(_renamed(t, same) for t in outputs),
+                   _joined_per_device(graph, effects), tuple(v in stacked for v in program.local_variables))
+
+
+def _stackable(gd, shards, outputs):
+  """The captured variables' handle Placeholders (`shards`: each one's shard (shape, dtype), or None) whose
+  variables can be stored stacked: only read and written whole (ReadVariableOp, Assign*VariableOp on the handle
+  itself, nothing else takes it), not a result, and small enough (STACKED_VARIABLE_LIMIT)."""
+  found = {v for v, shard in shards.items()
+           if shard is not None and int(np.prod(shard[0], dtype=np.int64)) <= STACKED_VARIABLE_LIMIT}
+  found -= {graph_view.node_of(t) for t in outputs}
+  whole = ("ReadVariableOp",) + tuple(stacking.WRITES)
+  for x in gd.node:
+    for k, i in enumerate(x.input):
+      if graph_view.node_of(i) in found and (k or graph_view.is_control(i) or x.op not in whole):
+        found.discard(graph_view.node_of(i))
+  return found
+
+
+def _joined_per_device(graph, effects):
+  """One NoOp per device that waits for that device's side effects (added to `graph`), for the call to wait on:
+  each control edge from another device to the first is a send/receive pair in TF's executor."""
+  devices = {x.name: x.device for x in graph.node}
+  by_device = {}
+  for name in effects:
+    by_device.setdefault(devices[name], []).append(name)
+  joined = []
+  for k, (device, names) in enumerate(by_device.items()):
+    node = graph.node.add()
+    node.name, node.op, node.device = f"side_effects_on_{k}", "NoOp", device
+    node.input.extend("^" + name for name in names)
+    joined.append(node.name)
+  return tuple(joined)
+
+
+def _creates_resource(node):
+  """Whether NodeDef `node` creates a resource (a stateful op with a resource output: VarHandleOp, a table)."""
+  op_def = _compat.op_def(node.op)
+  return op_def is not None and op_def.is_stateful and any(
+      a.type == tf.resource.as_datatype_enum for a in op_def.output_arg)
+
+
+def _renamed(i, same):
+  """Input string `i` with its node replaced by the node it equals under `same` (a left-out node's)."""
+  name = graph_view.node_of(i)
+  name = same.get(name, name)
+  if graph_view.is_control(i):
+    return f"^{name}"
+  index = graph_view.split_ref(i)[1]
+  return name if ":" not in i else f"{name}:{index}"
+
+
+def _same_tiles(program, positions, ref):
+  """{argument Placeholder of device p: that of the first device holding the same tile}: equal tiles hold equal
+  values (a replicated argument is the same on every device), so the copies can read one (p indexes `positions`,
+  the mesh positions of the graph's devices)."""
+  same = {}
+  for name, sharding, spec in zip(program.local_inputs, program.param_shardings, program.arg_specs):
+    rank = spec.shape.rank
+    if sharding is None or sharding.is_maximal or rank is None:
+      continue
+    s = sharding.with_rank(rank)
+    first = {}
+    for p, position in enumerate(positions):
+      q = first.setdefault(tuple(s.tile_index(position, d) for d in range(rank)), p)
+      if q != p:
+        same[ref(p, name)] = ref(q, name)
+  return same
+
+
+def _deduplicated(gd, same, keep):
+  """(`gd` with every stateless node that repeats an earlier one -- same op, attributes and inputs once `same`
+  maps node names to the nodes they equal -- left out, {left-out node: the node it equals}).
+
+  The devices' copies of the program compute many values alike (a replicated weight's update, a layer norm of
+  an all-reduced activation, every member of a group after an all-reduce); in one graph each runs once. Stateful
+  ops (variable reads and writes, stateful calls) and the nodes in `keep` are never merged.
+  """
+  functions = {f.signature.name: f for f in gd.library.function}
+  same = dict(same)
+  seen, kept = {}, []
+  for node in graph_view.GraphView(gd).order():
+    new = tf.compat.v1.NodeDef()
+    new.CopyFrom(node)
+    del new.input[:]
+    new.input.extend(graph_view.dedupe_controls([_renamed(i, same) for i in node.input]))
+    called = functions.get(node.op) or (functions.get(node.attr["f"].func.name) if "f" in node.attr else None)
+    stateful = called.signature.is_stateful if called is not None else graph_view.is_stateful(node.op)
+    if stateful or node.op == "Placeholder" or node.name in keep or node.name in same:
+      kept.append(new)
+      continue
+    if node.op == "Identity" and len(new.input) == 1 and graph_view.split_ref(new.input[0])[1] == 0 and \
+        not graph_view.is_control(new.input[0]):   # (an all-reduce member reading the group's result)
+      same[node.name] = graph_view.node_of(new.input[0])
+      continue
+    key = tf.compat.v1.NodeDef()
+    key.CopyFrom(new)
+    key.name, key.device = "", ""
+    key = key.SerializeToString(deterministic=True)
+    if key in seen:
+      same[node.name] = seen[key]
+    else:
+      seen[key] = node.name
+      kept.append(new)
+  out = tf.compat.v1.GraphDef()
+  out.versions.CopyFrom(gd.versions)
+  out.library.CopyFrom(gd.library)
+  out.node.extend(kept)
+  return out, same

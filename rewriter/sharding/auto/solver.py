@@ -1,0 +1,186 @@
+"""The integer program of a model: stated for HiGHS and solved, evaluated, and folded over repeated layers.
+
+`solve` states a `model.Model` as a MILP: one binary per choice of each block (exactly one per block), one
+continuous variable per pair of choices of two blocks joined by a cost matrix (its row and column sums are the
+two one-hot choices, exact for integral choices), and the memory budget as one row per op whose live bytes are
+bounded (`budget.MemoryRow`). `fold` first merges the blocks of repeated layers; `evaluate` and `local_delta`
+price a full assignment and one block's alternatives.
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+
+from tf_gspmd.errors import AutoShardingError
+from tf_gspmd.rewriter.sharding.auto.budget import MemoryRow
+from tf_gspmd.rewriter.sharding.auto.model import Model
+
+
+def _highs():
+  """A HiGHS instance, its start-up banner (printed by the C++ library on stdout) kept off the program's output."""
+  try:
+    import highspy  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise AutoShardingError("in_shardings=\"auto\" needs the HiGHS solver, which is not installed: pip install "
+                            "highspy (a dependency of tf_gspmd)") from e
+  sys.stdout.flush()
+  saved = os.dup(1)
+  try:
+    with open(os.devnull, "w") as null:
+      os.dup2(null.fileno(), 1)
+      h = highspy.Highs()
+  finally:
+    os.dup2(saved, 1)
+    os.close(saved)
+  return h
+
+
+def solve(model, budget, time_limit):
+  """Minimise the model's cost with HiGHS; returns (choice per block, status, columns, rows, seconds)."""
+  h = _highs()
+  import highspy  # pylint: disable=g-import-not-at-top
+  start_col = np.zeros(len(model.sizes) + 1, dtype=np.int64)
+  start_col[1:] = np.cumsum(model.sizes)
+  ny = int(start_col[-1])
+  pair_keys = sorted(model.pairs)
+  pair_start = [ny]
+  for key in pair_keys:
+    pair_start.append(pair_start[-1] + model.sizes[key[0]] * model.sizes[key[1]])
+  ncol = pair_start[-1]
+  cost = np.zeros(ncol)
+  for b, lin in enumerate(model.linear):
+    cost[start_col[b]:start_col[b + 1]] = lin
+  rows, cols, vals, lo, hi = [], [], [], [], []
+  r = 0
+  for b, n in enumerate(model.sizes):   # one choice per block
+    rows.append(np.full(n, r))
+    cols.append(np.arange(start_col[b], start_col[b + 1]))
+    vals.append(np.ones(n))
+    lo.append(1.0)
+    hi.append(1.0)
+    r += 1
+  for key, s in zip(pair_keys, pair_start[:-1]):
+    u, v = key
+    nu, nv = model.sizes[u], model.sizes[v]
+    c = model.pairs[key][0]
+    cost[s:s + nu * nv] = c.reshape(-1)
+    z = s + np.arange(nu * nv).reshape(nu, nv)
+    for block, n, members in ((u, nu, z), (v, nv, z.T)):   # sum_j z[i, j] = y_u[i]; sum_i z[i, j] = y_v[j]
+      rows.append(np.repeat(np.arange(r, r + n), members.shape[1]))
+      cols.append(members.reshape(-1))
+      vals.append(np.ones(members.size))
+      rows.append(np.arange(r, r + n))
+      cols.append(start_col[block] + np.arange(n))
+      vals.append(-np.ones(n))
+      lo += [0.0] * n
+      hi += [0.0] * n
+      r += n
+  if budget is not None:
+    for row in model.rows or [MemoryRow(None)]:
+      for b in sorted(set(model.state) | set(row.terms)):
+        mem = np.asarray(row.total(model.state, b), dtype=float)
+        rows.append(np.full(len(mem), r))
+        cols.append(np.arange(start_col[b], start_col[b + 1]))
+        vals.append(mem)
+      lo.append(-highspy.kHighsInf)
+      hi.append(float(budget) - row.fixed)
+      r += 1
+  rows = np.concatenate(rows)
+  cols = np.concatenate(cols)
+  vals = np.concatenate(vals)
+  order = np.lexsort((rows, cols))
+  rows, cols, vals = rows[order], cols[order], vals[order]
+  starts = np.searchsorted(cols, np.arange(ncol + 1))
+  # Scale: bytes can be large; HiGHS prefers costs near 1.
+  scale = max(1.0, float(np.abs(cost).max()))
+  lp = highspy.HighsLp()
+  lp.num_col_ = ncol
+  lp.num_row_ = r
+  lp.col_cost_ = cost / scale
+  lp.col_lower_ = np.zeros(ncol)
+  lp.col_upper_ = np.ones(ncol)
+  lp.row_lower_ = np.array(lo)
+  lp.row_upper_ = np.array(hi)
+  lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+  lp.a_matrix_.start_ = starts.astype(np.int32)
+  lp.a_matrix_.index_ = rows.astype(np.int32)
+  lp.a_matrix_.value_ = vals
+  lp.integrality_ = [highspy.HighsVarType.kInteger] * ny + [highspy.HighsVarType.kContinuous] * (ncol - ny)
+  h.setOptionValue("output_flag", False)
+  h.setOptionValue("time_limit", float(time_limit))
+  h.setOptionValue("mip_rel_gap", 1e-3)
+  h.setOptionValue("threads", 1)
+  t0 = time.perf_counter()
+  h.passModel(lp)
+  h.run()
+  took = time.perf_counter() - t0
+  status = h.modelStatusToString(h.getModelStatus())
+  sol = h.getSolution()
+  if not sol.value_valid:
+    return None, status, ncol, r, took
+  x = np.asarray(sol.col_value)
+  choice = [int(np.argmax(x[start_col[b]:start_col[b + 1]])) for b in range(len(model.sizes))]
+  return choice, status, ncol, r, took
+
+
+def evaluate(model, choice):
+  """(weighted cost, bytes) of a full assignment."""
+  cost = sum(float(model.linear[b][c]) for b, c in enumerate(choice))
+  nbytes = sum(float(model.linear_bytes[b][c]) for b, c in enumerate(choice))
+  for (u, v), (c, nb) in model.pairs.items():
+    cost += float(c[choice[u], choice[v]])
+    nbytes += float(nb[choice[u], choice[v]])
+  return cost, nbytes
+
+
+def local_delta(model, choice, b):
+  """Objective per choice of block b with every other block as chosen."""
+  out = model.linear[b].copy()
+  for (u, v), (c, _) in model.pairs.items():
+    if u == b:
+      out = out + c[:, choice[v]]
+    elif v == b:
+      out = out + c[choice[u], :]
+  return out
+
+
+def fold(model, rounds=4):
+  """Blocks of repeated layers merged: (folded model, block -> folded block).
+
+  Blocks whose neighbourhoods look the same `rounds` edges deep (Weisfeiler-Lehman colours over what each
+  block is, its costs and the cost matrices of its edges) take one shared choice; their costs are summed, and an
+  edge between two blocks of one class becomes its diagonal. Twelve identical layers then cost one layer's
+  program (Alpa reuses the solution of repeated layers the same way); a shared choice is always feasible.
+  """
+  n = len(model.sizes)
+
+  def digest(a):
+    return hash(np.round(np.asarray(a, dtype=float), 3).tobytes())
+
+  first = model.rows[0] if model.rows else MemoryRow(None)
+  color = [hash((model.signatures[b], model.sizes[b], digest(model.linear[b]), digest(model.linear_bytes[b]),
+                 digest(first.total(model.state, b)) if b in model.state or b in first.terms else 0))
+           for b in range(n)]
+  nbrs = [[] for _ in range(n)]
+  for (u, v), (c, nb) in model.pairs.items():
+    h = hash((digest(c), digest(nb)))
+    nbrs[u].append((0, v, h))
+    nbrs[v].append((1, u, h))
+  for _ in range(rounds):
+    color = [hash((color[b], tuple(sorted((d, color[o], h) for d, o, h in nbrs[b])))) for b in range(n)]
+  index = {}
+  of = [index.setdefault(c, len(index)) for c in color]
+  folded = Model()
+  for k in range(len(index)):
+    b = of.index(k)
+    folded.block(model.sizes[b], model.labels[b], model.signatures[b])
+  folded.rows = [row.folded(of) for row in model.rows]
+  for b in range(n):
+    folded.add_linear(of[b], model.linear[b], model.linear_bytes[b])
+    if b in model.state:
+      folded.state[of[b]] = folded.state.get(of[b], 0) + model.state[b]
+  for (u, v), (c, nb) in model.pairs.items():
+    folded.add_pair(of[u], of[v], c, nb)
+  return folded, of
