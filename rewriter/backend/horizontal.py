@@ -30,6 +30,7 @@ import hashlib
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd.rewriter.program import variable_shard
 from tf_gspmd.rewriter.graph import graph_view
 from tf_gspmd.rewriter.graph import shape_refine
 from tf_gspmd.rewriter.graph.graph_view import is_control, node_of, normalize, split_ref

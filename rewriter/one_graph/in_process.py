@@ -56,6 +56,7 @@ import tensorflow as tf
 
 from tf_gspmd import _cluster
 from tf_gspmd import _compat
+from tf_gspmd.rewriter.program import variable_shard
 from tf_gspmd.rewriter.collectives import builders as collectives
 from tf_gspmd.rewriter.graph import graph_view
 from tf_gspmd.rewriter.collectives import ordering

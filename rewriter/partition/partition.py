@@ -24,7 +24,7 @@ from tf_gspmd.rewriter.graph import functions, loops
 from tf_gspmd.rewriter.collectives.builders import Backend
 from tf_gspmd.rewriter.graph.graph_view import public_key, ref, split_ref
 from tf_gspmd.rewriter.graph.tables import HELPER_SCOPE, PARTITION_ID, table_constant
-from tf_gspmd.rewriter.program import variable_shard, variable_shard_bytes
+from tf_gspmd.rewriter.program import variable_shard_bytes
 from tf_gspmd.rewriter.report import Loop, ReportBuilder, StateRecord
 
 # Ops that only read a variable through its handle; any other consumer of the handle may write it.
