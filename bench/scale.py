@@ -6,7 +6,8 @@ TensorSpecs, and the binary prints its plan. From that output and the process's 
 lowering time (the binary's `lowered in`), the process's wall time and peak resident set, and per device the
 weights, the optimizer state, the activations live at the estimated peak and the constants of the per-device
 program, the collectives and their bytes per step (loops counted per iteration times their trip count).
-Weights per device are checked against the layout's arithmetic (`weight_bytes`; README "The paper's scale").
+Weights per device are checked against the layout's arithmetic (`weight_bytes`; docs/performance.md "The paper's
+scale").
 
 Configs (Lingvo's GShard dense LMs, lingvo/tasks/lm/params/synthetic_packed_input.py):
   dense128b  DenseLm128B32x32: 64 layers, d_model 8192, d_ff 65536, 128 heads, seq 1024, batch 512, mesh (32, 64)

@@ -2,7 +2,7 @@
 
   python bench/stages.py --blocks 64 --layers 64 --mesh 32,8 --microbatches 64
 
-prints the plan table and the wall time of the planning (the README's "Automatic stages" figure).
+prints the plan table and the wall time of the planning (the figure of docs/parallelism.md "Automatic stages").
 """
 
 import argparse

@@ -22,10 +22,10 @@ collectives and bytes per device of each, and whether each one's results equal t
 for a known reason (oracle_programs.KNOWN_DIFFERENCES) it is said. The last line: `oracle: N programs, results match
 on N, tf_gspmd bytes <= XLA on M`; the exit status is 1 when a result differs for no known reason.
 
-Bytes per device, for both: what one device sends per step -- the per-device result of an all-gather, the
-per-device operand of an all-reduce, all-to-all, collective-permute or reduce-scatter (README "Reading a plan",
-rewriter/report.py); the device that sends the most; a collective in a loop once per iteration. tf_gspmd's is
-`report.bytes_per_device()` (the ops its program emits). XLA's is the same count over the partitioned module's
+Bytes per device, for both: what one device sends per step -- the per-device result of an all-gather, the per-device
+operand of an all-reduce, all-to-all, collective-permute or reduce-scatter (docs/inspecting.md "Reading a plan and a
+report", rewriter/report.py); the device that sends the most; a collective in a loop once per iteration. tf_gspmd's
+is `report.bytes_per_device()` (the ops its program emits). XLA's is the same count over the partitioned module's
 collectives (tools/xla_partition.py).
 """
 

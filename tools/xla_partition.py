@@ -13,11 +13,11 @@ and writes NAME.outputs.npz (the global results), NAME.after_spmd.hlo.txt (the m
 `spmd-partitioning`, before CPU passes change its collectives) and NAME.result.json (the collectives of that
 module, see `collectives`).
 
-Bytes per device follow tf_gspmd's report (README "Reading a plan"): the per-device result of an all-gather, the
-per-device operand of all-reduce, all-to-all, collective-permute and reduce-scatter (its result times the group
-size); a device in a group of one, or a permute's device that is no source, sends nothing. A collective inside a
-while loop counts once per iteration: times the loop's trip count (its `known_trip_count`, else the one the
-manifest gives for the loop's op_name; else once, and the loop is listed as unknown).
+Bytes per device follow tf_gspmd's report (docs/inspecting.md "Reading a plan and a report"): the per-device result
+of an all-gather, the per-device operand of all-reduce, all-to-all, collective-permute and reduce-scatter (its
+result times the group size); a device in a group of one, or a permute's device that is no source, sends nothing. A
+collective inside a while loop counts once per iteration: times the loop's trip count (its `known_trip_count`, else
+the one the manifest gives for the loop's op_name; else once, and the loop is listed as unknown).
 """
 
 import glob
