@@ -52,8 +52,8 @@ run: $(STAMP)
 # The suites again with every gs.function exchanging through TF's collective ops (the path GPUs and several
 # processes take) instead of the in-process graph of one process's CPUs.
 COLLECTIVES_SUITES := tests/differential tests/op_rules tests/test_transformer.py tests/test_keras.py \
-	tests/test_pipeline.py tests/test_workloads.py tests/test_function.py tests/test_state.py tests/test_mpmd.py \
-	tests/test_cross_mesh.py tests/test_auto_parallel.py
+	tests/parallel/test_pipeline.py tests/test_workloads.py tests/test_function.py tests/test_state.py tests/parallel/test_mpmd.py \
+	tests/test_cross_mesh.py tests/parallel/test_auto_parallel.py
 
 test: $(STAMP) $(ORACLE_STAMP)
 	-$(MAKE) --no-print-directory lingvo
@@ -61,7 +61,7 @@ test: $(STAMP) $(ORACLE_STAMP)
 	$(VENV)/bin/pytest -q -p no:cacheprovider --exchange=collectives $(COLLECTIVES_SUITES)
 
 bazel-test: $(STAMP)
-	PYTHON=$(CURDIR)/$(PY) ../shared/bazel/bazel-offline test //:all --local_test_jobs=1 --test_output=errors
+	PYTHON=$(CURDIR)/$(PY) ../shared/bazel/bazel-offline test //:all --build_manual_tests --local_test_jobs=1 --test_output=errors
 
 clean:
 	rm -rf $(VENV) $(ORACLE_VENV) $(LINGVO_DIR) build *.egg-info
