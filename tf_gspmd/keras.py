@@ -47,17 +47,17 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _cluster
-from tf_gspmd import _compat
+from tf_gspmd._platform import cluster as _cluster
+from tf_gspmd._platform import compat as _compat
 from tf_gspmd import initializers
 from tf_gspmd import keras_weights
-from tf_gspmd._annotations import current_mesh, shard
+from tf_gspmd._layout.annotations import current_mesh, shard
 from tf_gspmd._function import function as gs_function
-from tf_gspmd._keras_layouts import AutoLayoutMap, auto_layout_map  # noqa: F401  (public: gs.keras.auto_layout_map)
-from tf_gspmd._keras_layouts import (backend_layout, distribute_eagerly, distribute_variable, mesh_of,
+from tf_gspmd._keras.layouts import AutoLayoutMap, auto_layout_map  # noqa: F401  (public: gs.keras.auto_layout_map)
+from tf_gspmd._keras.layouts import (backend_layout, distribute_eagerly, distribute_variable, mesh_of,
                                      warn_unmatched_keys)
-from tf_gspmd._mesh import Mesh, P, device_order
-from tf_gspmd._sharding import Sharding, to_sharding
+from tf_gspmd._layout.mesh import Mesh, P, device_order
+from tf_gspmd._layout.sharding import Sharding, to_sharding
 from tf_gspmd.errors import InputError, MeshError
 from tf_gspmd.runtime import state as _state
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
@@ -392,12 +392,33 @@ def _install_generate_when_keras_hub_loads():
 
 
 def _install():
+  """Puts tf_gspmd's hooks into Keras: the Model's step functions, keras-hub's generate, the backend distribution
+  functions, variable creation, optimizer slots and asynchronous checkpoints (once: `keras.Model` keeps a flag)."""
   keras_weights.install()   # weight files: sharded variables written tile by tile, read slice by slice
   backend_dl = _compat.keras_backend_distribution_lib()
   cls = keras.Model   # on the TF backend, its make_*_function are the TF trainer's
   if _installed(cls):
     _install_generate_when_keras_hub_loads()
     return
+  _install_make_functions(cls)
+  _install_generate_when_keras_hub_loads()
+  distribute_tensor, get_device_count = _backend_functions(backend_dl)
+  _install_sharded_initializer()
+  _install_slot_layouts()
+  _install_async_checkpoint_copy()
+  backend_dl.distribute_tensor = distribute_tensor
+  backend_dl.distribute_variable = _distribute_variable
+  _compat.set_keras_backend_converters(mesh_of, backend_layout)
+  backend_dl.get_device_count = get_device_count
+  backend_dl.initialize = _initialize_processes
+  backend_dl.list_devices = _list_devices
+  backend_dl.num_processes = _cluster.process_count
+  backend_dl.process_id = _cluster.process_index
+  cls._gspmd_installed = True
+
+
+def _install_make_functions(cls):
+  """`cls.make_{train,test,predict}_function` build a `_Partitioned` step under a distribution, Keras's otherwise."""
   originals = {k: getattr(cls, f"make_{k}_function") for k in ("train", "test", "predict")}
 
   def make(kind):
@@ -418,8 +439,10 @@ def _install():
 
   for kind in originals:
     setattr(cls, f"make_{kind}_function", make(kind))
-  _install_generate_when_keras_hub_loads()
 
+
+def _backend_functions(backend_dl):
+  """tf_gspmd's `distribute_tensor` and `get_device_count` for Keras's backend distribution module `backend_dl`."""
   def distribute_tensor(tensor, layout):
     """`keras.distribution.distribute_tensor` (also Keras's hook for `"<layer path>/output"` layouts): inside a
     partitioned function an annotation; run eagerly under a distribution, the value laid out as `layout` says
@@ -435,6 +458,11 @@ def _install():
   def get_device_count(device_type=None):
     return len(backend_dl.list_devices(device_type))
 
+  return distribute_tensor, get_device_count
+
+
+def _install_sharded_initializer():
+  """Keras variables with a layout are created sharded (see `initialize_sharded`)."""
   initialize = _compat.keras_variable_initializer()
 
   def initialize_sharded(self, initializer):
@@ -460,6 +488,10 @@ def _install():
     return None
 
   _compat.set_keras_variable_initializer(initialize_sharded)
+
+
+def _install_slot_layouts():
+  """An optimizer's `add_variable_from_reference` tells the initializer its reference (see `_slot_layout`)."""
   optimizer_cls = keras.optimizers.Optimizer
   add_slot = optimizer_cls.add_variable_from_reference
 
@@ -473,6 +505,10 @@ def _install():
       _local.slot_reference = previous
 
   optimizer_cls.add_variable_from_reference = add_variable_from_reference
+
+
+def _install_async_checkpoint_copy():
+  """An asynchronous checkpoint copies a sharded Keras variable's tiles (see `copy_trackable_to_cpu`)."""
   variable_cls = _compat.keras_variable_class()
   copy_to_cpu = variable_cls._copy_trackable_to_cpu   # pylint: disable=protected-access
 
@@ -488,15 +524,6 @@ def _install():
     return None
 
   variable_cls._copy_trackable_to_cpu = copy_trackable_to_cpu   # pylint: disable=protected-access
-  backend_dl.distribute_tensor = distribute_tensor
-  backend_dl.distribute_variable = _distribute_variable
-  _compat.set_keras_backend_converters(mesh_of, backend_layout)
-  backend_dl.get_device_count = get_device_count
-  backend_dl.initialize = _initialize_processes
-  backend_dl.list_devices = _list_devices
-  backend_dl.num_processes = _cluster.process_count
-  backend_dl.process_id = _cluster.process_index
-  cls._gspmd_installed = True
 
 
 _install()

@@ -25,7 +25,7 @@ import itertools
 
 import tensorflow as tf
 
-from tf_gspmd import _compat
+from tf_gspmd._platform import compat as _compat
 from tf_gspmd.errors import UnsupportedOpError
 from tf_gspmd.rewriter.collectives import vocabulary
 from tf_gspmd.rewriter.graph.graph_view import (GraphView, dedupe_controls, is_control, is_stateful, node_def, node_of,
@@ -90,6 +90,22 @@ def segment(graph_def, keep):
   with full.as_default():
     tf.graph_util.import_graph_def(graph_def, name="")
   order = view.order()
+  groups = _segment_groups(nodes, order, keep)
+  if not groups:
+    return graph_def, {}
+  out = tf.compat.v1.GraphDef()
+  out.versions.CopyFrom(graph_def.versions)
+  out.library.CopyFrom(graph_def.library)
+  calls, moved = _segment_functions(out, groups, view, full)
+  _emit_outer_program(out, order, groups, calls, moved)
+  return out, moved
+
+
+def _segment_groups(nodes, order, keep):
+  """The segments: {segment number: its nodes in topological order}, each of at least MIN_SEGMENT_OPS ops.
+
+  A node's number is the number of uncompilable ops (collectives, parameters) on the longest path reaching it.
+  """
   is_const = {n.name: n.op == "Const" for n in nodes}
   inside = {n.name: _compilable(n) and not is_const[n.name] and n.name not in keep for n in nodes}
   phase = {}
@@ -104,13 +120,14 @@ def segment(graph_def, keep):
   for n in order:
     if inside[n.name]:
       groups[phase[n.name]].append(n)
-  groups = {k: g for k, g in groups.items() if len(g) >= MIN_SEGMENT_OPS}
-  if not groups:
-    return graph_def, {}
-  member = {n.name: k for k, g in groups.items() for n in g}
-  out = tf.compat.v1.GraphDef()
-  out.versions.CopyFrom(graph_def.versions)
-  out.library.CopyFrom(graph_def.library)
+  return {k: g for k, g in groups.items() if len(g) >= MIN_SEGMENT_OPS}
+
+
+def _segment_functions(out, groups, view, full):
+  """Adds each segment's function to `out`'s library, one per distinct body.
+
+  Returns ({segment number: (its call NodeDef, its output refs)}, {old node name: call node name}).
+  """
   moved = {}
   calls = {}
   shared = {}   # the canonical form of a segment's body -> the function computing it
@@ -128,7 +145,13 @@ def segment(graph_def, keep):
     calls[k] = (call, outputs)
     for n in group:
       moved[n.name] = call.name
-  # Outer program: untouched nodes (inputs rewired to segment outputs) and one call node per segment.
+  return calls, moved
+
+
+def _emit_outer_program(out, order, groups, calls, moved):
+  """Adds the outer program's nodes to `out`: untouched nodes (inputs rewired to segment outputs) and one call node
+  per segment, where its first member was."""
+  member = {n.name: k for k, g in groups.items() for n in g}
   remap = {}
   for k, (call, outputs) in calls.items():
     for j, r in enumerate(outputs):
@@ -156,7 +179,6 @@ def segment(graph_def, keep):
     new.CopyFrom(n)
     new.ClearField("input")
     new.input.extend(dedupe_controls([rewire(i) for i in n.input]))
-  return out, moved
 
 
 def _canonical(fdef):

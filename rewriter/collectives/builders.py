@@ -469,14 +469,7 @@ class Backend:
     """
     _, members = self.groups(axes)
     size = len(members[0])
-    if pairs is None:
-      pairs = [(k, k + shift) for k in range(size)]
-      pairs = [(a, b % size) for a, b in pairs] if cyclic else [(a, b) for a, b in pairs if 0 <= b < size]
-    pairs = [(int(a), int(b)) for a, b in pairs]
-    to, frm = dict(pairs), {b: a for a, b in pairs}
-    if len(to) != len(pairs) or len(frm) != len(pairs) or not all(0 <= k < size for p in pairs for k in p):
-      raise PartitionError(f"collective-permute pairs {pairs} over a group of {size}: each member may send once and "
-                           "receive once", node=source)
+    pairs = self._permute_pairs(pairs, shift, cyclic, size, source)
     if size == 1:   # nothing to move: a member sends to itself or to no one
       return x if pairs else tf.fill(x.shape, scalar(fill, x.dtype))
     moves = {a: b for a, b in pairs if a != b}
@@ -488,8 +481,43 @@ class Backend:
                            "without a peer: TF's broadcasts have no lone send or receive to give it", node=source)
     carrier, per = moving(x.dtype, "CollectiveBcastSendV2", source)
     y = to_carrier(x, carrier, per, 0)
-    shape = y.shape.as_list()
-    elements = math.prod(shape)
+    send_key, recv_key, count, receives, keeps = self._permute_tables(members, pairs, moves, tokens,
+                                                                      math.prod(y.shape.as_list()))
+    got, ops = self._permute_transfers(y, axes, tokens, send_key, recv_key, count, receives)
+    tag = "_".join(axes)
+    z = from_carrier(got, x.dtype, per, x.shape.as_list())
+    if not receives.all():
+      z = tf.where(self.lookup(receives, f"permute_receives_{tag}"), z, scalar(fill, x.dtype))
+    if keeps.any():
+      z = tf.where(self.lookup(keeps, f"permute_keeps_{tag}"), x, z)
+    note = moving_note(x.dtype, carrier, per, "CollectiveBcastSendV2")
+    if tokens:
+      note = "; ".join(filter(None, [note, "members without a receiver send a one-element token to those without a "
+                                            "sender (TF has no lone send or receive)"]))
+    self._record("collective-permute", x, x.shape, size, axes, source, reason, ops, note)
+    return z
+
+  @staticmethod
+  def _permute_pairs(pairs, shift, cyclic, size, source):
+    """A collective-permute's (sender, receiver) pairs as given or from its `shift`; PartitionError unless each
+    member of the group of `size` sends at most once and receives at most once."""
+    if pairs is None:
+      pairs = [(k, k + shift) for k in range(size)]
+      pairs = [(a, b % size) for a, b in pairs] if cyclic else [(a, b) for a, b in pairs if 0 <= b < size]
+    pairs = [(int(a), int(b)) for a, b in pairs]
+    to, frm = dict(pairs), {b: a for a, b in pairs}
+    if len(to) != len(pairs) or len(frm) != len(pairs) or not all(0 <= k < size for p in pairs for k in p):
+      raise PartitionError(f"collective-permute pairs {pairs} over a group of {size}: each member may send once and "
+                           "receive once", node=source)
+    return pairs
+
+  def _permute_tables(self, members, pairs, moves, tokens, elements):
+    """A collective-permute's per-device tables (indexed by mesh position): (group key of its send, group key of its
+    receive, elements it sends (1: a token), whether it receives data, whether it keeps its own `x`).
+
+    `moves` and `tokens` are {sender: receiver} of the data and of the tokens, member numbers of every group.
+    """
+    to = dict(pairs)
     n = self.mesh.size
     send_key, recv_key, count = np.zeros(n, np.int32), np.zeros(n, np.int32), np.ones(n, np.int32)
     receives, keeps = np.zeros(n, np.bool_), np.zeros(n, np.bool_)
@@ -502,6 +530,16 @@ class Backend:
         recv_key[p] = group_key([names[sender_of[k]], names[k]])
         count[p] = elements if k in moves else 1
         receives[p], keeps[p] = sender_of[k] in moves, to.get(k) == k
+    return send_key, recv_key, count, receives, keeps
+
+  def _permute_transfers(self, y, axes, tokens, send_key, recv_key, count, receives):
+    """Every device's one send and one receive of a collective-permute of `y` (see `_permute_tables`).
+
+    Returns (what this device received, shaped like `y`; the descriptions of its send and its receive).
+    """
+    shape = y.shape.as_list()
+    elements = math.prod(shape)
+    n = self.mesh.size
     tag = "_".join(axes)
     if tokens:   # a token is the first element of the flattened data; the receiver pads it back out
       sending = tf.slice(tf.reshape(y, [-1]), [0], self.lookup(count[:, None], f"permute_count_{tag}"))
@@ -525,17 +563,7 @@ class Backend:
       missing = np.zeros((n, 1, 2), np.int32)
       missing[~receives, 0, 1] = elements - 1
       got = tf.reshape(tf.pad(got, self.lookup(missing, f"permute_token_pad_{tag}")), shape)
-    z = from_carrier(got, x.dtype, per, x.shape.as_list())
-    if not receives.all():
-      z = tf.where(self.lookup(receives, f"permute_receives_{tag}"), z, scalar(fill, x.dtype))
-    if keeps.any():
-      z = tf.where(self.lookup(keeps, f"permute_keeps_{tag}"), x, z)
-    note = moving_note(x.dtype, carrier, per, "CollectiveBcastSendV2")
-    if tokens:
-      note = "; ".join(filter(None, [note, "members without a receiver send a one-element token to those without a "
-                                            "sender (TF has no lone send or receive)"]))
-    self._record("collective-permute", x, x.shape, size, axes, source, reason, ops, note)
-    return z
+    return got, ops
 
   def halo_exchange(self, x, dim, axes, left, right, source, reason):
     """x extended along `dim` by the last `left` rows of the previous member's shard and the first `right` rows

@@ -13,7 +13,7 @@ pinned ones. All conflict resolution is in `merge`. Tensors nothing decides are 
 import tensorflow as tf
 
 from tf_gspmd import ops as op_rules
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.ops.tensor_list import ListShape
 from tf_gspmd.rewriter.graph import functions
 from tf_gspmd.rewriter.frontend import import_annotations
@@ -106,17 +106,8 @@ def run(program, seed=None):
   """Pass: complete `program.annotations` (pinned) to every tensor; `seed` gives unpinned starting values."""
   ir = program.ir
   mesh = program.mesh
-  shard = {}
-  why = {}
   open_dims = program.open_dims or {}
-  for r, s in (seed or {}).items():
-    shard[r] = s
-    why[r] = (program.explanations or {}).get(r, "seeded")
-  for r, s in program.annotations.items():
-    if r in open_dims and r in shard:   # a partial pin keeps a seed's split of its open dims
-      s = merge(s, within(s, open_dims[r], shard[r].with_rank(s.rank) if not shard[r].is_maximal else None))
-    shard[r] = s
-    why[r] = "annotation" + (f" (dims {list(open_dims[r])} left open)" if r in open_dims else "")
+  shard, why = _starting_shardings(program, open_dims, seed)
   pinned = set(program.annotations)
   rules = {n.name: (op_rules.lookup(n.op) or op_rules.FALLBACK) for n in ir.nodes}
   ctx = CompletionContext(program)
@@ -142,17 +133,7 @@ def run(program, seed=None):
     return False
 
   nodes = ir.nodes
-  producer = {}
-  users = {}
-  for k, n in enumerate(nodes):
-    for o in range(len(n.outputs)):
-      producer[n.ref(o)] = k
-    for r in n.inputs:
-      users.setdefault(r, []).append(k)
-  priority = [rules[n.name].priority for n in nodes]
-  for k, n in enumerate(nodes):   # a node with a tensor of unknown rank runs replicated: its rule is not asked
-    if rules[n.name].unknown_rank(n) is not None:
-      priority[k] = ROUNDS
+  producer, users, priority = _dataflow(nodes, rules)
 
   def touched(r, fwd, bwd, level):
     """Tensor r changed: its users look again in both directions, its producer looks backward again."""
@@ -169,32 +150,83 @@ def run(program, seed=None):
     bwd = list(fwd)
     while (any(fwd) or any(bwd)) and iterations < MAX_ITERATIONS:
       iterations += 1
-      for k, node in enumerate(nodes):
-        if not fwd[k]:
-          continue
-        fwd[k] = False
-        if not node.outputs:
-          continue
-        ins = [shard.get(r) for r in node.inputs]
-        if not any(s is not None for s in ins) and not rules[node.name].forward_without_operands:
-          continue
-        for o, cands in enumerate(rules[node.name].forward(ctx, node, ins)):
-          for c in cands:
-            if propose(node.ref(o), c, f"round {level}: forward from the operands of {node.name} ({node.op})"):
-              touched(node.ref(o), fwd, bwd, level)
-      for k in range(len(nodes) - 1, -1, -1):
-        if not bwd[k]:
-          continue
-        bwd[k] = False
-        node = nodes[k]
-        outs = [shard.get(node.ref(o)) for o in range(len(node.outputs))]
-        ins = [shard.get(r) for r in node.inputs]
-        if not any(s is not None for s in outs) and (node.outputs or not any(s is not None for s in ins)):
-          continue   # (an op without outputs, e.g. a variable write, relates its operands to each other)
-        for i, cands in enumerate(rules[node.name].backward(ctx, node, outs, ins)):
-          for c in cands:
-            if propose(node.inputs[i], c, f"round {level}: backward from {node.name} ({node.op})"):
-              touched(node.inputs[i], fwd, bwd, level)
+      _forward_sweep(ctx, nodes, rules, shard, level, fwd, bwd, propose, touched)
+      _backward_sweep(ctx, nodes, rules, shard, level, fwd, bwd, propose, touched)
+  complete = _completed(ir, mesh, shard, why)
+  params = tuple(complete[f"{name}:0"] for name in ir.inputs)
+  return program.replace(shardings=complete, explanations=why, param_shardings=params,
+                         completion_iterations=iterations)
+
+
+def _starting_shardings(program, open_dims, seed):
+  """The fixed point's starting values and why each tensor has its: (tensor -> sharding, tensor -> reason), the
+  seed's overridden by the annotations (a partial pin keeps the seed's split of its open dims)."""
+  shard = {}
+  why = {}
+  for r, s in (seed or {}).items():
+    shard[r] = s
+    why[r] = (program.explanations or {}).get(r, "seeded")
+  for r, s in program.annotations.items():
+    if r in open_dims and r in shard:   # a partial pin keeps a seed's split of its open dims
+      s = merge(s, within(s, open_dims[r], shard[r].with_rank(s.rank) if not shard[r].is_maximal else None))
+    shard[r] = s
+    why[r] = "annotation" + (f" (dims {list(open_dims[r])} left open)" if r in open_dims else "")
+  return shard, why
+
+
+def _dataflow(nodes, rules):
+  """(tensor -> index of its producer, tensor -> indices of its users, each node's round: the first it runs in)."""
+  producer = {}
+  users = {}
+  for k, n in enumerate(nodes):
+    for o in range(len(n.outputs)):
+      producer[n.ref(o)] = k
+    for r in n.inputs:
+      users.setdefault(r, []).append(k)
+  priority = [rules[n.name].priority for n in nodes]
+  for k, n in enumerate(nodes):   # a node with a tensor of unknown rank runs replicated: its rule is not asked
+    if rules[n.name].unknown_rank(n) is not None:
+      priority[k] = ROUNDS
+  return producer, users, priority
+
+
+def _forward_sweep(ctx, nodes, rules, shard, level, fwd, bwd, propose, touched):
+  """One pass over the nodes marked `fwd`, in order: their rules propose results' shardings from the operands'."""
+  for k, node in enumerate(nodes):
+    if not fwd[k]:
+      continue
+    fwd[k] = False
+    if not node.outputs:
+      continue
+    ins = [shard.get(r) for r in node.inputs]
+    if not any(s is not None for s in ins) and not rules[node.name].forward_without_operands:
+      continue
+    for o, cands in enumerate(rules[node.name].forward(ctx, node, ins)):
+      for c in cands:
+        if propose(node.ref(o), c, f"round {level}: forward from the operands of {node.name} ({node.op})"):
+          touched(node.ref(o), fwd, bwd, level)
+
+
+def _backward_sweep(ctx, nodes, rules, shard, level, fwd, bwd, propose, touched):
+  """One pass over the nodes marked `bwd`, in reverse order: their rules propose operands' shardings from the
+  results'."""
+  for k in range(len(nodes) - 1, -1, -1):
+    if not bwd[k]:
+      continue
+    bwd[k] = False
+    node = nodes[k]
+    outs = [shard.get(node.ref(o)) for o in range(len(node.outputs))]
+    ins = [shard.get(r) for r in node.inputs]
+    if not any(s is not None for s in outs) and (node.outputs or not any(s is not None for s in ins)):
+      continue   # (an op without outputs, e.g. a variable write, relates its operands to each other)
+    for i, cands in enumerate(rules[node.name].backward(ctx, node, outs, ins)):
+      for c in cands:
+        if propose(node.inputs[i], c, f"round {level}: backward from {node.name} ({node.op})"):
+          touched(node.inputs[i], fwd, bwd, level)
+
+
+def _completed(ir, mesh, shard, why):
+  """Every tensor's sharding at its rank: what the fixed point reached, else replicated (noted in `why`)."""
   complete = {}
   for r in ir.tensors():
     info = ir.info(r)
@@ -206,6 +238,4 @@ def run(program, seed=None):
     elif not s.is_maximal and rank is not None:
       s = s.with_rank(rank, what=r)
     complete[r] = s
-  params = tuple(complete[f"{name}:0"] for name in ir.inputs)
-  return program.replace(shardings=complete, explanations=why, param_shardings=params,
-                         completion_iterations=iterations)
+  return complete

@@ -36,10 +36,10 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _cluster
+from tf_gspmd._platform import cluster as _cluster
 from tf_gspmd._function import function as gs_function
-from tf_gspmd._mesh import Mesh, P
-from tf_gspmd._sharding import to_sharding
+from tf_gspmd._layout.mesh import Mesh, P
+from tf_gspmd._layout.sharding import to_sharding
 from tf_gspmd.errors import InputError, MeshError, ShardingError
 from tf_gspmd.runtime import cross_mesh
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
@@ -329,11 +329,81 @@ class MpmdPipeline:
     record = RunRecord([[] for _ in range(n)], [0] * n, cross_mesh.TransferLog(), busy=[0.0] * n,
                        spans=[[] for _ in range(n)])
     losses, grads = [None] * b, [None] * n
+    step = self._step_function(params, micro, micro_t, t0, box, record, losses, grads)
+    if self.concurrent:
+      self._run_threads(orders, step, box)
+    else:
+      self._run_sequential(orders, step, box)
+    cross_mesh.wait_for_sends()
+    record.seconds = time.perf_counter() - t0
+    self.last_run = record
+    if losses[0] is None:   # the last stage runs in another process
+      return None, [None if g is None else tuple(g) for g in grads]
+    loss = np.mean([np.float64(l.numpy()) for l in losses]).astype(losses[0].dtype.as_numpy_dtype)
+    return loss, [None if g is None else tuple(g) for g in grads]
+
+  def _step_function(self, params, micro, micro_t, t0, box, record, losses, grads):
+    """step(i, kind, m): stage i runs its forward ("F") or backward ("B") of microbatch m of `micro` (`micro_t`).
+
+    A forward's loss goes to `losses[m]`, a backward's parameter gradients (summed over the microbatches so far) to
+    `grads[i]`; activations and gradients travel to the neighbouring stages through `box` (or to other processes),
+    and each run is timed (from `t0`) in `record`.
+    """
+    n = len(self.stages)
     log = _Locked(record.transfers, threading.Lock())
     out_layout = [None] * n   # the layout each stage's forward returned its activations in
     local = [self._is_local(i) for i in range(n)]
     saved_inputs = [{} for _ in range(n)]   # per stage: microbatch -> its input, kept from F for B
+    layout_out, pass_on, receive = self._stage_links(box, log, out_layout, local)
 
+    def forward(i, m):   # returns when the stage's computation started
+      s, prog, last = self.stages[i], self._programs[i], i == n - 1
+      saved = saved_inputs[i]
+      h = micro[m] if i == 0 else receive("act", i, m, i - 1, layout_out(i - 1) if not local[i - 1] else None,
+                                          _or_replicated(s.in_sharding))
+      saved[m] = h
+      record.peak_alive[i] = max(record.peak_alive[i], len(saved))
+      start = time.perf_counter()
+      y = self._call(prog.forward_fn(s, len(params[i]), self.exchange, last),
+                     params[i] + ((h, micro_t[m]) if last else (h,)))
+      if last:
+        losses[m] = y
+      else:
+        out_layout[i] = y.sharding
+        pass_on("act", i + 1, m, y, _or_replicated(self.stages[i + 1].in_sharding))
+      return start
+
+    def backward(i, m):   # returns when the stage's computation started
+      s, prog, last = self.stages[i], self._programs[i], i == n - 1
+      saved = saved_inputs[i]
+      seed = micro_t[m] if last else receive("grad", i, m, i + 1, _or_replicated(self.stages[i + 1].in_sharding),
+                                             layout_out(i))
+      h = saved.pop(m)
+      start = time.perf_counter()
+      acc = grads[i] is not None
+      fn = prog.backward_fn(s, len(params[i]), self.exchange, i > 0, last, acc, out_layout[i])
+      out = self._call(fn, params[i] + (h, seed) + (tuple(grads[i]) if acc else ()))
+      out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+      grads[i] = out[:len(params[i])]
+      if i > 0:
+        pass_on("grad", i - 1, m, out[-1], layout_out(i - 1))
+      return start
+
+    def step(i, kind, m):
+      start = forward(i, m) if kind == "F" else backward(i, m)
+      end = time.perf_counter()
+      record.busy[i] += end - start
+      record.spans[i].append((kind, m, start - t0, end - t0))
+      record.order[i].append((kind, m))
+
+    return step
+
+  def _stage_links(self, box, log, out_layout, local):
+    """(layout_out, pass_on, receive): how activations and gradients move between stages in a step.
+
+    `out_layout[i]` caches stage i's activations' layout, `local[i]` says whether stage i runs in this process;
+    moves within it go through `box`, and every cross-mesh move is logged in `log`.
+    """
     def layout_out(i):   # stage i's activations' layout (declared where stage i runs in another process)
       if out_layout[i] is None:
         out_layout[i] = to_sharding(self.stages[i].out_sharding, self.stages[i].mesh, rank=self._acts[i].shape.rank)
@@ -352,50 +422,7 @@ class MpmdPipeline:
       elsewhere = cross_mesh.value_elsewhere(act.shape, act.dtype, self.stages[j].mesh, src_layout)
       return cross_mesh.reshard(elsewhere, self.stages[i].mesh, dst_layout, log=log)
 
-    def step(i, kind, m):
-      s, prog, last = self.stages[i], self._programs[i], i == n - 1
-      saved = saved_inputs[i]
-      if kind == "F":
-        h = micro[m] if i == 0 else receive("act", i, m, i - 1, layout_out(i - 1) if not local[i - 1] else None,
-                                            _or_replicated(s.in_sharding))
-        saved[m] = h
-        record.peak_alive[i] = max(record.peak_alive[i], len(saved))
-        start = time.perf_counter()
-        y = self._call(prog.forward_fn(s, len(params[i]), self.exchange, last),
-                       params[i] + ((h, micro_t[m]) if last else (h,)))
-        if last:
-          losses[m] = y
-        else:
-          out_layout[i] = y.sharding
-          pass_on("act", i + 1, m, y, _or_replicated(self.stages[i + 1].in_sharding))
-      else:
-        seed = micro_t[m] if last else receive("grad", i, m, i + 1, _or_replicated(self.stages[i + 1].in_sharding),
-                                               layout_out(i))
-        h = saved.pop(m)
-        start = time.perf_counter()
-        acc = grads[i] is not None
-        fn = prog.backward_fn(s, len(params[i]), self.exchange, i > 0, last, acc, out_layout[i])
-        out = self._call(fn, params[i] + (h, seed) + (tuple(grads[i]) if acc else ()))
-        out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-        grads[i] = out[:len(params[i])]
-        if i > 0:
-          pass_on("grad", i - 1, m, out[-1], layout_out(i - 1))
-      end = time.perf_counter()
-      record.busy[i] += end - start
-      record.spans[i].append((kind, m, start - t0, end - t0))
-      record.order[i].append((kind, m))
-
-    if self.concurrent:
-      self._run_threads(orders, step, box)
-    else:
-      self._run_sequential(orders, step, box)
-    cross_mesh.wait_for_sends()
-    record.seconds = time.perf_counter() - t0
-    self.last_run = record
-    if losses[0] is None:   # the last stage runs in another process
-      return None, [None if g is None else tuple(g) for g in grads]
-    loss = np.mean([np.float64(l.numpy()) for l in losses]).astype(losses[0].dtype.as_numpy_dtype)
-    return loss, [None if g is None else tuple(g) for g in grads]
+    return layout_out, pass_on, receive
 
   def _is_local(self, i):
     return self._local[i]

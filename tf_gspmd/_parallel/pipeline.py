@@ -25,8 +25,8 @@ import itertools
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd._annotations import current_mesh, PipelineSpec, record_schedule, shard
-from tf_gspmd._mesh import P
+from tf_gspmd._layout.annotations import current_mesh, PipelineSpec, record_schedule, shard
+from tf_gspmd._layout.mesh import P
 from tf_gspmd.errors import InputError, SpecError
 
 _names = itertools.count()
@@ -123,28 +123,26 @@ def pipeline(stage_fn, stage_weights, inputs, *, microbatches, stage_axis="stage
   repeats = int(circular_repeats)
   m_count = int(microbatches)
   name = name or f"gspmd_pipeline_{next(_names)}"
+  weights, x, stages = _pipeline_arguments(stage_weights, inputs, mesh, stage_axis, m_count, repeats, name)
+  loop = _PipelineLoop(stage_fn, stage_weights, weights, x, stages=stages, microbatches=m_count, repeats=repeats,
+                       stage_axis=stage_axis, vectorize=vectorize, name=name)
+  out = loop.run()
+  record_schedule(loop.schedule())
+  return out
+
+
+def _pipeline_arguments(stage_weights, inputs, mesh, stage_axis, m_count, repeats, name):
+  """`pipeline`'s arguments as tensors, checked: (the stage weights, flattened; the inputs; S, the number of stages).
+
+  Raises the SpecError and InputError `pipeline` documents.
+  """
   weights = [tf.convert_to_tensor(w) for w in tf.nest.flatten(stage_weights)]
   if not weights:
     raise InputError("gs.pipeline needs at least one stage weight (a tensor with the stage dim first)", node=name)
   x = tf.convert_to_tensor(inputs)
   if repeats < 1 or m_count < 1:
     raise InputError(f"microbatches ({m_count}) and circular_repeats ({repeats}) must be at least 1", node=name)
-  lead = 2 if repeats > 1 else 1
-  want = None
-  for k, w in enumerate(weights):
-    shape = w.shape.as_list()
-    if len(shape) < lead or None in shape[:lead]:
-      raise InputError(f"stage weight {k} ({w.name if hasattr(w, 'graph') else 'tensor'}) has shape {shape}; stage "
-                       f"weights need leading dims {'[S, R]' if repeats > 1 else '[S]'} (gs.stack_stages builds them)",
-                       node=name)
-    want = want or shape[:lead]
-    if shape[:lead] != want:
-      raise InputError(f"stage weight {k} has leading dims {shape[:lead]} but stage weight 0 has {want}: every stage "
-                       f"weight needs the same {'[S, R]' if repeats > 1 else '[S]'} leading dims", node=name)
-  stages = want[0]
-  if repeats > 1 and want[1] != repeats:
-    raise InputError(f"circular_repeats={repeats} but dim 1 of the stage weights is {want[1]}: give weights "
-                     f"[S, R, ...] (gs.stack_stages(w, S, repeats={repeats}))", node=name)
+  stages = _stage_count(weights, repeats, name)
   if mesh is not None:
     if stage_axis not in mesh.axis_names:
       raise SpecError(f"the mesh has no stage axis {stage_axis!r} (axes {mesh.axis_names}): give the mesh an axis "
@@ -161,96 +159,154 @@ def pipeline(stage_fn, stage_weights, inputs, *, microbatches, stage_axis="stage
   if repeats > 1 and m_count < stages:
     raise InputError(f"a circular pipeline needs at least as many microbatches as stages (M={m_count} < S={stages}): "
                      "what leaves the last stage feeds stage 0 again M - S + 1 iterations later", node=name)
+  return weights, x, stages
 
-  mb = batch[0] // m_count
-  feature = batch[1:]
-  rank = len(batch) + 1          # rank of the state buffer [S, mb, ...]
-  total = repeats * m_count
-  iterations = total + stages - 1
 
-  with tf.name_scope(name) as scope:
-    weights = [shard(w, _open(w.shape.rank, stage_axis, *([None] * (lead - 1)))) for w in weights]
+def _stage_count(weights, repeats, name):
+  """S, from the stage weights' leading dims [S] (or [S, R] when circular), which must all be equal and known."""
+  lead = 2 if repeats > 1 else 1
+  want = None
+  for k, w in enumerate(weights):
+    shape = w.shape.as_list()
+    if len(shape) < lead or None in shape[:lead]:
+      raise InputError(f"stage weight {k} ({w.name if hasattr(w, 'graph') else 'tensor'}) has shape {shape}; stage "
+                       f"weights need leading dims {'[S, R]' if repeats > 1 else '[S]'} (gs.stack_stages builds them)",
+                       node=name)
+    want = want or shape[:lead]
+    if shape[:lead] != want:
+      raise InputError(f"stage weight {k} has leading dims {shape[:lead]} but stage weight 0 has {want}: every stage "
+                       f"weight needs the same {'[S, R]' if repeats > 1 else '[S]'} leading dims", node=name)
+  stages = want[0]
+  if repeats > 1 and want[1] != repeats:
+    raise InputError(f"circular_repeats={repeats} but dim 1 of the stage weights is {want[1]}: give weights "
+                     f"[S, R, ...] (gs.stack_stages(w, S, repeats={repeats}))", node=name)
+  return stages
+
+
+class _PipelineLoop:
+  """The loop of one `pipeline` call: its stage-split tensors, one iteration's steps and the final collection.
+
+  Constructing it creates the loop's inputs in the pipeline's name scope (the weights laid out, the microbatches,
+  the state buffer [S, mb, ...] and the buffer [S, M, mb, ...] that collects what leaves the last stage), then the
+  masks that pick stage 0 and a microbatch; `run` builds the loop.
+  """
+
+  def __init__(self, stage_fn, stage_weights, weights, x, *, stages, microbatches, repeats, stage_axis, vectorize,
+               name):
+    self.stage_fn = stage_fn
+    self.stage_weights = stage_weights   # the nest stage_fn takes its weights in
+    self.stages = stages
+    self.m_count = microbatches
+    self.repeats = repeats
+    self.stage_axis = stage_axis
+    self.vectorize = vectorize
+    self.name = name
+    self.dtype = x.dtype
+    self.batch = x.shape.as_list()
+    self.mb = self.batch[0] // microbatches
+    self.feature = self.batch[1:]
+    self.rank = len(self.batch) + 1          # rank of the state buffer [S, mb, ...]
+    self.total = repeats * microbatches
+    self.iterations = self.total + stages - 1
+    with tf.name_scope(name) as scope:
+      self.scope = scope
+      self.weights, self.xs, self.initial = self._loop_inputs(weights, x)
+    self.stage_ids = np.arange(stages, dtype=np.int32)
+    self.first_stage = tf.reshape(tf.constant(self.stage_ids == 0), [stages] + [1] * (self.rank - 1))
+    self.slots = tf.constant(np.arange(microbatches, dtype=np.int32))
+    self.shift_name = f"{name}_shift"
+
+  def _loop_inputs(self, weights, x):
+    """(the weights split on the stage dim, the microbatches [S, M, mb, ...], (the state, the collection buffer))."""
+    stages, m_count, mb, feature, rank, name = self.stages, self.m_count, self.mb, self.feature, self.rank, self.name
+    lead = 2 if self.repeats > 1 else 1
+    weights = [shard(w, _open(w.shape.rank, self.stage_axis, *([None] * (lead - 1)))) for w in weights]
     # Microbatch m = rows m, m + M, ...: the batch's split (dim 0) lands on the microbatch rows, not on M.
     xs = tf.reshape(x, [mb, m_count] + feature)
     xs = tf.transpose(xs, [1, 0] + list(range(2, rank)))
     # One copy per stage row (each device its own, built locally): the injection reads it with stage-split ops,
     # so its gradient accumulates split over the loop and is summed over the stages once, after it.
-    xs = shard(tf.broadcast_to(xs[None], [stages, m_count, mb] + feature), _open(rank + 1, stage_axis, None),
+    xs = shard(tf.broadcast_to(xs[None], [stages, m_count, mb] + feature), _open(rank + 1, self.stage_axis, None),
                name=f"{name}_microbatches")
-    state = shard(tf.zeros([stages, mb] + feature, x.dtype), _open(rank, stage_axis), name=f"{name}_state")
-    buf = shard(tf.zeros([stages, m_count, mb] + feature, x.dtype), _open(rank + 1, stage_axis, None),
+    state = shard(tf.zeros([stages, mb] + feature, x.dtype), _open(rank, self.stage_axis), name=f"{name}_state")
+    buf = shard(tf.zeros([stages, m_count, mb] + feature, x.dtype), _open(rank + 1, self.stage_axis, None),
                 name=f"{name}_collected")
-  stage_ids = np.arange(stages, dtype=np.int32)
-  first_stage = tf.reshape(tf.constant(stage_ids == 0), [stages] + [1] * (rank - 1))
-  slots = tf.constant(np.arange(m_count, dtype=np.int32))
-  shift_name = f"{name}_shift"
+    return weights, xs, (state, buf)
 
-  def collect(i, state, buf):
+  def collect(self, i, state, buf):
     """Shift the buffer by one stage; stage 0 keeps what left the last stage (item i - S) in its microbatch slot."""
-    rotated = shard(tf.roll(state, 1, 0, name=shift_name), _open(rank, stage_axis))
+    stages, m_count, rank, first_stage, slots = self.stages, self.m_count, self.rank, self.first_stage, self.slots
+    rotated = shard(tf.roll(state, 1, 0, name=self.shift_name), _open(rank, self.stage_axis))
     j = i - stages
-    take = tf.logical_and(j >= 0, j < total)
+    take = tf.logical_and(j >= 0, j < self.total)
     mask = tf.logical_and(tf.reshape(tf.logical_and(first_stage, take), [stages, 1] + [1] * (rank - 1)),
                           tf.reshape(tf.equal(slots, tf.math.floormod(j, m_count)), [1, m_count] + [1] * (rank - 1)))
-    buf = shard(tf.where(mask, rotated[:, None], buf), _open(rank + 1, stage_axis, None))
+    buf = shard(tf.where(mask, rotated[:, None], buf), _open(rank + 1, self.stage_axis, None))
     return rotated, buf
 
-  def stage_inputs(i, rotated, buf):
+  def stage_inputs(self, i, rotated, buf):
     """Row 0: microbatch i mod M, fresh in repeat 0, else its output of the previous repeat; other rows: rotated."""
-    m0 = tf.math.floormod(i, m_count)
-    pick = tf.equal(slots, m0)
-    pick = tf.reshape(pick, [1, m_count] + [1] * (rank - 1))
-    fresh = tf.reduce_sum(tf.where(pick, xs, tf.zeros([], x.dtype)), 1)
-    again = tf.reduce_sum(tf.where(pick, buf, tf.zeros([], x.dtype)), 1)
-    feed = tf.where(i < m_count, fresh, again)
-    return shard(tf.where(first_stage, feed, rotated), _open(rank, stage_axis))
+    m0 = tf.math.floormod(i, self.m_count)
+    pick = tf.equal(self.slots, m0)
+    pick = tf.reshape(pick, [1, self.m_count] + [1] * (self.rank - 1))
+    fresh = tf.reduce_sum(tf.where(pick, self.xs, tf.zeros([], self.dtype)), 1)
+    again = tf.reduce_sum(tf.where(pick, buf, tf.zeros([], self.dtype)), 1)
+    feed = tf.where(i < self.m_count, fresh, again)
+    return shard(tf.where(self.first_stage, feed, rotated), _open(self.rank, self.stage_axis))
 
-  def stage_weights_at(i):
+  def stage_weights_at(self, i):
     """Each stage's weights for the repeat its current item is in: slot (clip((i - s) // M), s)."""
-    if repeats == 1:
-      return weights
-    rep = tf.clip_by_value(tf.math.floordiv(i - stage_ids, m_count), 0, repeats - 1)
+    if self.repeats == 1:
+      return self.weights
+    rep = tf.clip_by_value(tf.math.floordiv(i - self.stage_ids, self.m_count), 0, self.repeats - 1)
     out = []
-    for w in weights:
-      r = tf.reshape(rep, [stages] + [1] * (w.shape.rank - 2))
+    for w in self.weights:
+      r = tf.reshape(rep, [self.stages] + [1] * (w.shape.rank - 2))
       cur = w[:, 0]
-      for k in range(1, repeats):
+      for k in range(1, self.repeats):
         cur = tf.where(tf.equal(r, k), w[:, k], cur)
-      out.append(shard(cur, _open(cur.shape.rank, stage_axis)))
+      out.append(shard(cur, _open(cur.shape.rank, self.stage_axis)))
     return out
 
-  def run_stages(ws, h):
-    if not vectorize:
-      return stage_fn(tf.nest.pack_sequence_as(stage_weights, ws), h)
+  def run_stages(self, ws, h):
+    if not self.vectorize:
+      return self.stage_fn(tf.nest.pack_sequence_as(self.stage_weights, ws), h)
 
     def one(args):
       w, xb = args
-      return stage_fn(tf.nest.pack_sequence_as(stage_weights, w), xb)
+      return self.stage_fn(tf.nest.pack_sequence_as(self.stage_weights, w), xb)
 
     return tf.vectorized_map(one, (ws, h), fallback_to_while_loop=False)
 
-  def body(i, state, buf):
-    rotated, buf = collect(i, state, buf)
-    h = stage_inputs(i, rotated, buf)
-    y = run_stages(stage_weights_at(i), h)
+  def body(self, i, state, buf):
+    rotated, buf = self.collect(i, state, buf)
+    h = self.stage_inputs(i, rotated, buf)
+    y = self.run_stages(self.stage_weights_at(i), h)
     if y.shape.as_list() != h.shape.as_list() or y.dtype != h.dtype:
       raise InputError(f"the stage function must return its input's shape and dtype ({h.dtype.name}{h.shape.as_list()}"
-                       f" across the stages); it returned {y.dtype.name}{y.shape.as_list()}", node=name)
-    return i + 1, shard(y, _open(rank, stage_axis)), buf
+                       f" across the stages); it returned {y.dtype.name}{y.shape.as_list()}", node=self.name)
+    return i + 1, shard(y, _open(self.rank, self.stage_axis)), buf
 
-  with tf.name_scope(scope):
-    # maximum_iterations bounds the gradient loop's accumulators, which XLA needs to compile the loop's gradient
-    _, state, buf = tf.while_loop(lambda i, *_: i < iterations, body, (tf.constant(0), state, buf),
-                                  maximum_iterations=iterations, name=f"{name}_loop")
-    _, buf = collect(tf.constant(iterations), state, buf)   # the last item reaches stage 0 after the loop
-    out = tf.reduce_sum(tf.where(tf.reshape(first_stage, [stages, 1] + [1] * (rank - 1)), buf, tf.zeros([], x.dtype)),
-                        0)
-    out = tf.reshape(tf.transpose(out, [1, 0] + list(range(2, rank))), batch, name="output")
+  def run(self):
+    """The loop and the final collection, in the pipeline's name scope: the last stage's output, shaped like the
+    inputs."""
+    iterations, stages, rank = self.iterations, self.stages, self.rank
+    with tf.name_scope(self.scope):
+      # maximum_iterations bounds the gradient loop's accumulators, which XLA needs to compile the loop's gradient
+      _, state, buf = tf.while_loop(lambda i, *_: i < iterations, self.body, (tf.constant(0),) + self.initial,
+                                    maximum_iterations=iterations, name=f"{self.name}_loop")
+      _, buf = self.collect(tf.constant(iterations), state, buf)   # the last item reaches stage 0 after the loop
+      out = tf.reduce_sum(tf.where(tf.reshape(self.first_stage, [stages, 1] + [1] * (rank - 1)), buf,
+                                   tf.zeros([], self.dtype)), 0)
+      return tf.reshape(tf.transpose(out, [1, 0] + list(range(2, rank))), self.batch, name="output")
 
-  itemsize = x.dtype.size
-  record_schedule(PipelineSpec(
-      name=name, stage_axis=stage_axis, stages=stages, microbatches=m_count, repeats=repeats, shift=shift_name,
-      buffers=((f"{name}_state", tuple([stages, mb] + feature), itemsize),
-               (f"{name}_collected", tuple([stages, m_count, mb] + feature), itemsize),
-               (f"{name}_microbatches", tuple([stages, m_count, mb] + feature), itemsize))))
-  return out
+  def schedule(self):
+    """The pipeline's line in the report: its schedule and its buffers."""
+    name, stages, m_count, mb, feature = self.name, self.stages, self.m_count, self.mb, self.feature
+    itemsize = self.dtype.size
+    return PipelineSpec(
+        name=name, stage_axis=self.stage_axis, stages=stages, microbatches=m_count, repeats=self.repeats,
+        shift=self.shift_name,
+        buffers=((f"{name}_state", tuple([stages, mb] + feature), itemsize),
+                 (f"{name}_collected", tuple([stages, m_count, mb] + feature), itemsize),
+                 (f"{name}_microbatches", tuple([stages, m_count, mb] + feature), itemsize)))

@@ -40,7 +40,35 @@ def _highs():
 def solve(model, budget, time_limit):
   """Minimise the model's cost with HiGHS; returns (choice per block, status, columns, rows, seconds)."""
   h = _highs()
-  import highspy  # pylint: disable=g-import-not-at-top
+  start_col, pair_keys, pair_start = _columns(model)
+  ny = int(start_col[-1])
+  ncol = pair_start[-1]
+  cost = _objective(model, start_col, pair_keys, pair_start)
+  rows, cols, vals, lo, hi, r = _constraints(model, budget, start_col, pair_keys, pair_start)
+  lp = _highs_lp(cost, rows, cols, vals, lo, hi, ncol, r, ny)
+  h.setOptionValue("output_flag", False)
+  h.setOptionValue("time_limit", float(time_limit))
+  h.setOptionValue("mip_rel_gap", 1e-3)
+  h.setOptionValue("threads", 1)
+  t0 = time.perf_counter()
+  h.passModel(lp)
+  h.run()
+  took = time.perf_counter() - t0
+  status = h.modelStatusToString(h.getModelStatus())
+  sol = h.getSolution()
+  if not sol.value_valid:
+    return None, status, ncol, r, took
+  x = np.asarray(sol.col_value)
+  choice = [int(np.argmax(x[start_col[b]:start_col[b + 1]])) for b in range(len(model.sizes))]
+  return choice, status, ncol, r, took
+
+
+def _columns(model):
+  """The MILP's columns, the blocks' choices first, then one matrix per pair: (start_col, pair_keys, pair_start).
+
+  Block b's choices are columns start_col[b]:start_col[b + 1]; pair_keys[k] (the pairs, sorted) has its matrix
+  from column pair_start[k], row-major; pair_start[-1] is the number of columns.
+  """
   start_col = np.zeros(len(model.sizes) + 1, dtype=np.int64)
   start_col[1:] = np.cumsum(model.sizes)
   ny = int(start_col[-1])
@@ -48,10 +76,29 @@ def solve(model, budget, time_limit):
   pair_start = [ny]
   for key in pair_keys:
     pair_start.append(pair_start[-1] + model.sizes[key[0]] * model.sizes[key[1]])
-  ncol = pair_start[-1]
-  cost = np.zeros(ncol)
+  return start_col, pair_keys, pair_start
+
+
+def _objective(model, start_col, pair_keys, pair_start):
+  """Each column's cost: a choice's own cost, or a pair of choices' entry of its cost matrix (row-major)."""
+  cost = np.zeros(pair_start[-1])
   for b, lin in enumerate(model.linear):
     cost[start_col[b]:start_col[b + 1]] = lin
+  for key, s in zip(pair_keys, pair_start[:-1]):
+    u, v = key
+    nu, nv = model.sizes[u], model.sizes[v]
+    c = model.pairs[key][0]
+    cost[s:s + nu * nv] = c.reshape(-1)
+  return cost
+
+
+def _constraints(model, budget, start_col, pair_keys, pair_start):
+  """The MILP's rows: (row and column indices and values, as lists of arrays; lower and upper bounds; row count).
+
+  One choice per block; each pair matrix's row and column sums equal its blocks' choices; with a `budget`, the
+  memory rows (`budget.MemoryRow`).
+  """
+  import highspy  # pylint: disable=g-import-not-at-top
   rows, cols, vals, lo, hi = [], [], [], [], []
   r = 0
   for b, n in enumerate(model.sizes):   # one choice per block
@@ -64,8 +111,6 @@ def solve(model, budget, time_limit):
   for key, s in zip(pair_keys, pair_start[:-1]):
     u, v = key
     nu, nv = model.sizes[u], model.sizes[v]
-    c = model.pairs[key][0]
-    cost[s:s + nu * nv] = c.reshape(-1)
     z = s + np.arange(nu * nv).reshape(nu, nv)
     for block, n, members in ((u, nu, z), (v, nv, z.T)):   # sum_j z[i, j] = y_u[i]; sum_i z[i, j] = y_v[j]
       rows.append(np.repeat(np.arange(r, r + n), members.shape[1]))
@@ -87,6 +132,13 @@ def solve(model, budget, time_limit):
       lo.append(-highspy.kHighsInf)
       hi.append(float(budget) - row.fixed)
       r += 1
+  return rows, cols, vals, lo, hi, r
+
+
+def _highs_lp(cost, rows, cols, vals, lo, hi, ncol, r, ny):
+  """The HighsLp of the MILP: its matrix column-wise, the first `ny` columns (the choices) integral, the costs
+  scaled near 1."""
+  import highspy  # pylint: disable=g-import-not-at-top
   rows = np.concatenate(rows)
   cols = np.concatenate(cols)
   vals = np.concatenate(vals)
@@ -108,21 +160,7 @@ def solve(model, budget, time_limit):
   lp.a_matrix_.index_ = rows.astype(np.int32)
   lp.a_matrix_.value_ = vals
   lp.integrality_ = [highspy.HighsVarType.kInteger] * ny + [highspy.HighsVarType.kContinuous] * (ncol - ny)
-  h.setOptionValue("output_flag", False)
-  h.setOptionValue("time_limit", float(time_limit))
-  h.setOptionValue("mip_rel_gap", 1e-3)
-  h.setOptionValue("threads", 1)
-  t0 = time.perf_counter()
-  h.passModel(lp)
-  h.run()
-  took = time.perf_counter() - t0
-  status = h.modelStatusToString(h.getModelStatus())
-  sol = h.getSolution()
-  if not sol.value_valid:
-    return None, status, ncol, r, took
-  x = np.asarray(sol.col_value)
-  choice = [int(np.argmax(x[start_col[b]:start_col[b + 1]])) for b in range(len(model.sizes))]
-  return choice, status, ncol, r, took
+  return lp
 
 
 def evaluate(model, choice):
