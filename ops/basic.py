@@ -5,7 +5,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.ops.factors import Factors, FactorRule
 from tf_gspmd.ops.registry import Rule, register
 
@@ -102,6 +102,9 @@ class IdentityLike(FactorRule):
 
   data = (0,)
 
+  def stacked_form(self, op_type):
+    return "broadcasting" if op_type == "Identity" else None   # (the others check or annotate a per-device shape)
+
   def factors(self, node):
     labels = tuple(f"d{i}" for i in range(_rank(node.outputs[0])))
     return Factors((labels,), (labels,))
@@ -134,6 +137,7 @@ class BiasAdd(FactorRule):
   """value + bias broadcast along the channel dim (last for NHWC, 1 for NCHW)."""
 
   priority = 0
+  stacked = "bias_add"
 
   def factors(self, node):
     rank = len(node.outputs[0].shape)

@@ -42,6 +42,8 @@ class Concat(AlongAxis):
   operands' rows it owns and its neighbours' (each row selected from the operand it comes from); otherwise the
   concat dim is whole."""
 
+  stacked = "concat"
+
   priority = 0
 
   def data_inputs(self, node):
@@ -84,6 +86,8 @@ class Concat(AlongAxis):
 class Pack(FactorRule):
   """stack: a new, unsplit dim at `axis`."""
 
+  stacked = "pack"
+
   priority = 0
 
   def factors(self, node):
@@ -96,6 +100,8 @@ class Pack(FactorRule):
 @register("Unpack")
 class Unpack(FactorRule):
   """unstack: the unpacked dim is whole on every device."""
+
+  stacked = "unpack"
 
   priority = 0
 
@@ -130,6 +136,7 @@ class _SplitAlong(AlongAxis):
 
 @register("Split")
 class Split(_SplitAlong):
+  stacked = "split"
 
   data = (1,)
 
@@ -139,6 +146,7 @@ class Split(_SplitAlong):
 
 @register("SplitV")
 class SplitV(_SplitAlong):
+  stacked = "split_v"
 
   data = (0,)
 

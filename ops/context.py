@@ -7,15 +7,15 @@ A rule (ops/registry.py) is called by two passes that live a floor above ops/: c
 `backend` is a rewriter/collectives.Backend); ops/ never imports them. tests/op_rules/test_context.py fails
 when a rule uses a member these Protocols do not declare, and when an implementation lacks a declared one.
 
-Shardings are tf_gspmd._sharding.Sharding values, meshes tf_gspmd._mesh.Mesh values (the core floor); tensors
+Shardings are tf_gspmd._layout.sharding.Sharding values, meshes tf_gspmd._layout.mesh.Mesh values (the core floor); tensors
 are the tf.Tensor values of the per-device graph being built; `r` names a tensor of the global graph
 ("op:index"); `i` is an input index and `o` an output index of the node.
 """
 
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
-from tf_gspmd._mesh import Mesh
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.mesh import Mesh
+from tf_gspmd._layout.sharding import Sharding
 
 
 @runtime_checkable

@@ -9,7 +9,7 @@ branch); its branches are partitioned for the arguments' layouts and return the 
 
 import tensorflow as tf
 
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.ops.registry import Rule, register
 from tf_gspmd.ops.tensor_list import ListShape
 

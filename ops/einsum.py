@@ -40,6 +40,8 @@ def parse_equation(equation, ranks):
 class Einsum(FactorRule):
   """Any einsum: shared letters pass their split through; summed letters give partial sums + all-reduce."""
 
+  stacked = "einsum"
+
   prefer_larger_operand = True
 
   def factors(self, node):

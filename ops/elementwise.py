@@ -22,12 +22,19 @@ BINARY = (
     "LessEqual", "LogicalAnd", "LogicalOr", "Maximum", "Minimum", "Mod", "Mul", "MulNoNan", "NotEqual",
     "Polygamma", "Pow", "RealDiv", "RightShift", "SquaredDifference", "Sub", "TruncateDiv", "TruncateMod",
     "Xdivy", "Xlog1py", "Xlogy", "Zeta",
-    # Activation gradients: element-wise in (gradient, forward value).
+)
+
+# Activation gradients: element-wise in (gradient, forward value), both of the result's shape.
+GRADIENTS = (
     "EluGrad", "InvGrad", "LeakyReluGrad", "ReciprocalGrad", "Relu6Grad", "ReluGrad", "RsqrtGrad",
     "SeluGrad", "SigmoidGrad", "SoftplusGrad", "SoftsignGrad", "SqrtGrad", "TanhGrad",
 )
 
 TERNARY = ("SelectV2", "ClipByValue", "Betainc")
+
+# Ops that do not broadcast: every operand of the result's shape; or each of it or a scalar.
+_SAME_SHAPE = frozenset(GRADIENTS + ("AddN", "ApproximateEqual"))
+_SCALAR_OR_SAME = frozenset(("ClipByValue", "Betainc"))
 
 
 def _element_shape(info):
@@ -35,11 +42,17 @@ def _element_shape(info):
   return info.value_shape if info.is_list else info.shape
 
 
-@register(*UNARY, *BINARY, *TERNARY, "AddN")
+@register(*UNARY, *BINARY, *GRADIENTS, *TERNARY, "AddN")
 class Elementwise(FactorRule):
   """Same-position ops with broadcasting: the output is split like the operands."""
 
   priority = 0
+  elementwise = True
+
+  def stacked_form(self, op_type):
+    if op_type in _SAME_SHAPE:
+      return "same_shape"
+    return "scalar_or_same" if op_type in _SCALAR_OR_SAME else "broadcasting"
 
   def factors(self, node):
     # (ZerosLike / OnesLike / AddN of TensorLists, in loop gradients: their elements line up instead)

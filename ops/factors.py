@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.ops.registry import Rule
 
 Labels = Tuple[Optional[str], ...]

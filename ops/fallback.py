@@ -5,7 +5,7 @@ Every use is reported by the partitioner and warned about once per op type; `str
 
 import tensorflow as tf
 
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.errors import UnsupportedOpError
 from tf_gspmd.ops.registry import Rule
 

@@ -10,7 +10,7 @@ lookup, shared with the slicing rules. GatherNd's indexed dims and OneHot's dept
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.ops.factors import const_axis, dim_labels, Factors, FactorRule
 from tf_gspmd.ops.registry import register
 from tf_gspmd.ops.variables import handle_sharding
@@ -43,6 +43,8 @@ class Gather(FactorRule):
   ids in its own range (clamped), zeroes the rows it does not own, and one all-reduce sums the rows; the
   generic path (the table whole along that dim) only where it moves fewer bytes.
   """
+
+  stacked = "gather"
 
   data = (0, 1)
 
@@ -114,6 +116,8 @@ class Gather(FactorRule):
 class ResourceGather(Gather):
   """table[ids] with the table a variable: like GatherV2 along dim 0, the table never resharded."""
 
+  stacked = None   # (a variable's table: read per device)
+
   def _axis(self, node):
     return 0
 
@@ -163,6 +167,8 @@ class GatherNd(FactorRule):
 @register("OneHot")
 class OneHot(FactorRule):
   """The depth dim is produced whole (sliced afterwards if it should be split); index dims pass."""
+
+  stacked = "one_hot"
 
   data = (0,)
 

@@ -8,7 +8,7 @@ Shape, Size, Rank and ShapeN describe the *global* tensor: they become constants
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.ops.registry import Rule, register
 
 

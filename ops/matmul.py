@@ -12,6 +12,8 @@ from tf_gspmd.ops.registry import register
 class MatMul(FactorRule):
   """[m,k]@[k,n] with optional transposes: k is reduced, m and n pass through."""
 
+  stacked = "matmul"
+
   prefer_larger_operand = True
 
   def factors(self, node):
@@ -23,6 +25,9 @@ class MatMul(FactorRule):
 @register("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
 class BatchMatMul(FactorRule):
   """Batched matmul with broadcast batch dims: batch factors pass through, k is reduced."""
+
+  def stacked_form(self, op_type):
+    return None if op_type == "BatchMatMul" else "broadcasting"   # (v1 takes equal batch dims only)
 
   prefer_larger_operand = True
 

@@ -19,7 +19,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.ops.factors import Factors, FactorRule, identity_value
 from tf_gspmd.ops.registry import register
 from tf_gspmd.ops.windows import WindowedRule, attr_text, geometry, split_spatial

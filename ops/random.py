@@ -32,7 +32,7 @@ few words) is computed whole on every device.
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.ops.registry import Rule, register
 
 PHILOX_WORDS = 4           # uint32 words one Philox call gives

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.ops.factors import const_axis, dim_labels, Factors, FactorRule, unsplit
 from tf_gspmd.ops.registry import register
 
@@ -30,6 +30,8 @@ def reduced_axes(node):
 @register("Sum", "Mean", "Max", "Min", "Prod")
 class Reduce(FactorRule):
   """reduce(x, axes): kept dims pass through, reduced dims combine partial results with the op's reducer."""
+
+  stacked = "reduction"
 
   data = (0,)
 
@@ -61,6 +63,8 @@ class Reduce(FactorRule):
 class LogicalReduce(FactorRule):
   """Logical reductions: reduced dims are whole locally (no boolean all-reduce in TF's collectives)."""
 
+  stacked = "reduction"
+
   data = (0,)
 
   def factors(self, node):
@@ -77,6 +81,8 @@ class LogicalReduce(FactorRule):
 class ArgReduce(FactorRule):
   """The other dims pass their split. An operand already split along the reduced dim is not gathered: each
   device finds its shard's winner, and only the winners (value and global index) are all-gathered."""
+
+  stacked = "reduction"
 
   data = (0,)
 
@@ -135,6 +141,8 @@ class TopK(FactorRule):
 @register("Cumsum", "Cumprod", "CumulativeLogsumexp")
 class Scan(FactorRule):
   """Cumulative ops along a constant axis: the scanned dim is whole on every device, the others pass."""
+
+  stacked = "reduction"
 
   data = (0,)
 

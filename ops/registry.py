@@ -5,6 +5,8 @@ A rule answers three questions about an op, so completion and partitioning canno
 - `backward(ctx, node, outputs, operands)`: candidate shardings of the operands from the outputs' shardings;
 - `partition(ctx, node)`: emit the op's per-device computation through the partition context `ctx`;
 and one question for automatic sharding: `strategies(node, mesh)`, the splits of its factors it may choose among.
+A rule also states the op's one-graph form (`stacked_form(op_type)`, one of STACKED_FORMS): how the one graph of a
+process's devices (rewriter/one_graph/) writes the op once over a leading device dimension.
 
 `ctx` is the completion context (the program being completed; `ctx.complete_function` completes a function
 body, for control flow), `partition`'s `ctx` the partition context. Candidates are lists (one per source)
@@ -19,6 +21,15 @@ names the op that stands for the node when it is built by hand.
 import tensorflow as tf
 
 _RULES = {}
+# The one-graph forms an op may take, each written by the Stacker method `_stack_<form>`
+# (rewriter/one_graph/stacking_rules.py): broadcasting ops (element-wise, batched matmuls) take a stacked operand of
+# lower rank with unit dims after the device dim; "same_shape" ops take every operand at the result's shape;
+# "scalar_or_same" ones each operand at the result's shape or a scalar; the others move their axes, perms, begins,
+# paddings or shapes by one.
+STACKED_FORMS = frozenset((
+    "broadcasting", "same_shape", "scalar_or_same", "bias_add", "softmax", "reshape", "transpose", "reduction",
+    "matmul", "concat", "split", "split_v", "pack", "unpack", "slice", "strided_slice", "tile", "pad",
+    "broadcast_to", "expand_dims", "squeeze", "one_hot", "gather", "einsum"))
 _HANDLES = (tf.resource, tf.variant, tf.string)   # (their shapes are not what a layout splits)
 
 
@@ -37,6 +48,13 @@ class Rule:
   data = None   # indices of the inputs that carry data, when they are fixed (None: every input)
 
   rank_free = False   # True: the rule itself handles tensors of unknown rank (parameters, control flow, lists)
+
+  stacked = None   # the one-graph form of every op of the rule (STACKED_FORMS), or None: it runs once per device
+  elementwise = False   # every output element depends on the same element of each (broadcast) operand only
+
+  def stacked_form(self, op_type):  # pylint: disable=unused-argument
+    """The one-graph form of `op_type` (one of STACKED_FORMS), or None where the op runs once per device."""
+    return self.stacked
 
   def unknown_rank(self, node):
     """The first input or output of the node whose rank is unknown ("input 0 (name)"), or None. Unless the rule is

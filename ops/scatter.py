@@ -10,7 +10,7 @@ first dim takes on each device only the updates of the rows it owns; nothing is 
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.ops.factors import Factors, FactorRule
 from tf_gspmd.ops.registry import register
 from tf_gspmd.ops.variables import handle_sharding, value_labels

@@ -16,7 +16,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.ops.factors import dim_labels, Factors, FactorRule, unsplit
 from tf_gspmd.ops.registry import Rule, register
 
@@ -24,6 +24,8 @@ from tf_gspmd.ops.registry import Rule, register
 @register("Transpose")
 class Transpose(FactorRule):
   """out[i] = in[perm[i]]: the split of each dim moves with it."""
+
+  stacked = "transpose"
 
   priority = 0
 
@@ -42,6 +44,8 @@ class Transpose(FactorRule):
 class ExpandDims(FactorRule):
   """A new size-1 dim: never split; the others keep theirs."""
 
+  stacked = "expand_dims"
+
   priority = 0
 
   data = (0,)
@@ -56,6 +60,8 @@ class ExpandDims(FactorRule):
 @register("Squeeze")
 class Squeeze(FactorRule):
   """Removed size-1 dims carry no split; the others keep theirs."""
+
+  stacked = "squeeze"
 
   priority = 0
 
@@ -131,6 +137,8 @@ class Bitcast(FactorRule):
 @register("Reshape")
 class Reshape(Rule):
   """Reshape by groups of dims (split/merge keeps the split on the major dim when exact)."""
+
+  stacked = "reshape"
 
   priority = 0
 
@@ -222,6 +230,8 @@ class Reshape(Rule):
 class Tile(FactorRule):
   """Repeated dims are whole locally; dims with multiple 1 pass their split."""
 
+  stacked = "tile"
+
   priority = 2
 
   data = (0,)
@@ -237,6 +247,8 @@ class Tile(FactorRule):
 @register("BroadcastTo")
 class BroadcastTo(FactorRule):
   """Broadcast dims (new or size 1) are produced locally at their shard size; others pass their split."""
+
+  stacked = "broadcast_to"
 
   priority = 2
 

@@ -24,7 +24,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.ops.factors import dim_labels, Factors, FactorRule, unsplit
 from tf_gspmd.ops.gather import take_owned
 from tf_gspmd.ops.registry import register
@@ -346,6 +346,8 @@ class _Narrowing(FactorRule):
 class Slice(_Narrowing):
   """Dims sliced to less than their size are picked (a begin read at run time too); full-size dims pass."""
 
+  stacked = "slice"
+
   def selection(self, node):
     return _slice_selection(node)
 
@@ -354,6 +356,8 @@ class Slice(_Narrowing):
 class StridedSlice(_Narrowing):
   """Full-range dims pass their split, shrunk dims vanish, new axes (`x[..., None]`) are whole; ranges, strides
   and indices (`x[:, -1]`, also read at run time) are picked."""
+
+  stacked = "strided_slice"
 
   def selection(self, node):
     return _strided_selection(node)
@@ -400,6 +404,8 @@ class DynamicUpdateSlice(FactorRule):
 class Pad(FactorRule):
   """Unpadded dims pass their split. A padded dim may stay split too (constant padding): each device takes
   its window of the padded result, with halo rows from its neighbours (GSPMD's windowed pad)."""
+
+  stacked = "pad"
 
   data = (0,)
 

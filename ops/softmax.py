@@ -9,8 +9,8 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd._mesh import axes_text
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.mesh import axes_text
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.ops.factors import Factors, FactorRule
 from tf_gspmd.ops.registry import register
 
@@ -54,6 +54,8 @@ _NONFINITE_STAYS_LOCAL = (tf.float32, tf.float16, tf.bfloat16)
 @register("Softmax", "LogSoftmax")
 class Softmax(FactorRule):
   """Normalise over the last dim: every dim passes its split through."""
+
+  stacked = "softmax"
 
   priority = 0
 

@@ -11,7 +11,7 @@ import collections
 
 import tensorflow as tf
 
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.errors import PartitionError
 from tf_gspmd.ops.registry import Rule, register
 

@@ -7,8 +7,8 @@ ResourceScatter*) are in `gather` and `scatter`, with the other lookups and scat
 
 import tensorflow as tf
 
-from tf_gspmd import _compat
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._platform import compat as _compat
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.ops.factors import Factors, FactorRule
 from tf_gspmd.ops.registry import Rule, register
 

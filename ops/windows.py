@@ -22,7 +22,7 @@ from typing import Any, Dict, NamedTuple, Tuple
 
 import numpy as np
 
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.ops.factors import FactorRule
 
 # The ops whose split spatial dim takes halos: 2-D convolutions and pooling, forward and gradients.

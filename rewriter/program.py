@@ -116,6 +116,10 @@ class Program:
     """Whether the mesh's devices are known and every one is a CPU."""
     return bool(self.devices) and all(tf.DeviceSpec.from_string(d).device_type.upper() == "CPU" for d in self.devices)
 
+  def replicated_variables(self):
+    """The handles of the captured variables stored replicated (every device holds and writes the whole value)."""
+    return {h for h, s in zip(self.variable_names, self.variable_shardings) if s.is_replicated}
+
   @property
   def output_shardings(self):
     return tuple(self.shardings[r] for r in self.ir.outputs)

@@ -25,7 +25,7 @@ import threading
 import types
 from typing import Any, Mapping, Optional, Tuple
 
-from tf_gspmd._mesh import axes_text
+from tf_gspmd._layout.mesh import axes_text
 from tf_gspmd.errors import PartitionError
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")

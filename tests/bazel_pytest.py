@@ -1,6 +1,6 @@
 """Runs pytest on one test file for a Bazel py_test (see the root BUILD file).
 
-Usage (as Bazel does it): bazel_pytest.py tests/test_mesh.py [more pytest args]
+Usage (as Bazel does it): bazel_pytest.py tests/layout/test_mesh.py [more pytest args]
 
 Makes sure the tests exercise the Bazel-built tf_gspmd from the runfiles tree, not the editable pip install
 in the virtualenv, and keeps pytest and Hypothesis from writing into the runfiles tree.

@@ -82,7 +82,7 @@ def _program_graphs(low):
   that holds a collective (a loop's body or condition, a branch): parameters shaped as the While that runs it
   says, the partition id its last parameter."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tf_gspmd import _compat  # pylint: disable=g-import-not-at-top
+  from tf_gspmd._platform import compat as _compat  # pylint: disable=g-import-not-at-top
   from tf_gspmd.rewriter.collectives.vocabulary import TF_COLLECTIVE_OPS  # pylint: disable=g-import-not-at-top
   gd = low.graph_def
   graph = tf.Graph()

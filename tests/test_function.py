@@ -299,7 +299,7 @@ def test_a_training_loop_lowers_once(rng, monkeypatch, exchange):
   runs under one configuration (TF instantiates the program once; a call under other options would instantiate
   and optimize it again)."""
   from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
-  from tf_gspmd import _compat  # pylint: disable=g-import-not-at-top
+  from tf_gspmd._platform import compat as _compat  # pylint: disable=g-import-not-at-top
   from tf_gspmd.rewriter import pipeline  # pylint: disable=g-import-not-at-top
   lowered, configs = [], []
   run, call_flat = pipeline.run, _compat.call_flat

@@ -193,7 +193,7 @@ def test_same_seed_gives_the_same_weights_under_a_distribution(init):
 
 def test_distribution_initialize_of_one_process_or_an_incomplete_cluster(monkeypatch):
   """One process needs nothing; several need every address (TF's runtime has no coordinator-only start-up).
-  (Joining real clusters: tests/test_cluster.py.)"""
+  (Joining real clusters: tests/platform/test_cluster.py.)"""
   for var in ("KERAS_DISTRIBUTION_JOB_ADDRESSES", "KERAS_DISTRIBUTION_NUM_PROCESSES", "KERAS_DISTRIBUTION_PROCESS_ID"):
     monkeypatch.delenv(var, raising=False)
   assert keras.distribution.initialize(num_processes=1, process_id=0) is None

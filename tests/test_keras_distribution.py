@@ -15,7 +15,7 @@ from tf_gspmd import P
 
 keras = pytest.importorskip("keras")
 import tf_gspmd.keras as gsk  # noqa: E402  pylint: disable=g-import-not-at-top
-from tf_gspmd import _compat  # noqa: E402  pylint: disable=g-import-not-at-top
+from tf_gspmd._platform import compat as _compat  # noqa: E402  pylint: disable=g-import-not-at-top
 
 dist = keras.distribution
 backend_dl = _compat.keras_backend_distribution_lib()

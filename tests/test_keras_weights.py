@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import tf_gspmd as gs
-from tf_gspmd import _compat
+from tf_gspmd._platform import compat as _compat
 from tf_gspmd.runtime import state as _state
 
 keras = pytest.importorskip("keras")

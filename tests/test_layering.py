@@ -5,6 +5,7 @@ below, and no set of modules imports each other in a loop. A new module must be 
 """
 
 import ast
+import re
 import pathlib
 
 import pytest
@@ -14,8 +15,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = {"tf_gspmd": "tf_gspmd", "ops": "tf_gspmd.ops", "rewriter": "tf_gspmd.rewriter"}
 
 FLOORS = (   # lowest first; a module belongs to the floor of its longest matching prefix
-    ("core", ("tf_gspmd.errors", "tf_gspmd._cluster", "tf_gspmd._mesh", "tf_gspmd._sharding", "tf_gspmd._annotations",
-              "tf_gspmd.initializers", "tf_gspmd._compat", "tf_gspmd._plan_scope")),
+    # the values users write (meshes, shardings, annotations, plan scopes) and the platform (TF adapter, processes)
+    ("core", ("tf_gspmd.errors", "tf_gspmd.initializers", "tf_gspmd._layout", "tf_gspmd._platform")),
     ("ops", ("tf_gspmd.ops",)),
     # the rewriter, by phase: GraphDef reading and editing; the records of a lowering; tracing and annotations;
     # the collectives; sharding completion and automatic sharding; inter-operator stages; partitioning; the
@@ -31,15 +32,16 @@ FLOORS = (   # lowest first; a module belongs to the floor of its longest matchi
     ("rewriter.backend", ("tf_gspmd.rewriter.backend",)),
     ("rewriter.pipeline", ("tf_gspmd.rewriter.pipeline",)),
     ("runtime", ("tf_gspmd.runtime",)),
-    ("api", ("tf_gspmd", "tf_gspmd._function", "tf_gspmd._pipeline", "tf_gspmd._mpmd", "tf_gspmd._visualize", "tf_gspmd.keras",
-             "tf_gspmd.tpu")),
+    # the public API: functions, the parallelism entry points (pipelines, MPMD, stages, auto_parallel), Keras
+    ("api", ("tf_gspmd", "tf_gspmd._function", "tf_gspmd._parallel", "tf_gspmd._keras", "tf_gspmd._visualize",
+             "tf_gspmd.keras", "tf_gspmd.tpu")),
 )
 
 # Private TensorFlow/Keras modules -- every module of the two packages but their public entry points (`tensorflow`,
 # `keras` and Keras's public subpackages): only the adapter may import them (or a module listed with its reason).
 PRIVATE_PREFIXES = ("tensorflow.", "keras.src", "tf_keras.")
 PUBLIC_MODULES = ("tensorflow.compat.v1", "tensorflow.compat.v2")
-PRIVATE_ALLOWED = {"tf_gspmd._compat"}
+PRIVATE_ALLOWED = {"tf_gspmd._platform.compat"}
 
 
 def _modules():
@@ -187,7 +189,7 @@ def test_private_tensorflow_and_keras_apis_only_through_the_adapter():
       continue
     for target, line in _imports(name)[1]:
       wrong.append(f"{MODULES[name].relative_to(ROOT)}:{line} imports {target}")
-  assert not wrong, "private TF/Keras modules imported outside tf_gspmd/_compat.py:\n" + "\n".join(wrong)
+  assert not wrong, "private TF/Keras modules imported outside tf_gspmd/_platform/compat.py:\n" + "\n".join(wrong)
 
 
 @pytest.mark.parametrize("module,private", [
@@ -210,3 +212,78 @@ def test_import_reader_sees_every_form(tmp_path, monkeypatch, source, expected):
   path.write_text(source)
   monkeypatch.setitem(MODULES, "tf_gspmd.ops.probe", path)
   assert [t for t, _ in _imports("tf_gspmd.ops.probe")[0]] == expected
+
+
+COLLECTIVES_PACKAGE = "tf_gspmd.rewriter.collectives"
+
+
+def _docstrings(tree):
+  """The ids of the docstring constants of a module, its classes and functions."""
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body and \
+        isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
+      out.add(id(node.body[0].value))
+  return out
+
+
+def _names_in_code(path, names):
+  """(line, name) of each of `names` that module `path` spells in its code: a string (docstrings and comments
+  aside), an identifier or an attribute (`tf.raw_ops.<name>`)."""
+  tree = ast.parse(path.read_text(), str(path))
+  docstrings, found = _docstrings(tree), []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+      words = set(re.findall(r"\w+", node.value))
+    elif isinstance(node, ast.Attribute):
+      words = {node.attr}
+    elif isinstance(node, ast.Name):
+      words = {node.id}
+    else:
+      continue
+    found += [(node.lineno, w) for w in sorted(words & names)]
+  return found
+
+
+def test_collective_op_names_only_in_the_collectives_package():
+  """A TF collective op is named (built, matched, decoded) in rewriter/collectives/ only; every other module asks
+  its vocabulary (kinds, builders) -- one place to add a collective."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  ops = {n for n in dir(tf.raw_ops) if n.startswith(("Collective", "Nccl"))}
+  assert {"CollectiveReduceV2", "CollectiveGatherV2", "CollectiveBcastRecvV2", "NcclAllReduce"} <= ops
+  wrong = [f"{MODULES[m].relative_to(ROOT)}:{line} {name}" for m in sorted(MODULES)
+           if not (m == COLLECTIVES_PACKAGE or m.startswith(COLLECTIVES_PACKAGE + "."))
+           for line, name in _names_in_code(MODULES[m], ops)]
+  assert not wrong, "collective op names outside rewriter/collectives/:\n" + "\n".join(wrong)
+
+
+def test_the_name_finder_sees_code_and_skips_docstrings(tmp_path):
+  path = tmp_path / "probe.py"
+  path.write_text('"""CollectiveGatherV2 in a docstring."""\nimport tensorflow as tf\n'
+                  'A = ("CollectiveReduceV2",)  # CollectiveBcastSendV2 in a comment\n'
+                  'def f(x):\n  return tf.raw_ops.CollectiveGatherV2(input=x)\n')
+  assert _names_in_code(path, {"CollectiveReduceV2", "CollectiveGatherV2", "CollectiveBcastSendV2"}) == [
+      (3, "CollectiveReduceV2"), (5, "CollectiveGatherV2")]
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_library_function_over_80_lines():
+  """Every function and method of the library reads in one screen: one that grows past MAX_FUNCTION_LINES (its
+  docstring included) is split into the steps it takes."""
+  long = []
+  for name in sorted(MODULES):
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        n = node.end_lineno - node.lineno + 1
+        if n > MAX_FUNCTION_LINES:
+          long.append(f"{MODULES[name].relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
+  assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def test_no_session_in_the_rewriter():
+  """The rewriter lowers without running anything: no tf.compat.v1.Session executes inside a pass."""
+  wrong = [f"{MODULES[m].relative_to(ROOT)}:{line}" for m in sorted(MODULES) if m.startswith("tf_gspmd.rewriter")
+           for line, _ in _names_in_code(MODULES[m], {"Session", "InteractiveSession"})]
+  assert not wrong, "Sessions in the rewriter:\n" + "\n".join(wrong)

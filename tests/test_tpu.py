@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import tf_gspmd as gs
 from tf_gspmd import P
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.runtime import tpu as rt
 
 V4_8 = (2, 2, 1, 1)      # 4 chips, one core each (TF device), one host
@@ -315,7 +315,7 @@ def test_an_identity_annotation_would_not_reach_xla_the_sharding_op_does():
   assert "sharding={devices=[2,4]" not in plain
 
   def g(x):
-    with gs._annotations.sharding_ops():  # pylint: disable=protected-access
+    with gs._layout.annotations.sharding_ops():  # pylint: disable=protected-access
       return f(x)
 
   assert "sharding={devices=[2,4]0,1,2,3,4,5,6,7}" in tf.function(g, jit_compile=True).experimental_get_compiler_ir(

@@ -14,16 +14,16 @@ Example:
 
 from tf_gspmd import initializers
 from tf_gspmd import tpu
-from tf_gspmd._annotations import mesh_split, replicate, shard
+from tf_gspmd._layout.annotations import mesh_split, replicate, shard
 from tf_gspmd._function import Lowered, ShardedFunction, function
-from tf_gspmd._cluster import initialize, is_local, local_devices, process_count, process_index, split_cpu_devices
-from tf_gspmd._mesh import Mesh, P
-from tf_gspmd._mpmd import MpmdPipeline, RunRecord, Stage, mpmd_pipeline, schedule_order
-from tf_gspmd._pipeline import pipeline, stack_stages, unstack_stages
-from tf_gspmd._plan_scope import plan_scope
-from tf_gspmd._sharding import Sharding
-from tf_gspmd._stages import plan_stages
-from tf_gspmd._auto_parallel import AutoParallel, auto_parallel
+from tf_gspmd._platform.cluster import initialize, is_local, local_devices, process_count, process_index, split_cpu_devices
+from tf_gspmd._layout.mesh import Mesh, P
+from tf_gspmd._parallel.mpmd import MpmdPipeline, RunRecord, Stage, mpmd_pipeline, schedule_order
+from tf_gspmd._parallel.pipeline import pipeline, stack_stages, unstack_stages
+from tf_gspmd._layout.plan_scope import plan_scope
+from tf_gspmd._layout.sharding import Sharding
+from tf_gspmd._parallel.stages import plan_stages
+from tf_gspmd._parallel.auto_parallel import AutoParallel, auto_parallel
 from tf_gspmd._visualize import visualize_sharding
 from tf_gspmd.errors import (AutoShardingError, ClusterJoinError, InputError, MeshError, PartitionError, ProcessLostError, ShapeError,
                              ShardingError, SpecError, UnsupportedOpError)

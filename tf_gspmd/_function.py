@@ -9,10 +9,10 @@ import threading
 import tensorflow as tf
 from absl import logging
 
-from tf_gspmd import _cluster
-from tf_gspmd import _compat
-from tf_gspmd._mesh import Mesh, P
-from tf_gspmd._sharding import Sharding, per_value, to_annotation
+from tf_gspmd._platform import cluster as _cluster
+from tf_gspmd._platform import compat as _compat
+from tf_gspmd._layout.mesh import Mesh, P
+from tf_gspmd._layout.sharding import Sharding, per_value, to_annotation
 from tf_gspmd._visualize import visualize_sharding
 from tf_gspmd.errors import InputError, MeshError, ShapeError
 from tf_gspmd.rewriter.sharding import auto as auto_pass
@@ -53,6 +53,7 @@ class Lowered:
   def __init__(self, program):
     self.program = program
     self._executable = None
+    self._planned = None
 
   @property
   def shardings(self):
@@ -60,7 +61,13 @@ class Lowered:
 
   @property
   def report(self):
-    return self.program.report
+    """The partition report; with partitioner="xla", tf_gspmd's own plan of the exported program (XLA partitions
+    the program that runs), worked out when first asked."""
+    if self.program.exported is None:
+      return self.program.report
+    if self._planned is None:
+      self._planned = pipeline.plan_of_export(self.program)
+    return self._planned
 
   @property
   def graph_def(self):

@@ -3,7 +3,7 @@
 
 import io
 
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
 

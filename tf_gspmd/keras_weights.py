@@ -35,8 +35,8 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _cluster
-from tf_gspmd import _compat
+from tf_gspmd._platform import cluster as _cluster
+from tf_gspmd._platform import compat as _compat
 from tf_gspmd import initializers
 from tf_gspmd.errors import InputError
 from tf_gspmd.runtime import checkpoint as _checkpoint

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from tf_gspmd._cluster import DEVICES_ENV
+from tf_gspmd._platform.cluster import DEVICES_ENV
 
 
 def free_ports(n):

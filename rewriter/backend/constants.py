@@ -89,10 +89,7 @@ def summarize(nodes):
 
 def run(program):
   """Pass: `report.constants`; with strict=True, a PartitionError for a constant of more than STRICT_BYTES."""
-  gd = program.local_graph_def
-  if gd is None or program.report is None:
-    return program
-  nodes = constant_nodes(gd)
+  nodes = constant_nodes(program.local_graph_def)
   constants = summarize(nodes)
   too_large = [c for c in nodes if c.bytes > STRICT_BYTES]
   if program.options.strict and too_large:

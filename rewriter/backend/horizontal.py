@@ -5,9 +5,10 @@ A training step updates every weight with the same chain of element-wise ops -- 
 corrections, the step -- once per weight. In a per-device program of small shards these chains are most of its
 ops, and every device pays TF's executor its per-op cost (a few microseconds) for each. Here:
 
-  * a *chain* is a connected set of element-wise ops (rewriter/one_graph/stacking_rules.py's, with AddN and the gradients of
-    unary ops) on non-scalar tensors of at most FUSE_LIMIT elements, none with a control input; what it reads from
-    outside are its operands (a scalar, such as an optimizer's learning rate, is always an operand);
+  * a *chain* is a connected set of element-wise ops (those whose rule in ops/ says so and that broadcast or take
+    operands of the result's shape: AddN and the gradients of unary ops) on non-scalar tensors of at most
+    FUSE_LIMIT elements, none with a control input; what it reads from outside are its operands (a scalar, such
+    as an optimizer's learning rate, is always an operand);
   * chains that compute the same function -- the same ops and attributes wired alike, operands of the same shapes
     and dtypes -- and do not depend on one another are a group. Groups are formed in graph order, one at a time,
     from the chains that none of the group reaches through the graph as fused so far, so the graph stays acyclic;
@@ -32,14 +33,23 @@ import tensorflow as tf
 
 from tf_gspmd.rewriter.program import variable_shard
 from tf_gspmd.rewriter.graph import graph_view
-from tf_gspmd.rewriter.graph import shape_refine
+from tf_gspmd.rewriter.collectives import shapes as collective_shapes
 from tf_gspmd.rewriter.graph.graph_view import is_control, node_of, normalize, split_ref
-from tf_gspmd.rewriter.one_graph.stacking_rules import BROADCASTING, SAME_SHAPE_GRADS, UNARY
+from tf_gspmd.ops import registry
 
 FUSE_LIMIT = 1 << 14   # elements of a chain's largest tensor: above it, the copies cost more than the ops they save
 CONST_LIMIT = 1 << 16   # bytes of the one constant the members' differing constants become (else they are packed)
-_SAME_SHAPE = SAME_SHAPE_GRADS | {"AddN"}   # operands of the result's shape, no broadcasting
-_ELEMENTWISE = (UNARY - {"Identity"}) | BROADCASTING | _SAME_SHAPE
+
+
+def _elementwise_form(op_type):
+  """"broadcasting" or "same_shape" for an element-wise op that broadcasts or takes operands of the result's shape
+  (the forms of ops/registry.STACKED_FORMS), else None."""
+  rule = registry.lookup(op_type)
+  if rule is None or not rule.elementwise:
+    return None
+  form = rule.stacked_form(op_type)
+  return form if form in ("broadcasting", "same_shape") else None
+
 
 # A chain's template entries: what it reads from outside (`const`: a Const), and its ops (`inputs`: positions of
 # the entries they read).
@@ -48,12 +58,11 @@ _Op = collections.namedtuple("_Op", "op attrs dtype shape inputs")
 
 
 def run(program):
-  """Pass: the per-device program with its like element-wise chains fused, where each device runs it through TF's
-  collectives. Not with XLA, which fuses them itself; not in plan mode, where nothing runs; not where the devices
-  run as one in-process graph, whose stacking already runs each op once for all devices (fusing there measured
-  slower: the fused tensors pass stacking's size limit)."""
-  if program.jit is not None or program.local_graph_def is None or program.devices is None or \
-      program.in_process is not None:
+  """Pass (the collectives path): the per-device program with its like element-wise chains fused, where each
+  device runs it through TF's collectives. Not with XLA, which fuses them itself. (Not in plan mode, where nothing
+  runs; nor where the devices run as one in-process graph, whose stacking already runs each op once for all
+  devices: fusing there measured slower, the fused tensors pass stacking's size limit.)"""
+  if program.jit is not None:
     return program
   keep = set(program.local_inputs) | set(program.local_variables) | set(program.local_outputs) | set(
       program.side_effects) | {program.partition_id} | set(program.report.emitted())
@@ -79,8 +88,8 @@ class _Fusion:
     gd = self.gd
     # What is fused: shapes where a read of a variable has its shard's shape and a collective its result's, which
     # TF's import leaves unknown (an optimizer's update of a variable).
-    if shape_refine.adds_shapes(gd, variables):
-      self.graph = _imported(shape_refine.for_shapes(gd, variables))
+    if collective_shapes.adds_shapes(gd, variables):
+      self.graph = _imported(collective_shapes.for_shapes(gd, variables))
     self.nodes = {x.name: x for x in gd.node}
     self.order = [x.name for x in graph_view.GraphView(gd).order()]
     self.position = {n: k for k, n in enumerate(self.order)}
@@ -137,7 +146,7 @@ class _Fusion:
     return out, len(replaced)
 
   def _fusible(self, x, keep):
-    if x.op not in _ELEMENTWISE or x.name in keep or any(is_control(i) for i in x.input):
+    if _elementwise_form(x.op) is None or x.name in keep or any(is_control(i) for i in x.input):
       return False
     if len(self.graph.get_operation_by_name(x.name).outputs) != 1:
       return False
@@ -341,7 +350,7 @@ class _Plan:
     # An operand slot broadcasts (every member reads one tensor, or equal constants) only into ops that broadcast.
     self.shared = set()
     for t, e in enumerate(self.entries):
-      if isinstance(e, _Operand) and readers.get(t, set()) <= BROADCASTING:
+      if isinstance(e, _Operand) and all(_elementwise_form(op) == "broadcasting" for op in readers.get(t, ())):
         refs = [m[t] for m in members]
         if len(set(refs)) == 1 or (e.const and len({self.value(r).tobytes() for r in refs}) == 1):
           self.shared.add(t)

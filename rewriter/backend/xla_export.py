@@ -23,7 +23,7 @@ from typing import Any, Mapping, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _compat
+from tf_gspmd._platform import compat as _compat
 from tf_gspmd.rewriter.graph.graph_view import node_def, normalize, split_ref
 
 XLA = "xla"
@@ -98,10 +98,8 @@ class Exported:
 
 
 def run(program):
-  """Pass: with partitioner="xla", `program.exported` -- the completed global graph with every layout as an
-  XlaSharding op (see the module docstring); otherwise the program unchanged."""
-  if program.options.partitioner != XLA:
-    return program
+  """Pass (partitioner="xla"): `program.exported`, the completed global graph with every layout as an XlaSharding
+  op (see the module docstring)."""
   ir, shardings = program.ir, program.shardings
   gd = tf.compat.v1.GraphDef()
   gd.CopyFrom(ir.graph_def)
@@ -144,13 +142,6 @@ def run(program):
       graph_def=gd, inputs=tuple(program.input_names), variable_inputs=tuple(program.variable_names),
       variables=tuple(program.variables), outputs=outputs, arg_specs=tuple(program.arg_specs),
       annotations=annotations, device=program.devices[0] if program.devices else None))
-
-
-def mark_planned(program):
-  """Pass: with partitioner="xla", the report says that it is tf_gspmd's plan and XLA partitions the program."""
-  if program.exported is None or program.report is None:
-    return program
-  return program.replace(report=program.report.with_planned(PLANNED))
 
 
 # ---- reading HLO text ------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import heapq
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _compat
+from tf_gspmd._platform import compat as _compat
 from tf_gspmd.errors import PartitionError
 from tf_gspmd.rewriter.graph import graph_view
 from tf_gspmd.rewriter.collectives import vocabulary
@@ -29,10 +29,7 @@ _PAIRED = ("CollectiveBcastSendV2", "CollectiveBcastRecvV2", "CollectiveBcastSen
 
 
 def run(program):
-  """Pass: the per-device program's collectives chained in one order (not for the in-process graph, which has
-  none; nor in plan mode, which runs nothing)."""
-  if program.local_graph_def is None or program.in_process is not None:
-    return program
+  """Pass: the per-device program's collectives chained in one order (the in-process graph has none)."""
   gd = program.local_graph_def
   if not holds_collectives(gd):
     return program

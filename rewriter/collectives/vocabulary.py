@@ -42,6 +42,10 @@ class Collective:
   xla_merges: tuple = ()
   in_process_if: Optional[Callable[[Any], bool]] = None   # which of its NodeDefs have an in-process meaning
   sender: bool = False         # the sending half of a send/receive pair (its receiver reads what it sends)
+  # For shape inference (rewriter/collectives/shapes.py), an op of the result's shape that stands for NodeDef `x`:
+  # (x, data inputs, {name: Const NodeDef}, the GraphDef being written) -> (op, inputs, attrs), or None where TF's
+  # own shape function gives the result its operand's shape; `unshaped`: a stand-in may be none (shape unknown).
+  stand_in: Optional[Callable[..., Any]] = None
 
   def runs_in_process(self, node_def):
     return self.in_process_if is None or self.in_process_if(node_def)
@@ -95,6 +99,22 @@ def _receive(edges, x, node, p):
                    edges.controls(p, x), T=x.attr["T"], Tshape=x.attr["Tshape"])
 
 
+def _gathered(x, data, consts, out):
+  """An all-gather's result for shapes: its operand concatenated group-size times (the size a Const)."""
+  if graph_view.node_of(data[1]) not in consts:
+    return None
+  size = int(tf.make_ndarray(consts[graph_view.node_of(data[1])].attr["value"].tensor))
+  axis = graph_view.write_const(out.node.add(name=f"{x.name}/shape_axis"), np.int32(0))
+  return "ConcatV2", [data[0]] * size + [axis.name], {"N": size, "Tidx": tf.int32}
+
+
+def _received(x, data, consts, out):  # pylint: disable=unused-argument
+  """A receive's result for shapes: zeros of the shape it is given."""
+  zero = graph_view.write_const(out.node.add(name=f"{x.name}/shape_zero"),
+                                np.zeros((), tf.as_dtype(x.attr["T"].type).as_numpy_dtype))
+  return "Fill", [data[3], zero.name], {"index_type": tf.as_dtype(x.attr["Tshape"].type)}
+
+
 def _plain_reduce(node_def):
   return node_def.attr["merge_op"].s in _MERGE and node_def.attr["final_op"].s == b"Id"
 
@@ -102,11 +122,12 @@ def _plain_reduce(node_def):
 EMITTED = {c.op_type: c for c in (
     Collective("CollectiveReduceV2", "all-reduce", tf.raw_ops.CollectiveReduceV2, _all_reduce, xla=True,
                xla_merges=(b"Add", b"Mul"), in_process_if=_plain_reduce),
-    Collective("CollectiveGatherV2", "all-gather", tf.raw_ops.CollectiveGatherV2, _all_gather),
+    Collective("CollectiveGatherV2", "all-gather", tf.raw_ops.CollectiveGatherV2, _all_gather, stand_in=_gathered),
     Collective("CollectiveAllToAllV2", "all-to-all", tf.raw_ops.CollectiveAllToAllV2, _all_to_all),
     Collective("CollectiveBcastSendV2", "collective-permute", tf.raw_ops.CollectiveBcastSendV2, _send,
                sender=True),
-    Collective("CollectiveBcastRecvV2", "collective-permute", tf.raw_ops.CollectiveBcastRecvV2, _receive),
+    Collective("CollectiveBcastRecvV2", "collective-permute", tf.raw_ops.CollectiveBcastRecvV2, _receive,
+               stand_in=_received),
 )}
 BY_KIND = {c.kind: c for c in EMITTED.values() if c.kind != "collective-permute" or c.sender}   # the op each sends by
 PERMUTE_SEND, PERMUTE_RECEIVE = BY_KIND["collective-permute"], EMITTED["CollectiveBcastRecvV2"]
@@ -119,6 +140,13 @@ TF_COLLECTIVE_OPS = EMITTED_OPS | frozenset({   # every TF collective op type (a
 # CollectiveReduceV2 only, which sums or multiplies (`lowered_by_xla`); gathers, all-to-alls and broadcasts
 # have none and run outside XLA.
 XLA_LOWERED = frozenset(c.op_type for c in EMITTED.values() if c.xla)
+
+
+def kind_of(node_def):
+  """The kind of collective NodeDef `node_def` performs (all-reduce, all-gather, all-to-all, collective-permute),
+  or None where it is not one the backend builds."""
+  c = EMITTED.get(node_def.op)
+  return c.kind if c is not None else None
 
 
 def lowered_by_xla(node):

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _compat
+from tf_gspmd._platform import compat as _compat
 from tf_gspmd.errors import PartitionError
 
 # The dtypes collectives move; TF's own where an op takes them, else carried as below.

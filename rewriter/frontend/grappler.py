@@ -9,8 +9,8 @@ The optimize pass (`run_local`) runs TF's full graph optimizer once on the finis
 
 import tensorflow as tf
 
-from tf_gspmd import _compat
-from tf_gspmd._annotations import SHARDING_ATTR, SPEC_ATTR
+from tf_gspmd._platform import compat as _compat
+from tf_gspmd._layout.annotations import SHARDING_ATTR, SPEC_ATTR
 from tf_gspmd.rewriter.graph import grappler_view
 from tf_gspmd.rewriter.graph.graph_view import prune, side_effect_nodes, split_ref
 

@@ -12,9 +12,9 @@ per annotated tensor; completion keeps the other dims as annotated and may split
 
 import tensorflow as tf
 
-from tf_gspmd import _compat
-from tf_gspmd._annotations import SHARDING_ATTR, SPEC_ATTR, decode_spec
-from tf_gspmd._sharding import Sharding, per_value, to_annotation
+from tf_gspmd._platform import compat as _compat
+from tf_gspmd._layout.annotations import SHARDING_ATTR, SPEC_ATTR, decode_spec
+from tf_gspmd._layout.sharding import Sharding, per_value, to_annotation
 from tf_gspmd.errors import InputError, SpecError
 from tf_gspmd.rewriter.graph.graph_ir import Graph
 from tf_gspmd.rewriter.graph.graph_view import public_key, ref, split_ref

@@ -9,7 +9,7 @@ results (SparseTensor, RaggedTensor, ...) are refused with the conversion that m
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd._annotations import mesh_scope, recording_schedules
+from tf_gspmd._layout.annotations import mesh_scope, recording_schedules
 from tf_gspmd.errors import InputError, ShapeError, ShardingError
 from tf_gspmd.rewriter.graph.graph_view import function_names, node_def, ref, split_ref
 

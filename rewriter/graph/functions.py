@@ -9,7 +9,7 @@ import contextlib
 
 import tensorflow as tf
 
-from tf_gspmd import _compat
+from tf_gspmd._platform import compat as _compat
 from tf_gspmd.rewriter.graph.graph_view import function_names, ref, split_ref
 
 

@@ -11,7 +11,7 @@ import heapq
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _compat
+from tf_gspmd._platform import compat as _compat
 
 
 def ref(name, index=0):

@@ -28,7 +28,7 @@ from typing import Any, Dict
 
 import tensorflow as tf
 
-from tf_gspmd import _compat
+from tf_gspmd._platform import compat as _compat
 from tf_gspmd.rewriter.graph.graph_view import dedupe_controls, is_control, is_stateful, split_ref
 
 LIMIT_BYTES = 1 << 16   # the largest value Grappler may compute (fold) from constants

@@ -18,11 +18,9 @@ forward value). These steps give such tensors their shapes:
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _compat
+from tf_gspmd._platform import compat as _compat
 from tf_gspmd.ops.tensor_list import LIST_OPS
 from tf_gspmd.rewriter.graph import functions
-from tf_gspmd.rewriter.graph import graph_view
-from tf_gspmd.rewriter.graph.graph_view import is_control, node_of
 
 _WHILE = ("While", "StatelessWhile")
 _VALUES = ("Shape", "Size", "Rank")   # known from the shape of their operand alone
@@ -207,52 +205,3 @@ def list_element_shape(op):
     return None
   shape = tuple(t.shape.as_list())
   return (shape[1:] if kind.endswith("stacked") else shape), t.dtype
-
-
-# Collectives whose result TF's shape functions already give their operand's shape.
-_SHAPE_KEEPING = ("CollectiveReduceV2", "CollectiveAllToAllV2", "CollectiveBcastSendV2")
-
-
-def adds_shapes(gd, variables):
-  """Whether `for_shapes(gd, variables)` can give a tensor a static shape TF's import of `gd` leaves unknown: `gd`
-  reads one of `variables`, or has a collective other than those that keep their operand's shape."""
-  nodes = {x.name: x for x in gd.node}
-  return any((x.op.startswith("Collective") and x.op not in _SHAPE_KEEPING) or
-             (x.op == "ReadVariableOp" and variables.get(graph_view.through_identities(nodes, x.input[0])) is not None)
-             for x in gd.node)
-
-
-def for_shapes(gd, variables):
-  """`gd` for shape inference only: each collective replaced by an op of its result's shape (TF's shape functions
-  leave a gather's or a receive's unknown), each read of a captured variable (`variables`: handle -> (shape,
-  dtype) of a device's shard) by a placeholder of the shard's shape."""
-  out = tf.compat.v1.GraphDef()
-  out.CopyFrom(gd)
-  nodes = {x.name: x for x in gd.node}
-  consts = {x.name: x for x in gd.node if x.op == "Const"}
-  for x in out.node:
-    handle = graph_view.through_identities(nodes, x.input[0]) if x.op == "ReadVariableOp" else None
-    if variables.get(handle) is not None:
-      shape, _ = variables[handle]
-      graph_view.write(x, "Placeholder", [i for i in x.input if is_control(i)],
-                       dtype=tf.as_dtype(x.attr["dtype"].type), shape=tf.TensorShape(shape))
-      continue
-    if not x.op.startswith("Collective"):
-      continue
-    data = [i for i in x.input if not is_control(i)]
-    controls = [i for i in x.input if is_control(i)]
-    dtype = x.attr["T"].type
-    if x.op in _SHAPE_KEEPING:
-      op, inputs, attrs = "Identity", [data[0]], {}
-    elif x.op == "CollectiveGatherV2" and node_of(data[1]) in consts:
-      size = int(tf.make_ndarray(consts[node_of(data[1])].attr["value"].tensor))
-      axis = graph_view.write_const(out.node.add(name=f"{x.name}/shape_axis"), np.int32(0))
-      op, inputs, attrs = "ConcatV2", [data[0]] * size + [axis.name], {"N": size, "Tidx": tf.int32}
-    elif x.op == "CollectiveBcastRecvV2":
-      zero = graph_view.write_const(out.node.add(name=f"{x.name}/shape_zero"),
-                                    np.zeros((), tf.as_dtype(dtype).as_numpy_dtype))
-      op, inputs, attrs = "Fill", [data[3], zero.name], {"index_type": tf.as_dtype(x.attr["Tshape"].type)}
-    else:
-      continue
-    graph_view.write(x, op, inputs + controls, T=tf.as_dtype(dtype), **attrs)
-  return out

@@ -54,8 +54,9 @@ from typing import Tuple
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _cluster
-from tf_gspmd import _compat
+from tf_gspmd._platform import cluster as _cluster
+from tf_gspmd._platform import compat as _compat
+from tf_gspmd.errors import PartitionError
 from tf_gspmd.rewriter.program import variable_shard
 from tf_gspmd.rewriter.collectives import builders as collectives
 from tf_gspmd.rewriter.graph import graph_view
@@ -63,7 +64,6 @@ from tf_gspmd.rewriter.collectives import ordering
 from tf_gspmd.rewriter.one_graph import stacking
 from tf_gspmd.rewriter.one_graph import stacking_rules
 from tf_gspmd.rewriter.collectives import vocabulary
-from tf_gspmd.rewriter.graph.graph_view import prune
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +87,9 @@ PRINT_OPS = frozenset(("PrintV2",))
 STACKED_VARIABLE_LIMIT = stacking.STACK_LIMIT
 
 
-def _processes_of_cpus(program):
-  """Whether the program runs on CPUs with exchange "auto": in one process, or in the processes that drive its
-  devices now (not a plan for other processes)."""
+def runs_as_one_graph(program):
+  """Whether the program takes the one-graph path (rewriter/pipeline.py): it runs on CPUs with exchange "auto", in
+  one process or in the processes that drive its devices now (not a plan for other processes)."""
   if program.options.exchange != "auto" or not program.on_cpus:
     return False
   if program.processes is None:
@@ -107,7 +107,7 @@ def local_positions(program):
 def applies(program):
   """`crossing(program)` where the program can run as one graph per process (collectives within a process as
   in-process edges, those across processes as TF's), else None (see the module docstring)."""
-  if not _processes_of_cpus(program) or program.jit == "whole" or program.collective_keys is None:
+  if program.jit == "whole" or program.collective_keys is None:
     return None
   if program.processes is not None and program.jit:   # XLA segments run per device: nothing would be stacked
     return None
@@ -124,8 +124,8 @@ def applies(program):
 
 # The collectives that can cross processes in the one graph of a process: one op over the stacked operand; and
 # the halves of a collective-permute's transfers, TF's op on the device whose peer is in another process.
-ACROSS_OPS = frozenset(("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveAllToAllV2"))
-PERMUTE_OPS = frozenset(("CollectiveBcastSendV2", "CollectiveBcastRecvV2"))
+ACROSS_KINDS = ("all-reduce", "all-gather", "all-to-all")
+PERMUTE_KIND = "collective-permute"
 
 
 def crossing(program):
@@ -158,7 +158,7 @@ def crossing(program):
       continue
     if any(x.name not in k for k in keys):
       return None   # (a collective the keys pass did not see)
-    if x.op in PERMUTE_OPS:   # a transfer between two devices: across processes, TF's op on this device
+    if vocabulary.kind_of(x) == PERMUTE_KIND:   # a transfer between two devices: across processes, TF's op on this device
       remote = frozenset(i for i, p in enumerate(mine) if any(
           not _cluster.is_local(d) for d in collectives.group_members(keys[p][x.name][0])))
       if remote:
@@ -177,7 +177,7 @@ def crossing(program):
       rows = {tuple(index[m] for m in members[k * per:(k + 1) * per]) for k in range(len(joined))}
       if len(members) % len(joined) or len(rows) != 1 or index[p] not in next(iter(rows)) or \
           tuple(processes[m] for m in members) != tuple(q for q in joined for _ in range(per)) or \
-          (per > 1 and x.op != "CollectiveAllToAllV2") or x.op not in ACROSS_OPS:
+          (per > 1 and vocabulary.kind_of(x) != "all-to-all") or vocabulary.kind_of(x) not in ACROSS_KINDS:
         return None
       row, = rows
       if processes[p] == me:
@@ -195,8 +195,6 @@ def crossing(program):
 def keys(program):
   """Pass (before XLA segments can hide them): program.collective_keys, per device {collective op name: (group
   key, instance key)}, evaluated from the per-device program's tables at each partition id."""
-  if not _processes_of_cpus(program):
-    return program
   colls = [c for c in program.local_graph_def.node if c.op in vocabulary.TF_COLLECTIVE_OPS]
   return program.replace(collective_keys=_keys(program, colls) if colls else [{}] * len(program.devices))
 
@@ -218,24 +216,37 @@ def run(program):
 
 
 def _keys(program, colls):
-  """Per device: {collective node name: (group key, instance key)}, evaluated from the program's tables."""
-  gd = program.local_graph_def
-  fetch = []
-  for c in colls:
-    args = [a.name for a in _compat.op_def(c.op).input_arg]
-    fetch += [graph_view.normalize(c.input[args.index(k)]) for k in ("group_key", "instance_key")]
-  sub = prune(gd, sorted({t.split(":")[0] for t in fetch}))
-  graph = tf.Graph()
-  with graph.as_default():
-    tf.graph_util.import_graph_def(sub, name="")
-  pid = graph_view.normalize(program.partition_id)
-  reads_pid = any(n.name == program.partition_id for n in sub.node)
+  """Per device: {collective node name: (group key, instance key)}, read from the program's tables at each
+  partition id (`_value_at`)."""
+  nodes = {x.name: x for x in program.local_graph_def.node}
   per_device = []
-  with tf.compat.v1.Session(graph=graph) as sess:
-    for p in range(len(program.devices)):
-      values = sess.run(fetch, {pid: np.int32(p)} if reads_pid else None)
-      per_device.append({c.name: (int(values[2 * k]), int(values[2 * k + 1])) for k, c in enumerate(colls)})
+  for p in range(len(program.devices)):
+    keys = {}
+    for c in colls:
+      args = [a.name for a in _compat.op_def(c.op).input_arg]
+      keys[c.name] = tuple(int(_value_at(nodes, c.input[args.index(k)], program.partition_id, p))
+                           for k in ("group_key", "instance_key"))
+    per_device.append(keys)
   return per_device
+
+
+def _value_at(nodes, ref, partition_id, p):
+  """The value tensor `ref` of the per-device program has on device `p`, where it depends on nothing but
+  constants and the partition id: a constant, a row of a per-device table at the partition id (graph/tables.py),
+  through identities. Nothing runs: the program is read."""
+  x = nodes[graph_view.node_of(ref)]
+  if x.name == graph_view.node_of(partition_id):
+    return np.int32(p)
+  if x.op == "Const":
+    return tf.make_ndarray(x.attr["value"].tensor)
+  data = [i for i in x.input if not graph_view.is_control(i)]
+  if x.op == "Identity":
+    return _value_at(nodes, data[0], partition_id, p)
+  if x.op == "GatherV2" and x.attr["batch_dims"].i == 0:
+    params, indices, axis = (_value_at(nodes, i, partition_id, p) for i in data)
+    return np.take(params, indices, axis=int(axis))
+  raise PartitionError(f"the key {ref} of a collective is computed by {x.op} node {x.name}, not read from a "
+                       f"per-device table: the one graph cannot place its group (pass exchange=\"collectives\")")
 
 
 class Edges:
@@ -294,52 +305,71 @@ def _build(program, found, grouped):
   n = len(devices)
   across, pairs = found   # (crossing)
   if across or pairs:   # the collectives across processes, issued in one order (a permute's with its transfers)
-    gd = ordering.ordered(gd, among=set(across) | ({x.name for x in gd.node if x.op in PERMUTE_OPS} if pairs else
-                                                   set()))
+    permutes = {x.name for x in gd.node if vocabulary.kind_of(x) == PERMUTE_KIND} if pairs else set()
+    gd = ordering.ordered(gd, among=set(across) | permutes)
   out = tf.compat.v1.GraphDef()
   out.versions.CopyFrom(gd.versions)
   out.library.CopyFrom(gd.library)
   edges = Edges(program, out, positions)
-  ref = edges.ref
+  handles, touching = _resources(program, gd)
+  # XLA segments (jit_compile=True on CPU) are function calls that run per device: such a program is not stacked.
+  stack = not program.jit
+  uniform, read_once, stacked, shards = _read_once(program, gd, edges.ref, stack)
+  replicated = program.replicated_variables()
+  stacker = stacking.Stacker(gd, out, devices, program.partition_id,
+                             touching if stack else {x.name for x in gd.node}, uniform if stack else {}, shards,
+                             lambda x: [edges.ranked(p, x.name) for p in range(n)], grouped and stack,
+                             stacked_variables={v: v in replicated for v in stacked},
+                             positions=positions, across=across)
+  printed = _copies(program, gd, edges, stacker, (uniform, read_once, touching, pairs))
+  return _assembled(program, out, edges.ref, stacker, handles, printed, stacked)
 
-  # Resource handles -- the captured variables', those the program creates (a VarHandleOp: each device's copy
-  # is its own resource only on its own device) -- and identities of them.
+
+def _resources(program, gd):
+  """(resource handles -- the captured variables', those the program creates (a VarHandleOp: each device's copy
+  is its own resource only on its own device) -- and identities of them; the nodes that touch one)."""
   handles = set(program.local_variables) | {x.name for x in gd.node if _creates_resource(x)}
   for x in graph_view.GraphView(gd).order():
     if x.op in ("Identity", "IdentityN") and any(graph_view.node_of(i) in handles for i in x.input):
       handles.add(x.name)
   touching = {x.name for x in gd.node if x.name in handles or any(graph_view.node_of(i) in handles for i in x.input)}
+  return handles, touching
+
+
+def _read_once(program, gd, ref, stack):
+  """(uniform: {node: device 0's copy, which stands for every device's}, read_once: {read of a replicated variable
+  stored per device: its variable}, the variables stored stacked, {variable: its shard (shape, dtype)})."""
   # Replicated arguments are one value on every device: device 0's copy stands for all (see _same_tiles).
-  uniform = {name: ref(0, name) for name, sharding, spec in zip(program.local_inputs, program.param_shardings,
-                                                                program.arg_specs)
+  uniform = {name: ref(0, name) for name, sharding in zip(program.local_inputs, program.param_shardings)
              if sharding is not None and sharding.is_replicated}
   # So are the reads of a replicated variable (every device holds and writes the same value): device 0 reads it
   # for all, and each device's writes still go to its own copy.
-  replicated = {h for h, sharding in zip(program.variable_names, program.variable_shardings) if sharding.is_replicated}
+  replicated = program.replicated_variables()
   nodes = {x.name: x for x in gd.node}
-
-  # XLA segments (jit_compile=True on CPU) are function calls that run per device: such a program is not stacked.
-  stack = not program.jit
   read_once = {x.name: graph_view.through_identities(nodes, x.input[0]) for x in gd.node  # read -> its variable
                if stack and x.op == "ReadVariableOp"}
   shards = {name: variable_shard(program, name) for name in program.local_variables}
   stacked = _stackable(gd, shards, program.local_outputs) if stack else set()
   read_once = {r: v for r, v in read_once.items() if v in replicated and v not in stacked}
   uniform.update({name: ref(0, name) for name in read_once})
-  stacker = stacking.Stacker(gd, out, devices, program.partition_id,
-                             touching if stack else {x.name for x in gd.node}, uniform if stack else {}, shards,
-                             lambda x: [edges.ranked(p, x.name) for p in range(n)], grouped and stack,
-                             stacked_variables={v: v in replicated for v in stacked}, positions=positions,
-                             across=across)
-  printed = {}   # device p's print -> device 0's (see PRINT_OPS)
-  for p in range(n):
+  return uniform, read_once, stacked, shards
+
+
+def _copies(program, gd, edges, stacker, shared):
+  """Each device's copy of every node the stacker leaves per device (into `edges.out`), a collective's as its
+  in-process meaning; {device p's print: device 0's} (see PRINT_OPS)."""
+  uniform, read_once, touching, pairs = shared
+  ref, devices, positions = edges.ref, edges.devices, local_positions(program)
+  nodes = {x.name: x for x in gd.node}
+  printed = {}
+  for p in range(len(devices)):
     for x in gd.node:
       if stacker.form[x.name] != stacking.PER_DEVICE and (x.name not in uniform or p and x.name in read_once):
         continue
       if p and x.op in PRINT_OPS:
         printed[ref(p, x.name)] = ref(0, x.name)
         continue
-      node = out.node.add()
+      node = edges.out.node.add()
       node.CopyFrom(x)
       # What touches a device's variables runs on that device, everything else on the first (see the docstring).
       node.name, node.device = f"d{p}/{x.name}", devices[p if x.name in touching or x.name in pairs else 0]
@@ -356,6 +386,13 @@ def _build(program, found, grouped):
         graph_view.write_const(node, np.int32(positions[p]))
       elif x.op in vocabulary.EMITTED and p not in pairs.get(x.name, ()):   # (none over a group of one)
         vocabulary.EMITTED[x.op].in_process(edges, x, node, p)
+  return printed
+
+
+def _assembled(program, out, ref, stacker, handles, printed, stacked):
+  """The InProcess record of the one graph `out`: references renamed to the stacker's, equal copies merged."""
+  positions = local_positions(program)
+  n = len(positions)
   existing = {x.name for x in out.node}
   outputs = [stacker.rename(ref(p, graph_view.normalize(t)), existing) for t in program.local_outputs
              for p in range(n)]

@@ -22,11 +22,12 @@ of floating-point sums.
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _compat
+from tf_gspmd._platform import compat as _compat
 from tf_gspmd.rewriter.graph import graph_view
-from tf_gspmd.rewriter.graph import shape_refine
+from tf_gspmd.rewriter.collectives import shapes as collective_shapes
 from tf_gspmd.rewriter.graph.graph_view import is_control, node_of, split_ref
-from tf_gspmd.rewriter.one_graph.stacking_rules import COLLECTIVES, PER_DEVICE, STACKED, UNIFORM, Rules
+from tf_gspmd.rewriter.collectives.vocabulary import kind_of
+from tf_gspmd.rewriter.one_graph.stacking_rules import PER_DEVICE, STACKED, STACKED_KINDS, UNIFORM, Rules
 
 # Stacking saves the executor's per-op cost (a few microseconds an op) for every device but the first, and costs
 # a copy wherever per-device tensors are packed or a group's result is spread: it pays for small tensors, where a
@@ -37,6 +38,20 @@ STACK_LIMIT = 1 << 14   # elements per device
 _NEVER_UNIFORM = frozenset(("Placeholder", "PlaceholderWithDefault"))
 WRITES = frozenset(("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"))
 _VARIABLE_OPS = WRITES | {"ReadVariableOp"}
+
+
+def _levels(gd, order):
+  """({node: its level}, {node: its height}): the most nodes on a path from the inputs that order a read after
+  them (a control input of a read), and the longest path to an output."""
+  ordering = {node_of(i) for x in gd.node if x.op == "ReadVariableOp" for i in x.input if is_control(i)}
+  level, height, after = {}, {}, {}
+  for x in order:
+    level[x.name] = (x.name in ordering) + max((level[node_of(i)] for i in x.input), default=0)
+    for i in x.input:
+      after.setdefault(node_of(i), []).append(x.name)
+  for x in reversed(order):
+    height[x.name] = 1 + max((height[y] for y in after.get(x.name, ())), default=-1)
+  return level, height
 
 
 class Stacker(Rules):
@@ -62,70 +77,67 @@ class Stacker(Rules):
       return
     graph = tf.Graph()
     with graph.as_default():
-      tf.graph_util.import_graph_def(shape_refine.for_shapes(gd, variables), name="")
+      tf.graph_util.import_graph_def(collective_shapes.for_shapes(gd, variables), name="")
     self.graph = graph
     # Reads join by level -- the most nodes on a path from the inputs that order a read after them (a control
     # input of a read): a read cannot reach another read of its level, nor anything that reaches one -- and
     # writes by height, the longest path to an output. Each keeps the graph acyclic when the members of a group
     # become one node (the two together almost always; see in_process.run).
     order = graph_view.GraphView(gd).order()
-    ordering = {node_of(i) for x in gd.node if x.op == "ReadVariableOp" for i in x.input if is_control(i)}
-    level, height, after = {}, {}, {}
-    for x in order:
-      level[x.name] = (x.name in ordering) + max((level[node_of(i)] for i in x.input), default=0)
-      for i in x.input:
-        after.setdefault(node_of(i), []).append(x.name)
-    for x in reversed(order):
-      height[x.name] = 1 + max((height[y] for y in after.get(x.name, ())), default=-1)
-
-    def of_stacked(x):
-      return x.op in _VARIABLE_OPS and node_of(x.input[0]) in stacked_variables
-
+    level, height = _levels(gd, order)
+    self._stacked_variables = stacked_variables
     self._read_group = self._group([x for x in gd.node if x.op == "ReadVariableOp" and x.name in per_device
-                                    and x.name not in self._uniform and not of_stacked(x)],
+                                    and x.name not in self._uniform and not self._of_stacked(x)],
                                    lambda x: x.name + ":0", level) if grouped else {}
     for x in order:
-      if x.name in stacked_variables:   # a variable stored stacked (runtime/state.py): its one handle
-        self._copy(x, f"stk/{x.name}", [])
-        self.form[x.name] = STACKED
-      elif of_stacked(x):   # its read is the stacked value; a write writes every device's row at once
-        handle = node_of(x.input[0])
-        inputs = [f"stk/{handle}"] + ([self.stacked_ref(x.input[1])] if x.op in WRITES else [])
-        self._copy(x, f"stk/{x.name}", inputs)
-        self.form[x.name] = STACKED
-        if x.op == "ReadVariableOp" and stacked_variables[handle]:   # replicated: row 0 stands for all
-          zero = self._const("uni/zero", np.int32(0))   # (row 0 of axis 0)
-          self._node(f"uni/{x.name}", "GatherV2", [f"stk/{x.name}:0", zero, zero],
-                     Tparams=self._dtype(x.name + ":0"), Tindices=tf.int32, Taxis=tf.int32, batch_dims=0)
-          self._uniform[x.name] = f"uni/{x.name}"
-          self.form[x.name] = UNIFORM
-      elif x.name in self._uniform:
-        self.form[x.name] = UNIFORM
-      elif x.name == partition_id:
-        self._const(f"stk/{x.name}", np.array(positions, dtype=np.int32))
-        self.form[x.name] = STACKED
-      elif x.name in across:
-        self._across(x, *across[x.name])
-        self.form[x.name] = STACKED
-      elif x.op in COLLECTIVES and x.name not in per_device and self._small(x) and self._collective(x):
-        self.form[x.name] = STACKED
-      elif x.name in per_device or _compat.op_def(x.op) is None or graph_view.is_stateful(x.op) or \
-          x.op in _NEVER_UNIFORM or any(v.HasField("func") or v.list.func for v in x.attr.values()):
-        self.form[x.name] = PER_DEVICE
-      elif x.op in ("Shape", "Size", "Rank") and self._static(x) is not None:   # of a stacked operand
-        self._uniform[x.name] = self._const(f"uni/{x.name}", self._static(x)).split(":")[0]
-        self.form[x.name] = UNIFORM
-      elif all(self.form[node_of(i)] == UNIFORM for i in x.input if not is_control(i)):
-        self._copy(x, f"uni/{x.name}", [self._uniform_ref(i) for i in x.input if not is_control(i)])
-        self._uniform[x.name] = f"uni/{x.name}"
-        self.form[x.name] = UNIFORM
-      else:
-        self.form[x.name] = STACKED if self._small(x) and self._stacked(x) else PER_DEVICE
-    self._write_group = self._group([x for x in gd.node if x.op in WRITES and not of_stacked(x) and
+      self.form[x.name] = self._decide(x, per_device, partition_id, positions, across)
+    self._write_group = self._group([x for x in gd.node if x.op in WRITES and not self._of_stacked(x) and
                                      x.name in per_device and
                                      self.form[node_of(x.input[1])] != PER_DEVICE and
                                      self._elements(x.input[1]) <= STACK_LIMIT], lambda x: x.input[1],
                                     height) if grouped else {}
+
+  def _of_stacked(self, x):
+    """Whether NodeDef `x` reads or writes a variable stored stacked."""
+    return x.op in _VARIABLE_OPS and node_of(x.input[0]) in self._stacked_variables
+
+  def _decide(self, x, per_device, partition_id, positions, across):
+    """The form of NodeDef `x` (its operands' decided), its uniform or stacked form written where it has one."""
+    if x.name in self._stacked_variables:   # a variable stored stacked (runtime/state.py): its one handle
+      self._copy(x, f"stk/{x.name}", [])
+      return STACKED
+    if self._of_stacked(x):   # its read is the stacked value; a write writes every device's row at once
+      handle = node_of(x.input[0])
+      inputs = [f"stk/{handle}"] + ([self.stacked_ref(x.input[1])] if x.op in WRITES else [])
+      self._copy(x, f"stk/{x.name}", inputs)
+      if x.op == "ReadVariableOp" and self._stacked_variables[handle]:   # replicated: row 0 stands for all
+        zero = self._const("uni/zero", np.int32(0))   # (row 0 of axis 0)
+        self._node(f"uni/{x.name}", "GatherV2", [f"stk/{x.name}:0", zero, zero],
+                   Tparams=self._dtype(x.name + ":0"), Tindices=tf.int32, Taxis=tf.int32, batch_dims=0)
+        self._uniform[x.name] = f"uni/{x.name}"
+        return UNIFORM
+      return STACKED
+    if x.name in self._uniform:
+      return UNIFORM
+    if x.name == partition_id:
+      self._const(f"stk/{x.name}", np.array(positions, dtype=np.int32))
+      return STACKED
+    if x.name in across:
+      self._across(x, *across[x.name])
+      return STACKED
+    if kind_of(x) in STACKED_KINDS and x.name not in per_device and self._small(x) and self._collective(x):
+      return STACKED
+    if x.name in per_device or _compat.op_def(x.op) is None or graph_view.is_stateful(x.op) or \
+        x.op in _NEVER_UNIFORM or any(v.HasField("func") or v.list.func for v in x.attr.values()):
+      return PER_DEVICE
+    if x.op in ("Shape", "Size", "Rank") and self._static(x) is not None:   # of a stacked operand
+      self._uniform[x.name] = self._const(f"uni/{x.name}", self._static(x)).split(":")[0]
+      return UNIFORM
+    if all(self.form[node_of(i)] == UNIFORM for i in x.input if not is_control(i)):
+      self._copy(x, f"uni/{x.name}", [self._uniform_ref(i) for i in x.input if not is_control(i)])
+      self._uniform[x.name] = f"uni/{x.name}"
+      return UNIFORM
+    return STACKED if self._small(x) and self._stacked(x) else PER_DEVICE
 
   def _elements(self, i):
     shape = self._shape(i)

@@ -9,7 +9,7 @@ and emission scope. Which loop variables are accumulators is found by `loops.acc
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd._mesh import axes_text
+from tf_gspmd._layout.mesh import axes_text
 from tf_gspmd.rewriter.graph import loops
 from tf_gspmd.rewriter.sharding import reshard
 from tf_gspmd.rewriter.graph.graph_view import public_key

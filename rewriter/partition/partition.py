@@ -13,10 +13,10 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _compat
+from tf_gspmd._platform import compat as _compat
 from tf_gspmd import ops as op_rules
-from tf_gspmd._mesh import axes_text
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.mesh import axes_text
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.errors import PartitionError, ShapeError, UnsupportedOpError
 from tf_gspmd.rewriter.partition import accumulation, halo
 from tf_gspmd.rewriter.sharding import completion, reshard

@@ -54,8 +54,8 @@ from typing import Optional
 
 import tensorflow as tf
 
-from tf_gspmd import _compat
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._platform import compat as _compat
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.ops.basic import WHOLE_SPLAT_BYTES, splat_value
 from tf_gspmd.rewriter.sharding import completion
 from tf_gspmd.rewriter.graph import functions, loops

@@ -19,7 +19,7 @@ from typing import Tuple
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ weights are all-gathered when written — the same bytes on the wire as the all-
 The role of every variable is recorded whether or not the option is on (the report shows state bytes).
 """
 
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.rewriter.sharding import completion
 from tf_gspmd.rewriter.graph.graph_view import ref, split_ref
 

@@ -79,7 +79,7 @@ def _time_matmul(n=512):
   return _best_of(lambda: mm(a).numpy()) / n ** 3
 
 
-_ALL_REDUCE_TIMER = []   # the API floor's timer (tf_gspmd._stages): the rewriter builds no gs.function itself
+_ALL_REDUCE_TIMER = []   # the API floor's timer (tf_gspmd._parallel.stages): the rewriter builds no gs.function itself
 
 
 def set_all_reduce_timer(timer):

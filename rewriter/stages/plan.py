@@ -36,8 +36,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
-from tf_gspmd._mesh import Mesh
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.mesh import Mesh
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.errors import AutoShardingError
 from tf_gspmd.rewriter.frontend import import_annotations
 from tf_gspmd.rewriter.sharding import memory, reshard

@@ -1,5 +1,5 @@
 """A 3-stage MPMD pipeline (gs.mpmd_pipeline) whose stages differ: an embedding-like stage, two dense residual
-blocks, a vocabulary head with softmax cross-entropy. The model is shared with tests/test_mpmd.py; run as a
+blocks, a vocabulary head with softmax cross-entropy. The model is shared with tests/parallel/test_mpmd.py; run as a
 program by 2 processes x 4 CPUs: stage 0 on process 0's four devices, stages 1 and 2 on two devices each of
 process 1, so activations and their gradients cross between the processes at one boundary and stay inside
 process 1 at the other.

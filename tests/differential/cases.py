@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import tf_gspmd as gs
 from tf_gspmd import P
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 
 MESHES = {
     "8": gs.Mesh((8,), ("d",)),

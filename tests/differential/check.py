@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import tf_gspmd as gs
 from differential.cases import MESHES, _tolerance
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 
 
 def _valid_block(sharding, shape, position):

@@ -8,7 +8,7 @@ from differential.builder import _Builder
 from differential.cases import CASES_PER_MESH, FAMILIES, MESHES, SEED, Case, Draw, _d, st
 from differential.families import _FAMILY_FNS
 from tf_gspmd import P
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 
 
 # ---- shardings -------------------------------------------------------------------------------------------

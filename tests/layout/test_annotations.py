@@ -7,7 +7,7 @@ from tensorflow.python.compiler.xla.experimental import xla_sharding
 
 import tf_gspmd as gs
 from tf_gspmd import P
-from tf_gspmd._annotations import decode_spec
+from tf_gspmd._layout.annotations import decode_spec
 
 MESH = gs.Mesh((2, 4), ("data", "model"))
 

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import tf_gspmd as gs
 from tf_gspmd import P
-from tf_gspmd import _cluster
+from tf_gspmd._platform import cluster as _cluster
 
 
 def test_mesh_values():

@@ -27,7 +27,7 @@ def test_a_keras_model_and_adam_of_24_gib_are_built_and_lowered_in_little_memory
     optimizer = keras.optimizers.Adam(1e-3)
     optimizer.build(model.trainable_variables)
   kernel = model.get_layer("up").kernel
-  assert kernel.shape == (32768, 32768) and gs._plan_scope.is_shape_only(kernel)
+  assert kernel.shape == (32768, 32768) and gs._layout.plan_scope.is_shape_only(kernel)
 
   def step(x):
     gs.shard(model.get_layer("up").kernel, P(None, "model"))
@@ -63,4 +63,4 @@ def test_tf_variables_of_every_kind_get_shapes_without_values():
   with pytest.raises(tf.errors.InvalidArgumentError, match="plan_scope"):
     tf.function(lambda: b + 1)()
   outside = tf.Variable(1.0)
-  assert not gs._plan_scope.is_shape_only(outside) and outside.numpy() == 1.0
+  assert not gs._layout.plan_scope.is_shape_only(outside) and outside.numpy() == 1.0

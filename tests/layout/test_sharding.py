@@ -9,7 +9,7 @@ from tensorflow.python.compiler.xla.experimental import xla_sharding
 
 import tf_gspmd as gs
 from tf_gspmd import P
-from tf_gspmd._sharding import to_annotation
+from tf_gspmd._layout.sharding import to_annotation
 
 MESH22 = gs.Mesh((2, 2), ("a", "b"))
 MESH24 = gs.Mesh((2, 4), ("data", "model"))

@@ -137,7 +137,7 @@ def test_reshape_moves_a_split_by_all_to_all_when_that_sends_less():
   """[8, 12] split on its minor dim flattened to [96] split over `model`: moving the split onto the major dim
   (one all-to-all of the shard) and reshaping locally sends less than gathering the input and slicing."""
   from tf_gspmd.rewriter.sharding import reshard  # pylint: disable=g-import-not-at-top
-  from tf_gspmd._sharding import Sharding  # pylint: disable=g-import-not-at-top
+  from tf_gspmd._layout.sharding import Sharding  # pylint: disable=g-import-not-at-top
   x = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
   f = gs.function(lambda x: tf.reshape(x, [96]), mesh=MESH, in_shardings=P(None, "model"), out_shardings=P("model"))
   assert_close(f(x).numpy(), x.reshape(-1), rtol=0, atol=0)

@@ -173,7 +173,7 @@ def test_split_pieces_of_a_split_dim(rng, read):
 def test_corner_of_a_512_mib_variable_moves_a_few_bytes():
   """v[:8, :8] of a variable f32[8192, 16384] split by columns over 8 devices (lowered only: nothing runs, no
   value is allocated): each device takes its column, never the 512 MiB gathered."""
-  from tf_gspmd import _compat  # pylint: disable=g-import-not-at-top
+  from tf_gspmd._platform import compat as _compat  # pylint: disable=g-import-not-at-top
   v = _compat.uninitialized_variable((8192, 16384), tf.float32)
 
   def step():

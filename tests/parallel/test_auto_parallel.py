@@ -173,7 +173,7 @@ def test_captured_trainable_variables_and_inexact_boundaries_are_refused():
   with pytest.raises(InputError, match="head_bias.*not a leaf of params"):
     gs.auto_parallel(with_bias, {"embed": init()["embed"], "head": init()["head"]}, tokens, labels, mesh=mesh,
                      microbatches=2, layers=3, calibration=CAL)
-  from tf_gspmd import _auto_parallel  # pylint: disable=g-import-not-at-top
+  from tf_gspmd._parallel import auto_parallel as _auto_parallel  # pylint: disable=g-import-not-at-top
   assert _auto_parallel._pack_dtype([tf.TensorSpec([2], tf.float32)], "b") == tf.float32  # pylint: disable=protected-access
   assert _auto_parallel._pack_dtype([tf.TensorSpec([2], tf.float32), tf.TensorSpec([2], tf.int32)],  # pylint: disable=protected-access
                                     "b") == tf.float64

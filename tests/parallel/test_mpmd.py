@@ -17,7 +17,7 @@ from conftest import assert_close
 
 DEVS = [d.name for d in tf.config.list_logical_devices("CPU")]
 # The model, shared with the 2-process run (tests/cluster_programs/mpmd_step.py).
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "cluster_programs"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cluster_programs"))
 from mpmd_step import D, N, blocks, embed, head  # noqa: E402  pylint: disable=g-import-not-at-top
 from mpmd_step import data as _data  # noqa: E402  pylint: disable=g-import-not-at-top
 from mpmd_step import reference as _reference  # noqa: E402  pylint: disable=g-import-not-at-top

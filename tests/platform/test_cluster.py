@@ -17,11 +17,12 @@ import tensorflow as tf
 
 from conftest import sigkill_when
 import tf_gspmd as gs
-from tf_gspmd import _cluster, _mesh
+from tf_gspmd._platform import cluster as _cluster
+from tf_gspmd._layout import mesh as _mesh
 from tf_gspmd import launch
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-PROGRAMS = os.path.join(os.path.dirname(__file__), "cluster_programs")
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+PROGRAMS = os.path.join(os.path.dirname(__file__), "..", "cluster_programs")
 sys.path.insert(0, PROGRAMS)
 import megatron_step  # noqa: E402  pylint: disable=g-import-not-at-top
 import cluster_runs  # noqa: E402  pylint: disable=g-import-not-at-top

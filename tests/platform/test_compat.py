@@ -1,4 +1,4 @@
-"""The private TF/Keras APIs behind tf_gspmd._compat: each adapter against the installed TensorFlow and Keras.
+"""The private TF/Keras APIs behind tf_gspmd._platform.compat: each adapter against the installed TensorFlow and Keras.
 
 One test per adapter; a failure here names the private API that changed (see the section of _compat.py for
 what it is used for and the versions it was checked against).
@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import assert_close
-from tf_gspmd import _compat
+from tf_gspmd._platform import compat as _compat
 
 
 def _params(fn):
@@ -55,7 +55,7 @@ def test_abort_collectives_unblocks_a_waiting_collective():
       import tensorflow as tf
       cpu = tf.config.list_physical_devices("CPU")[0]
       tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-      from tf_gspmd import _compat
+      from tf_gspmd._platform import compat as _compat
       threading.Timer(1.0, _compat.abort_collectives, (tf.errors.DEADLINE_EXCEEDED, "aborted by test")).start()
       try:
         with tf.device("/device:CPU:0"):   # a group of 2 whose second member never comes
@@ -417,7 +417,7 @@ def test_cluster_collectives_span_two_processes():
   code = textwrap.dedent("""
       import json, os
       import tensorflow as tf
-      from tf_gspmd import _compat
+      from tf_gspmd._platform import compat as _compat
       conf = json.loads(os.environ["TF_CONFIG"])
       k = conf["task"]["index"]
       cpu = tf.config.list_physical_devices("CPU")[0]
@@ -438,7 +438,7 @@ def test_cluster_collectives_span_two_processes():
       print("SUM", [float(c.numpy()[0]) for c in pd.unpack(out)], flush=True)
   """)
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-             PYTHONPATH=os.path.join(os.path.dirname(__file__), ".."))
+             PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", ".."))
   procs = [subprocess.Popen([sys.executable, "-c", code], env=dict(env, TF_CONFIG=e["TF_CONFIG"]),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for e in launch.worker_envs(2)]

@@ -10,12 +10,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _compat
+from tf_gspmd._platform import compat as _compat
 from tf_gspmd import initializers
-from tf_gspmd._annotations import shard
+from tf_gspmd._layout.annotations import shard
 from tf_gspmd._function import function as gs_function
-from tf_gspmd._mesh import Mesh, P
-from tf_gspmd._sharding import Sharding, to_sharding
+from tf_gspmd._layout.mesh import Mesh, P
+from tf_gspmd._layout.sharding import Sharding, to_sharding
 from tf_gspmd.errors import InputError, MeshError, SpecError
 from tf_gspmd.rewriter.graph.graph_view import ref
 from tf_gspmd.runtime import parallel as _parallel

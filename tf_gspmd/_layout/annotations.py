@@ -16,9 +16,9 @@ from typing import Tuple
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _compat
-from tf_gspmd._mesh import Mesh, P
-from tf_gspmd._sharding import Sharding, to_annotation
+from tf_gspmd._platform import compat as _compat
+from tf_gspmd._layout.mesh import Mesh, P
+from tf_gspmd._layout.sharding import Sharding, to_annotation
 from tf_gspmd.errors import MeshError, ShapeError, SpecError
 
 SHARDING_ATTR = "_XlaSharding"

@@ -18,8 +18,8 @@ import threading
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _compat
-from tf_gspmd._annotations import current_mesh
+from tf_gspmd._platform import compat as _compat
+from tf_gspmd._layout.annotations import current_mesh
 from tf_gspmd.errors import InputError
 
 _local = threading.local()

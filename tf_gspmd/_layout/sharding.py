@@ -13,8 +13,8 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from tf_gspmd import _compat
-from tf_gspmd._mesh import Mesh, P
+from tf_gspmd._platform import compat as _compat
+from tf_gspmd._layout.mesh import Mesh, P
 from tf_gspmd.errors import InputError, SpecError
 
 

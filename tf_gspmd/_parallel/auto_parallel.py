@@ -28,11 +28,11 @@ from typing import Any, Dict, Tuple
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _cluster
+from tf_gspmd._platform import cluster as _cluster
 from tf_gspmd._function import function as gs_function, parse_bytes
-from tf_gspmd._mesh import Mesh, P
-from tf_gspmd._mpmd import Stage, mpmd_pipeline
-from tf_gspmd._stages import _paths, plan_stages
+from tf_gspmd._layout.mesh import Mesh, P
+from tf_gspmd._parallel.mpmd import Stage, mpmd_pipeline
+from tf_gspmd._parallel.stages import _paths, plan_stages
 from tf_gspmd.errors import AutoShardingError, InputError
 from tf_gspmd.rewriter.stages.calibrate import call_times
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor

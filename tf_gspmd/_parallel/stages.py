@@ -4,7 +4,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gspmd._function import function as gs_function, parse_bytes
-from tf_gspmd._mesh import Mesh, P
+from tf_gspmd._layout.mesh import Mesh, P
 from tf_gspmd.errors import InputError
 from tf_gspmd.rewriter.frontend import grappler, import_annotations, trace
 from tf_gspmd.rewriter.program import Options, Program
@@ -31,7 +31,7 @@ def _time_stage_call(best_of, first, second, microbatches=4):
   `second` (1F1B, `microbatches`): its step over the calls the planner prices for it (per microbatch a forward
   and a backward call of each stage, and the move each way between them). Python dispatches one call at a time,
   so the calls add up."""
-  from tf_gspmd._mpmd import Stage, mpmd_pipeline  # pylint: disable=g-import-not-at-top
+  from tf_gspmd._parallel.mpmd import Stage, mpmd_pipeline  # pylint: disable=g-import-not-at-top
   stages = [Stage(lambda p, h: h * p[0], first, in_sharding=P("x", None), out_sharding=P("x", None)),
             Stage(lambda p, h, t: tf.reduce_mean(tf.square(h * p[0] - t)), second, in_sharding=P("x", None),
                   target_sharding=P("x", None))]

@@ -20,9 +20,9 @@ import socket
 import threading
 import time
 
-from tf_gspmd import _compat
-from tf_gspmd._mesh import JOB_ORDER
-from tf_gspmd._mesh import _device_name  # the canonical device name meshes use
+from tf_gspmd._platform import compat as _compat
+from tf_gspmd._layout.mesh import JOB_ORDER
+from tf_gspmd._layout.mesh import _device_name  # the canonical device name meshes use
 from tf_gspmd.errors import ClusterJoinError, MeshError
 
 DEVICES_ENV = "TF_GSPMD_CPU_DEVICES_PER_PROCESS"   # logical CPUs per process, from the launcher

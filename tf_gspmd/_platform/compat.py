@@ -1,7 +1,7 @@
 """The private TensorFlow and Keras APIs tf_gspmd uses where no public API does the job, one adapter each.
 
 Everything else under tf_gspmd/ uses public APIs only (`tf.*`, `tf.compat.v1.*`, `keras.*`); what has no public
-route goes through one small adapter here, with the versions it was checked against. tests/test_compat.py
+route goes through one small adapter here, with the versions it was checked against. tests/platform/test_compat.py
 checks every adapter against the installed TensorFlow and Keras (that the private API exists, with the
 signature and behaviour used), so an upgrade that changes one fails there, by name, instead of inside a step.
 

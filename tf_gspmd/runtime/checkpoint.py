@@ -25,8 +25,8 @@ import time
 
 import tensorflow as tf
 
-from tf_gspmd import _cluster
-from tf_gspmd import _compat
+from tf_gspmd._platform import cluster as _cluster
+from tf_gspmd._platform import compat as _compat
 from tf_gspmd.errors import InputError, ProcessLostError
 
 # Seconds a process waits at a checkpoint barrier for the others (a lost process is usually reported sooner, by

@@ -23,9 +23,10 @@ from typing import Tuple
 
 import tensorflow as tf
 
-from tf_gspmd import _cluster
-from tf_gspmd._sharding import to_sharding
+from tf_gspmd._platform import cluster as _cluster
+from tf_gspmd._layout.sharding import to_sharding
 from tf_gspmd.errors import InputError
+from tf_gspmd.rewriter.collectives import vocabulary
 from tf_gspmd.runtime import parallel
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
@@ -301,8 +302,8 @@ def _send(value, t):
   def run():
     try:
       with tf.device(t.src_device):
-        tf.raw_ops.CollectiveBcastSendV2(input=tf.cast(value, _carried(value.dtype)), group_size=2, group_key=group,
-                                         instance_key=instance, timeout_seconds=SEND_TIMEOUT)
+        vocabulary.PERMUTE_SEND.build(input=tf.cast(value, _carried(value.dtype)), group_size=2, group_key=group,
+                                      instance_key=instance, timeout_seconds=SEND_TIMEOUT)
     except Exception as e:  # pylint: disable=broad-except
       _send_errors.append(e)
 
@@ -315,7 +316,7 @@ def _send(value, t):
 def _receive(t, dtype):
   group, instance = _pair_keys(t)
   with tf.device(t.dst_device):
-    got = tf.raw_ops.CollectiveBcastRecvV2(group_size=2, group_key=group, instance_key=instance,
+    got = vocabulary.PERMUTE_RECEIVE.build(group_size=2, group_key=group, instance_key=instance,
                                            shape=[s.stop - s.start for s in t.index], T=_carried(dtype),
                                            timeout_seconds=SEND_TIMEOUT)
     return tf.cast(got, dtype)

@@ -18,9 +18,9 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _cluster
-from tf_gspmd import _compat
-from tf_gspmd._plan_scope import is_shape_only
+from tf_gspmd._platform import cluster as _cluster
+from tf_gspmd._platform import compat as _compat
+from tf_gspmd._layout.plan_scope import is_shape_only
 from tf_gspmd.errors import InputError, ProcessLostError
 from tf_gspmd.runtime import host_writes
 from tf_gspmd.runtime import parallel

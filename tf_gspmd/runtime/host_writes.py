@@ -2,7 +2,7 @@
 
 import tensorflow as tf
 
-from tf_gspmd import _compat
+from tf_gspmd._platform import compat as _compat
 
 
 class HostWrites:

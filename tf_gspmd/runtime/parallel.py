@@ -14,9 +14,10 @@ import zlib
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _cluster
-from tf_gspmd import _compat
+from tf_gspmd._platform import cluster as _cluster
+from tf_gspmd._platform import compat as _compat
 from tf_gspmd.errors import InputError
+from tf_gspmd.rewriter.collectives import vocabulary
 
 _lock = threading.Lock()
 _parallel_devices = {}
@@ -82,9 +83,9 @@ def _all_gather(rows, ids, group_size, group_key, rows_key, ids_key):
   """Every device's `rows` and `ids`, gathered over the group: two all-gathers, the second launched after the first
   (a control edge: every device launches them in one order)."""
   def gather(x, instance_key):
-    return tf.raw_ops.CollectiveGatherV2(input=x, group_size=group_size, group_key=group_key,
-                                         instance_key=instance_key, ordering_token=[],
-                                         timeout_seconds=HOST_GATHER_TIMEOUT)
+    return vocabulary.BY_KIND["all-gather"].build(input=x, group_size=group_size, group_key=group_key,
+                                                  instance_key=instance_key, ordering_token=[],
+                                                  timeout_seconds=HOST_GATHER_TIMEOUT)
 
   gathered = gather(rows, rows_key)
   with tf.control_dependencies([gathered]):

@@ -3,7 +3,7 @@
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd._sharding import to_sharding
+from tf_gspmd._layout.sharding import to_sharding
 from tf_gspmd.errors import InputError
 from tf_gspmd.runtime import parallel
 

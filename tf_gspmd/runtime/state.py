@@ -19,10 +19,10 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _compat
+from tf_gspmd._platform import compat as _compat
 from tf_gspmd import initializers
-from tf_gspmd._annotations import current_mesh
-from tf_gspmd._sharding import to_sharding
+from tf_gspmd._layout.annotations import current_mesh
+from tf_gspmd._layout.sharding import to_sharding
 from tf_gspmd.errors import InputError
 from tf_gspmd.runtime import checkpoint
 from tf_gspmd.runtime import parallel

@@ -37,10 +37,10 @@ from typing import Any, Callable, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import _compat
-from tf_gspmd._annotations import mesh_scope, sharding_ops
-from tf_gspmd._mesh import Mesh, P
-from tf_gspmd._sharding import Sharding, per_value, to_sharding
+from tf_gspmd._platform import compat as _compat
+from tf_gspmd._layout.annotations import mesh_scope, sharding_ops
+from tf_gspmd._layout.mesh import Mesh, P
+from tf_gspmd._layout.sharding import Sharding, per_value, to_sharding
 from tf_gspmd.errors import InputError, MeshError
 
 TOPOLOGY_DIMS = ("x", "y", "z", "core")

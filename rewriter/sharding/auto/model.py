@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from tf_gspmd import ops as op_rules
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.ops.factors import FactorRule, assignments, dims_from
 from tf_gspmd.rewriter.sharding import memory, reshard
 from tf_gspmd.rewriter.sharding.auto.budget import Pricing

@@ -17,7 +17,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.errors import AutoShardingError
 from tf_gspmd.rewriter.sharding import completion, memory
 from tf_gspmd.rewriter.sharding.auto.budget import MemoryRow

@@ -15,7 +15,7 @@ from conftest import assert_close
 import tf_gspmd as gs
 from tf_gspmd import P
 from tf_gspmd._function import DEFAULT_PARTITIONER, default_partitioner
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.errors import InputError
 from tf_gspmd.rewriter.backend import xla_export
 from tf_gspmd.rewriter.graph.graph_view import public_key

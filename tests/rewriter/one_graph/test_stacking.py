@@ -8,6 +8,7 @@ import tensorflow as tf
 
 import tf_gspmd as gs
 from tf_gspmd import P
+from tf_gspmd.rewriter.graph import graph_view
 from tf_gspmd.rewriter.one_graph import in_process
 from tf_gspmd.runtime.state import storage_of
 
@@ -261,3 +262,87 @@ def test_large_tensors_stay_per_device():
   assert ops.count("MatMul") == 8 and ops.count("BatchMatMulV2") == 0 and "Pack" not in ops, ops
   assert ops.count("AddN") == 1   # the all-reduce: one sum that every device reads
   _both_paths(fn, M8, args, (P(None, "d"), P("d", None)), P())
+
+
+# ---- every rule's one-graph form --------------------------------------------------------------------------------
+
+def test_every_form_a_rule_states_has_a_method_that_writes_it():
+  from tf_gspmd.ops import registry  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.rewriter.one_graph import stacking_rules  # pylint: disable=g-import-not-at-top
+  stated = {op: registry.lookup(op).stacked_form(op) for op in registry.registered_ops()}
+  unknown = {op: f for op, f in stated.items() if f is not None and f not in registry.STACKED_FORMS}
+  assert not unknown, f"forms not in ops/registry.STACKED_FORMS: {unknown}"
+  missing = [f for f in sorted(registry.STACKED_FORMS) if not hasattr(stacking_rules.Rules, f"_stack_{f}")]
+  assert not missing, f"forms without a Rules._stack_<form> method: {missing}"
+  assert stated["MatMul"] == "matmul" and stated["ResourceGather"] is None and stated["BatchMatMul"] is None
+
+
+def _elementwise_ops():
+  from tf_gspmd.ops import registry  # pylint: disable=g-import-not-at-top
+  return [op for op in registry.registered_ops() if registry.lookup(op).elementwise]
+
+
+_TYPES = (tf.float32, tf.int32, tf.bool, tf.complex64)
+
+
+def _elementwise_case(op):
+  """(dtype, number of operands, extra attrs, scalar operands after the first) of element-wise `op`, for a call
+  through tf.raw_ops with operands of one dtype."""
+  from tf_gspmd._platform import compat  # pylint: disable=g-import-not-at-top
+  od = compat.op_def(op)
+  attrs = {a.name: a for a in od.attr}
+  type_attr = od.input_arg[0].type_attr
+  allowed = [tf.as_dtype(t) for t in attrs[type_attr].allowed_values.list.type] if type_attr in attrs else []
+  if od.input_arg[0].type:   # a fixed type (LogicalAnd's bool)
+    allowed = [tf.as_dtype(od.input_arg[0].type)]
+  dtype = next(t for t in _TYPES if not allowed or t in allowed)
+  extra = {"DstT": tf.float64} if op == "Cast" else {"message": "checked"} if op == "CheckNumerics" else {}
+  n = 2 if od.input_arg[0].number_attr else len(od.input_arg)
+  return dtype, n, extra, op == "ClipByValue", [a.name for a in od.input_arg]
+
+
+def _value(dtype, shape, low=0.2, high=0.8):
+  if dtype == tf.bool:
+    return RNG.random(shape) > 0.5
+  if dtype.is_integer:
+    return RNG.integers(1, 4, shape).astype(dtype.as_numpy_dtype)
+  if dtype.is_complex:
+    return (RNG.uniform(low, high, shape) + 1j * RNG.uniform(low, high, shape)).astype(dtype.as_numpy_dtype)
+  return RNG.uniform(low, high, shape).astype(dtype.as_numpy_dtype)
+
+
+@pytest.mark.parametrize("dtype", _TYPES, ids=lambda t: t.name)
+def test_every_registered_elementwise_op_stacks(dtype):
+  """Each op its rule in ops/ calls element-wise, on operands split over the devices, runs once over the device
+  dimension in the one graph (or is optimized away), never once per device; results equal TF's."""
+  cases = {op: _elementwise_case(op) for op in _elementwise_ops()}
+  cases = {op: c for op, c in cases.items() if c[0] == dtype}
+  assert cases or dtype == tf.complex64
+  if not cases:
+    return
+  n_args = max(c[1] for c in cases.values())
+  args = [_value(dtype, (8, 3)) for _ in range(n_args)] + [_value(dtype, (), 0.3, 0.4), _value(dtype, (), 0.6, 0.7)]
+
+  def fn(*xs):
+    out = {}
+    for op, (_, n, extra, scalars, names) in cases.items():
+      operands = [xs[0], xs[-2], xs[-1]] if scalars else list(xs[:n])
+      given = {names[0]: operands} if len(names) == 1 and n > 1 else dict(zip(names, operands))   # AddN's list
+      out[op] = getattr(tf.raw_ops, op)(**given, **extra)
+    return out
+
+  ins = tuple([P("d", None)] * n_args + [P(), P()])
+  f = gs.function(fn, mesh=M8, in_shardings=ins)
+  graph = f.lower(*[tf.TensorSpec(a.shape, dtype) for a in args]).program.in_process.graph_def
+  # An op TF marks stateful keeps its side effect on each device (of these, only CheckNumerics).
+  stateful = {op for op in cases if graph_view.is_stateful(op)}
+  assert stateful <= {"CheckNumerics"}, stateful
+  per_device = sorted({n.op for n in graph.node if n.op in set(cases) - stateful and not n.name.startswith("stk")})
+  assert not per_device, f"element-wise ops that run once per device in the one graph: {per_device}"
+  stacked = {n.op for n in graph.node if n.name.startswith("stk/")}
+  assert stacked & set(cases), "no element-wise op was stacked"
+  want = tf.function(fn)(*[tf.constant(a) for a in args])
+  got = f(*args)
+  for op in cases:
+    np.testing.assert_allclose(np.asarray(got[op].numpy()), np.asarray(want[op]), rtol=1e-5, atol=1e-6,
+                               err_msg=op)

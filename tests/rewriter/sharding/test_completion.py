@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 import tf_gspmd as gs
 from tf_gspmd import P
-from tf_gspmd._sharding import Sharding
+from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.rewriter.sharding.completion import merge
 
 MESH = gs.Mesh((2, 4), ("data", "model"))

@@ -12,7 +12,7 @@ import tensorflow as tf
 import tf_gspmd as gs
 from tf_gspmd.errors import AutoShardingError, InputError
 from tf_gspmd.rewriter.stages import calibrate, layers as clustering, stage_dp, plan as stages
-from tf_gspmd._stages import trace_forward
+from tf_gspmd._parallel.stages import trace_forward
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples"))
 import transformer_model as tm  # noqa: E402  pylint: disable=g-import-not-at-top
