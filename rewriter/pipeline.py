@@ -93,15 +93,17 @@ def path_of(program):
   return ONE_GRAPH if in_process.runs_as_one_graph(program) else COLLECTIVES
 
 
-def run(program, path=None, after=None):
-  """`program` through the passes of `path` (default: `path_of(program)`), those after pass `after` only when
-  given; the report gets each pass's time."""
+def run(program, path=None, after=None, until=None):
+  """`program` through the passes of `path` (default: `path_of(program)`): those after pass `after` and up to pass
+  `until` where given; the report gets each pass's time."""
   path = path or path_of(program)
   names = [name for name, _ in PASSES]
+  first = 0 if after is None else names.index(after) + 1
+  last = len(names) - 1 if until is None else names.index(until)
   times = {}
   dump = os.environ.get("TF_GSPMD_DUMP_DIR")
   for k, (name, fn) in enumerate(PASSES):
-    if name not in PATHS[path] or (after is not None and k <= names.index(after)):
+    if name not in PATHS[path] or not first <= k <= last:
       continue
     start = time.perf_counter()
     program = _run_pass(name, fn, program)

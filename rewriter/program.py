@@ -56,6 +56,7 @@ class Program:
   declared_out: Any = None               # None, or a tuple of Sharding-or-None per flattened output
   devices: Optional[Tuple[str, ...]] = None
   processes: Optional[Tuple[int, ...]] = None   # per mesh position: the process driving it (None: one)
+  process: Optional[int] = None          # the process this lowering runs in, of `processes` (None: one, or a plan)
   variable_layout: Any = None            # tf.Variable -> the Sharding it is stored in (pinned), or None
   # trace / grappler
   graph_def: Any = None
@@ -107,9 +108,9 @@ class Program:
     completed bodies -- and nothing else: every other field starts empty, whatever fields the parent has."""
     return cls(fn=None, mesh=parent.mesh, options=parent.options, arg_specs=(), declared_in=tuple(param_shardings),
                arriving_in=tuple(param_shardings), declared_out=tuple(out_shardings) if out_shardings else None,
-               devices=parent.devices, processes=parent.processes, variable_layout=parent.variable_layout,
-               graph_def=graph_def, input_names=tuple(input_names), output_refs=tuple(output_refs),
-               function_cache=parent.function_cache)
+               devices=parent.devices, processes=parent.processes, process=parent.process,
+               variable_layout=parent.variable_layout, graph_def=graph_def, input_names=tuple(input_names),
+               output_refs=tuple(output_refs), function_cache=parent.function_cache)
 
   @property
   def on_cpus(self):

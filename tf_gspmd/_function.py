@@ -243,12 +243,13 @@ class ShardedFunction:
         logging.info("tf_gspmd: retracing %s: %s", getattr(self.fn, "__name__", self.fn),
                      _retrace_reason(previous[-1], key))
     declared_in = self._declared_in(specs)
-    program = Program(fn=self.fn, mesh=self.mesh, options=self._options(len(specs), devices),
-                               arg_specs=specs,
-                               declared_in=tuple(s for s, _ in declared_in),
-                               open_in=tuple(o for _, o in declared_in), arriving_in=arriving, devices=devices,
-                               processes=processes,
-                               variable_layout=functools.partial(_state.layout_of, mesh=self.mesh))
+    here = devices is not None and _cluster.is_multi_process() and \
+        processes == tuple(_cluster.process_of(d) for d in devices)   # (not a plan for other processes)
+    program = Program(fn=self.fn, mesh=self.mesh, options=self._options(len(specs), devices), arg_specs=specs,
+                      declared_in=tuple(s for s, _ in declared_in), open_in=tuple(o for _, o in declared_in),
+                      arriving_in=arriving, devices=devices, processes=processes,
+                      process=_cluster.process_index() if here else None,
+                      variable_layout=functools.partial(_state.layout_of, mesh=self.mesh))
     program = pipeline.run(program.replace(declared_out=tuple(self._out) if isinstance(self._out, list) else self._out))
     lowered = Lowered(program)
     with self._lock:

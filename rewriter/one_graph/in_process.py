@@ -54,7 +54,6 @@ from typing import Tuple
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd._platform import cluster as _cluster
 from tf_gspmd._platform import compat as _compat
 from tf_gspmd.errors import PartitionError
 from tf_gspmd.rewriter.program import variable_shard
@@ -92,16 +91,15 @@ def runs_as_one_graph(program):
   one process or in the processes that drive its devices now (not a plan for other processes)."""
   if program.options.exchange != "auto" or not program.on_cpus:
     return False
-  if program.processes is None:
-    return True
-  return _cluster.is_multi_process() and all(_cluster.process_of(d) == q for d, q in zip(program.devices,
-                                                                                        program.processes))
+  return program.processes is None or program.process is not None
 
 
 def local_positions(program):
-  """The mesh positions this process drives, in mesh order (every one in one process): those of the runtime's
-  `parallel.Local`, whose devices take the graph's arguments in this order."""
-  return tuple(p for p, d in enumerate(program.devices) if _cluster.is_local(d))
+  """The mesh positions the process the program is lowered for drives (`program.process`), in mesh order (every one
+  in one process): those of the runtime's `parallel.Local`, whose devices take the graph's arguments in this
+  order."""
+  return tuple(p for p in range(len(program.devices))
+               if program.processes is None or program.processes[p] == program.process)
 
 
 def applies(program):
@@ -160,7 +158,8 @@ def crossing(program):
       return None   # (a collective the keys pass did not see)
     if vocabulary.kind_of(x) == PERMUTE_KIND:   # a transfer between two devices: across processes, TF's op on this device
       remote = frozenset(i for i, p in enumerate(mine) if any(
-          not _cluster.is_local(d) for d in collectives.group_members(keys[p][x.name][0])))
+          processes[where[tf.DeviceSpec.from_string(d).to_string()]] != program.process
+          for d in collectives.group_members(keys[p][x.name][0])))
       if remote:
         pairs[x.name] = remote
       continue

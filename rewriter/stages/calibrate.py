@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import time
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -79,35 +80,22 @@ def _time_matmul(n=512):
   return _best_of(lambda: mm(a).numpy()) / n ** 3
 
 
-_ALL_REDUCE_TIMER = []   # the API floor's timer (tf_gspmd._parallel.stages): the rewriter builds no gs.function itself
+@dataclasses.dataclass(frozen=True)
+class Timers:
+  """What times the runtime's parts, each given `best_of(fn)` (the least of a few timed calls, `call_times`): they
+  build gs.functions, so the API floor supplies them (tf_gspmd/_parallel/stages.py); the rewriter runs nothing.
+
+  all_reduce(best_of) -> seconds per byte of an all-reduce over two devices, or None without two devices;
+  stage_runs(best_of) -> (seconds per stage-program call, seconds per byte received in a cross-mesh move, devices
+  computing at once), or None without four devices of one type."""
+
+  all_reduce: Callable[..., Optional[float]]
+  stage_runs: Callable[..., Any]
 
 
-def set_all_reduce_timer(timer):
-  """`timer(best_of)` -> seconds per byte of an all-reduce over two devices through a gs.function, or None
-  without two devices (`best_of(fn)`: the least of a few timed calls)."""
-  _ALL_REDUCE_TIMER[:] = [timer]
-
-
-def _time_all_reduce():
-  """Seconds per byte of an all-reduce of float32 over two devices, or None (no timer or no two devices)."""
-  return _ALL_REDUCE_TIMER[0](_best_of) if _ALL_REDUCE_TIMER else None
-
-
-_STAGE_TIMER = []
-
-
-def set_stage_timer(timer):
-  """`timer(best_of)` -> (seconds per stage-program call, seconds per byte received in a cross-mesh move,
-  devices computing at once), or None without four devices of one type."""
-  _STAGE_TIMER[:] = [timer]
-
-
-def _time_stage_runs():
-  return _STAGE_TIMER[0](_best_of) if _STAGE_TIMER else None
-
-
-def calibrate(refresh=False):
-  """This machine's `Calibration` (timed once, then read from the cache file; `refresh` times again)."""
+def calibrate(refresh=False, timers=None):
+  """This machine's `Calibration` (timed once, then read from the cache file; `refresh` times again). Without
+  `timers` (a `Timers`) the collective and stage figures are the defaults."""
   if not refresh and "c" in _CACHE:
     return _CACHE["c"]
   path = _path()
@@ -122,8 +110,8 @@ def calibrate(refresh=False):
     except (OSError, ValueError, TypeError):
       pass   # (timed again below)
   per_flop = _time_matmul()
-  per_byte = _time_all_reduce()
-  runs = _time_stage_runs()
+  per_byte = timers.all_reduce(_best_of) if timers is not None else None
+  runs = timers.stage_runs(_best_of) if timers is not None else None
   per_call, per_moved, parallel = runs or (DEFAULT.seconds_per_call, DEFAULT.seconds_per_transfer_byte,
                                           DEFAULT.parallel_devices)
   c = Calibration(seconds_per_flop=per_flop, seconds_per_byte=per_byte or DEFAULT.seconds_per_byte,

@@ -377,11 +377,12 @@ def _describe(pricer, cfgs, rows, cols, sol, names, model_t=None, measured=froze
   return Candidate(stages=tuple(out), predicted_seconds=sol.total)
 
 
-def plan(program, *, layers, microbatches=1, memory_budget=None, params=(), calib=None, optimizer_slots=2,
-         max_stages=None, t_max_step=0.005, solver_time_limit=10.0, names=None, whole_mesh=False, measured=None,
-         measured_only=False):
+def plan(program, *, layers, microbatches=1, memory_budget=None, params=(), calib=None, timers=None,
+         optimizer_slots=2, max_stages=None, t_max_step=0.005, solver_time_limit=10.0, names=None, whole_mesh=False,
+         measured=None, measured_only=False):
   """The StagePlan of `program` (traced, imported: `program.ir`) on `program.mesh` (see the module docstring).
 
+  calib: a `calibrate.Calibration`, else this machine's, timed with `timers` (`calibrate.Timers`).
   whole_mesh: price only configurations of the whole mesh (with max_stages=1: the intra-operator plan alone).
   layers: how many layers to cluster the ops into. params: Placeholder names of the parameters (trained: their
   gradients are all-reduced, their optimizer state kept). names: {Placeholder name: readable name}.
@@ -391,7 +392,7 @@ def plan(program, *, layers, microbatches=1, memory_budget=None, params=(), cali
   """
   timings = {}
   start = time.perf_counter()
-  calib = calib or calibration.calibrate()
+  calib = calib or calibration.calibrate(timers=timers)
   timings["calibration"] = time.perf_counter() - start
   rows, cols = stage_dp.mesh_rows(program.mesh.shape)
   start = time.perf_counter()

@@ -6,7 +6,7 @@ import tensorflow as tf
 from tf_gspmd._function import function as gs_function, parse_bytes
 from tf_gspmd._layout.mesh import Mesh, P
 from tf_gspmd.errors import InputError
-from tf_gspmd.rewriter.frontend import grappler, import_annotations, trace
+from tf_gspmd.rewriter import pipeline
 from tf_gspmd.rewriter.program import Options, Program
 from tf_gspmd.rewriter.stages import calibrate, plan as stages
 
@@ -74,8 +74,8 @@ def _time_stage_runs(best_of, elements=1 << 20):
   return per_call, per_byte, (float("inf") if parallel > 0.8 * k else max(parallel, 1.0))
 
 
-calibrate.set_all_reduce_timer(_time_all_reduce)
-calibrate.set_stage_timer(_time_stage_runs)
+# What the planner's calibration times (`calibrate.calibrate(timers=TIMERS)`).
+TIMERS = calibrate.Timers(all_reduce=_time_all_reduce, stage_runs=_time_stage_runs)
 
 
 def _paths(structure, prefix=""):
@@ -101,11 +101,7 @@ def trace_forward(fn, arg_specs, mesh):
   flat_fn.__name__ = getattr(fn, "__name__", "step")
   program = Program(fn=flat_fn, mesh=mesh, options=Options(), arg_specs=tuple(flat),
                              declared_in=(None,) * len(flat), arriving_in=(None,) * len(flat))
-  try:
-    program = trace.run(program)
-  except trace.UserCodeError as e:   # the step's own error, as tf.function raises it
-    raise e.error from None
-  program = import_annotations.run(grappler.run(program))
+  program = pipeline.run(program, path=pipeline.PLAN, until="import_annotations")
   paths = [p or str(k) for k, p in enumerate(_paths(list(arg_specs)))]
   names = dict(zip(program.input_names, paths))
   for name, v in zip(program.variable_names, program.variables):
@@ -167,7 +163,7 @@ def plan_stages(fn, *arg_specs, mesh, layers, microbatches=1, memory_budget=None
   trained.update(n for n, v in zip(program.variable_names, program.variables) if v is not None and v.trainable)
   budget = parse_bytes(memory_budget, "memory_budget")
   return stages.plan(program, layers=layers, microbatches=int(microbatches), memory_budget=budget, params=trained,
-                     calib=calibration, optimizer_slots=optimizer_slots, max_stages=max_stages,
+                     calib=calibration, timers=TIMERS, optimizer_slots=optimizer_slots, max_stages=max_stages,
                      t_max_step=t_max_step, solver_time_limit=solver_time_limit, names=names,
                      whole_mesh=whole_mesh, measured=measured,
                      measured_only=measured_only)
