@@ -54,8 +54,8 @@ flags.DEFINE_list("only", [], f"Run only these workloads ({', '.join(WORKLOADS)}
 flags.DEFINE_list("meshes", ["8", "2x4", "32x64"], "Mesh shapes, axis sizes joined by x (one or two axes).")
 flags.DEFINE_enum("budget", "memory", ["memory", "state"],
                   "The auto plan's memory_budget: the hand plan's arguments + variables + activations live at the "
-                  "peak per device (memory; where the library prices activations, rewriter.sharding.auto.plan_memory), or "
-                  "its arguments + variables only (state).")
+                  "peak per device (memory; where the library prices activations, "
+                  "rewriter.sharding.auto.plan_memory), or its arguments + variables only (state).")
 flags.DEFINE_bool("verbose", False, "Print each auto plan's choices (str(low.auto_plan)).")
 FLAGS = flags.FLAGS
 
@@ -143,8 +143,8 @@ def state_bytes(low, specs):
 
 def activation_bytes(low):
   """What the plan's program holds at its peak besides arguments and variables (constants, live activations), per
-  device at the plan's layouts, as the budget counts it (rewriter.sharding.auto.plan_memory); None when the library has no
-  such count."""
+  device at the plan's layouts, as the budget counts it (rewriter.sharding.auto.plan_memory); None when the library has
+  no such count."""
   from tf_gspmd.rewriter.sharding import auto as auto_pass  # pylint: disable=g-import-not-at-top
   plan_memory = getattr(auto_pass, "plan_memory", None)
   return None if plan_memory is None else plan_memory(low.program)[1]

@@ -1,7 +1,7 @@
 """An MPMD pipeline step (gs.mpmd_pipeline) against the unpartitioned step, on 8 logical CPUs.
 
-The model of tests/parallel/test_mpmd.py, larger: an embedding stage on a (1, 2) submesh, dense residual blocks on (2, 2),
-a vocabulary head with softmax cross-entropy on (2,). Prints the median step time of the unpartitioned step
+The model of tests/parallel/test_mpmd.py, larger: an embedding stage on a (1, 2) submesh, dense residual blocks on (2,
+2), a vocabulary head with softmax cross-entropy on (2,). Prints the median step time of the unpartitioned step
 (one tf.function on one device, the whole batch) and of the pipeline under each schedule, with one dispatch
 thread per stage and with one thread for all, the pipeline's concurrency (sum of the stages' busy seconds over
 the step's seconds) and the bytes moved between stages per step.

@@ -7,8 +7,8 @@ A rule (ops/registry.py) is called by two passes that live a floor above ops/: c
 `backend` is a rewriter/collectives.Backend); ops/ never imports them. tests/op_rules/test_context.py fails
 when a rule uses a member these Protocols do not declare, and when an implementation lacks a declared one.
 
-Shardings are tf_gspmd._layout.sharding.Sharding values, meshes tf_gspmd._layout.mesh.Mesh values (the core floor); tensors
-are the tf.Tensor values of the per-device graph being built; `r` names a tensor of the global graph
+Shardings are tf_gspmd._layout.sharding.Sharding values, meshes tf_gspmd._layout.mesh.Mesh values (the core floor);
+tensors are the tf.Tensor values of the per-device graph being built; `r` names a tensor of the global graph
 ("op:index"); `i` is an input index and `o` an output index of the node.
 """
 

@@ -58,7 +58,6 @@ PASSES = (
     ("cleanup", cleanup.run),                      # dead nodes removed
     ("verify", cleanup.verify),                    # invariants of the per-device program
     ("memory", memory.run),                        # estimated peak bytes per device (report.memory)
-    ("collective_keys", in_process.keys),          # one graph: each device's collective keys
     ("compile", jit.run),                          # XLA: segments between collectives (CPU) or whole (GPU, TPU)
     ("optimize", grappler.run_local),              # TF's graph optimizer on the per-device program, once
     ("constants", constants.run),                  # its constants per device (report.constants); strict: none > 1 MiB
@@ -73,8 +72,8 @@ ONE_GRAPH, COLLECTIVES, PLAN, XLA = "one_graph", "collectives", "plan", "xla"
 _COMPLETE = ("trace", "grappler", "import_annotations", "auto_shard", "complete", "weight_update_sharding")
 _PARTITION = ("partition", "combine", "cleanup", "verify", "memory")
 PATHS = {   # the passes each path runs, in the order of PASSES
-    ONE_GRAPH: _COMPLETE + _PARTITION + ("collective_keys", "compile", "optimize", "constants", "in_process",
-                                         "schedules", "device_program"),
+    ONE_GRAPH: _COMPLETE + _PARTITION + ("compile", "optimize", "constants", "in_process", "schedules",
+                                         "device_program"),
     COLLECTIVES: _COMPLETE + _PARTITION + ("compile", "optimize", "constants", "fuse", "order", "schedules",
                                            "device_program"),
     PLAN: _COMPLETE + _PARTITION + ("compile", "constants", "order", "schedules"),

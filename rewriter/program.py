@@ -91,7 +91,6 @@ class Program:
   report: Any = None
   jit: Optional[str] = None              # None (not compiled), "segments" (CPU) or "whole" (GPU, TPU)
   locally_optimized: bool = False        # TF's graph optimizer already ran on local_graph_def (the runtime skips it)
-  collective_keys: Any = None            # per device: {collective op name: (group key, instance key)} (in_process)
   in_process: Any = None                 # in_process.InProcess: every device's program as one graph, or None
   device_program: Optional[DeviceProgram] = None   # what the runtime runs (the last pass)
   exported: Any = None                   # xla_export.Exported: partitioner="xla"'s annotated global program

@@ -37,6 +37,20 @@ def _shape_str(shape):
   return "?" if shape is None else ",".join(str(s) for s in shape)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Groups:
+  """The groups of a collective op's devices: per mesh position the index of its group (`of`), and each group's
+  member positions (`members`) in the order of its group key -- TF's runtime rank order; a transfer's sender, then
+  its receiver. One object serves every op over the same groups, so a mesh of thousands of devices is held once."""
+
+  of: Tuple[int, ...]
+  members: Tuple[Tuple[int, ...], ...]
+
+  def of_position(self, p):
+    """The member positions of position `p`'s group."""
+    return self.members[self.of[p]]
+
+
 @dataclasses.dataclass(frozen=True)
 class Emitted:
   """A collective op of the per-device program, described from the tensors it was built on.
@@ -58,6 +72,10 @@ class Emitted:
   device_bytes: Optional[Tuple[int, ...]] = None   # bytes by device id, where devices differ
   cross_process: bool = False      # its groups join devices of different processes (network, not host links)
   level: Optional[str] = None      # of a collective built in two levels: "within" each process or "across" them
+  # Who takes part: its groups (`Groups`), its instance key, and for a transfer's receive the name of its send.
+  groups: Any = dataclasses.field(default=None, compare=False, repr=False)
+  instance_key: Optional[int] = dataclasses.field(default=None, compare=False, repr=False)
+  partner: Optional[str] = dataclasses.field(default=None, compare=False, repr=False)
 
   def __str__(self):
     sent = f"{self.bytes:,} B"
@@ -224,15 +242,17 @@ class PipelineSchedule:
 
   name: str
   stage_axis: str
-  stages: int
-  microbatches: int
-  repeats: int
-  iterations: int
-  bubble_fraction: float
+  schedule: Any                     # its `Schedule` (tf_gspmd/_layout/schedule.py): S, M, R, iterations, bubble
   shift_bytes: int                  # bytes per device of one iteration's shift (forward loop): per iteration
   shift_permutes: int               # collective-permutes per forward iteration (1 for one stage per device)
   loop_stage_collectives: Tuple[str, ...]   # every collective over the stage axis inside the pipeline's loops
   buffer_bytes: Tuple[Tuple[str, int], ...]   # (buffer, bytes per device)
+
+  stages = property(lambda self: self.schedule.stages)
+  microbatches = property(lambda self: self.schedule.microbatches)
+  repeats = property(lambda self: self.schedule.repeats)
+  iterations = property(lambda self: self.schedule.iterations)
+  bubble_fraction = property(lambda self: self.schedule.bubble_fraction)
 
   @property
   def activation_bytes(self):
@@ -241,9 +261,10 @@ class PipelineSchedule:
 
   def __str__(self):
     bufs = ", ".join(f"{n} {b:,} B" for n, b in self.buffer_bytes)
-    return (f"pipeline {self.name} over {self.stage_axis}: S={self.stages} stages, M={self.microbatches} "
-            f"microbatches, R={self.repeats} circular repeat(s), {self.iterations} iterations, bubble fraction "
-            f"{self.stages - 1}/{self.iterations} = {self.bubble_fraction:.3f}; shift: {self.shift_permutes} "
+    s = self.schedule
+    return (f"pipeline {self.name} over {self.stage_axis}: S={s.stages} stages, M={s.microbatches} "
+            f"microbatches, R={s.repeats} circular repeat(s), {s.iterations} iterations, bubble fraction "
+            f"{s.stages - 1}/{s.iterations} = {s.bubble_fraction:.3f}; shift: {self.shift_permutes} "
             f"collective-permute(s), {self.shift_bytes:,} B/device per iteration; activation buffers "
             f"{self.activation_bytes:,} B/device ({bufs}); collectives over {self.stage_axis} inside its loops: "
             f"{len(self.loop_stage_collectives)}")
@@ -378,7 +399,7 @@ class Report:
   # the all-gathers flagged as involuntary full rematerializations (each also has a line in `warnings`)
   rematerializations: Tuple[CollectiveRecord, ...] = ()
   pipelines: Tuple[PipelineSchedule, ...] = ()
-  constants: Any = None   # rewriter.backend.constants.Constants: the per-device program's constants (the constants pass)
+  constants: Any = None   # backend.constants.Constants: the per-device program's constants (the constants pass)
   planned: Optional[str] = None   # set when another partitioner runs the program: this report is tf_gspmd's plan
   _memory: Optional[_Lazy] = dataclasses.field(default=None, repr=False, compare=False)
 

@@ -1,6 +1,6 @@
 """The docs agree with the code: the pass list, the modules, the floors, the README's size and every relative link.
 
-Fast and without TensorFlow: the sources are parsed (ast), the Markdown read as text.
+Fast: the sources are parsed (ast), the Markdown read as text; only the check of the paths imports the pipeline.
 """
 
 import ast
@@ -115,13 +115,17 @@ def paths_named(text):
   return found
 
 
-def test_the_pass_list_is_pipeline_passes_in_order():
-  code, docs = pipeline_passes(), passes_in_docs()
+def _same_passes(code, docs, where):
+  """Asserts that `docs` (the pass names `where` lists) are PASSES's names `code`, in order."""
   missing = [p for p in code if p not in docs]
   extra = [p for p in docs if p not in code]
-  assert not missing, f"passes of rewriter/pipeline.py PASSES missing from docs/architecture.md '## Passes': {missing}"
-  assert not extra, f"docs/architecture.md '## Passes' names passes PASSES does not have: {extra}"
-  assert docs == code, f"docs/architecture.md '## Passes' is out of PASSES's order:\n  docs: {docs}\n  code: {code}"
+  assert not missing, f"passes of rewriter/pipeline.py PASSES that {where} does not name: {missing}"
+  assert not extra, f"{where} names passes PASSES does not have: {extra}"
+  assert docs == code, f"{where} is out of PASSES's order:\n  docs: {docs}\n  code: {code}"
+
+
+def test_the_pass_list_is_pipeline_passes_in_order():
+  _same_passes(pipeline_passes(), passes_in_docs(), "docs/architecture.md '## Passes'")
 
 
 def passes_in_diagram():
@@ -138,13 +142,7 @@ def passes_in_diagram():
 
 
 def test_the_data_path_names_every_pass_in_order():
-  code, drawn = pipeline_passes(), passes_in_diagram()
-  missing = [p for p in code if p not in drawn]
-  extra = [p for p in drawn if p not in code]
-  assert not missing, f"passes the diagram of docs/architecture.md '## Data path' does not name: {missing}"
-  assert not extra, f"the diagram of docs/architecture.md '## Data path' names passes PASSES does not have: {extra}"
-  assert drawn == code, f"the diagram of docs/architecture.md '## Data path' is out of PASSES's order:\n" \
-                        f"  drawn: {drawn}\n  code:  {code}"
+  _same_passes(pipeline_passes(), passes_in_diagram(), "the diagram of docs/architecture.md '## Data path'")
 
 
 def test_the_layout_names_every_library_module():
@@ -236,3 +234,28 @@ def test_every_relative_link_points_at_a_file_that_exists(page):
 ])
 def test_slug_is_githubs(text, want):
   assert slug(text) == want
+
+
+PATH_LETTERS = {"O": "one_graph", "C": "collectives", "P": "plan", "X": "xla"}
+
+
+def paths_in_diagram():
+  """{pass name: the paths its diagram line marks (its column of O, C, P, X letters; "-" for none)}."""
+  found = FENCE.search(_section(ARCHITECTURE, "Data path"))
+  out = {}
+  for line in found.group(0).splitlines()[1:-1]:
+    m = re.match(r"^ +([a-z][a-z0-9_]*(?:, [a-z][a-z0-9_]*)*) +([OCPX-]{4})  ", line)
+    if m:
+      for name in m.group(1).split(", "):
+        out[name] = {PATH_LETTERS[c] for c in m.group(2) if c != "-"}
+  return out
+
+
+def test_the_data_path_marks_the_paths_each_pass_runs_on():
+  """The diagram's path letters are rewriter/pipeline.py's PATHS (this one test imports the pipeline)."""
+  from tf_gspmd.rewriter import pipeline  # pylint: disable=g-import-not-at-top
+  drawn = paths_in_diagram()
+  want = {name: {path for path, passes in pipeline.PATHS.items() if name in passes} for name, _ in pipeline.PASSES}
+  wrong = {name: (sorted(drawn.get(name, ())), sorted(paths)) for name, paths in want.items()
+           if drawn.get(name) != paths}
+  assert not wrong, f"passes whose paths the diagram marks wrongly ((drawn, PATHS)): {wrong}"

@@ -16,7 +16,8 @@ from tf_gspmd import initializers
 from tf_gspmd import tpu
 from tf_gspmd._layout.annotations import mesh_split, replicate, shard
 from tf_gspmd._function import Lowered, ShardedFunction, function
-from tf_gspmd._platform.cluster import initialize, is_local, local_devices, process_count, process_index, split_cpu_devices
+from tf_gspmd._platform.cluster import (initialize, is_local, local_devices, process_count, process_index,
+                                        split_cpu_devices)
 from tf_gspmd._layout.mesh import Mesh, P
 from tf_gspmd._parallel.mpmd import MpmdPipeline, RunRecord, Stage, mpmd_pipeline, schedule_order
 from tf_gspmd._parallel.pipeline import pipeline, stack_stages, unstack_stages
@@ -25,8 +26,8 @@ from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd._parallel.stages import plan_stages
 from tf_gspmd._parallel.auto_parallel import AutoParallel, auto_parallel
 from tf_gspmd._visualize import visualize_sharding
-from tf_gspmd.errors import (AutoShardingError, ClusterJoinError, InputError, MeshError, PartitionError, ProcessLostError, ShapeError,
-                             ShardingError, SpecError, UnsupportedOpError)
+from tf_gspmd.errors import (AutoShardingError, ClusterJoinError, InputError, MeshError, PartitionError,
+                             ProcessLostError, ShapeError, ShardingError, SpecError, UnsupportedOpError)
 from tf_gspmd.runtime.cross_mesh import Transfer, TransferLog, plan_transfer, reshard, value_elsewhere, wait_for_sends
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor, from_process_local_data
 from tf_gspmd.runtime.shards import Shard, shards_of

@@ -1,9 +1,9 @@
 """The one module that builds collective ops (each through its entry in the collectives vocabulary,
 rewriter/collectives/vocabulary.py). CPU, GPU, TPU and multi-worker differ only here.
 
-Groups are sets of mesh devices that differ only along some mesh axes. Every device runs the same
-program, so per-device values (group key, permutation) are read from constant tables indexed by the
-partition id. Group keys derive from the member device names (the same in every process); instance keys
+Groups are sets of mesh devices that differ only along some mesh axes (rewriter/collectives/groups.py). Every
+device runs the same program, so per-device values (group key, permutation) are read from constant tables indexed
+by the partition id. Group keys derive from the member device names (the same in every process); instance keys
 come from one process-wide counter, so every program gets fresh, deterministic keys. No collective hangs:
 the runtime aborts a program's collectives past its deadline (DeadlineExceededError). The ops' own
 `timeout_seconds` stays 0 on purpose: TF starts a timer thread per collective per device for it.
@@ -22,55 +22,17 @@ local rank keep), then across. Flat sizes that L does not divide are padded. All
 (their data leaves the process once either way).
 """
 
-import functools
-import itertools
 import math
-import threading
-import zlib
 
 import numpy as np
 import tensorflow as tf
 
 from tf_gspmd.errors import PartitionError
 from tf_gspmd.rewriter.collectives import vocabulary
-from tf_gspmd.rewriter.report import CollectiveRecord, Emitted
-from tf_gspmd.rewriter.collectives.widths import (WIDER, from_carrier, moving, moving_note, scalar, summing, summing_note,
-                                      to_carrier)
-
-
-_lock = threading.Lock()
-_group_keys = {}          # key -> member device names
-_instance_counter = itertools.count(1 << 16)
-
-
-def group_key(members):
-  """A stable int32 key for a group of devices, unique within the process.
-
-  The order of `members` counts: a collective-permute's transfer a -> b and one b -> a get different keys.
-  """
-  with _lock:
-    key = (zlib.crc32("|".join(members).encode()) & 0x3FFFFFFF) + 1
-    while key in _group_keys and _group_keys[key] != tuple(members):
-      key = key % 0x3FFFFFFF + 1
-    _group_keys[key] = tuple(members)
-    return key
-
-
-def group_members(key):
-  """The member device names of the group with `key`, in the order they were given to `group_key`."""
-  with _lock:
-    return _group_keys[key]
-
-
-def next_instance_key():
-  with _lock:
-    return next(_instance_counter)
-
-
-def rank_key(name):
-  """The order of TF's collective runtime among group members (their runtime ranks)."""
-  spec = tf.DeviceSpec.from_string(name)
-  return (spec.job or "", spec.replica or 0, spec.task or 0, spec.device_type or "", spec.device_index or 0)
+from tf_gspmd.rewriter.collectives.groups import MeshGroups, group_key, next_instance_key, rank_key
+from tf_gspmd.rewriter.report import CollectiveRecord, Emitted, Groups
+from tf_gspmd.rewriter.collectives.widths import (WIDER, from_carrier, moving, moving_note, scalar, summing,
+                                                  summing_note, to_carrier)
 
 
 _REDUCE = {"Add": tf.reduce_sum, "Max": tf.reduce_max, "Min": tf.reduce_min, "Mul": tf.reduce_prod}
@@ -86,115 +48,15 @@ def _token_pairs(idle, starved):
   return {} if not k else None
 
 
-class Levels:
-  """The two levels of a mesh axes' groups that join several processes with L > 1 members in each.
-
-  `within` and `across` are (group index per position, members per group in runtime rank order): the groups of
-  the members of one process, and those of the members of one local rank j (one per process). `order[p]`, per
-  position, lists the group's members (their indices in mesh order) by slot j * processes + q: the member of
-  local rank j and, among its peers across processes, rank q.
-  """
-
-  def __init__(self, per_process, processes, within, across, order):
-    self.per_process, self.processes = per_process, processes
-    self.within, self.across, self.order = within, across, order
-
-  def note(self, kind):
-    first = {"all-gather": "across processes, then within each",
-             "all-reduce": "reduce-scatter within each process, all-reduce across, all-gather within",
-             "reduce-scatter": "within each process, then across"}[kind]
-    return (f"hierarchical ({self.per_process} members in each of {self.processes} processes): {first}; "
-            f"1/{self.per_process} of the data crosses processes")
-
-
-class Backend:
-  """Emits collectives over mesh axes into the per-device graph being built."""
+class Backend(MeshGroups):
+  """Emits collectives over mesh axes (their groups: `MeshGroups`) into the per-device graph being built."""
 
   def __init__(self, mesh, devices, pid, lookup, report, processes=None):
+    super().__init__(mesh, devices, processes)
     self.emitted = {}         # op name -> Emitted, for every collective op built here
-    self.processes = processes   # per position: the process that drives it (None: all in one)
-    self.mesh = mesh
-    self.devices = tuple(devices) if devices else tuple(f"/job:localhost/replica:0/task:0/device:CPU:{p}"
-                                                         for p in range(mesh.size))
     self.pid = pid
     self.lookup = lookup      # lookup(np table, name) -> per-device row of the table (a tensor)
     self.report = report
-    self._groups = {}
-    self._levels = {}
-
-  # ---- groups -------------------------------------------------------------------------------------------
-  def groups(self, axes):
-    """(group index per position, members per group in mesh order along `axes`)."""
-    axes = tuple(axes)
-    if axes not in self._groups:
-      mesh = self.mesh
-      idx = [mesh.axis_index(a) for a in axes]
-      groups, of = {}, np.zeros(mesh.size, np.int32)
-      for p in range(mesh.size):
-        c = mesh.coords(p)
-        outer = tuple(int(c[k]) for k in range(mesh.ndim) if k not in idx)
-        inner = 0
-        for k in idx:
-          inner = inner * mesh.shape[k] + int(c[k])
-        groups.setdefault(outer, {})[inner] = p
-      members = []
-      for g, outer in enumerate(sorted(groups)):
-        row = [groups[outer][i] for i in range(len(groups[outer]))]
-        members.append(row)
-        of[row] = g
-      self._groups[axes] = (of, members)
-    return self._groups[axes]
-
-  def group_size(self, axes):
-    """The number of members of each group of `axes`."""
-    return len(self.groups(axes)[1][0])
-
-  def _crosses_processes(self, axes):
-    """Whether the groups along `axes` join devices of different processes."""
-    if self.processes is None or not axes:
-      return False
-    return any(len({self.processes[p] for p in m}) > 1 for m in self.groups(axes)[1])
-
-  def levels(self, axes):
-    """The two levels of the groups of `axes` (a `Levels`), or None where a collective over them stays flat: in one
-    process, or where a group has one member in some process, or processes hold different numbers of its members."""
-    axes = tuple(axes)
-    if axes not in self._levels:
-      self._levels[axes] = self._split_levels(axes) if self._crosses_processes(axes) else None
-    return self._levels[axes]
-
-  def _split_levels(self, axes):
-    of, members = self.groups(axes)
-    ranked = functools.partial(sorted, key=lambda p: rank_key(self.devices[p]))
-    local_of, cross_of = np.zeros(self.mesh.size, np.int32), np.zeros(self.mesh.size, np.int32)
-    local, cross, orders, shapes = [], [], [], set()
-    for m in members:
-      by_process = {}
-      for p in m:
-        by_process.setdefault(self.processes[p], []).append(p)
-      rows = [ranked(v) for v in by_process.values()]
-      shapes.update((len(r), len(rows)) for r in rows)
-      if len(shapes) > 1 or len(rows[0]) < 2:
-        return None
-      for row in rows:
-        local_of[row] = len(local)
-        local.append(row)
-      order = []
-      for j in range(len(rows[0])):   # the members of local rank j, one per process, in runtime rank order
-        peers = ranked(row[j] for row in rows)
-        cross_of[peers] = len(cross)
-        cross.append(peers)
-        order.extend(m.index(p) for p in peers)
-      orders.append(order)
-    (per_process, processes), = shapes
-    return Levels(per_process, processes, (local_of, local), (cross_of, cross), np.array(orders, np.int32)[of])
-
-  def _groups_at(self, axes, level):
-    """(group index per position, members per group) of `axes`, or of one of its levels ("within", "across")."""
-    if level is None:
-      return self.groups(axes)
-    levels = self.levels(axes)
-    return levels.within if level == "within" else levels.across
 
   def _keys(self, axes, level=None):
     of, members = self._groups_at(axes, level)
@@ -214,7 +76,7 @@ class Backend:
     return np.array(perms, np.int32)[of]
 
   def _describe(self, out, kind, axes, carried, group_size, reduction=None, gathered=False, sends=True,
-                device_bytes=None, shape=None, level=None):
+                device_bytes=None, shape=None, level=None, who=(None, None, None)):
     """Record the op producing `out` in `self.emitted`, from the tensor it carries (`shape`: its largest, where
     it differs by device; `device_bytes`: what each device sends through the op, where devices differ; nothing
     for a receive); returns the description."""
@@ -226,8 +88,9 @@ class Backend:
       nbytes = int(np.max(device_bytes))
       device_bytes = tuple(int(b) for b in device_bytes)
     crosses = self._crosses_processes(axes) if level is None else level == "across"
+    groups, instance, partner = who   # (Groups, instance key, a receive's send op)
     e = Emitted(kind, tuple(axes), reduction, out.op.name, out.op.type, carried.dtype.name, tuple(shape), group_size,
-                nbytes, device_bytes, crosses, level)
+                nbytes, device_bytes, crosses, level, groups=groups, instance_key=instance, partner=partner)
     self.emitted[e.name] = e
     return e
 
@@ -242,19 +105,21 @@ class Backend:
     put it in mesh order where the two differ).
     """
     size, key = self._keys(axes, level)
-    common = dict(input=y, group_size=size, group_key=key, instance_key=next_instance_key(), ordering_token=[],
+    instance = next_instance_key()
+    common = dict(input=y, group_size=size, group_key=key, instance_key=instance, ordering_token=[],
                   name=name or kind.replace("-", "_"))
     build = vocabulary.BY_KIND[kind].build
+    who = (self.ranked_groups(axes, level), instance, None)
     if kind == "all-reduce":
       out = build(**common, merge_op=reduction, final_op="Id")
-      return out, self._describe(out, kind, axes, y, size, reduction=reduction, level=level)
+      return out, self._describe(out, kind, axes, y, size, reduction=reduction, level=level, who=who)
     if kind == "all-gather":
       out = build(**common)
-      e = self._describe(out, kind, axes, y, size, gathered=True, level=level)
+      e = self._describe(out, kind, axes, y, size, gathered=True, level=level, who=who)
       return tf.reshape(out, [size * y.shape[0]] + y.shape.as_list()[1:]), e   # the op leaves dim 0 unknown
     if kind == "all-to-all":
       out = build(**common)
-      return tf.reshape(out, y.shape), self._describe(out, kind, axes, y, size, level=level)
+      return tf.reshape(out, y.shape), self._describe(out, kind, axes, y, size, level=level, who=who)
     raise ValueError(f"no collective op of kind {kind!r}")
 
   def combined(self, kind, operands, axes, reduction=None, level=None):
@@ -481,9 +346,9 @@ class Backend:
                            "without a peer: TF's broadcasts have no lone send or receive to give it", node=source)
     carrier, per = moving(x.dtype, "CollectiveBcastSendV2", source)
     y = to_carrier(x, carrier, per, 0)
-    send_key, recv_key, count, receives, keeps = self._permute_tables(members, pairs, moves, tokens,
-                                                                      math.prod(y.shape.as_list()))
-    got, ops = self._permute_transfers(y, axes, tokens, send_key, recv_key, count, receives)
+    send_key, recv_key, count, receives, keeps, groups = self._permute_tables(members, pairs, moves, tokens,
+                                                                              math.prod(y.shape.as_list()))
+    got, ops = self._permute_transfers(y, axes, tokens, send_key, recv_key, count, receives, groups)
     tag = "_".join(axes)
     z = from_carrier(got, x.dtype, per, x.shape.as_list())
     if not receives.all():
@@ -513,7 +378,8 @@ class Backend:
 
   def _permute_tables(self, members, pairs, moves, tokens, elements):
     """A collective-permute's per-device tables (indexed by mesh position): (group key of its send, group key of its
-    receive, elements it sends (1: a token), whether it receives data, whether it keeps its own `x`).
+    receive, elements it sends (1: a token), whether it receives data, whether it keeps its own `x`, the `Groups`
+    of its sends and of its receives: per position, (sender, receiver)).
 
     `moves` and `tokens` are {sender: receiver} of the data and of the tokens, member numbers of every group.
     """
@@ -523,16 +389,19 @@ class Backend:
     receives, keeps = np.zeros(n, np.bool_), np.zeros(n, np.bool_)
     peer = {**moves, **tokens}   # every member sends once and receives once
     sender_of = {b: a for a, b in peer.items()}
+    sends, gets = [None] * n, [None] * n
     for m in members:
       names = [self.devices[p] for p in m]
       for k, p in enumerate(m):
         send_key[p] = group_key([names[k], names[peer[k]]])
         recv_key[p] = group_key([names[sender_of[k]], names[k]])
+        sends[p], gets[p] = (p, m[peer[k]]), (m[sender_of[k]], p)
         count[p] = elements if k in moves else 1
         receives[p], keeps[p] = sender_of[k] in moves, to.get(k) == k
-    return send_key, recv_key, count, receives, keeps
+    return send_key, recv_key, count, receives, keeps, (Groups(tuple(range(n)), tuple(sends)),
+                                                        Groups(tuple(range(n)), tuple(gets)))
 
-  def _permute_transfers(self, y, axes, tokens, send_key, recv_key, count, receives):
+  def _permute_transfers(self, y, axes, tokens, send_key, recv_key, count, receives, groups):
     """Every device's one send and one receive of a collective-permute of `y` (see `_permute_tables`).
 
     Returns (what this device received, shaped like `y`; the descriptions of its send and its receive).
@@ -555,8 +424,9 @@ class Backend:
                                            instance_key=instance, shape=recv_shape, T=y.dtype, name="permute_recv")
     per_device = count * y.dtype.size
     ops = (self._describe(sent, "collective-permute", axes, y, 2, device_bytes=per_device if tokens else None,
-                          shape=carried),
-           self._describe(got, "collective-permute", axes, y, 2, sends=False, shape=carried))
+                          shape=carried, who=(groups[0], instance, None)),
+           self._describe(got, "collective-permute", axes, y, 2, sends=False, shape=carried,
+                          who=(groups[1], instance, sent.op.name)))
     with tf.control_dependencies([sent.op]):   # the send stays in the program; only the result waits for it
       got = tf.identity(got)
     if tokens:

@@ -14,9 +14,9 @@ The in-process meanings, in runtime rank order (the order TF's collectives use a
   * all-to-all: block r of every member's operand (dim 0 cut into group-size blocks) to the member of rank r;
   * collective-permute (a send/receive pair in a group of two): the receiver reads what its sender sends.
 
-In the stacked one graph (rewriter/one_graph/stacking.py) the all-reduce, all-gather and all-to-all are written once for
-every device over the device dimension (rewriter/one_graph/stacking_rules.py); other collectives keep these meanings, per
-device.
+In the stacked one graph (rewriter/one_graph/stacking.py) the all-reduce, all-gather and all-to-all are written
+once for every device over the device dimension (rewriter/one_graph/stacking_rules.py); other collectives keep
+these meanings, per device.
 """
 
 import dataclasses

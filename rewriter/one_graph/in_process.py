@@ -6,7 +6,9 @@ takes ~400 us beyond its arithmetic (ring steps, callbacks, thread wake-ups), an
 dozens. The devices share the host's memory and cores, so this pass instead copies the per-device program once
 per device into one GraphDef (node `d<p>/<name>`, the partition id a constant) and replaces each collective by
 its in-process meaning, the ordinary ops that compute its result from the members' tensors, which the
-collectives vocabulary (rewriter/collectives/vocabulary.py) states beside each op; `Edges` is what the meanings build with.
+collectives vocabulary (rewriter/collectives/vocabulary.py) states beside each op; `Edges` is what the meanings
+build with. Who takes part in each collective is read from its record in the report (`Emitted.groups`, its
+instance key, a receive's send), as the collectives builder made it: nothing of the program is run or decoded.
 
 Then:
 
@@ -14,8 +16,8 @@ Then:
     everything else on the first mesh device. A logical CPU is a label on the same cores, and one executor
     needs no send/receive pair for each edge between devices; XLA segments then compile once for the mesh
     (TF keeps an XLA cache per device);
-  * stacking (rewriter/one_graph/stacking.py): the devices' copies of an op run as one op over a leading device dimension,
-    collectives included. A small variable the program only reads and writes whole is stored stacked (one
+  * stacking (rewriter/one_graph/stacking.py): the devices' copies of an op run as one op over a leading device
+    dimension, collectives included. A small variable the program only reads and writes whole is stored stacked (one
     [devices, ...] tf.Variable on the first device, runtime/state.py): one read and one write serve every
     device, and a replicated one's row 0 stands for its value. Other variables' reads and writes run per device:
     a replicated variable is read once, on device 0; each device's reads of one shape reach the first device as
@@ -55,9 +57,8 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gspmd._platform import compat as _compat
-from tf_gspmd.errors import PartitionError
 from tf_gspmd.rewriter.program import variable_shard
-from tf_gspmd.rewriter.collectives import builders as collectives
+from tf_gspmd.rewriter.collectives.groups import group_key
 from tf_gspmd.rewriter.graph import graph_view
 from tf_gspmd.rewriter.collectives import ordering
 from tf_gspmd.rewriter.one_graph import stacking
@@ -105,15 +106,16 @@ def local_positions(program):
 def applies(program):
   """`crossing(program)` where the program can run as one graph per process (collectives within a process as
   in-process edges, those across processes as TF's), else None (see the module docstring)."""
-  if program.jit == "whole" or program.collective_keys is None:
+  if program.jit == "whole":
     return None
   if program.processes is not None and program.jit:   # XLA segments run per device: nothing would be stacked
     return None
   gd = program.local_graph_def
   if any(n.op in vocabulary.TF_COLLECTIVE_OPS for f in gd.library.function for n in f.node_def):
     return None
+  emitted = program.report.emitted()
   found = crossing(program)
-  if found is None or not all(n.op in vocabulary.EMITTED and n.name in program.collective_keys[0] and
+  if found is None or not all(n.op in vocabulary.EMITTED and n.name in emitted and
                               (n.name in found[0] or vocabulary.EMITTED[n.op].runs_in_process(n))
                               for n in gd.node if n.op in vocabulary.TF_COLLECTIVE_OPS):
     return None
@@ -135,10 +137,11 @@ def crossing(program):
 
   That takes groups whose members in each process they join are the same local indices (a position's index among
   its process's positions in mesh order), in every process, the same processes for every device of a process, and
-  one member in each process but for an all-to-all (checked for every process, so that all decide alike): then row i of the stacked operand meets row i of every
-  peer process, as device i's value meets its peers'. `slots[i]` (an all-to-all's): for each member of device i's
-  group within a process, in rank order, the row of what it sends and device i's slot among them (row * members per
-  process + slot). A collective whose groups stay within each process has its in-process meaning."""
+  one member in each process but for an all-to-all (checked for every process, so that all decide alike): then
+  row i of the stacked operand meets row i of every peer process, as device i's value meets its peers'. `slots[i]` (an
+  all-to-all's): for each member of device i's group within a process, in rank order, the row of what it sends and
+  device i's slot among them (row * members per process + slot). A collective whose groups stay within each process has
+  its in-process meaning."""
   if program.processes is None:
     return {}, {}
   devices, processes = program.devices, program.processes
@@ -147,27 +150,25 @@ def crossing(program):
   for p, q in enumerate(processes):   # each position's local index within its process
     index[p] = seen[q] = seen.get(q, -1) + 1
   heads = {q: processes.index(q) for q in set(processes)}   # each process's first position
-  where = {tf.DeviceSpec.from_string(d).to_string(): p for p, d in enumerate(devices)}
-  keys = program.collective_keys
+  emitted = program.report.emitted()
   me = processes[mine[0]]
   found, pairs = {}, {}
   for x in program.local_graph_def.node:
     if x.op not in vocabulary.TF_COLLECTIVE_OPS:
       continue
-    if any(x.name not in k for k in keys):
-      return None   # (a collective the keys pass did not see)
-    if vocabulary.kind_of(x) == PERMUTE_KIND:   # a transfer between two devices: across processes, TF's op on this device
-      remote = frozenset(i for i, p in enumerate(mine) if any(
-          processes[where[tf.DeviceSpec.from_string(d).to_string()]] != program.process
-          for d in collectives.group_members(keys[p][x.name][0])))
+    if x.name not in emitted or emitted[x.name].groups is None:
+      return None   # (a collective without its record)
+    groups = emitted[x.name].groups
+    if vocabulary.kind_of(x) == PERMUTE_KIND:   # a transfer of two devices: across processes, TF's op on its device
+      remote = frozenset(i for i, p in enumerate(mine)
+                         if any(processes[m] != program.process for m in groups.of_position(p)))
       if remote:
         pairs[x.name] = remote
       continue
     # Every process decides alike (each checks every process's devices): a collective runs one way in all.
     joins, slots = {}, []
     for p in range(len(devices)):
-      members = sorted(collectives.group_members(keys[p][x.name][0]), key=collectives.rank_key)
-      members = [where[tf.DeviceSpec.from_string(d).to_string()] for d in members]
+      members = groups.of_position(p)   # in rank order
       joined = tuple(dict.fromkeys(processes[m] for m in members))   # in rank order
       joins.setdefault(processes[p], set()).add(joined if len(joined) > 1 else None)
       if len(joined) == 1:
@@ -181,21 +182,14 @@ def crossing(program):
       row, = rows
       if processes[p] == me:
         slots.append([r * per + row.index(index[p]) for r in row])
-    if any(len(j) != 1 for j in joins.values()) or len({k[x.name][1] for k in keys}) != 1:
+    if any(len(j) != 1 for j in joins.values()):
       return None
     joined, = joins[me]
     if joined is not None:
       members = [devices[heads[q]] for q in joined]
-      found[x.name] = (collectives.group_key(members), len(members), keys[mine[0]][x.name][1],
+      found[x.name] = (group_key(members), len(members), emitted[x.name].instance_key,
                        np.array(slots, np.int32))
   return found, pairs
-
-
-def keys(program):
-  """Pass (before XLA segments can hide them): program.collective_keys, per device {collective op name: (group
-  key, instance key)}, evaluated from the per-device program's tables at each partition id."""
-  colls = [c for c in program.local_graph_def.node if c.op in vocabulary.TF_COLLECTIVE_OPS]
-  return program.replace(collective_keys=_keys(program, colls) if colls else [{}] * len(program.devices))
 
 
 def run(program):
@@ -214,40 +208,6 @@ def run(program):
     return program.replace(in_process=_build(program, found, grouped=False))
 
 
-def _keys(program, colls):
-  """Per device: {collective node name: (group key, instance key)}, read from the program's tables at each
-  partition id (`_value_at`)."""
-  nodes = {x.name: x for x in program.local_graph_def.node}
-  per_device = []
-  for p in range(len(program.devices)):
-    keys = {}
-    for c in colls:
-      args = [a.name for a in _compat.op_def(c.op).input_arg]
-      keys[c.name] = tuple(int(_value_at(nodes, c.input[args.index(k)], program.partition_id, p))
-                           for k in ("group_key", "instance_key"))
-    per_device.append(keys)
-  return per_device
-
-
-def _value_at(nodes, ref, partition_id, p):
-  """The value tensor `ref` of the per-device program has on device `p`, where it depends on nothing but
-  constants and the partition id: a constant, a row of a per-device table at the partition id (graph/tables.py),
-  through identities. Nothing runs: the program is read."""
-  x = nodes[graph_view.node_of(ref)]
-  if x.name == graph_view.node_of(partition_id):
-    return np.int32(p)
-  if x.op == "Const":
-    return tf.make_ndarray(x.attr["value"].tensor)
-  data = [i for i in x.input if not graph_view.is_control(i)]
-  if x.op == "Identity":
-    return _value_at(nodes, data[0], partition_id, p)
-  if x.op == "GatherV2" and x.attr["batch_dims"].i == 0:
-    params, indices, axis = (_value_at(nodes, i, partition_id, p) for i in data)
-    return np.take(params, indices, axis=int(axis))
-  raise PartitionError(f"the key {ref} of a collective is computed by {x.op} node {x.name}, not read from a "
-                       f"per-device table: the one graph cannot place its group (pass exchange=\"collectives\")")
-
-
 class Edges:
   """What a collective's in-process meaning (vocabulary.Collective.in_process) builds with: the one graph of every
   device's program under construction, device p's copy of node n named `d<p>/<n>`."""
@@ -255,28 +215,23 @@ class Edges:
   def __init__(self, program, out, positions):
     self.out = out
     self.devices = [program.devices[p] for p in positions]   # this process's: p below is an index of these
-    self.keys = [program.collective_keys[p] for p in positions]
-    self._position = {tf.DeviceSpec.from_string(d).to_string(): p for p, d in enumerate(self.devices)}
-    colls = [c for c in program.local_graph_def.node if c.op in vocabulary.EMITTED]
-    # instance key -> its send op (one instance key per op, the same on every device)
-    self._senders = {self.keys[0][c.name][1]: c.name for c in colls if vocabulary.EMITTED[c.op].sender}
+    self._positions = tuple(positions)
+    self._local = {m: p for p, m in enumerate(positions)}   # mesh position -> its index among this process's
+    self._emitted = program.report.emitted()   # the collectives' records: who takes part in each
 
   def ref(self, p, name):
     """Input string `name` of the per-device program, as device p's copy reads it."""
     return f"^d{p}/{name[1:]}" if name.startswith("^") else f"d{p}/{name}"
 
-  def position(self, device):
-    return self._position[tf.DeviceSpec.from_string(device).to_string()]
-
   def ranked(self, p, name):
-    """The mesh positions of the group of device p's collective `name`, in runtime rank order."""
-    members = sorted(collectives.group_members(self.keys[p][name][0]), key=collectives.rank_key)
-    return [self.position(d) for d in members]
+    """The members of the group of device p's collective `name` (indices of this process's devices), in runtime
+    rank order."""
+    return [self._local[m] for m in self._emitted[name].groups.of_position(self._positions[p])]
 
   def sender(self, p, name):
-    """(position, op name) of what device p's receive `name` receives: its group's other member's send."""
-    group, instance = self.keys[p][name]
-    return self.position(collectives.group_members(group)[0]), self._senders[instance]
+    """(device index, op name) of what device p's receive `name` receives: its group's other member's send."""
+    e = self._emitted[name]
+    return self._local[e.groups.of_position(self._positions[p])[0]], e.partner
 
   def controls(self, p, x):
     """NodeDef `x`'s control inputs, as device p's copy reads them."""

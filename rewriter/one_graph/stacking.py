@@ -1,5 +1,5 @@
-"""Stacking: in the one graph of every device's program (rewriter/one_graph/in_process.py), the devices' copies of an op run
-as one op over a leading device dimension.
+"""Stacking: in the one graph of every device's program (rewriter/one_graph/in_process.py), the devices' copies of an
+op run as one op over a leading device dimension.
 
 Every mesh device runs the same per-device program, so in one graph each op appears once per device, on tensors
 of one shape. A small step is then dominated by the executor's per-op cost, 8 times over on 8 devices. Here a

@@ -22,9 +22,8 @@ def run(program):
       local = shape if sharding is None or sharding.is_maximal else sharding.with_rank(len(shape)).shard_shape(shape)
       buffers.append((tensor[len(spec.name) + 1:], math.prod(int(d) for d in local) * itemsize))
     schedules.append(PipelineSchedule(
-        name=spec.name, stage_axis=spec.stage_axis, stages=spec.stages, microbatches=spec.microbatches,
-        repeats=spec.repeats, iterations=spec.iterations, bubble_fraction=spec.bubble_fraction,
-        shift_bytes=sum(c.bytes for c in shifts), shift_permutes=len(shifts), loop_stage_collectives=in_loops,
+        name=spec.name, stage_axis=spec.stage_axis, schedule=spec.schedule, shift_bytes=sum(c.bytes for c in shifts),
+        shift_permutes=len(shifts), loop_stage_collectives=in_loops,
         buffer_bytes=tuple(buffers)))
   return program.replace(report=rep.with_pipelines(schedules)) if schedules else program
 

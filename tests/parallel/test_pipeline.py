@@ -15,7 +15,8 @@ from conftest import assert_close
 import tf_gspmd as gs
 from tf_gspmd import P
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
 import transformer_model as tm  # noqa: E402  pylint: disable=g-import-not-at-top
 
 D, B, M = 8, 16, 8

@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from tf_gspmd._platform import compat as _compat
 from tf_gspmd._layout.mesh import Mesh, P
+from tf_gspmd._layout.schedule import Schedule
 from tf_gspmd._layout.sharding import Sharding, to_annotation
 from tf_gspmd.errors import MeshError, ShapeError, SpecError
 
@@ -199,20 +200,9 @@ class PipelineSpec:
 
   name: str
   stage_axis: str
-  stages: int                 # S, stage slots per repeat (the buffer's stage dim)
-  microbatches: int           # M
-  repeats: int                # R, circular repeats
+  schedule: Schedule          # "circular": S stage slots per repeat (the buffer's stage dim), M microbatches, R repeats
   shift: str                  # the loop body's Roll node (the stage shift)
   buffers: Tuple[Tuple[str, Tuple[int, ...], int], ...]   # (tensor name, global shape, dtype bytes) per buffer
-
-  @property
-  def iterations(self):
-    return self.repeats * self.microbatches + self.stages - 1
-
-  @property
-  def bubble_fraction(self):
-    """The share of stage-iterations that compute nothing useful: (S-1)/(R*M+S-1)."""
-    return (self.stages - 1) / self.iterations
 
 
 def recording_schedules():

@@ -39,6 +39,7 @@ import tensorflow as tf
 from tf_gspmd._platform import cluster as _cluster
 from tf_gspmd._function import function as gs_function
 from tf_gspmd._layout.mesh import Mesh, P
+from tf_gspmd._layout.schedule import Schedule
 from tf_gspmd._layout.sharding import to_sharding
 from tf_gspmd.errors import InputError, MeshError, ShardingError
 from tf_gspmd.runtime import cross_mesh
@@ -75,22 +76,10 @@ class Stage:
 
 
 def schedule_order(schedule, num_stages, microbatches):
-  """Per stage, the order its program runs: a list of ("F" | "B", microbatch) for each stage."""
+  """Per stage, the order its program runs: a list of ("F" | "B", microbatch) for each stage (`Schedule.order`)."""
   if schedule not in SCHEDULES:
     raise InputError(f"schedule={schedule!r}: give one of {SCHEDULES}", node="schedule")
-  orders = []
-  for i in range(num_stages):
-    fwd = [("F", m) for m in range(microbatches)]
-    bwd = [("B", m) for m in range(microbatches)]
-    if schedule == "gpipe":
-      orders.append(fwd + bwd)
-      continue
-    warm = min(num_stages - i - 1, microbatches)
-    order = fwd[:warm]
-    for m in range(microbatches - warm):
-      order += [fwd[warm + m], bwd[m]]
-    orders.append(order + bwd[microbatches - warm:])
-  return orders
+  return Schedule(schedule, num_stages, microbatches).orders()
 
 
 @dataclasses.dataclass

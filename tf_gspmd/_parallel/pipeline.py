@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from tf_gspmd._layout.annotations import current_mesh, PipelineSpec, record_schedule, shard
 from tf_gspmd._layout.mesh import P
+from tf_gspmd._layout.schedule import Schedule
 from tf_gspmd.errors import InputError, SpecError
 
 _names = itertools.count()
@@ -305,7 +306,7 @@ class _PipelineLoop:
     name, stages, m_count, mb, feature = self.name, self.stages, self.m_count, self.mb, self.feature
     itemsize = self.dtype.size
     return PipelineSpec(
-        name=name, stage_axis=self.stage_axis, stages=stages, microbatches=m_count, repeats=self.repeats,
+        name=name, stage_axis=self.stage_axis, schedule=Schedule("circular", stages, m_count, self.repeats),
         shift=self.shift_name,
         buffers=((f"{name}_state", tuple([stages, mb] + feature), itemsize),
                  (f"{name}_collected", tuple([stages, m_count, mb] + feature), itemsize),

@@ -76,7 +76,8 @@ def test_like_optimizer_chains_run_once_over_the_members():
   assert after["Mul"] < before["Mul"] / 2
   assert after["Pack"] == 2 * 4 and after["Unpack"] == 2 * 3, after   # w, g, m, v packed; w, m, v unpacked
   # The per-weight decay constants became one constant per group; the shared learning rate broadcasts.
-  lr = [n for n in fused.node if horizontal._elementwise_form(n.op) == "broadcasting" and any(i.startswith("lr") for i in n.input)]
+  lr = [n for n in fused.node if horizontal._elementwise_form(n.op) == "broadcasting" and
+        any(i.startswith("lr") for i in n.input)]
   assert len(lr) == 2
 
 

@@ -1,5 +1,5 @@
-"""Every device launches its collectives in one order (rewriter/collectives/ordering.py): the program's edges force one sequence
-of collectives in the graph and in every function body, each device's k-th collective is one its whole group
+"""Every device launches its collectives in one order (rewriter/collectives/ordering.py): the program's edges force one
+sequence of collectives in the graph and in every function body, each device's k-th collective is one its whole group
 launches k-th, and a program of many independent collectives runs 200 times through TF's collectives without a
 hang. Every partitioned result is compared with the unpartitioned program's."""
 
@@ -17,7 +17,7 @@ from conftest import check_partitioned
 import tf_gspmd as gs
 from tf_gspmd import P
 from tf_gspmd.errors import PartitionError
-from tf_gspmd.rewriter.collectives import builders as collectives, ordering, vocabulary
+from tf_gspmd.rewriter.collectives import groups as collectives, ordering, vocabulary
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples"))
 import transformer_model as tm  # noqa: E402  pylint: disable=g-import-not-at-top

@@ -50,7 +50,7 @@ def test_local_program_nodes_and_shapes():
 def test_pipeline_is_one_list_and_times_every_pass():
   names = [name for name, _ in pipeline.PASSES]
   assert names == ["trace", "grappler", "import_annotations", "auto_shard", "complete", "weight_update_sharding",
-                   "xla_export", "partition", "combine", "cleanup", "verify", "memory", "collective_keys", "compile",
+                   "xla_export", "partition", "combine", "cleanup", "verify", "memory", "compile",
                    "optimize", "constants", "in_process", "fuse", "order", "schedules", "device_program"]
   for path, passes in pipeline.PATHS.items():   # each path a selection of the list, in its order
     assert list(passes) == [n for n in names if n in passes], path
@@ -65,7 +65,7 @@ def test_dump_dir(tmp_path, monkeypatch):
   monkeypatch.setenv("TF_GSPMD_DUMP_DIR", str(tmp_path))
   _megatron()
   files = sorted(os.listdir(tmp_path))
-  assert files[0] == "00_trace.pbtxt" and "07_partition.pbtxt" in files and "13_compile.pbtxt" in files
+  assert files[0] == "00_trace.pbtxt" and "07_partition.pbtxt" in files and "12_compile.pbtxt" in files
 
 
 def test_verify_rejects_foreign_collective():
