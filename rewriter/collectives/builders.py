@@ -30,7 +30,7 @@ import tensorflow as tf
 from tf_gspmd.errors import PartitionError
 from tf_gspmd.rewriter.collectives import vocabulary
 from tf_gspmd.rewriter.collectives.groups import MeshGroups, group_key, next_instance_key, rank_key
-from tf_gspmd.rewriter.report import CollectiveRecord, Emitted, Groups
+from tf_gspmd.rewriter.report import CollectiveRecord, Emitted
 from tf_gspmd.rewriter.collectives.widths import (WIDER, from_carrier, moving, moving_note, scalar, summing,
                                                   summing_note, to_carrier)
 
@@ -346,9 +346,10 @@ class Backend(MeshGroups):
                            "without a peer: TF's broadcasts have no lone send or receive to give it", node=source)
     carrier, per = moving(x.dtype, "CollectiveBcastSendV2", source)
     y = to_carrier(x, carrier, per, 0)
-    send_key, recv_key, count, receives, keeps, groups = self._permute_tables(members, pairs, moves, tokens,
-                                                                              math.prod(y.shape.as_list()))
-    got, ops = self._permute_transfers(y, axes, tokens, send_key, recv_key, count, receives, groups)
+    send_key, recv_key, count, receives, keeps = self._permute_tables(members, pairs, moves, tokens,
+                                                                      math.prod(y.shape.as_list()))
+    got, ops = self._permute_transfers(y, axes, tokens, send_key, recv_key, count, receives,
+                                       self.transfer_groups(axes, {**moves, **tokens}))
     tag = "_".join(axes)
     z = from_carrier(got, x.dtype, per, x.shape.as_list())
     if not receives.all():
@@ -378,8 +379,7 @@ class Backend(MeshGroups):
 
   def _permute_tables(self, members, pairs, moves, tokens, elements):
     """A collective-permute's per-device tables (indexed by mesh position): (group key of its send, group key of its
-    receive, elements it sends (1: a token), whether it receives data, whether it keeps its own `x`, the `Groups`
-    of its sends and of its receives: per position, (sender, receiver)).
+    receive, elements it sends (1: a token), whether it receives data, whether it keeps its own `x`).
 
     `moves` and `tokens` are {sender: receiver} of the data and of the tokens, member numbers of every group.
     """
@@ -389,17 +389,14 @@ class Backend(MeshGroups):
     receives, keeps = np.zeros(n, np.bool_), np.zeros(n, np.bool_)
     peer = {**moves, **tokens}   # every member sends once and receives once
     sender_of = {b: a for a, b in peer.items()}
-    sends, gets = [None] * n, [None] * n
     for m in members:
       names = [self.devices[p] for p in m]
       for k, p in enumerate(m):
         send_key[p] = group_key([names[k], names[peer[k]]])
         recv_key[p] = group_key([names[sender_of[k]], names[k]])
-        sends[p], gets[p] = (p, m[peer[k]]), (m[sender_of[k]], p)
         count[p] = elements if k in moves else 1
         receives[p], keeps[p] = sender_of[k] in moves, to.get(k) == k
-    return send_key, recv_key, count, receives, keeps, (Groups(tuple(range(n)), tuple(sends)),
-                                                        Groups(tuple(range(n)), tuple(gets)))
+    return send_key, recv_key, count, receives, keeps
 
   def _permute_transfers(self, y, axes, tokens, send_key, recv_key, count, receives, groups):
     """Every device's one send and one receive of a collective-permute of `y` (see `_permute_tables`).

@@ -87,6 +87,7 @@ class MeshGroups:
     self._groups = {}
     self._levels = {}
     self._ranked = {}
+    self._transfers = {}
 
   def groups(self, axes):
     """(group index per position, members per group in mesh order along `axes`)."""
@@ -170,3 +171,20 @@ class MeshGroups:
       self._ranked[key] = Groups(tuple(int(g) for g in of), tuple(
           tuple(sorted(m, key=lambda p: rank_key(self.devices[p]))) for m in members))
     return self._ranked[key]
+
+  def transfer_groups(self, axes, peer):
+    """The `Groups` of a collective-permute's sends and of its receives within the groups of `axes`, where member k
+    of every group sends to member peer[k]: per position, (sender, receiver). One pair of objects per transfer
+    pattern, however many permutes use it (a halo exchange in every layer)."""
+    key = (tuple(axes), tuple(sorted(peer.items())))
+    if key not in self._transfers:
+      _, members = self.groups(axes)
+      sender_of = {b: a for a, b in peer.items()}
+      n = self.mesh.size
+      sends, gets = [None] * n, [None] * n
+      for m in members:
+        for k, p in enumerate(m):
+          sends[p], gets[p] = (p, m[peer[k]]), (m[sender_of[k]], p)
+      every = tuple(range(n))
+      self._transfers[key] = (Groups(every, tuple(sends)), Groups(every, tuple(gets)))
+    return self._transfers[key]
