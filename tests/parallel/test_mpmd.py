@@ -196,3 +196,61 @@ def test_stages_in_two_processes(exchange):
     assert p0["order"] == [want[0], [], []] and p1["order"] == [[], want[1], want[2]]
     assert p0["crossing"] == p1["crossing"] == 4 * (2 * 256 + 4 * 128)
   assert results[1]["1f1b"]["peak_alive"] == [0, 2, 1] and results[0]["1f1b"]["peak_alive"] == [3, 0, 0]
+
+
+def test_stages_pass_structures_of_tensors_each_in_its_own_layout():
+  """A skip connection (a pair) and a dict travel between stages tensor by tensor, each resharded into the layout
+  the next stage takes it in; loss and gradients equal the unpartitioned step's."""
+  rng = np.random.default_rng(5)
+  w0, w1, w2 = (rng.standard_normal(s).astype(np.float32) * 0.3 for s in [(8, 16), (16, 16), (16, 4)])
+  x, y = rng.standard_normal((16, 8)).astype(np.float32), rng.standard_normal((16, 4)).astype(np.float32)
+
+  def f0(p, h):
+    a = tf.nn.relu(h @ p[0])
+    return a, a * 0.5          # (h, skip)
+
+  def f1(p, h):
+    a, skip = h
+    return {"h": tf.nn.tanh(a @ p[0]) + skip, "gate": tf.reduce_mean(a, axis=1, keepdims=True)}
+
+  def f2(p, h, t):
+    out = (h["h"] * tf.sigmoid(h["gate"])) @ p[0]
+    return tf.reduce_mean(tf.square(out - t))
+
+  stages = [gs.Stage(f0, M0, P(None, "m"), P("d", None), out_sharding=(P(None, "m"), P())),
+            gs.Stage(f1, M1, P(None, "m"), in_sharding=(P("d", None), P(None, "m")),
+                     out_sharding={"h": P("d", None), "gate": None}),
+            gs.Stage(f2, M2, P(), in_sharding={"h": P(None, "m"), "gate": P()}, target_sharding=P())]
+  pipe = gs.mpmd_pipeline(stages, microbatches=2)
+  loss, grads = pipe([(w0,), (w1,), (w2,)], x, y)
+
+  ws = [tf.Variable(w) for w in (w0, w1, w2)]
+  want_loss, want_grads = 0.0, [0.0, 0.0, 0.0]
+  for xm, ym in zip(np.split(x, 2), np.split(y, 2)):   # the mean of the microbatch losses
+    with tf.GradientTape() as tape:
+      l = f2((ws[2],), f1((ws[1],), f0((ws[0],), xm)), ym) / 2
+    want_loss += float(l.numpy())
+    want_grads = [a + g.numpy() for a, g in zip(want_grads, tape.gradient(l, ws))]
+  assert_close(loss, want_loss)
+  for got, want in zip(grads, want_grads):
+    assert_close(got[0].numpy(), want)
+  # Each tensor of a structure moves on its own, into its own layout: per microbatch of 8 rows, a device of the
+  # last stage receives its half of the dict's "h" [8, 16] (P(None, "m")) and all of "gate" [8, 1]; one of the
+  # first stage receives the gradients of its pair in the pair's layouts (P(None, "m"), P()).
+  received, f32 = pipe.last_run.transfers.bytes_received(), 4
+  for d in M2.resolve_devices():
+    assert received[d] == 2 * (8 * 8 + 8 * 1) * f32, (d, str(pipe.last_run.transfers))
+  for d in M0.resolve_devices():
+    assert received[d] == 2 * (8 * 8 + 8 * 16) * f32, (d, str(pipe.last_run.transfers))
+
+
+def test_a_structure_layout_must_match_the_activations():
+  def f0(p, h):
+    return h @ p[0], h @ p[0]
+
+  stages = [gs.Stage(f0, M0, P()), gs.Stage(lambda p, h, t: tf.reduce_mean(h[0] * p[0]) - tf.reduce_mean(t), M2,
+                                           P(), in_sharding=(P(), P(), P()), target_sharding=P())]
+  pipe = gs.mpmd_pipeline(stages, microbatches=1)
+  with pytest.raises(gs.InputError, match="in_sharding .* does not match the structure"):
+    pipe([(np.ones((4, 4), np.float32),), (np.ones((), np.float32),)], np.ones((2, 4), np.float32),
+         np.ones((2, 1), np.float32))

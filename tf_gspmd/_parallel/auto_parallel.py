@@ -32,7 +32,8 @@ from tf_gspmd._platform import cluster as _cluster
 from tf_gspmd._function import function as gs_function, parse_bytes
 from tf_gspmd._layout.mesh import Mesh, P
 from tf_gspmd._parallel.mpmd import Stage, mpmd_pipeline
-from tf_gspmd._parallel.stages import _paths, plan_stages
+from tf_gspmd._parallel.mpmd import leaf_paths
+from tf_gspmd._parallel.stages import plan_stages
 from tf_gspmd.errors import AutoShardingError, InputError
 from tf_gspmd.rewriter.stages.calibrate import call_times
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
@@ -135,7 +136,7 @@ class AutoParallel:
     if self.microbatches < 1:
       raise InputError(f"microbatches={microbatches!r}: give a positive int", node="microbatches")
     flat_params = tf.nest.flatten(param_specs)
-    self.param_names = tuple(f"0/{p}" if p else "0" for p in _paths(param_specs))
+    self.param_names = tuple(f"0/{p}" if p else "0" for p in leaf_paths(param_specs))
     self._batch_specs = tuple(batch_specs)
     if not batch_specs:
       raise InputError("auto_parallel needs the step's batch arguments after params (their shapes and dtypes)",

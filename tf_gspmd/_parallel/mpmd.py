@@ -40,7 +40,7 @@ from tf_gspmd._platform import cluster as _cluster
 from tf_gspmd._function import function as gs_function
 from tf_gspmd._layout.mesh import Mesh, P
 from tf_gspmd._layout.schedule import Schedule
-from tf_gspmd._layout.sharding import to_sharding
+from tf_gspmd._layout.sharding import Sharding, to_sharding
 from tf_gspmd.errors import InputError, MeshError, ShardingError
 from tf_gspmd.runtime import cross_mesh
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
@@ -54,14 +54,16 @@ class Stage:
   """One stage of an MPMD pipeline.
 
   Attributes:
-    fn: fn(params, h) -> activations (one tensor), or for the last stage fn(params, h, targets) -> scalar loss
-      (or fn(params, h) -> outputs when the pipeline has a `loss_fn`). `params` is the tuple of the stage's
-      parameter tensors; `h` is the microbatch (stage 0) or the previous stage's activations.
+    fn: fn(params, h) -> activations (a tensor, or any nested structure of tensors: a skip connection's pair, a
+      dict), or for the last stage fn(params, h, targets) -> scalar loss (or fn(params, h) -> outputs when the
+      pipeline has a `loss_fn`). `params` is the tuple of the stage's parameter tensors; `h` is the microbatch
+      (stage 0) or the previous stage's activations, in the structure that stage returned them.
     mesh: the stage's submesh (a `gs.Mesh` over some of the devices).
     param_shardings: one `P`/`Sharding` per parameter (None: completion decides), or one for all.
-    in_sharding: the layout of `h` on the stage's mesh (default: replicated); the previous stage's activations
-      are resharded into it.
-    out_sharding: the layout of the activations the stage returns (default: completion decides).
+    in_sharding: the layout of `h` on the stage's mesh (default: replicated), one for every tensor of `h` or a
+      structure of layouts matching it; each tensor of the previous stage's activations is resharded into its own.
+    out_sharding: the layout of the activations the stage returns (default: completion decides), one for every
+      tensor or a structure matching them.
     target_sharding: last stage: the layout of the targets (default: completion decides).
     name: for messages (default "stage <i>").
   """
@@ -203,29 +205,36 @@ class MpmdPipeline:
         return stage.fn(params, h)
       return loss_fn(stage.fn(params, h), targets) if loss_fn is not None else stage.fn(params, h, targets)
 
-    def split(args, n):
-      return tuple(args[:n]), args[n], args[n + 1]
+    def unpack(args, k):   # (params, h packed in its structure, the rest) of a program's flat arguments
+      n = len(args) - k - (1 if last else 0)
+      leaves = args[n:n + k]
+      return tuple(args[:n]), tf.nest.pack_sequence_as(self._in_structure[i], list(leaves)), args[n + k:]
+
+    def structured(*args):   # the activations (or loss) in the structure the stage returns them
+      params, h, rest = unpack(args, _count(self._in_structure[i]))
+      return run(params, h, rest[0] if last else None)
 
     def forward(*args):
-      params, h, rest = (tuple(args[:-2]), args[-2], args[-1]) if last else (tuple(args[:-1]), args[-1], None)
-      return run(params, h, rest)
+      y = structured(*args)
+      return y if last else tuple(tf.nest.flatten(y))
 
     def backward(n, accumulate, *args):
-      params, h, seed = split(args, n)
-      acc = args[n + 2:] if accumulate else ()
+      k, k_out = _count(self._in_structure[i]), 1 if last else _count(self._acts[i])
+      params, leaves = tuple(args[:n]), list(args[n:n + k])
+      seeds, acc = list(args[n + k:n + k + k_out]), args[n + k + k_out:] if accumulate else ()
       with tf.GradientTape() as tape:
         tape.watch(params)
         if i > 0:
-          tape.watch(h)
-        y = run(params, h, seed if last else None)
-        loss = y * scale if last else y
-      sources = list(params) + ([h] if i > 0 else [])
-      grads = tape.gradient(loss, sources, output_gradients=None if last else seed,
+          tape.watch(leaves)
+        y = run(params, tf.nest.pack_sequence_as(self._in_structure[i], leaves), seeds[0] if last else None)
+        ys = [y * scale] if last else tf.nest.flatten(y)
+      sources = list(params) + (leaves if i > 0 else [])
+      grads = tape.gradient(ys, sources, output_gradients=None if last else seeds,
                             unconnected_gradients=tf.UnconnectedGradients.ZERO)
       grads_p = [g + a for g, a in zip(grads[:n], acc)] if accumulate else list(grads[:n])
       return tuple(grads_p) + tuple(grads[n:])
 
-    return _StagePrograms(forward, backward)
+    return _StagePrograms(forward, backward, structured)
 
   # ---- checks -------------------------------------------------------------------------------------------
   def _check(self, params, batch, targets):
@@ -233,7 +242,7 @@ class MpmdPipeline:
     key = (tuple(tuple((tuple(v.shape), str(v.dtype)) for v in p) for p in params), tuple(batch.shape),
            str(batch.dtype), None if targets is None else (tuple(targets.shape), str(targets.dtype)))
     if key in self._checked:
-      self._acts = self._checked[key]
+      self._acts, self._in_structure = self._checked[key]
       return
     n, b = len(self.stages), self.microbatches
     if len(params) != n:
@@ -252,7 +261,7 @@ class MpmdPipeline:
                        node="targets")
     h = tf.TensorSpec([rows // b] + batch.shape.as_list()[1:], batch.dtype)
     t = tf.TensorSpec([rows // b] + targets.shape.as_list()[1:], targets.dtype)
-    acts = []
+    acts, self._in_structure = [], [None] * n
     for i in range(n):
       last = i == n - 1
       if not last and self._local[i] != self._local[i + 1] and self.stages[i].out_sharding is None:
@@ -261,32 +270,41 @@ class MpmdPipeline:
                          "travel in)", node=self._name(i))
       p_specs = tuple(tf.TensorSpec(v.shape, v.dtype) for v in params[i])
       self._check_shardings(i, p_specs, h)
+      self._in_structure[i] = h
       try:
-        out = tf.function(self._programs[i].forward, autograph=False).get_concrete_function(
-            *p_specs, *((h, t) if last else (h,))).structured_outputs
+        out = tf.function(self._programs[i].structured, autograph=False).get_concrete_function(
+            *p_specs, *tf.nest.flatten(h), *((t,) if last else ())).structured_outputs
       except ShardingError:
         raise
       except (TypeError, ValueError, tf.errors.InvalidArgumentError) as e:
         came = "the microbatch" if i == 0 else f"the activations {self._name(i - 1)} returns"
-        raise InputError(f"{self._name(i)} cannot run on {came}, {h.dtype.name}{h.shape.as_list()}: {_first_line(e)}"
-                         f"; make {self._name(i - 1) if i else 'the batch'}'s output match what {self._name(i)} "
-                         "takes (shape and dtype), or move the layer that differs to the other side of the boundary",
-                         node=self._name(i)) from None
-      if not isinstance(out, tf.Tensor):
-        raise InputError(f"{self._name(i)} returns {type(out).__name__}; a stage returns one tensor "
-                         f"({'the loss' if last else 'its activations'}): concatenate or stack several outputs",
-                         node=self._name(i))
-      if last and out.shape.rank != 0:
-        raise InputError(f"the last stage ({self._name(i)}) returns shape {out.shape.as_list()}; it must return "
-                         "the microbatch's scalar loss (reduce it, e.g. tf.reduce_mean), or give loss_fn",
-                         node=self._name(i))
-      if not last and not out.dtype.is_floating:
-        raise InputError(f"{self._name(i)} returns {out.dtype.name} activations; gradients flow back only through "
-                         "floating-point activations: cast them, or end the stage after the next float op",
-                         node=self._name(i))
-      h = tf.TensorSpec(out.shape, out.dtype)
+        raise InputError(f"{self._name(i)} cannot run on {came}, {_describe(h)}: {_first_line(e)}; make "
+                         f"{self._name(i - 1) if i else 'the batch'}'s output match what {self._name(i)} takes "
+                         "(structure, shape and dtype), or move the layer that differs to the other side of the "
+                         "boundary", node=self._name(i)) from None
+      h = self._checked_output(i, out)
       acts.append(h)
-    self._acts = self._checked[key] = acts
+    self._acts = acts
+    self._checked[key] = (acts, self._in_structure)
+
+  def _checked_output(self, i, out):
+    """The TensorSpecs (in their structure) of what stage i returns; InputError for what a stage cannot return."""
+    if i == len(self.stages) - 1:
+      if not isinstance(out, tf.Tensor) or out.shape.rank != 0:
+        got = f"shape {out.shape.as_list()}" if isinstance(out, tf.Tensor) else type(out).__name__
+        raise InputError(f"the last stage ({self._name(i)}) returns {got}; it must return the microbatch's scalar "
+                         "loss (reduce it, e.g. tf.reduce_mean), or give loss_fn", node=self._name(i))
+      return tf.TensorSpec(out.shape, out.dtype)
+    leaves = tf.nest.flatten(out)
+    if not leaves or not all(isinstance(t, tf.Tensor) for t in leaves):
+      raise InputError(f"{self._name(i)} returns {type(out).__name__}; a stage returns its activations: a tensor or "
+                       "a nested structure (tuple, list, dict) of tensors", node=self._name(i))
+    for path, t in zip(_paths(out), leaves):
+      if not t.dtype.is_floating:
+        raise InputError(f"{self._name(i)} returns {t.dtype.name} activations{path}; gradients flow back only "
+                         "through floating-point activations: cast them, or end the stage after the next float op",
+                         node=self._name(i))
+    return tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), out)
 
   def _check_shardings(self, i, p_specs, h):
     stage = self.stages[i]
@@ -294,13 +312,27 @@ class MpmdPipeline:
     if isinstance(raw, (tuple, list)) and not isinstance(raw, P) and len(raw) != len(p_specs):
       raise InputError(f"{self._name(i)} has {len(p_specs)} parameters but {len(raw)} param_shardings; give one "
                        "per parameter (or one for all)", node=self._name(i))
-    try:
-      to_sharding(stage.in_sharding if stage.in_sharding is not None else P(), stage.mesh, rank=h.shape.rank,
-                  what=f"{self._name(i)} input")
-    except ShardingError as e:
-      raise type(e)(f"the boundary into {self._name(i)}: its in_sharding does not fit the {h.shape.rank}-D "
-                    f"activations {h.shape.as_list()} it receives: {e.message}; give an in_sharding of that rank",
-                    node=self._name(i)) from None
+    for path, spec, layout in zip(_paths(h), tf.nest.flatten(h), self._layouts(stage.in_sharding, h, P(), i, "in")):
+      try:
+        to_sharding(layout, stage.mesh, rank=spec.shape.rank, what=f"{self._name(i)} input{path}")
+      except ShardingError as e:
+        raise type(e)(f"the boundary into {self._name(i)}: its in_sharding does not fit the {spec.shape.rank}-D "
+                      f"activations{path} {spec.shape.as_list()} it receives: {e.message}; give an in_sharding of "
+                      "that rank", node=self._name(i)) from None
+
+  def _layouts(self, spec, structure, default, i, which):
+    """One layout per tensor of `structure`: `spec` for all (a P, a Sharding, or None: `default`), or a structure
+    of them matching `structure` (stage i's `which`_sharding), a layout there standing for every tensor below it."""
+    flat = _layouts_up_to(structure, spec)
+    if flat is None:
+      raise InputError(f"{self._name(i)}'s {which}_sharding {spec!r} does not match the structure of its "
+                       f"activations {_describe(structure)}: give one layout for all, or one per tensor in that "
+                       "structure", node=self._name(i))
+    return tuple(default if s is None else s for s in flat)
+
+  def _in_layouts(self, i):
+    """The layouts stage i takes each tensor of its input in."""
+    return self._layouts(self.stages[i].in_sharding, self._in_structure[i], P(), i, "in")
 
   # ---- a step -------------------------------------------------------------------------------------------
   def __call__(self, params, batch, targets=None):
@@ -348,34 +380,36 @@ class MpmdPipeline:
     def forward(i, m):   # returns when the stage's computation started
       s, prog, last = self.stages[i], self._programs[i], i == n - 1
       saved = saved_inputs[i]
-      h = micro[m] if i == 0 else receive("act", i, m, i - 1, layout_out(i - 1) if not local[i - 1] else None,
-                                          _or_replicated(s.in_sharding))
+      h = (micro[m],) if i == 0 else receive("act", i, m, i - 1, layout_out(i - 1) if not local[i - 1] else None,
+                                             self._in_layouts(i))
       saved[m] = h
       record.peak_alive[i] = max(record.peak_alive[i], len(saved))
       start = time.perf_counter()
-      y = self._call(prog.forward_fn(s, len(params[i]), self.exchange, last),
-                     params[i] + ((h, micro_t[m]) if last else (h,)))
+      y = self._call(prog.forward_fn(s, len(params[i]), self.exchange, last, self._in_layouts(i),
+                                     None if last else self._layouts(s.out_sharding, self._acts[i], None, i, "out")),
+                     params[i] + h + ((micro_t[m],) if last else ()))
       if last:
         losses[m] = y
       else:
-        out_layout[i] = y.sharding
-        pass_on("act", i + 1, m, y, _or_replicated(self.stages[i + 1].in_sharding))
+        y = tuple(y) if isinstance(y, (tuple, list)) else (y,)
+        out_layout[i] = tuple(t.sharding for t in y)
+        pass_on("act", i + 1, m, y, self._in_layouts(i + 1))
       return start
 
     def backward(i, m):   # returns when the stage's computation started
       s, prog, last = self.stages[i], self._programs[i], i == n - 1
       saved = saved_inputs[i]
-      seed = micro_t[m] if last else receive("grad", i, m, i + 1, _or_replicated(self.stages[i + 1].in_sharding),
-                                             layout_out(i))
+      seed = (micro_t[m],) if last else receive("grad", i, m, i + 1, self._in_layouts(i + 1), layout_out(i))
       h = saved.pop(m)
       start = time.perf_counter()
       acc = grads[i] is not None
-      fn = prog.backward_fn(s, len(params[i]), self.exchange, i > 0, last, acc, out_layout[i])
-      out = self._call(fn, params[i] + (h, seed) + (tuple(grads[i]) if acc else ()))
+      fn = prog.backward_fn(s, len(params[i]), self.exchange, i > 0, last, acc, self._in_layouts(i),
+                            None if last else out_layout[i])
+      out = self._call(fn, params[i] + h + seed + (tuple(grads[i]) if acc else ()))
       out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
       grads[i] = out[:len(params[i])]
       if i > 0:
-        pass_on("grad", i - 1, m, out[-1], layout_out(i - 1))
+        pass_on("grad", i - 1, m, out[len(params[i]):], layout_out(i - 1))
       return start
 
     def step(i, kind, m):
@@ -393,23 +427,29 @@ class MpmdPipeline:
     `out_layout[i]` caches stage i's activations' layout, `local[i]` says whether stage i runs in this process;
     moves within it go through `box`, and every cross-mesh move is logged in `log`.
     """
-    def layout_out(i):   # stage i's activations' layout (declared where stage i runs in another process)
+    def layout_out(i):   # stage i's activations' layouts (declared where stage i runs in another process)
       if out_layout[i] is None:
-        out_layout[i] = to_sharding(self.stages[i].out_sharding, self.stages[i].mesh, rank=self._acts[i].shape.rank)
+        s = self.stages[i]
+        out_layout[i] = tuple(to_sharding(layout, s.mesh, rank=spec.shape.rank) for spec, layout in zip(
+            tf.nest.flatten(self._acts[i]), self._layouts(s.out_sharding, self._acts[i], None, i, "out")))
       return out_layout[i]
 
-    def pass_on(kind, j, m, value, layout):   # to stage j: a cross-mesh move (sends only, to another process)
+    def pass_on(kind, j, m, values, layouts):   # to stage j: cross-mesh moves (sends only, to another process)
       if local[j]:
-        box.put((kind, j, m), cross_mesh.reshard(value, self.stages[j].mesh, layout, log=log))
+        box.put((kind, j, m), tuple(cross_mesh.reshard(v, self.stages[j].mesh, layout, log=log)
+                                    for v, layout in zip(values, layouts)))
       else:
-        cross_mesh.reshard(value, self.stages[j].mesh, layout, log=log, wait=False)
+        for v, layout in zip(values, layouts):
+          cross_mesh.reshard(v, self.stages[j].mesh, layout, log=log, wait=False)
 
-    def receive(kind, i, m, j, src_layout, dst_layout):   # stage i's input from stage j
+    def receive(kind, i, m, j, src_layouts, dst_layouts):   # stage i's input from stage j
       if local[j]:
         return box.take((kind, i, m), self._name(i))
-      act = self._acts[min(i, j)]
-      elsewhere = cross_mesh.value_elsewhere(act.shape, act.dtype, self.stages[j].mesh, src_layout)
-      return cross_mesh.reshard(elsewhere, self.stages[i].mesh, dst_layout, log=log)
+      got = []
+      for act, src, dst in zip(tf.nest.flatten(self._acts[min(i, j)]), src_layouts, dst_layouts):
+        elsewhere = cross_mesh.value_elsewhere(act.shape, act.dtype, self.stages[j].mesh, src)
+        got.append(cross_mesh.reshard(elsewhere, self.stages[i].mesh, dst, log=log))
+      return tuple(got)
 
     return layout_out, pass_on, receive
 
@@ -477,30 +517,32 @@ class _Locked:
 class _StagePrograms:
   """A stage's Python bodies and the gs.functions built from them (one per layout of their boundary values)."""
 
-  def __init__(self, forward, backward):
+  def __init__(self, forward, backward, structured):
     self.forward = forward
+    self.structured = structured   # the forward, its result in the structure the stage returns it
     self._backward = backward
     self._fns = {}
 
-  def forward_fn(self, stage, n, exchange, last):
-    key = ("F", n)
+  def forward_fn(self, stage, n, exchange, last, in_layouts, out_layouts):
+    """The forward's gs.function: `in_layouts` per tensor of the input, `out_layouts` per tensor of the result."""
+    key = ("F", n, in_layouts, out_layouts)
     if key not in self._fns:
-      ins = _per_param(stage.param_shardings, n) + (_or_replicated(stage.in_sharding),)
+      ins = _per_param(stage.param_shardings, n) + tuple(in_layouts)
       if last:
         ins += (stage.target_sharding,)
-      out = P() if last else stage.out_sharding
+      out = P() if last else tuple(out_layouts)
       self._fns[key] = gs_function(self.forward, mesh=stage.mesh, in_shardings=ins, out_shardings=out,
                                    exchange=exchange)
     return self._fns[key]
 
-  def backward_fn(self, stage, n, exchange, with_input_grad, last, accumulate, out_layout):
-    key = ("B", n, accumulate, out_layout)
+  def backward_fn(self, stage, n, exchange, with_input_grad, last, accumulate, in_layouts, out_layouts):
+    key = ("B", n, accumulate, in_layouts, out_layouts)
     if key not in self._fns:
       p = _per_param(stage.param_shardings, n)
-      h = _or_replicated(stage.in_sharding)
-      seed = stage.target_sharding if last else out_layout
-      ins = p + (h, seed) + (p if accumulate else ())
-      outs = p + ((h,) if with_input_grad else ())
+      h = tuple(in_layouts)
+      seed = (stage.target_sharding,) if last else tuple(out_layouts)
+      ins = p + h + seed + (p if accumulate else ())
+      outs = p + (h if with_input_grad else ())
 
       def body(*args):
         return self._backward(n, accumulate, *args)
@@ -515,8 +557,43 @@ def _per_param(shardings, n):
   return (shardings,) * n
 
 
-def _or_replicated(spec):
-  return P() if spec is None else spec
+def _layouts_up_to(structure, spec):
+  """`spec`'s layouts, one per tensor of `structure` (a layout where `structure` goes on holding one for every
+  tensor below); None where `spec` is no structure of layouts matching `structure`."""
+  if spec is None or isinstance(spec, (P, Sharding)):
+    return [spec] * _count(structure)
+  if isinstance(structure, dict) and isinstance(spec, dict) and set(spec) == set(structure):
+    parts = [_layouts_up_to(structure[k], spec[k]) for k in sorted(structure)]
+  elif isinstance(structure, (list, tuple)) and isinstance(spec, (list, tuple)) and len(spec) == len(structure):
+    parts = [_layouts_up_to(s, p) for s, p in zip(structure, spec)]
+  else:
+    return None
+  return None if any(p is None for p in parts) else [x for p in parts for x in p]
+
+
+def _count(structure):
+  return len(tf.nest.flatten(structure))
+
+
+def leaf_paths(structure, prefix=""):
+  """A readable path per tensor of `structure`, in tf.nest's flattening order ("" for a lone tensor, "0",
+  "skip/1")."""
+  if isinstance(structure, dict):
+    return [p for k in sorted(structure) for p in leaf_paths(structure[k], f"{prefix}{k}/")]
+  if isinstance(structure, (list, tuple)):
+    return [p for k, v in enumerate(structure) for p in leaf_paths(v, f"{prefix}{k}/")]
+  return [prefix.rstrip("/")]
+
+
+def _paths(structure):
+  """Per tensor of `structure`, its path for messages ("" for a lone tensor, else " [0]", " [skip/1]")."""
+  return [f" [{p}]" if p else "" for p in leaf_paths(structure)]
+
+
+def _describe(structure):
+  """`structure`'s TensorSpecs as "float32[4, 8]" (a structure of them: in its brackets)."""
+  text = tf.nest.map_structure(lambda t: f"{t.dtype.name}{t.shape.as_list()}", structure)
+  return text if isinstance(text, str) else str(text).replace("'", "")
 
 
 def _first_line(error):

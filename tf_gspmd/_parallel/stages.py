@@ -4,6 +4,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gspmd._function import function as gs_function, parse_bytes
+from tf_gspmd._parallel.mpmd import leaf_paths
 from tf_gspmd._layout.mesh import Mesh, P
 from tf_gspmd.errors import InputError
 from tf_gspmd.rewriter import pipeline
@@ -78,15 +79,6 @@ def _time_stage_runs(best_of, elements=1 << 20):
 TIMERS = calibrate.Timers(all_reduce=_time_all_reduce, stage_runs=_time_stage_runs)
 
 
-def _paths(structure, prefix=""):
-  """A readable path per leaf of `structure`, in tf.nest's flattening order."""
-  if isinstance(structure, dict):
-    return [p for k in sorted(structure) for p in _paths(structure[k], f"{prefix}{k}/")]
-  if isinstance(structure, (list, tuple)):
-    return [p for k, v in enumerate(structure) for p in _paths(v, f"{prefix}{k}/")]
-  return [prefix.rstrip("/")]
-
-
 def trace_forward(fn, arg_specs, mesh):
   """The traced, imported global program of `fn` at `arg_specs` (nested TensorSpecs) on `mesh`: (Program,
   {Placeholder name: readable argument path}, per argument the Placeholder names of its leaves)."""
@@ -102,7 +94,7 @@ def trace_forward(fn, arg_specs, mesh):
   program = Program(fn=flat_fn, mesh=mesh, options=Options(), arg_specs=tuple(flat),
                              declared_in=(None,) * len(flat), arriving_in=(None,) * len(flat))
   program = pipeline.run(program, path=pipeline.PLAN, until="import_annotations")
-  paths = [p or str(k) for k, p in enumerate(_paths(list(arg_specs)))]
+  paths = [p or str(k) for k, p in enumerate(leaf_paths(list(arg_specs)))]
   names = dict(zip(program.input_names, paths))
   for name, v in zip(program.variable_names, program.variables):
     if v is not None:
