@@ -32,7 +32,7 @@ from tf_gspmd._platform import cluster as _cluster
 from tf_gspmd._function import function as gs_function, parse_bytes
 from tf_gspmd._layout.mesh import Mesh, P
 from tf_gspmd._parallel.mpmd import Stage, mpmd_pipeline
-from tf_gspmd._parallel.mpmd import leaf_paths
+from tf_gspmd._parallel.stage_programs import leaf_paths
 from tf_gspmd._parallel.stages import plan_stages
 from tf_gspmd.errors import AutoShardingError, InputError
 from tf_gspmd.rewriter.stages.calibrate import call_times

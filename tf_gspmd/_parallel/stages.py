@@ -4,7 +4,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gspmd._function import function as gs_function, parse_bytes
-from tf_gspmd._parallel.mpmd import leaf_paths
+from tf_gspmd._parallel.stage_programs import leaf_paths
 from tf_gspmd._layout.mesh import Mesh, P
 from tf_gspmd.errors import InputError
 from tf_gspmd.rewriter import pipeline
