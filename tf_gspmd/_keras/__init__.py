@@ -1,0 +1,1 @@
+"""Keras internals: layout maps chosen by automatic sharding."""

@@ -1,0 +1,1 @@
+"""The values users write: meshes and specs, shardings, annotations, plan scopes, pipeline schedules."""
