@@ -142,6 +142,17 @@ TF_COLLECTIVE_OPS = EMITTED_OPS | frozenset({   # every TF collective op type (a
 XLA_LOWERED = frozenset(c.op_type for c in EMITTED.values() if c.xla)
 
 
+def write_regrouped(node, x, operand, group_size, group_key, instance_key, controls=()):
+  """NodeDef `node` (its name and device set): collective NodeDef `x`'s op run among other groups -- `operand` over
+  groups of `group_size` members keyed `group_key`, as instance `instance_key` (input strings) -- with `x`'s
+  attributes (the one graph of a process runs a collective across processes so, rewriter/one_graph/)."""
+  name, device = node.name, node.device
+  node.CopyFrom(x)
+  node.name, node.device = name, device
+  del node.input[:]
+  node.input.extend([operand, group_size, group_key, instance_key] + list(controls))
+
+
 def kind_of(node_def):
   """The kind of collective NodeDef `node_def` performs (all-reduce, all-gather, all-to-all, collective-permute),
   or None where it is not one the backend builds."""

@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gspmd.ops import registry
+from tf_gspmd.rewriter.collectives import vocabulary
 from tf_gspmd.rewriter.collectives.vocabulary import kind_of
 from tf_gspmd.rewriter.graph.graph_view import is_control, node_of, split_ref
 
@@ -389,6 +390,11 @@ class Rules:
       result = spread(grouped, [size * shape[0]] + shape[1:], "result")
     self._node(f"stk/{x.name}", "Identity", [result], T=t)
 
+  def _regrouped(self, x, name, operand, consts):
+    """Node `name`: collective `x` over the processes' groups (`consts`: their size, key and instance key)."""
+    node = self.out.node.add(name=name, device=self.devices[0])
+    vocabulary.write_regrouped(node, x, operand, *consts, controls=self.controls(x))
+
   def _across(self, x, group_key, size, instance_key, slots):
     """A collective whose groups cross processes (in_process.crossing): one TF collective of the stacked operand
     among the first devices of the `size` processes they join (`group_key`), on this process's first device.
@@ -415,18 +421,18 @@ class Rules:
       return self._node(f"stkx/{x.name}/{label}", "Transpose", [ref, perm], T=t, Tperm=tf.int32) + ":0"
 
     if kind_of(x) == "all-reduce":
-      self._copy(x, name, [operand] + consts)
+      self._regrouped(x, name, operand, consts)
       return
     rest = int(np.prod(shape[1:], dtype=np.int64))
     if kind_of(x) == "all-gather":   # [processes * n, rows, ...] -> row i: every process's rows of device i
-      self._copy(x, f"stkx/{x.name}/op", [operand] + consts)
+      self._regrouped(x, f"stkx/{x.name}/op", operand, consts)
       got = reshape(f"stkx/{x.name}/op:0", [size, self.n, shape[0] * rest], "got")
       self._reshape(name, swap(got, 3, "mine"), [self.n, size * shape[0]] + shape[1:], t)
       return
     block = shape[0] // (size * per) * rest   # an all-to-all: what a device sends each member
     out = reshape(swap(reshape(operand, [self.n, size, per * block], "blocks"), 3, "out"),
                   [size, self.n * per * block], "sent")
-    self._copy(x, f"stkx/{x.name}/op", [out] + consts)
+    self._regrouped(x, f"stkx/{x.name}/op", out, consts)
     got = reshape(f"stkx/{x.name}/op:0", [size, self.n * per, block], "got")   # [process, its row, slot, block]
     if slots.reshape(-1).tolist() != list(range(self.n * per)):
       got = self._node(f"stkx/{x.name}/taken", "GatherV2",
