@@ -40,7 +40,7 @@ class Gather(FactorRule):
   """params[..., axis, ...][indices]: index dims and params' other dims pass their split.
 
   When the table is split along the gathered dim (a vocabulary-split embedding), each device looks up the
-  ids in its own range (clamped), zeroes the rows it does not own, and one all-reduce sums the rows; the
+  ids in its own range (bounds-checked as TF checks them), zeroes the rows it does not own, and one all-reduce sums the rows; the
   generic path (the table whole along that dim) only where it moves fewer bytes.
   """
 
@@ -102,9 +102,20 @@ class Gather(FactorRule):
     ctx.set_output(0, rows, natural, partial=partial)
 
   def masked_lookup(self, ctx, params, ids, params_s, axis, size):
-    """Rows of the ids this device owns along `axis` (zeros elsewhere): the partial result of a split table."""
+    """Rows of the ids this device owns along `axis` (zeros elsewhere): the partial result of a split table.
+
+    An id outside [0, size) is owned by no device. TF's gather raises InvalidArgumentError for it on CPU (and
+    gives zeros on GPU, as the masked rows do), so each device first checks its ids with an Assert the lookup
+    waits for: the error TF raises, on every layout, never a clamped row.
+    """
     with ctx.helper_scope():
-      rows, owned = take_owned(ctx, params, params_s, size, axis, tf.clip_by_value(ids, 0, size - 1))
+      in_range = tf.reduce_all((ids >= 0) & (ids < tf.cast(size, ids.dtype)))
+      check = tf.debugging.Assert(in_range, [f"gather: indices must be in [0, {size}) (the gathered "
+                                             f"dim of the table, split over {tuple(params_s.dims[axis])}); got", ids],
+                                  summarize=16, name="ids_in_range")
+      with tf.control_dependencies([check]):
+        ids = tf.identity(ids, name="checked_ids")
+      rows, owned = take_owned(ctx, params, params_s, size, axis, ids)
       mask_shape = [1] * axis + ids.shape.as_list() + [1] * (params.shape.rank - axis - 1)
       return tf.where(tf.reshape(owned, mask_shape), rows, tf.zeros([], rows.dtype))
 

@@ -52,6 +52,36 @@ def test_resource_gather_from_a_row_split_variable(rng):
   assert low.report.counts() == {"all-reduce": 1}
 
 
+@pytest.mark.parametrize("table_spec,ids_spec", [
+    (P("model", None), P()),
+    (P("model", None), P("data", None)),       # only the devices holding the bad id see it
+    (P(("data", "model"), None), P()),
+])
+@pytest.mark.parametrize("bad", [[[0, 12], [1, 2]], [[-1, 3], [0, 1]], [[10, 2], [3, 4]]], ids=str)
+def test_gather_out_of_range_raises_like_tf(table_spec, ids_spec, bad):
+  """An id outside the table raises TF's InvalidArgumentError on every layout, as tf.gather does on CPU; a row of
+  the table (a clamped id) is never returned. The function runs again afterwards."""
+  table = np.arange(40, dtype=np.float32).reshape(10, 4)
+  bad = np.array(bad, np.int32)
+  with pytest.raises(tf.errors.InvalidArgumentError):
+    tf.gather(tf.constant(table), bad)
+  f = gs.function(lambda t, i: tf.gather(t, i), mesh=MESH, in_shardings=(table_spec, ids_spec))
+  with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices must be in \[0, 10\)"):
+    f(table, bad)
+  good = np.array([[0, 9], [5, 3]], np.int32)
+  assert_close(f(table, good).numpy(), table[good])
+
+
+def test_gather_from_a_split_variable_out_of_range_raises():
+  """The same for ResourceGather from a variable stored split by rows."""
+  w = gs.variable(gs.initializers.zeros(), (10, 3), mesh=MESH, spec=P("model", None))
+  w.assign(np.arange(30, dtype=np.float32).reshape(10, 3))
+  f = gs.function(lambda i: tf.gather(w, i), mesh=MESH)
+  with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices must be in \[0, 10\)"):
+    f(np.array([2, 10], np.int32))
+  assert_close(f(np.array([2, 9], np.int32)).numpy(), np.arange(30, dtype=np.float32).reshape(10, 3)[[2, 9]])
+
+
 def test_resource_gather_from_a_variable_nothing_else_reads(rng):
   """tf.gather is the captured variable's only use (ResourceGather, no read or write states its shape): the shape
   comes from the variable the function captured."""
