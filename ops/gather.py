@@ -35,6 +35,19 @@ def take_owned(ctx, x, layout, size, axis, ids):
   return tf.gather(x, tf.clip_by_value(local, 0, c - 1), axis=axis), owned
 
 
+def checked_ids(ids, size, what):
+  """`ids` once an Assert has checked that each is in [0, size) (it raises InvalidArgumentError saying `what`).
+
+  TF's ops that index a table (gather, scatter into a variable) raise for such an id on CPU. Split along the
+  indexed dim, no device would own the row (or a padding row would), so the partitioned op must check what
+  the op checked: the lookup or write waits for the Assert.
+  """
+  in_range = tf.reduce_all((ids >= 0) & (ids < tf.cast(size, ids.dtype)))
+  check = tf.debugging.Assert(in_range, [what + "; got", ids], summarize=16, name="ids_in_range")
+  with tf.control_dependencies([check]):
+    return tf.identity(ids, name="checked_ids")
+
+
 @register("GatherV2")
 class Gather(FactorRule):
   """params[..., axis, ...][indices]: index dims and params' other dims pass their split.
@@ -109,12 +122,8 @@ class Gather(FactorRule):
     waits for: the error TF raises, on every layout, never a clamped row.
     """
     with ctx.helper_scope():
-      in_range = tf.reduce_all((ids >= 0) & (ids < tf.cast(size, ids.dtype)))
-      check = tf.debugging.Assert(in_range, [f"gather: indices must be in [0, {size}) (the gathered "
-                                             f"dim of the table, split over {tuple(params_s.dims[axis])}); got", ids],
-                                  summarize=16, name="ids_in_range")
-      with tf.control_dependencies([check]):
-        ids = tf.identity(ids, name="checked_ids")
+      ids = checked_ids(ids, size, f"gather: indices must be in [0, {size}) (the gathered dim of the table, split "
+                        f"over {tuple(params_s.dims[axis])})")
       rows, owned = take_owned(ctx, params, params_s, size, axis, ids)
       mask_shape = [1] * axis + ids.shape.as_list() + [1] * (params.shape.rank - axis - 1)
       return tf.where(tf.reshape(owned, mask_shape), rows, tf.zeros([], rows.dtype))

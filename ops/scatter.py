@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.ops.factors import Factors, FactorRule
+from tf_gspmd.ops.gather import checked_ids
 from tf_gspmd.ops.registry import register
 from tf_gspmd.ops.variables import handle_sharding, value_labels
 
@@ -90,7 +91,8 @@ class ResourceScatter(FactorRule):
   """var[ids] op= updates: the variable's other dims pass their split to the updates; ids are replicated.
 
   A variable split along its first dim takes on each device only the updates of its own rows (masked, summed
-  per row into a dense local delta); nothing is communicated.
+  per row into a dense local delta); nothing is communicated. Ids are checked as TF checks them (`checked_ids`):
+  one outside the variable raises, never dropped.
   """
 
   priority = 0
@@ -115,6 +117,8 @@ class ResourceScatter(FactorRule):
     segment, combine = _SCATTER_COMBINE[node.op]
     dtype = node.attr("dtype")
     with ctx.helper_scope(), ctx.after_control_inputs():
+      ids = checked_ids(ids, size, f"{node.op}: indices must be in [0, {size}) (the first dim of the variable, "
+                        f"split over {tuple(layout.dims[0])})")
       local = tf.reshape(ids, [-1]) - ctx.lookup(lo, f"row_offset_{c}")
       local = tf.where((local >= 0) & (local < c), local, -tf.ones_like(local))
       flat = tf.reshape(updates, [-1] + updates.shape.as_list()[k:])

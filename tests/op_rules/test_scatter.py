@@ -75,3 +75,29 @@ def test_inplace_update_in_a_loop_at_the_step_index(rng):
   low = check_partitioned(fn, [x], P("data", "model"), MESH, tol=1e-6)
   assert low.report.fallbacks == () and low.report.collectives == ()
   assert low.out_shardings[0].spec == P(None, "data", "model")
+
+
+@pytest.mark.parametrize("method", ["scatter_add", "scatter_sub", "scatter_max", "scatter_update"])
+def test_scatter_into_a_row_split_variable(method):
+  """var.scatter_*(rows) into a variable split by rows: each device writes its own rows, equal to plain TF's; an
+  index outside the variable raises InvalidArgumentError as TF's does (a padding row or no row would be written)
+  and leaves the variable as it was."""
+  start = np.arange(30, dtype=np.float32).reshape(10, 3)
+  updates = np.full((2, 3), 5.0, np.float32)
+  w = gs.variable(gs.initializers.zeros(), (10, 3), mesh=MESH, spec=P("model", None))
+  plain = tf.Variable(start)
+
+  def step(v, i):
+    return getattr(v, method)(tf.IndexedSlices(tf.constant(updates), i)).read_value()
+
+  f = gs.function(lambda i: step(w, i), mesh=MESH)
+  for bad in ([1, 10], [-1, 2]):
+    with pytest.raises(tf.errors.InvalidArgumentError):
+      step(plain, tf.constant(bad, tf.int32))
+    w.assign(start)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices must be in \[0, 10\)"):
+      f(np.array(bad, np.int32))
+    assert_close(w.numpy(), start)
+  w.assign(start)
+  plain.assign(start)   # (TF's own scatter may have written rows before it raised)
+  assert_close(f(np.array([1, 9], np.int32)).numpy(), step(plain, tf.constant([1, 9])).numpy())
