@@ -120,5 +120,18 @@ def lookup(op_type):
   return _RULES.get(op_type)
 
 
+def stacked_form(op_type):
+  """The one-graph form of `op_type` its rule states (one of STACKED_FORMS), or None (no rule, or it runs once per
+  device)."""
+  rule = _RULES.get(op_type)
+  return rule.stacked_form(op_type) if rule is not None else None
+
+
+def is_elementwise(op_type):
+  """Whether `op_type`'s rule states it element-wise (`Rule.elementwise`)."""
+  rule = _RULES.get(op_type)
+  return rule is not None and rule.elementwise
+
+
 def registered_ops():
   return sorted(_RULES)

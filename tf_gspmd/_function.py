@@ -125,7 +125,11 @@ class Lowered:
 
   def visualize(self, name, show=True):
     """Draw how tensor `name` (a key of `shardings`) is laid out over the mesh; returns the drawing."""
-    r = name if ":" in name else name + ":0"
+    r = name if isinstance(name, str) and ":" in name else f"{name}:0"
+    if r not in self.program.shardings:
+      known = sorted(public_key(k) for k in self.program.shardings)
+      raise InputError(f"no tensor {name!r} in this lowering; give a key of .shardings, e.g. "
+                       f"{', '.join(map(repr, known[:5]))}", node=str(name))
     return visualize_sharding(self.program.shardings[r], self.program.ir.info(r).shape, show=show)
 
   def as_text(self):
@@ -155,6 +159,9 @@ class ShardedFunction:
                partitioner=None, solver_time_limit=None, auto_pins="all"):
     if not isinstance(mesh, Mesh):
       raise MeshError(f"gs.function needs mesh=gs.Mesh(...); got {mesh!r}")
+    if not callable(fn):
+      raise InputError(f"gs.function partitions a function; got {type(fn).__name__} {fn!r:.80}: decorate a Python "
+                       "function or tf.function, or pass it as gs.function(fn, mesh=...)", node="fn")
     _check_shardings_argument(in_shardings, "in_shardings")
     _check_shardings_argument(out_shardings, "out_shardings")
     collective_timeout = _checked_timeout(collective_timeout)
@@ -208,6 +215,8 @@ class ShardedFunction:
     processes major (as `gs.initialize` orders them); the report then tells which collectives cross processes
     and how many bytes per device do. Default: the processes that drive the mesh's devices now.
     """
+    for k, s in enumerate(specs):
+      self._check_mesh_of(s, k)
     arriving = tuple(arg_shardings) if arg_shardings else tuple(_arriving(s) for s in specs)
     specs = tuple(_as_spec(s, k) for k, s in enumerate(specs))
     try:
@@ -216,15 +225,20 @@ class ShardedFunction:
       devices = None
     plan = None
     if processes is not None:
+      if isinstance(processes, bool) or not isinstance(processes, numbers.Integral) or processes < 1 or \
+          self.mesh.size % processes:
+        raise MeshError(f"processes={processes!r}: give the number of processes (hosts) the mesh's {self.mesh.size} "
+                        "devices are spread over, a whole number of 1 or more that divides them evenly",
+                        node="processes")
       n = int(processes)
-      if n < 1 or self.mesh.size % n:
-        raise MeshError(f"processes={processes} must divide the mesh's {self.mesh.size} devices evenly")
       plan = tuple(p // (self.mesh.size // n) for p in range(self.mesh.size))
     return self._lower(specs, arriving, devices, plan)
 
   def _lower(self, specs, arriving, devices, processes=None):
-    if processes is None and devices is not None and _cluster.is_multi_process():
-      processes = tuple(_cluster.process_of(d) for d in devices)
+    # The processes driving the devices now; a lowering for others (`processes` given) is a plan for them.
+    driving = tuple(_cluster.process_of(d) for d in devices) if devices is not None and \
+        _cluster.is_multi_process() else None
+    processes = driving if processes is None else processes
     key = (specs, arriving, devices, processes)
     with self._lock:
       cached = self._cache.get(key)
@@ -243,8 +257,7 @@ class ShardedFunction:
         logging.info("tf_gspmd: retracing %s: %s", getattr(self.fn, "__name__", self.fn),
                      _retrace_reason(previous[-1], key))
     declared_in = self._declared_in(specs)
-    here = devices is not None and _cluster.is_multi_process() and \
-        processes == tuple(_cluster.process_of(d) for d in devices)   # (not a plan for other processes)
+    here = driving is not None and processes == driving
     program = Program(fn=self.fn, mesh=self.mesh, options=self._options(len(specs), devices), arg_specs=specs,
                       declared_in=tuple(s for s, _ in declared_in), open_in=tuple(o for _, o in declared_in),
                       arriving_in=arriving, devices=devices, processes=processes,
@@ -296,8 +309,7 @@ class ShardedFunction:
     specs, arriving = [], []
     for k, a in enumerate(args):
       if isinstance(a, ShardedTensor):
-        if a.sharding.mesh != self.mesh:
-          raise InputError(f"argument {k} is sharded over {a.sharding.mesh}, but this function runs on {self.mesh}")
+        self._check_mesh_of(a, k)
         specs.append(tf.TensorSpec(a.shape, a.dtype))
         arriving.append(_arriving(a))
       else:
@@ -310,6 +322,17 @@ class ShardedFunction:
     if all(type(a) is ShardedTensor for a in args):  # pylint: disable=unidiomatic-typecheck
       self._last = (tuple((a.shape, a.sharding, a.dtype) for a in args), lowered)
     return self._run(lowered, args)
+
+  def _check_mesh_of(self, a, k):
+    """InputError when argument `k` is a ShardedTensor laid out over another mesh than this function's: its
+    components live on that mesh's devices, in that mesh's tiles; it moves only through an explicit transfer."""
+    if isinstance(a, ShardedTensor) and a.sharding.mesh != self.mesh:
+      spec = a.sharding.spec if a.sharding.spec is not None else P()
+      raise InputError(f"argument {k} is a ShardedTensor laid out over {a.sharding.mesh} "
+                       f"(devices {a.sharding.mesh.devices or 'by default'}), but this function runs on {self.mesh} "
+                       f"(devices {self.mesh.devices or 'by default'}); move it onto this mesh first with "
+                       f"gs.reshard(x, mesh, {spec!r}) (the layout it takes there), or pass a "
+                       "host value (x.numpy())", node=f"argument {k}")
 
   def _run(self, lowered, args):
     if lowered.program.exported is not None:
@@ -432,15 +455,18 @@ def _auto_options(mesh, in_shardings, memory_budget, axis_cost, flops_per_byte, 
       raise InputError("memory_budget, axis_cost, solver_time_limit and auto_pins apply to automatic sharding: "
                        "give in_shardings=\"auto\" (or \"auto\" for some arguments)")
     return None
+  if axis_cost is not None and not isinstance(axis_cost, dict):
+    raise InputError(f"axis_cost={axis_cost!r}: give a dict {{mesh axis: relative time per byte}}, e.g. "
+                     f"{{{mesh.axis_names[0]!r}: 8.0}}", node="axis_cost")
   axis_cost = dict(axis_cost or {})
   for a, c in axis_cost.items():
     if a not in mesh.axis_names:
       raise MeshError(f"axis_cost names {a!r}, which is not an axis of {mesh}; give costs for {mesh.axis_names}")
-    if not c > 0:
+    if not _positive(c):
       raise InputError(f"axis_cost[{a!r}] = {c!r}: give a positive relative time per byte (1.0 = the default)")
-  if not flops_per_byte > 0:
+  if not _positive(flops_per_byte):
     raise InputError(f"flops_per_byte={flops_per_byte!r}: give a positive number")
-  if time_limit is not None and not time_limit > 0:
+  if time_limit is not None and not _positive(time_limit):
     raise InputError(f"solver_time_limit={time_limit!r}: give seconds (a positive number) or None")
   if pins not in ("all", "state"):
     raise InputError(f"auto_pins={pins!r}: give \"all\" or \"state\"")
@@ -448,6 +474,11 @@ def _auto_options(mesh, in_shardings, memory_budget, axis_cost, flops_per_byte, 
                                   axis_cost=tuple(sorted(axis_cost.items())), flops_per_byte=float(flops_per_byte),
                                   pin_intermediates=pins == "all")
   return options if time_limit is None else dataclasses.replace(options, time_limit=float(time_limit))
+
+
+def _positive(value):
+  """Whether `value` is a finite number above 0 (not a bool, a string or NaN)."""
+  return not isinstance(value, bool) and isinstance(value, numbers.Real) and 0 < value < float("inf")
 
 
 def _retrace_reason(old, new):

@@ -44,10 +44,7 @@ CONST_LIMIT = 1 << 16   # bytes of the one constant the members' differing const
 def _elementwise_form(op_type):
   """"broadcasting" or "same_shape" for an element-wise op that broadcasts or takes operands of the result's shape
   (the forms of ops/registry.STACKED_FORMS), else None."""
-  rule = registry.lookup(op_type)
-  if rule is None or not rule.elementwise:
-    return None
-  form = rule.stacked_form(op_type)
+  form = registry.stacked_form(op_type) if registry.is_elementwise(op_type) else None
   return form if form in ("broadcasting", "same_shape") else None
 
 

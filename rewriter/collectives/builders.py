@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from tf_gspmd.errors import PartitionError
 from tf_gspmd.rewriter.collectives import vocabulary
-from tf_gspmd.rewriter.collectives.groups import MeshGroups, group_key, next_instance_key, rank_key
+from tf_gspmd.rewriter.collectives.groups import MeshGroups, group_key, next_instance_key
 from tf_gspmd.rewriter.report import CollectiveRecord, Emitted
 from tf_gspmd.rewriter.collectives.widths import (WIDER, from_carrier, moving, moving_note, scalar, summing,
                                                   summing_note, to_carrier)
@@ -67,10 +67,8 @@ class Backend(MeshGroups):
   def _rank_permutation(self, axes):
     """Per-position permutation from runtime rank order to mesh order, or None when they agree."""
     of, members = self.groups(axes)
-    perms = []
-    for m in members:
-      ranked = sorted(m, key=lambda p: rank_key(self.devices[p]))
-      perms.append([ranked.index(p) for p in m])
+    ranked = self.ranked_groups(axes).members
+    perms = [[r.index(p) for p in m] for m, r in zip(members, ranked)]
     if all(p == sorted(p) for p in perms):
       return None
     return np.array(perms, np.int32)[of]

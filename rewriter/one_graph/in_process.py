@@ -103,8 +103,8 @@ def local_positions(program):
                if program.processes is None or program.processes[p] == program.process)
 
 
-def applies(program):
-  """`crossing(program)` where the program can run as one graph per process (collectives within a process as
+def applies(program, emitted):
+  """`crossing(program, emitted)` (`emitted`: the report's records of the collectives) where the program can run as one graph per process (collectives within a process as
   in-process edges, those across processes as TF's), else None (see the module docstring)."""
   if program.jit == "whole":
     return None
@@ -113,8 +113,7 @@ def applies(program):
   gd = program.local_graph_def
   if any(n.op in vocabulary.TF_COLLECTIVE_OPS for f in gd.library.function for n in f.node_def):
     return None
-  emitted = program.report.emitted()
-  found = crossing(program)
+  found = crossing(program, emitted)
   if found is None or not all(n.op in vocabulary.EMITTED and n.name in emitted and
                               (n.name in found[0] or vocabulary.EMITTED[n.op].runs_in_process(n))
                               for n in gd.node if n.op in vocabulary.TF_COLLECTIVE_OPS):
@@ -128,7 +127,7 @@ ACROSS_KINDS = ("all-reduce", "all-gather", "all-to-all")
 PERMUTE_KIND = "collective-permute"
 
 
-def crossing(program):
+def crossing(program, emitted):
   """({collective op name: (group key, process count, instance key, slots)} of the per-device program's collectives
   whose groups cross processes, each to run in this process's one graph as one op over the stacked operand among
   the first devices of the processes its groups join, {collective-permute op name: the local devices whose
@@ -150,7 +149,6 @@ def crossing(program):
   for p, q in enumerate(processes):   # each position's local index within its process
     index[p] = seen[q] = seen.get(q, -1) + 1
   heads = {q: processes.index(q) for q in set(processes)}   # each process's first position
-  emitted = program.report.emitted()
   me = processes[mine[0]]
   found, pairs = {}, {}
   for x in program.local_graph_def.node:
@@ -195,29 +193,30 @@ def crossing(program):
 def run(program):
   """Pass: program.in_process, the per-device programs of this process's devices as one graph (see the module
   docstring)."""
-  found = applies(program)
+  emitted = program.report.emitted()
+  found = applies(program, emitted)
   if found is None:
     return program
   try:
-    return program.replace(in_process=_build(program, found, grouped=True))
+    return program.replace(in_process=_build(program, emitted, found, grouped=True))
   except stacking_rules.CannotStack:   # a collective across processes the one graph cannot hold: TF's collectives run
     return program
   except ValueError as e:   # reads and writes joined into a cycle (rare): each crosses on its own
     if "cycle" not in str(e):
       raise
-    return program.replace(in_process=_build(program, found, grouped=False))
+    return program.replace(in_process=_build(program, emitted, found, grouped=False))
 
 
 class Edges:
   """What a collective's in-process meaning (vocabulary.Collective.in_process) builds with: the one graph of every
   device's program under construction, device p's copy of node n named `d<p>/<n>`."""
 
-  def __init__(self, program, out, positions):
+  def __init__(self, program, out, positions, emitted):
     self.out = out
     self.devices = [program.devices[p] for p in positions]   # this process's: p below is an index of these
     self._positions = tuple(positions)
     self._local = {m: p for p, m in enumerate(positions)}   # mesh position -> its index among this process's
-    self._emitted = program.report.emitted()   # the collectives' records: who takes part in each
+    self._emitted = emitted   # the collectives' records (the report's): who takes part in each
 
   def ref(self, p, name):
     """Input string `name` of the per-device program, as device p's copy reads it."""
@@ -252,7 +251,7 @@ class Edges:
     return name
 
 
-def _build(program, found, grouped):
+def _build(program, emitted, found, grouped):
   gd = program.local_graph_def
   positions = local_positions(program)
   devices = [program.devices[p] for p in positions]
@@ -264,7 +263,7 @@ def _build(program, found, grouped):
   out = tf.compat.v1.GraphDef()
   out.versions.CopyFrom(gd.versions)
   out.library.CopyFrom(gd.library)
-  edges = Edges(program, out, positions)
+  edges = Edges(program, out, positions, emitted)
   handles, touching = _resources(program, gd)
   # XLA segments (jit_compile=True on CPU) are function calls that run per device: such a program is not stacked.
   stack = not program.jit

@@ -37,12 +37,6 @@ STACKED_KINDS = ("all-reduce", "all-gather", "all-to-all")   # the collectives w
 _REDUCE_BY = {b"Add": "Sum", b"Mul": "Prod", b"Max": "Max", b"Min": "Min"}
 
 
-def stacked_form(op_type):
-  """The one-graph form of `op_type` its rule in ops/ states (ops/registry.STACKED_FORMS), or None."""
-  rule = registry.lookup(op_type)
-  return rule.stacked_form(op_type) if rule is not None else None
-
-
 class CannotStack(Exception):
   """A node the one graph of a process cannot hold (a collective across processes on an operand of unknown shape):
   the program runs per device, through TF's collectives."""
@@ -88,7 +82,7 @@ class Rules:
   def _stacked(self, x):
     """Write the stacked form of NodeDef `x` (some data input stacked): the form its rule in ops/ states; False where
     it has none, or where its method does not apply."""
-    form = stacked_form(x.op)
+    form = registry.stacked_form(x.op)
     if form is None:
       return False
     out = self._tensor(x.name + ":0") if self.graph.get_operation_by_name(x.name).outputs else None
