@@ -384,3 +384,124 @@ def test_asynchronous_save_copies_the_tiles_then_writes_while_steps_run(rng, tmp
   restored = _stored(tf.Variable(tf.zeros([64, 48])), MESH8, P(None, "x"))
   tf.train.Checkpoint(w=restored).read(second).assert_existing_objects_matched()
   np.testing.assert_array_equal(restored.numpy(), second_value)
+
+
+_ASYNC_OPTIONS = {"enable_async": dict(enable_async=True),
+                  "experimental": dict(experimental_enable_async_checkpoint=True)}
+_EAGER_WRITES = {
+    "assign": lambda v: v.assign(np.full((8, 8), 7.0, np.float32)),
+    "assign_add": lambda v: v.assign_add(np.full((8, 8), 2.0, np.float32)),
+    "assign_sub": lambda v: v.assign_sub(np.arange(64, dtype=np.float32).reshape(8, 8)),
+    "scatter_nd_update": lambda v: v.scatter_nd_update([[1, 2], [7, 7]], [5.0, 6.0]),
+}
+
+
+def _async_saves(v, directory, options, writes):
+  """The value saved by each asynchronous save of `v`: one save, then one after each write of `writes`."""
+  ckpt = tf.train.Checkpoint(v=v)
+  paths = [ckpt.save(str(directory / "ck"), options=options)]
+  for write in writes:
+    ckpt.sync()
+    write(v)
+    paths.append(ckpt.save(str(directory / "ck"), options=options))
+  ckpt.sync()
+  return [tf.train.load_checkpoint(p).get_tensor("v/.ATTRIBUTES/VARIABLE_VALUE") for p in paths]
+
+
+@pytest.mark.parametrize("option", sorted(_ASYNC_OPTIONS))
+@pytest.mark.parametrize("write", sorted(_EAGER_WRITES))
+def test_asynchronous_save_after_an_eager_write_saves_the_written_value(write, option, rng, tmp_path):
+  """An eager write between asynchronous saves reaches the next save, as plain TF saves it: TF traces its copy
+  to the host once and reruns it for every later save, and a sharded variable's copy brings the write into the
+  shards whenever it runs (not only while traced)."""
+  value = rng.standard_normal((8, 8)).astype(np.float32)
+  options = tf.train.CheckpointOptions(**_ASYNC_OPTIONS[option])
+  writes = [_EAGER_WRITES[write], _EAGER_WRITES["assign_add"], _EAGER_WRITES[write]]
+  want = _async_saves(tf.Variable(value), tmp_path / "plain", options, writes)
+  v = _stored(tf.Variable(value), MESH, P("data", "model"))
+  got = _async_saves(v, tmp_path / "sharded", options, writes)
+  assert not np.array_equal(want[0], want[1])
+  for k, (a, b) in enumerate(zip(got, want)):
+    np.testing.assert_array_equal(a, b, err_msg=f"save {k}")
+  np.testing.assert_array_equal(v.numpy(), want[-1])
+
+
+def test_asynchronous_save_after_steps_and_a_new_layout_saves_the_current_value(rng, tmp_path):
+  """Asynchronous saves between gs.function steps that write the variable, eager writes, and a step on another
+  mesh that stores it in another layout: each save holds the value of that moment, as plain TF's saves do."""
+  value = rng.standard_normal((8, 8)).astype(np.float32)
+  options = tf.train.CheckpointOptions(enable_async=True)
+  plain = tf.Variable(value)
+  v = _stored(tf.Variable(value), MESH, P("data", "model"))
+  step = gs.function(lambda: v.assign(gs.shard(v.read_value(), P("data", "model")) * 0.5 + 1.0), mesh=MESH)
+  step8 = gs.function(lambda: v.assign(gs.shard(v.read_value(), P(None, "x")) - 3.0), mesh=MESH8)
+  writes = [lambda x: step() if x is v else x.assign(x * 0.5 + 1.0),
+            lambda x: x.assign_add(tf.ones([8, 8])),
+            lambda x: step8() if x is v else x.assign(x - 3.0),
+            lambda x: step8() if x is v else x.assign(x - 3.0)]
+  want = _async_saves(plain, tmp_path / "plain", options, writes)
+  got = _async_saves(v, tmp_path / "sharded", options, writes)
+  assert gs.sharding_of(v).spec == P(None, "x")
+  for k, (a, b) in enumerate(zip(got, want)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=f"save {k}")
+
+
+@pytest.mark.parametrize("shape,spec", [((0, 6), P(None, "model")), ((0, 6), P("data", "model")),
+                                        ((4, 0), P("model", None)), ((0,), P("model"))])
+def test_a_zero_size_split_variable_saves_and_restores_as_plain_tf_does(shape, spec, tmp_path):
+  """A variable with no elements stored split is saved whole (plain TF saves an empty tensor of its shape, which
+  has no tiles to save) and restores onto plain, sharded and other-layout variables."""
+  v = _stored(tf.Variable(np.zeros(shape, np.float32)), MESH, spec)
+  path = tf.train.Checkpoint(v=v).write(str(tmp_path / "sharded"))
+  want = tf.train.Checkpoint(v=tf.Variable(np.zeros(shape, np.float32))).write(str(tmp_path / "plain"))
+  got_map, want_map = (tf.train.load_checkpoint(p).get_variable_to_shape_map() for p in (path, want))
+  assert got_map["v/.ATTRIBUTES/VARIABLE_VALUE"] == want_map["v/.ATTRIBUTES/VARIABLE_VALUE"] == list(shape)
+  assert tf.train.load_checkpoint(path).get_tensor("v/.ATTRIBUTES/VARIABLE_VALUE").shape == shape
+  restored = [tf.Variable(np.zeros(shape, np.float32)), _stored(tf.Variable(np.zeros(shape, np.float32)), MESH, spec),
+              _stored(tf.Variable(np.zeros(shape, np.float32)), MESH8, P(*(["x"] + [None] * (len(shape) - 1))))]
+  for u in restored:
+    tf.train.Checkpoint(v=u).read(path).assert_consumed()
+    assert u.numpy().shape == shape
+  for p in (path, want):   # the sharded variable restores from either checkpoint
+    tf.train.Checkpoint(v=v).read(p).assert_consumed()
+    assert v.numpy().shape == shape
+  options = tf.train.CheckpointOptions(enable_async=True)
+  ckpt = tf.train.Checkpoint(v=v)
+  later = ckpt.write(str(tmp_path / "async"), options=options)
+  ckpt.sync()
+  assert tf.train.load_checkpoint(later).get_tensor("v/.ATTRIBUTES/VARIABLE_VALUE").shape == shape
+
+
+def test_asynchronous_saves_of_a_variable_first_saved_plain_then_stored_sharded(rng, tmp_path):
+  """The first asynchronous save copies a plain variable whole; a step then stores it sharded: the later saves
+  copy its tiles (in place of the whole host copy) and hold each save's value, as plain TF's saves do."""
+  value = rng.standard_normal((8, 8)).astype(np.float32)
+  options = tf.train.CheckpointOptions(enable_async=True)
+  plain, v = tf.Variable(value), tf.Variable(value)
+  step = gs.function(lambda: v.assign(gs.shard(v.read_value(), P("data", "model")) + 10.0), mesh=MESH)
+  writes = [lambda x: step() if x is v else x.assign_add(tf.fill([8, 8], 10.0)),
+            lambda x: step() if x is v else x.assign_add(tf.fill([8, 8], 10.0))]
+  want = _async_saves(plain, tmp_path / "plain", options, writes)
+  got = _async_saves(v, tmp_path / "sharded", options, writes)
+  assert gs.sharding_of(v).spec == P("data", "model")
+  for k, (a, b) in enumerate(zip(got, want)):
+    np.testing.assert_array_equal(a, b, err_msg=f"save {k}")
+
+
+def test_asynchronous_saves_traced_while_plain_then_stored_sharded(rng, tmp_path):
+  """Two asynchronous saves while the variable is plain (TF traces its copy to the host at the second), then
+  steps store it sharded: every later save holds that moment's value (the copy is traced again once the variable's
+  storage changed), never the plain buffer the first trace read."""
+  value = rng.standard_normal((8, 8)).astype(np.float32)
+  options = tf.train.CheckpointOptions(enable_async=True)
+  plain, v = tf.Variable(value), tf.Variable(value)
+  step = gs.function(lambda: v.assign(gs.shard(v.read_value(), P("data", "model")) + 10.0), mesh=MESH)
+  writes = [lambda x: x.assign_add(tf.fill([8, 8], 1.0)),
+            lambda x: step() if x is v else x.assign_add(tf.fill([8, 8], 10.0)),
+            lambda x: step() if x is v else x.assign_add(tf.fill([8, 8], 10.0)),
+            lambda x: x.assign_add(tf.fill([8, 8], 1.0))]
+  want = _async_saves(plain, tmp_path / "plain", options, writes)
+  got = _async_saves(v, tmp_path / "sharded", options, writes)
+  assert gs.sharding_of(v).spec == P("data", "model")
+  for k, (a, b) in enumerate(zip(got, want)):
+    np.testing.assert_array_equal(a, b, err_msg=f"save {k}")

@@ -362,3 +362,41 @@ def test_eager_writes_between_steps_are_seen_by_the_next_step_exactly():
   assert storage is not None and not storage.sharding.is_replicated   # the split variable was written in place
   np.testing.assert_array_equal(pairs["w"][0].numpy(), pairs["w"][1].numpy())
   np.testing.assert_array_equal(pairs["c"][0].numpy(), pairs["c"][1].numpy())
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(mesh=None), gs.InputError, r"mesh=None is not a gs\.Mesh.*mesh=gs\.Mesh"),
+    (dict(mesh=(2, 4)), gs.InputError, r"mesh=\(2, 4\) is not a gs\.Mesh"),
+    (dict(spec=None), gs.SpecError, r"spec=None.*spec=gs\.P\('data', 'model'\).*gs\.P\(\) to replicate"),
+    (dict(shape=(None, 6)), gs.InputError, r"shape \(None, 6\) is not a shape.*whole number"),
+    (dict(shape=(-1, 6)), gs.InputError, r"shape \(-1, 6\) is not a shape"),
+    (dict(shape="8"), gs.InputError, r"shape '8' is not a shape"),
+    (dict(shape=(2.5, 6)), gs.InputError, r"shape \(2\.5, 6\) is not a shape"),
+    (dict(dtype=tf.int32), gs.InputError, r"'w'.*Uniform draws real numbers.*int32.*floating dtype"),
+    (dict(dtype=tf.int64, initializer=gs.initializers.Normal()), gs.InputError, r"Normal draws real numbers"),
+    (dict(dtype=tf.int32, initializer="glorot_uniform"), gs.InputError, r"VarianceScaling draws real numbers"),
+    (dict(dtype=tf.bool), gs.InputError, r"Uniform draws real numbers.*bool"),
+    (dict(dtype=tf.int32, initializer=2.5), gs.InputError, r"constant initializer 2\.5 is not a int32 value"),
+    (dict(dtype=tf.uint8, initializer=300), gs.InputError, r"constant initializer 300\.0 is not a uint8 value"),
+    (dict(dtype=tf.string, initializer=0), gs.InputError, r"dtype string is not a number type"),
+    (dict(dtype="no_such_type"), gs.InputError, r"dtype 'no_such_type' is not a TF dtype"),
+])
+def test_gs_variable_arguments_that_do_not_fit_are_typed_errors(kwargs, error, match):
+  """gs.variable checks its arguments before creating anything: each error names the argument and the fix (an
+  integer dtype with a random initializer gave zeros without a word; mesh=None or spec=None crashed inside)."""
+  args = dict(initializer="uniform", shape=(8, 6), dtype=tf.float32, mesh=MESH, spec=P("data", "model"), name="w")
+  args.update(kwargs)
+  with pytest.raises(error, match=match):
+    gs.variable(args.pop("initializer"), args.pop("shape"), args.pop("dtype"), **args)
+
+
+def test_gs_variable_takes_an_int_shape_and_integer_constants_as_tf_does():
+  """shape=5 is (5,) as for tf.zeros(5); a constant an integer dtype holds fills it as tf.Variable would."""
+  v = gs.variable(0.0, 5, mesh=MESH, spec=P("model"))
+  assert v.shape == tf.zeros(5).shape == (5,)
+  np.testing.assert_array_equal(v.numpy(), tf.zeros(5).numpy())
+  for dtype, value in ((tf.int32, 3), (tf.int64, -7), (tf.uint8, 255), (tf.bool, True), (tf.int32, "zeros")):
+    u = gs.variable(value, (4, 6), dtype, mesh=MESH, spec=P("data", "model"))
+    want = tf.Variable(tf.zeros((4, 6), dtype) if value == "zeros" else tf.fill((4, 6), tf.constant(value, dtype)))
+    assert u.dtype == want.dtype
+    np.testing.assert_array_equal(u.numpy(), want.numpy())

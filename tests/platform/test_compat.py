@@ -292,6 +292,36 @@ def test_checkpoint_save_hook_sees_every_value_and_wraps_the_save(tmp_path):
   assert_close(tf.train.load_variable(path, "v/.ATTRIBUTES/VARIABLE_VALUE"), [1.0, 2.0])
 
 
+def test_async_checkpoint_copy_key(tmp_path):
+  """TF's asynchronous checkpoint copies through `_copy_to_cpu` (a tf.function over `_saveable_trackables`); the
+  adapter asks the key before each copy and traces again when it changed."""
+  from tensorflow.python.checkpoint import async_checkpoint_helper  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.runtime import checkpoint, state  # pylint: disable=g-import-not-at-top
+  assert hasattr(async_checkpoint_helper.AsyncCheckpointHelper._copy_to_cpu, "_gspmd_python_fn")  # installed
+  keys = []
+
+  def key_fn(trackables):
+    keys.append(len(keys) // 2)   # a new key every second save
+    return keys[-1], len(trackables)
+
+  v = tf.Variable([1.0, 2.0])
+  ckpt = tf.train.Checkpoint(v=v)
+  options = tf.train.CheckpointOptions(enable_async=True)
+  try:
+    _compat.install_async_checkpoint_copy_key(key_fn)
+    _compat.install_async_checkpoint_copy_key(key_fn)   # once
+    paths = []
+    for k in range(4):
+      v.assign([float(k), 2.0])
+      paths.append(ckpt.write(str(tmp_path / f"ck{k}"), options=options))
+      ckpt.sync()
+  finally:
+    _compat.install_async_checkpoint_copy_key(checkpoint.async_copy_key(state.storage_of))
+  assert len(keys) >= 3   # asked at each copy after TF's first, eager one
+  for k, path in enumerate(paths):
+    assert_close(tf.train.load_variable(path, "v/.ATTRIBUTES/VARIABLE_VALUE"), [float(k), 2.0])
+
+
 # ---- Keras -------------------------------------------------------------------------------------------------------
 
 def test_keras_variable_storage():

@@ -9,7 +9,9 @@ parameter Keras model and its Adam slots are built in a few MB and lowered for a
 
 A shape-only variable has no value to read: an eager read raises InputError naming it, a traced read outside a
 gs.function (a plain tf.function) fails when it runs, and calling a gs.function that captures one raises
-InputError (lowering it is what the scope is for).
+InputError (lowering it is what the scope is for). `gs.variable` inside the scope is shape-only too, and a layout
+given to a shape-only variable (`gs.variable`'s spec, a Keras layout map) is recorded, nothing stored: lowering
+pins it as it pins a stored variable's.
 """
 
 import contextlib
@@ -74,8 +76,14 @@ def _creator(next_creator, **kwargs):  # pylint: disable=unused-argument
     raise tf.errors.InvalidArgumentError(
         None, None, f"gs.plan_scope(): variable {kwargs.get('name')!r} has shape {shape}, not fully defined; "
         f"give tf.Variable a `shape` (a plan needs every variable's size)")
-  v = _compat.uninitialized_variable(tuple(shape.as_list()), dtype.base_dtype, name=kwargs.get("name"),
-                                     trainable=kwargs.get("trainable", True) is not False)
+  return shape_only_variable(tuple(shape.as_list()), dtype.base_dtype, name=kwargs.get("name"),
+                             trainable=kwargs.get("trainable", True) is not False)
+
+
+def shape_only_variable(shape, dtype, name=None, trainable=True):
+  """A tf.Variable of `shape` and `dtype` with no value (nothing allocated): what `plan_scope()` creates, also for
+  `gs.variable` (whose value, computed shard by shard, would otherwise be computed and thrown away)."""
+  v = _compat.uninitialized_variable(tuple(shape), tf.as_dtype(dtype), name=name, trainable=trainable)
   cls = type(v)
   if cls not in _classes:
     _classes[cls] = type(f"ShapeOnly{cls.__name__}", (_ShapeOnly, cls), {"__module__": cls.__module__})

@@ -8,6 +8,7 @@ signature and behaviour used), so an upgrade that changes one fails there, by na
 Core layer: imports only tensorflow, keras (lazily: the core does not need Keras) and numpy.
 """
 
+import functools
 import sys
 import threading
 
@@ -19,6 +20,7 @@ from tensorflow.core.framework import cpp_shape_inference_pb2 as _cpp_shape_infe
 from tensorflow.python.compiler.xla.experimental import xla_sharding as _xla_sharding
 from tensorflow.python.distribute.parallel_device import parallel_device as _parallel_device
 from tensorflow.python.eager import context as _context
+from tensorflow.python.checkpoint import async_checkpoint_helper as _async_checkpoint_helper
 from tensorflow.python.checkpoint import functional_saver as _functional_saver
 from tensorflow.python.checkpoint import restore as _checkpoint_restore
 from tensorflow.python.eager import record as _record
@@ -271,6 +273,29 @@ def install_checkpoint_save_hook(hook):
   save._gspmd_hook = hook   # pylint: disable=protected-access
   save._gspmd_original = original   # pylint: disable=protected-access
   cls.save = save
+
+
+def install_async_checkpoint_copy_key(key_fn):
+  """Asynchronous checkpoints (CheckpointOptions(enable_async=True)) retrace their copy to the host whenever
+  `key_fn(trackables)` changes. TF 2.21's AsyncCheckpointHelper traces `_copy_to_cpu` (each trackable's
+  `_copy_trackable_to_cpu`) once and reruns that trace for every save: a variable whose storage changed since
+  (tf_gspmd's, stored sharded after a first save) would be copied from where it was, a stale value. Installed
+  once."""
+  cls = _async_checkpoint_helper.AsyncCheckpointHelper
+  if getattr(cls._copy_to_cpu, "_gspmd_key", None) is key_fn:  # pylint: disable=protected-access
+    return
+  python_fn = getattr(cls._copy_to_cpu, "_gspmd_python_fn", None) or \
+      cls._copy_to_cpu.python_function  # pylint: disable=protected-access
+
+  def copy_to_cpu(self):
+    key = key_fn(self._saveable_trackables)  # pylint: disable=protected-access
+    traced = self.__dict__.get("_gspmd_copy")
+    if traced is None or traced[0] != key:
+      traced = self.__dict__["_gspmd_copy"] = (key, tf.function(functools.partial(python_fn, self)))
+    return traced[1]()
+  copy_to_cpu._gspmd_key = key_fn   # pylint: disable=protected-access
+  copy_to_cpu._gspmd_python_fn = python_fn   # pylint: disable=protected-access
+  cls._copy_to_cpu = copy_to_cpu
 
 
 def checkpoint_saver_tensors(saver):

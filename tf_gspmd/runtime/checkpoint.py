@@ -23,8 +23,10 @@ import re
 import threading
 import time
 
+import numpy as np
 import tensorflow as tf
 
+from tf_gspmd import initializers
 from tf_gspmd._platform import cluster as _cluster
 from tf_gspmd._platform import compat as _compat
 from tf_gspmd.errors import InputError, ProcessLostError
@@ -33,6 +35,8 @@ from tf_gspmd.errors import InputError, ProcessLostError
 # the cluster's heartbeat).
 BARRIER_TIMEOUT_S = 600.0
 POLL_S = 2.0   # seconds between health checks of a process whose value a lookup waits for
+# What a restore reads at a time into a shard: whole rows, a quarter of the tile or 8 MiB, whichever is more.
+RESTORE_CHUNK_BYTES = 8 << 20
 
 _saves = itertools.count()
 _lock = threading.Lock()
@@ -114,6 +118,12 @@ class _NamedLoss(Exception):
     super().__init__(f"{task} does not answer: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
 
 
+def async_copy_key(storage_of):
+  """What an asynchronous checkpoint's traced copy to the host depends on (compat.install_async_checkpoint_copy_key):
+  which of its variables are stored sharded (`storage_of`)."""
+  return lambda trackables: tuple(storage_of(t) is not None for t in trackables)
+
+
 def save_hook(storage_of):
   """The checkpoint save hook (see the module docstring); `storage_of(obj)` is the sharded storage of a saved
   object or None."""
@@ -188,7 +198,7 @@ class SliceSaveable(_compat.SaveableObject):
 
   def restore(self, restored_tensors, restored_shapes):
     del restored_shapes
-    self._storage.restore(dict(zip(self._order, restored_tensors)))
+    restore(self._storage, dict(zip(self._order, restored_tensors)))
     return None
 
 
@@ -209,8 +219,12 @@ class HostSnapshot(_compat.Trackable):
 
   def __init__(self, variable):
     self._variable = variable
-    self._storage = variable._gspmd_storage  # pylint: disable=protected-access
     self._tiles = {}
+
+  @property
+  def _storage(self):
+    # The variable's storage now: a step on another mesh or layout replaces it between saves.
+    return self._variable._gspmd_storage  # pylint: disable=protected-access
 
   def refresh(self):
     """Copies the tiles into host variables (kept between saves: the step may update the shards meanwhile)."""
@@ -239,9 +253,91 @@ class HostSnapshot(_compat.Trackable):
                      f"experimental_enable_async_checkpoint)")
 
 
+def stream_restore(storage, prefix, key):
+  """Restores checkpoint tensor `key` of checkpoint `prefix` into the shards of `storage` (a ShardedStorage) this
+  process holds, one distinct tile at a time: RestoreV2 reads the tile's slice a few rows at a time (from however
+  the checkpoint was sliced when saved), into every local shard holding that tile, each read released before the
+  next. Besides the shards a restore holds one read and what TF's reader buffers for it (the saved slices it
+  overlaps), never the whole value. A value of no elements has no tile to read: its saved value is read (empty)
+  to check its shape."""
+  storage.before_step()
+  split = not (storage.sharding.is_maximal or storage.sharding.is_replicated) and storage.shape
+  if not storage.has_elements:
+    _read_slice(storage, prefix, key, "", storage.shape, storage.devices[storage.positions[0]])
+  done = {}
+  for p, comp in zip(storage.positions, storage.components):
+    starts, lengths = storage.tile_extent(p)
+    device = storage.devices[p]
+    with tf.device(device):
+      if not all(lengths) and lengths:   # a tile of padding only
+        comp.assign(tf.zeros(storage.shard_shape, storage.dtype))
+        continue
+      spec = storage.slice_spec(p) if split else ""
+      if spec in done:
+        comp.assign(done[spec].read_value())
+        continue
+      if not split:
+        comp.assign(_read_slice(storage, prefix, key, "", storage.shape, device))
+      else:
+        _stream_tile(storage, comp, prefix, key, starts, lengths, device)
+      done[spec] = comp
+  storage.shards_newer = True
+  storage.host_newer = False
+
+
+def _stream_tile(storage, comp, prefix, key, starts, lengths, device):
+  """Reads the tile at `starts` of `lengths` into shard `comp`, whole rows at a time (a quarter of the tile or
+  RESTORE_CHUNK_BYTES, whichever is more: TF's reader holds the saved slice a read overlaps besides it, and fewer,
+  larger reads re-read it less often)."""
+  if tuple(lengths) != tuple(storage.shard_shape):   # the padding is zero
+    comp.assign(tf.zeros(storage.shard_shape, storage.dtype))
+  row_bytes = storage.dtype.size * int(np.prod(lengths[1:], dtype=np.int64))
+  step = max(1, max(RESTORE_CHUNK_BYTES, row_bytes * lengths[0] // 4) // max(1, row_bytes))
+  with initializers.large_blocks_unmapped():
+    for r in range(0, lengths[0], step):
+      n = min(step, lengths[0] - r)
+      chunk_spec = storage.slice_spec_of((starts[0] + r,) + tuple(starts[1:]), (n,) + tuple(lengths[1:]))
+      chunk = _read_slice(storage, prefix, key, chunk_spec, (n,) + tuple(lengths[1:]), device)
+      comp[(slice(r, r + n),) + tuple(slice(0, m) for m in lengths[1:])].assign(chunk)
+      del chunk
+
+
+def _read_slice(storage, prefix, key, spec, lengths, device):
+  """Slice `spec` of checkpoint tensor `key`, read on the host of `device`; InputError unless of `lengths`."""
+  with tf.device(host_of(device)):
+    piece = tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=[key], shape_and_slices=[spec],
+                                 dtypes=[storage.dtype])[0]
+  if tuple(piece.shape.as_list()) != tuple(lengths):
+    raise InputError(f"checkpoint tensor {key!r} of {prefix!r} restores as shape {piece.shape.as_list()} for "
+                     f"slice {spec!r}, expected {list(lengths)}: the checkpoint holds a value of another shape "
+                     f"than the variable's {list(storage.shape)}")
+  return piece
+
+
+def restore(storage, restored):
+  """Assigns restored slices ({spec: tensor}, or one whole tensor) to the shards of `storage` that hold them."""
+  if not isinstance(restored, dict):
+    restored = {"": restored}
+  for p, comp in zip(storage.positions, storage.components):
+    spec = "" if "" in restored else storage.slice_spec(p)
+    starts, lengths = storage.tile_extent(p)
+    if spec in restored:
+      piece = restored[spec]
+      if spec == "" and not (storage.sharding.is_maximal or storage.sharding.is_replicated):
+        piece = piece[tuple(slice(s, s + n) for s, n in zip(starts, lengths))]
+    else:   # a tile that holds padding only, or a replica of a tile restored elsewhere
+      donor = next((q for q in range(len(storage.devices)) if storage.tile_extent(q) == (starts, lengths)
+                    and storage.slice_spec(q) in restored), None)
+      piece = restored[storage.slice_spec(donor)] if donor is not None else None
+    with tf.device(storage.devices[p]):
+      comp.assign(storage.padded(piece) if piece is not None else tf.zeros(storage.shard_shape, storage.dtype))
+  storage.shards_newer = True
+  storage.host_newer = False
+
+
 class StreamingRestore(_compat.SaveableObject):
   """A managed variable being restored eagerly: TF is asked for one element only; `restore` reads the variable's
-  tiles from the checkpoint one at a time (`ShardedStorage.stream_restore`)."""
+  tiles from the checkpoint one at a time (`stream_restore`)."""
 
   def __init__(self, variable, name, prefix):
     storage = variable._gspmd_storage  # pylint: disable=protected-access
@@ -253,5 +349,5 @@ class StreamingRestore(_compat.SaveableObject):
 
   def restore(self, restored_tensors, restored_shapes):
     del restored_tensors, restored_shapes
-    self._storage.stream_restore(self._prefix, self._key)
+    stream_restore(self._storage, self._prefix, self._key)
     return None

@@ -22,16 +22,15 @@ import tensorflow as tf
 from tf_gspmd._platform import compat as _compat
 from tf_gspmd import initializers
 from tf_gspmd._layout.annotations import current_mesh
+from tf_gspmd._layout.mesh import Mesh
+from tf_gspmd._layout.plan_scope import in_plan_scope, is_shape_only, shape_only_variable
 from tf_gspmd._layout.sharding import to_sharding
-from tf_gspmd.errors import InputError
+from tf_gspmd.errors import InputError, SpecError
 from tf_gspmd.runtime import checkpoint
 from tf_gspmd.runtime import parallel
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
 _lock = threading.RLock()
-# What a restore reads at a time into a shard: whole rows, a quarter of the tile or 8 MiB, whichever is more
-# (TF's reader holds the saved slice a read overlaps besides it; fewer, larger reads re-read it less often).
-_RESTORE_CHUNK_BYTES = 8 << 20
 
 
 def _inner(v):
@@ -49,11 +48,13 @@ def storage_of(v):
 
 
 def layout_of(v, mesh=None):
-  """The sharding a managed variable is stored in (when `mesh` is given: only if stored on it), or None."""
+  """The sharding a managed variable is stored in, or a shape-only variable (gs.plan_scope()) was given (when
+  `mesh` is given: only if on it), or None."""
   s = storage_of(v)
-  if s is None or (mesh is not None and s.sharding.mesh != mesh):
+  sharding = s.sharding if s is not None else getattr(_inner(v), "_gspmd_planned", None)   # (see _plan)
+  if sharding is None or (mesh is not None and sharding.mesh != mesh):
     return None
-  return s.sharding
+  return sharding
 
 
 def sharding_of(x):
@@ -178,7 +179,7 @@ class ShardedStorage:
     pieces = []
     for p in self.positions:
       with tf.device(self.devices[p]):
-        piece = self._padded(shard_fn(p, *self.tile_extent(p)))
+        piece = self.padded(shard_fn(p, *self.tile_extent(p)))
         pieces.append(piece if self.stacked else tf.Variable(piece, trainable=False, name=f"gspmd_shard_{p}"))
     if self.stacked:
       with tf.device(self.devices[self.positions[0]]):
@@ -191,7 +192,8 @@ class ShardedStorage:
     """The resource handles a program takes: the stack's, or one per component."""
     return [self.stack.handle] if self.stacked else [c.handle for c in self.components]
 
-  def _padded(self, piece):
+  def padded(self, piece):
+    """`piece` (a tile) padded with zeros to the shard shape."""
     piece = tf.convert_to_tensor(piece, self.dtype)
     pad = [(0, c - n) for c, n in zip(self.shard_shape, piece.shape.as_list())]
     return tf.pad(piece, pad) if any(r for _, r in pad) else piece
@@ -205,7 +207,7 @@ class ShardedStorage:
     for p, comp in zip(self.positions, self.components):
       starts, lengths = self.tile_extent(p)
       with tf.device(self.devices[p]):
-        comp.assign(self._padded(value[tuple(slice(s, s + n) for s, n in zip(starts, lengths))]))
+        comp.assign(self.padded(value[tuple(slice(s, s + n) for s, n in zip(starts, lengths))]))
 
   def gather(self):
     """The global value on the host, assembled from one copy of every tile (when the mesh spans several
@@ -246,9 +248,9 @@ class ShardedStorage:
     assign of every tile."""
     whole = self.sharding.is_maximal or self.sharding.is_replicated   # every tile is the whole value
     if whole:
-      pieces = [self._padded(value)] * len(self.positions)
+      pieces = [self.padded(value)] * len(self.positions)
     else:
-      pieces = [self._padded(value[tuple(slice(s, s + n) for s, n in zip(*self.tile_extent(p)))])
+      pieces = [self.padded(value[tuple(slice(s, s + n) for s, n in zip(*self.tile_extent(p)))])
                 for p in self.positions]
     if self.stacked:
       with tf.device(self.stack.device):
@@ -282,10 +284,16 @@ class ShardedStorage:
     parts = ["-" if s == 0 and n == d else f"{s},{n}" for s, n, d in zip(starts, lengths, self.shape)]
     return f"{full} {':'.join(parts)}"
 
+  @property
+  def has_elements(self):
+    """Whether the value has any element (a split value of none has only empty tiles: it is saved whole)."""
+    return all(self.shape)
+
   def slice_specs(self):
-    """{slice spec: device position} with every distinct non-empty tile once ("" = the whole value)."""
+    """{slice spec: device position} with every distinct non-empty tile once ("" = the whole value: replicated,
+    a scalar, or a value of no elements, which has no non-empty tile and is saved whole as plain TF saves it)."""
     if self._slice_specs is None:
-      if self.sharding.is_maximal or self.sharding.is_replicated or not self.shape:
+      if self.sharding.is_maximal or self.sharding.is_replicated or not self.shape or not self.has_elements:
         self._slice_specs = {"": self.sharding.maximal if self.sharding.is_maximal else self.positions[0]}
       else:
         self._slice_specs = {self.slice_spec(p): p for p in self.owners() if all(self.tile_extent(p)[1])}
@@ -312,6 +320,9 @@ class ShardedStorage:
     """The current value of one slice this process holds (an eager tensor on its device)."""
     self.before_step()
     p = self.written_slices()[spec]
+    if not self.has_elements:   # saved whole: an empty tensor of the global shape (a tile has the shard's)
+      with tf.device(self.devices[p]):
+        return tf.zeros(self.shape, self.dtype)
     starts, lengths = self.tile_extent(p)
     comp = self.components[self.positions.index(p)]
     with tf.device(self.devices[p]):
@@ -322,83 +333,10 @@ class ShardedStorage:
 
   def probe_spec(self):
     """A one-element slice at the origin of the value ("" for a scalar or an empty value): what TF's own restore is
-    asked for while `stream_restore` reads the real slices."""
+    asked for while `checkpoint.stream_restore` reads the real slices."""
     if not self.shape or not all(self.shape):
       return ""
     return " ".join(str(n) for n in self.shape) + " " + ":".join("0,1" for _ in self.shape)
-
-  def stream_restore(self, prefix, key):
-    """Restores checkpoint tensor `key` of checkpoint `prefix` into this process's shards, one distinct tile at a
-    time: RestoreV2 reads the tile's slice a few rows at a time (from however the checkpoint was sliced when
-    saved), into every local shard holding that tile, each read released before the next. Besides the shards a
-    restore holds one read and what TF's reader buffers for it (the saved slices it overlaps), never the whole
-    value."""
-    self.before_step()
-    split = not (self.sharding.is_maximal or self.sharding.is_replicated) and self.shape
-    done = {}
-    for p, comp in zip(self.positions, self.components):
-      starts, lengths = self.tile_extent(p)
-      device = self.devices[p]
-      with tf.device(device):
-        if not all(lengths) and lengths:   # a tile of padding only
-          comp.assign(tf.zeros(self.shard_shape, self.dtype))
-          continue
-        spec = self.slice_spec(p) if split else ""
-        if spec in done:
-          comp.assign(done[spec].read_value())
-          continue
-        if not split:
-          comp.assign(self._read_checkpoint_slice(prefix, key, "", self.shape, device))
-        else:
-          if tuple(lengths) != tuple(self.shard_shape):   # the padding is zero
-            comp.assign(tf.zeros(self.shard_shape, self.dtype))
-          row_bytes = self.dtype.size * int(np.prod(lengths[1:], dtype=np.int64))
-          step = max(1, max(_RESTORE_CHUNK_BYTES, row_bytes * lengths[0] // 4) // max(1, row_bytes))
-          with initializers.large_blocks_unmapped():
-            for r in range(0, lengths[0], step):   # rows at a time: TF's reader holds a saved slice besides them
-              n = min(step, lengths[0] - r)
-              chunk_spec = self.slice_spec_of((starts[0] + r,) + tuple(starts[1:]), (n,) + tuple(lengths[1:]))
-              chunk = self._read_checkpoint_slice(prefix, key, chunk_spec, (n,) + tuple(lengths[1:]), device)
-              comp[(slice(r, r + n),) + tuple(slice(0, m) for m in lengths[1:])].assign(chunk)
-              del chunk
-        done[spec] = comp
-    self.shards_newer = True
-    self.host_newer = False
-
-  def _read_checkpoint_slice(self, prefix, key, spec, lengths, device):
-    with tf.device(checkpoint.host_of(device)):
-      piece = tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=[key], shape_and_slices=[spec],
-                                   dtypes=[self.dtype])[0]
-    if tuple(piece.shape.as_list()) != tuple(lengths):
-      raise InputError(f"checkpoint tensor {key!r} of {prefix!r} restores as shape {piece.shape.as_list()} for "
-                       f"slice {spec!r}, expected {list(lengths)}: the checkpoint holds a value of another shape "
-                       f"than the variable's {list(self.shape)}")
-    return piece
-
-  def restore(self, restored):
-    """Assigns restored slices ({spec: tensor}, or one whole tensor) to the shards that hold them."""
-    if not isinstance(restored, dict):
-      restored = {"": restored}
-    for p, comp in zip(self.positions, self.components):
-      spec = "" if "" in restored else self.slice_spec(p)
-      if spec in restored:
-        piece = restored[spec]
-        if spec == "" and not (self.sharding.is_maximal or self.sharding.is_replicated):
-          starts, lengths = self.tile_extent(p)
-          piece = piece[tuple(slice(s, s + n) for s, n in zip(starts, lengths))]
-        with tf.device(self.devices[p]):
-          comp.assign(self._padded(piece))
-      else:   # a tile that holds padding only, or a replica of a tile restored elsewhere
-        starts, lengths = self.tile_extent(p)
-        donor = next((q for q in range(len(self.devices)) if self.tile_extent(q) == (starts, lengths)
-                      and self.slice_spec(q) in restored), None)
-        with tf.device(self.devices[p]):
-          if donor is not None:
-            comp.assign(self._padded(restored[self.slice_spec(donor)]))
-          else:
-            comp.assign(tf.zeros(self.shard_shape, self.dtype))
-    self.shards_newer = True
-    self.host_newer = False
 
 
 def _plain_read(v):
@@ -492,20 +430,28 @@ class _ManagedVariable(_compat.ReadHook, _compat.CheckpointHook, _compat.Seriali
     return {_compat.VARIABLE_VALUE_KEY: {spec: storage.read_slice(spec) for spec in specs}}
 
   def _copy_trackable_to_cpu(self, object_map):
-    # An asynchronous save (CheckpointOptions(experimental_enable_async_checkpoint=True)) first copies what it saves
-    # to the host, blocking the step; the copy of a sharded variable is this process's written tiles.
-    if self not in object_map:
-      object_map[self] = checkpoint.HostSnapshot(self)
-    object_map[self].refresh()
+    # An asynchronous save (CheckpointOptions(enable_async=True)) first copies what it saves to the host, blocking
+    # the step; the copy of a sharded variable is this process's written tiles (a HostSnapshot, also in place of the
+    # whole host copy TF made while the variable was plain). TF makes its first copy eagerly and traces every later
+    # one into a tf.function it reruns for each save: there the copy is a host callback, so every save copies the
+    # variable as it is then (an eager write since the last step brought into the shards, the current layout),
+    # not as it was when traced.
+    snapshot = object_map.get(self)
+    if not isinstance(snapshot, checkpoint.HostSnapshot):
+      snapshot = object_map[self] = checkpoint.HostSnapshot(self)
+    if tf.executing_eagerly():
+      snapshot.refresh()
+    else:
+      tf.py_function(lambda: snapshot.refresh() or True, [], tf.bool, name="gspmd_async_checkpoint_copy")
 
   def _gspmd_restore(self, tensor):
     # Reached when a wrapper (a Keras variable) restores through its tf.Variable.
     pending = getattr(self, "_gspmd_pending_restore", None)
     if pending is not None:
       self._gspmd_pending_restore = None
-      self._gspmd_storage.stream_restore(*pending)
+      checkpoint.stream_restore(self._gspmd_storage, *pending)
     else:   # one whole tensor
-      self._gspmd_storage.restore(tensor)
+      checkpoint.restore(self._gspmd_storage, tensor)
 
 
 _classes = {}
@@ -520,10 +466,13 @@ def _managed_class(cls):
 
 def manage(v, sharding, devices, what=None, stacked=None):
   """Stores variable `v` sharded as `sharding` on `devices` (re-laid out when it is stored otherwise); stacked
-  or per device as `stacked` says (None: as it is stored, per device when new; see ShardedStorage)."""
+  or per device as `stacked` says (None: as it is stored, per device when new; see ShardedStorage). A shape-only
+  variable (gs.plan_scope()) is not stored: its layout is recorded (`_plan`), and None returned."""
   inner = _inner(v)
   if inner is None:
     raise InputError(f"{what or v!r} is not a resource variable; tf_gspmd stores tf.Variables and Keras variables")
+  if is_shape_only(inner):
+    return _plan(inner, sharding)
   with _lock:
     storage = getattr(inner, "_gspmd_storage", None)
     want = sharding if sharding.is_maximal else sharding.with_rank(inner.shape.rank)
@@ -557,22 +506,86 @@ def manage(v, sharding, devices, what=None, stacked=None):
     return new
 
 
+def _plan(inner, sharding):
+  """A shape-only variable (created in gs.plan_scope()) has no value to store: the layout it is given is recorded
+  for lowering to pin (`layout_of`), as a stored variable's is, and nothing is created on the devices. (Running a
+  gs.function that captures it raises InputError naming it.)"""
+  # pylint: disable-next=protected-access
+  inner._gspmd_planned = sharding if sharding.is_maximal else sharding.with_rank(inner.shape.rank)
+  return None
+
+
+def _variable_shape(shape, what):
+  """`shape` as a tuple of sizes; an int n is (n,), as tf.zeros(n) takes it. InputError for anything else."""
+  if isinstance(shape, tf.TensorShape):
+    shape = shape.as_list() if shape.rank is not None else None
+  elif isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+    shape = (shape,)
+  sizes = tuple(shape) if isinstance(shape, (tuple, list, np.ndarray)) else None
+  if sizes is None or not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0 for n in sizes):
+    raise InputError(f"{what}: shape {shape!r} is not a shape; give every dimension's size as a whole number >= 0, "
+                     f"e.g. shape=(1024, 512) (an int n means (n,))")
+  return tuple(int(n) for n in sizes)
+
+
+def _check_initializer(init, dtype, what):
+  """InputError when `init` cannot give values of `dtype`: random values cast to an integer or bool type (mostly
+  zeros), or a constant the type cannot hold (TF refuses such a tf.Variable)."""
+  if not (dtype.is_floating or dtype.is_complex or dtype.is_integer or dtype.is_bool):
+    raise InputError(f"{what}: dtype {dtype.name} is not a number type; give a floating, complex, integer or bool "
+                     f"dtype")
+  if dtype.is_floating or dtype.is_complex:
+    return
+  if isinstance(init, (initializers.Uniform, initializers.Normal, initializers.VarianceScaling)):
+    raise InputError(f"{what}: initializer {type(init).__name__} draws real numbers, which dtype {dtype.name} would "
+                     f"truncate (mostly to 0); give a floating dtype (e.g. dtype=tf.float32), or a constant "
+                     f"initializer (e.g. 0 or gs.initializers.Constant(3)) for {dtype.name}")
+  if isinstance(init, initializers.Constant):
+    v = init.value
+    fits = v in (0, 1) if dtype.is_bool else float(v).is_integer() and dtype.min <= v <= dtype.max
+    if not fits:
+      raise InputError(f"{what}: constant initializer {v!r} is not a {dtype.name} value; give a value the dtype "
+                       f"holds, or a floating dtype (e.g. dtype=tf.float32)")
+
+
 def variable(initializer, shape, dtype=tf.float32, *, mesh, spec, name=None, trainable=True, seed=0):
   """A tf.Variable created sharded, shard by shard: its full value never exists unless read eagerly.
 
   Args:
-    initializer: a `tf_gspmd.initializers` initializer, a Keras initializer (object or name), or a number.
-    shape: the global shape; dtype: the element type.
-    mesh: the `gs.Mesh` whose devices hold the shards; spec: its layout (`P(...)` or `Sharding`).
+    initializer: a `tf_gspmd.initializers` initializer, a Keras initializer (object or name), or a number. A random
+      one (uniform, normal, variance scaling) needs a floating or complex dtype; a constant, one the dtype holds.
+    shape: the global shape, a sequence of sizes (an int n means (n,), as for tf.zeros); dtype: the element type.
+    mesh: the `gs.Mesh` whose devices hold the shards; spec: its layout (`P(...)` or `Sharding`; `P()` replicates).
     name, trainable: as for tf.Variable. seed: used when the initializer has none.
 
   Values depend only on (seed, element index): the same on every mesh and layout (see `tf_gspmd.initializers`).
-  A gs.function that captures the variable uses it in place when it wants this layout.
+  A gs.function that captures the variable uses it in place when it wants this layout. Inside `gs.plan_scope()`
+  the variable is shape-only, like every variable created there: no value is computed and nothing is allocated;
+  its layout is kept for lowering.
+
+  Raises InputError (a shape, mesh, dtype or initializer that is not one, or does not fit) or SpecError (no spec,
+  or one that does not fit the shape or mesh), naming the argument and the fix.
   """
-  shape = tuple(int(s) for s in shape)
-  dtype = tf.as_dtype(dtype)
+  what = f"gs.variable {name!r}" if name else "gs.variable"
+  shape = _variable_shape(shape, what)
+  try:
+    dtype = tf.as_dtype(dtype)
+  except TypeError as e:
+    raise InputError(f"{what}: dtype {dtype!r} is not a TF dtype ({e}); give e.g. dtype=tf.float32") from e
+  if not isinstance(mesh, Mesh):
+    raise InputError(f"{what}: mesh={mesh!r} is not a gs.Mesh; give the mesh whose devices hold the shards, e.g. "
+                     f"mesh=gs.Mesh((2, 4), ('data', 'model'))")
+  if spec is None:
+    raise SpecError(f"{what}: spec=None; give its layout on {mesh}, one entry per dimension of shape "
+                    f"{list(shape)}: e.g. spec=gs.P({', '.join(repr(a) for a in mesh.axis_names[:len(shape)])}), or "
+                    f"spec=gs.P() to replicate it")
   init = initializers.get(initializer, seed)
+  _check_initializer(init, dtype, what)
   sharding = to_sharding(spec, mesh, rank=len(shape), what=name or "variable")
+  if in_plan_scope():   # no value and no devices: the mesh may be larger than this machine's
+    v = shape_only_variable(shape, dtype, name=name, trainable=trainable)
+    _plan(v, sharding)
+    return v
   v = _compat.uninitialized_variable(shape, dtype, name=name, trainable=trainable)
   # pylint: disable-next=protected-access
   v._gspmd_init = lambda p, starts, lengths: init.chunked(shape, starts, lengths, dtype)
@@ -581,3 +594,5 @@ def variable(initializer, shape, dtype=tf.float32, *, mesh, spec, name=None, tra
 
 
 _compat.install_checkpoint_save_hook(checkpoint.save_hook(storage_of))
+
+_compat.install_async_checkpoint_copy_key(checkpoint.async_copy_key(storage_of))
