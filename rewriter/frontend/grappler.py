@@ -35,7 +35,6 @@ def run(program):
   if optimized is None:  # Grappler dropped a node we must keep: fall back to the unoptimized graph.
     optimized = tf.compat.v1.GraphDef()
     optimized.CopyFrom(gd)
-  _drop_colocation(optimized)
   _restore_shape_hints(gd, optimized)
   # Drop what no output, annotation or side effect needs (Grappler leaves rewritten nodes behind).
   optimized = prune(optimized, sorted(keep) + side_effect_nodes(optimized))
@@ -83,25 +82,6 @@ def _functional_control_flow(gd):
     if nd.op in ("While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase"):
       nd.attr["_lower_using_switch_merge"].b = False
   return out
-
-
-def _drop_colocation(gd):
-  """Remove colocation constraints (`_class: loc:@node`, e.g. from `colocate_gradients_with_ops`) from every node
-  and function argument.
-
-  tf_gspmd places every op itself, so they mean nothing here; and once Grappler inlines or renames a node,
-  constraints naming it point nowhere and the graph (or a loop body) no longer imports.
-  """
-  attr_maps = [nd.attr for nd in gd.node]
-  for f in gd.library.function:
-    attr_maps += [nd.attr for nd in f.node_def] + [a.attr for a in f.arg_attr.values()]
-  for attrs in attr_maps:
-    if "_class" in attrs:
-      kept = [c for c in attrs["_class"].list.s if not c.startswith(b"loc:@")]
-      del attrs["_class"].list.s[:]
-      attrs["_class"].list.s.extend(kept)
-      if not kept:
-        del attrs["_class"]
 
 
 def _restore_shape_hints(traced_gd, optimized):

@@ -4,6 +4,9 @@ Captured variables stay parameters of the graph (resource handles, recorded with
 other captured tensors become constants. Results are dense tensors: an `IndexedSlices` result (the gradient of
 a gather with respect to its table) is densified in the graph, as `tf.convert_to_tensor` would; other composite
 results (SparseTensor, RaggedTensor, ...) are refused with the conversion that makes them dense.
+
+Colocation constraints (`_class: loc:@...`, which tf.nn.embedding_lookup and colocated gradients add) are dropped:
+tf_gspmd places every op itself.
 """
 
 import numpy as np
@@ -11,7 +14,7 @@ import tensorflow as tf
 
 from tf_gspmd._layout.annotations import mesh_scope, recording_schedules
 from tf_gspmd.errors import InputError, ShapeError, ShardingError
-from tf_gspmd.rewriter.graph.graph_view import function_names, node_def, ref, split_ref
+from tf_gspmd.rewriter.graph.graph_view import drop_colocation, function_names, node_def, ref, split_ref
 
 _CONVERSIONS = {
     "SparseTensor": "tf.sparse.to_dense(x), or x.indices, x.values and x.dense_shape as separate results",
@@ -51,6 +54,7 @@ def run(program):
     gd = _inline_captures(gd, tensors)
   gd, outputs, structure = _dense_results(gd, cf, getattr(program.fn, "__name__", "the function"))
   _mark_variable_shapes(gd, variables)
+  drop_colocation(gd)   # its traced static shapes then survive the grappler pass (e.g. embedding_lookup's)
   return program.replace(graph_def=gd, input_names=tuple(inputs), output_refs=tuple(outputs),
                          output_structure=structure, variable_names=tuple(n for n, _ in variables),
                          variables=tuple(v for _, v in variables), pipelines=tuple(schedules),

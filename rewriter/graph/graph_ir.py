@@ -98,13 +98,16 @@ class Graph:
     # Traced shapes (`_output_shapes`) let the import see what shape inference cannot (e.g. reads of
     # variables). Passes keep them only on nodes they left unchanged; should one still not fit its node, the
     # graph is imported without any and static shapes come from inference (merged with the traced ones below).
+    # A captured variable's handle is imported as a VarHandleOp of its value's stated shape (`_with_handle_data`):
+    # TF's shape functions of the ops reading it (ResourceGather, ResourceGatherNd, ...) then see that shape.
+    imported = _with_handle_data(graph_def)
     tf_graph = tf.Graph()
     try:
       with tf_graph.as_default():
-        tf.graph_util.import_graph_def(graph_def, name="")
+        tf.graph_util.import_graph_def(imported, name="")
     except ValueError:
       bare = tf.compat.v1.GraphDef()
-      bare.CopyFrom(graph_def)
+      bare.CopyFrom(imported)
       for n in bare.node:
         n.attr.pop("_output_shapes", None)
       tf_graph = tf.Graph()
@@ -197,6 +200,41 @@ def _stated_value(op):
     if len(shapes) == 1 and len(dtypes) == 1:
       return tf.TensorShape(shapes[0]), dtypes[0]
   return None
+
+
+def _with_handle_data(graph_def):
+  """`graph_def`, or a copy whose resource Placeholders stating their variable's value (`_handle_shapes` and
+  `_handle_dtypes`, as rewriter/frontend/trace.py gives a captured variable's) are VarHandleOps of that shape and
+  dtype: the shapes TF infers on import only (an imported Placeholder carries no handle data, so a gather from it
+  had no shape, or failed to import: ResourceGatherNd). The Graph's nodes stay those of `graph_def`."""
+  stated = [k for k, n in enumerate(graph_def.node) if n.op == "Placeholder" and _stated_handle(n.attr) is not None]
+  if not stated:
+    return graph_def
+  out = tf.compat.v1.GraphDef()
+  out.CopyFrom(graph_def)
+  for k in stated:
+    n = out.node[k]
+    shape, dtype = _stated_handle(n.attr)
+    kept = {key: tf.compat.v1.AttrValue.FromString(n.attr[key].SerializeToString()) for key in n.attr
+            if key.startswith("_")}
+    n.op = "VarHandleOp"
+    n.ClearField("attr")
+    for key, value in kept.items():
+      n.attr[key].CopyFrom(value)
+    n.attr["dtype"].type = dtype
+    n.attr["shape"].shape.CopyFrom(shape)
+  return out
+
+
+def _stated_handle(attr):
+  """(TensorShapeProto, DataType enum) of a resource Placeholder's stated value when fully known, else None."""
+  if "dtype" not in attr or attr["dtype"].type != tf.resource.as_datatype_enum or not (
+      "_handle_shapes" in attr and "_handle_dtypes" in attr):
+    return None
+  shapes, dtypes = attr["_handle_shapes"].list.shape, attr["_handle_dtypes"].list.type
+  if len(shapes) != 1 or len(dtypes) != 1 or not tf.TensorShape(shapes[0]).is_fully_defined():
+    return None
+  return shapes[0], dtypes[0]
 
 
 def _attach_variable_shapes(tf_graph, infos):

@@ -275,3 +275,23 @@ def side_effect_nodes(graph_def):
     if op_def is not None and op_def.is_stateful and not op_def.output_arg and n.op != "NoOp":
       out.append(n.name)
   return out
+
+
+def drop_colocation(graph_def):
+  """Remove colocation constraints (`_class: loc:@node`, from `tf.compat.v1.colocate_with`: `tf.nn.embedding_lookup`,
+  `colocate_gradients_with_ops`) from every node and function argument of `graph_def`, in place.
+
+  tf_gspmd places every op itself, so they mean nothing here; once a node they name is inlined or renamed they point
+  nowhere (the graph no longer imports), and a node that lost one no longer matches its traced self (whose static
+  shapes the grappler pass restores only on nodes it left unchanged).
+  """
+  attr_maps = [nd.attr for nd in graph_def.node]
+  for f in graph_def.library.function:
+    attr_maps += [nd.attr for nd in f.node_def] + [a.attr for a in f.arg_attr.values()]
+  for attrs in attr_maps:
+    if "_class" in attrs:
+      kept = [c for c in attrs["_class"].list.s if not c.startswith(b"loc:@")]
+      del attrs["_class"].list.s[:]
+      attrs["_class"].list.s.extend(kept)
+      if not kept:
+        del attrs["_class"]

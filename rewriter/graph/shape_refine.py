@@ -8,7 +8,9 @@ forward value). These steps give such tensors their shapes:
 1. A loop's list variable takes the element shape its body pushes onto it (read off the body function).
 2. An element a list op reads (TensorListPopBack, TensorListGetItem) takes its list's element shape.
 3. An op whose operands now have known shapes is asked again: TF's own shape function, run on a scratch copy of
-   the op whose operands have those shapes (constants, and shapes of fully known tensors, as values).
+   the op whose operands have those shapes (constants, and shapes of fully known tensors, as values; a variable
+   handle whose value's shape is known as a VarHandleOp of that shape, so an op reading it, e.g. the
+   ResourceGather of `tf.nn.embedding_lookup`, gets its output's shape).
 4. A loop whose outputs have unknown rank (a gradient loop that a graph optimizer rebuilt with an unknown
    `output_shapes`) gives each output its initial value's shape when its body, run on parameters of the initial
    values' shapes, returns every loop variable of known shape in that same shape: the shapes then hold in every
@@ -90,8 +92,8 @@ def refine(tf_graph, infos, make_info, unknown_rank, graph_def=None):
       shapes = {k: tuple(np.shape(_known_value(op.outputs[k], infos))) for k in missing}
     elif op.type in _WHILE and graph_def is not None:
       shapes = _loop_invariant_shapes(op, infos, graph_def.library)
-    elif any(x.op.name in refined or _known_value(x, infos) is not None for x in op.inputs) and (
-        not _calls_function(op)):
+    elif any(x.op.name in refined or _known_value(x, infos) is not None or _variable_value(x, infos) is not None
+             for x in op.inputs) and not _calls_function(op):
       shapes = _infer(op, infos)
     for k, shape in (shapes or {}).items():
       if k in missing and shape is not None:
@@ -147,8 +149,11 @@ def _infer(op, infos):
     for x in op.inputs:
       info = infos[x.op.name][x.value_index]
       value = _known_value(x, infos)
+      variable = _variable_value(x, infos)
       if value is not None:
         inputs.append(tf.constant(value, dtype=x.dtype))
+      elif variable is not None:   # its handle data (the value's shape and dtype) reaches the op's shape function
+        inputs.append(tf.raw_ops.VarHandleOp(dtype=variable[1], shape=variable[0]))
       elif x.dtype in (tf.variant, tf.resource) or info.shape is None:
         inputs.append(tf.compat.v1.placeholder(x.dtype, shape=None))
       else:
@@ -160,6 +165,17 @@ def _infer(op, infos):
     except (ValueError, TypeError, tf.errors.OpError):
       return {}
   return {k: tuple(t.shape.as_list()) for k, t in enumerate(made.outputs) if t.shape.is_fully_defined()}
+
+
+def _variable_value(x, infos):
+  """(shape, dtype) of the value behind variable handle `x` when its info knows them (graph_ir attaches them from
+  the handle's VarHandleOp, a captured variable's `_handle_shapes`, or a read or write of it); else None."""
+  if x.dtype != tf.resource:
+    return None
+  info = infos[x.op.name][x.value_index]
+  if info.value_shape is None or info.value_dtype is None:
+    return None
+  return info.value_shape, info.value_dtype
 
 
 def _known_value(x, infos):

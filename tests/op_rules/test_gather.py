@@ -130,3 +130,29 @@ def test_gather_a_few_indices_of_a_split_axis(rng, axis_size, out):
   result = x[:, ids].nbytes
   assert low.report.bytes_per_device() <= result, str(low.report)
   assert not any(c.kind == "all-gather" for c in low.report.collectives), str(low.report)
+
+
+@pytest.mark.parametrize("stored", ["gs_variable_split", "shard_annotated", "replicated"])
+def test_embedding_lookup_from_a_variable(rng, recwarn, stored):
+  """tf.nn.embedding_lookup is a ResourceGather under a colocation constraint (`_class: loc:@`): its output keeps
+  its shape, so the ResourceGather rule runs -- a row-split table is looked up where it is (masked local rows,
+  one all-reduce), a replicated one locally -- with no replicated fallback and no unknown rank."""
+  w0 = rng.standard_normal((10, 4)).astype(np.float32)
+  if stored == "gs_variable_split":
+    w = gs.variable(gs.initializers.zeros(), (10, 4), mesh=MESH, spec=P("model", None))
+    w.assign(w0)
+  else:
+    w = tf.Variable(w0)
+  ids = np.array([[0, 9, 4], [4, 7, 2]], np.int32)
+
+  def fn(i):
+    if stored == "shard_annotated":
+      gs.shard(w, P("model", None))
+    return tf.nn.embedding_lookup(w, i)
+
+  f = gs.function(fn, mesh=MESH, in_shardings=P("data", None))
+  assert_close(f(ids).numpy(), tf.nn.embedding_lookup(tf.constant(w0), ids).numpy())
+  low = f.lower(tf.TensorSpec(ids.shape, tf.int32))
+  assert low.report.counts() == ({} if stored == "replicated" else {"all-reduce": 1}), str(low.report)
+  assert low.report.fallbacks == () and not [m for m in low.report.warnings if "unknown rank" in m], str(low.report)
+  assert not [r for r in recwarn if "unknown rank" in str(r.message)]
