@@ -18,12 +18,17 @@ from absl import flags  # noqa: E402
 import numpy as np  # noqa: E402
 
 flags.DEFINE_list("mesh", ["2", "4"], "Mesh shape, e.g. 2,4 (data, model) or 8 (data).")
-flags.DEFINE_integer("batch", 64, "Global batch size.")
-flags.DEFINE_integer("d_model", 1024, "Input and output width.")
-flags.DEFINE_integer("hidden", 4096, "Hidden width.")
+flags.DEFINE_integer("batch", 64, "Global batch size.", lower_bound=1)
+flags.DEFINE_integer("d_model", 1024, "Input and output width.", lower_bound=1)
+flags.DEFINE_integer("hidden", 4096, "Hidden width.", lower_bound=1)
 flags.DEFINE_enum("mode", "megatron", ["dp", "megatron"], "dp: batch split, weights replicated; megatron: "
                   "batch split over 'data', hidden split over 'model'.")
-flags.DEFINE_integer("steps", 10, "Timed steps.")
+flags.DEFINE_integer("steps", 10, "Timed steps.", lower_bound=1)
+# Checked as the flags are parsed, before TensorFlow starts: a bad value is absl's usage error naming the flag.
+flags.register_validator("mesh", lambda v: 1 <= len(v) <= 2 and all(s.strip().isdigit() and int(s) > 0 for s in v),
+                         "give one or two positive whole sizes, the mesh axes (data, model), e.g. 2,4 or 8")
+flags.register_multi_flags_validator(["mode", "mesh"], lambda v: v["mode"] != "megatron" or len(v["mesh"]) == 2,
+                                     "--mode=megatron needs a 2-D mesh (data, model), e.g. --mesh=2,4")
 FLAGS = flags.FLAGS
 
 

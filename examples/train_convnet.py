@@ -23,9 +23,16 @@ import numpy as np  # noqa: E402
 
 import training  # noqa: E402
 
-flags.DEFINE_integer("image_size", 64, "Image height and width.")
-flags.DEFINE_integer("width", 16, "Channels of the first block (doubled per down block).")
-flags.DEFINE_integer("batch", 8, "Global batch size.")
+flags.DEFINE_integer("image_size", 64, "Image height and width: a multiple of 4 (two 2x2 poolings, undone by two "
+                     "upsamplings), at least 12 (the shapes drawn in it).", lower_bound=12)
+flags.DEFINE_integer("width", 16, "Channels of the first block (doubled per down block).", lower_bound=1)
+flags.DEFINE_integer("batch", 8, "Global batch size.", lower_bound=1)
+flags.adopt_module_key_flags(training)   # --help lists the shared flags (--mesh, --steps, --plan, ...) too
+flags.register_validator("image_size", lambda v: v % 4 == 0, "give a multiple of 4: the U-Net pools twice by 2 and "
+                         "joins each upsampled map with the map of the same size")
+flags.register_validator("auto_parallel", lambda v: not v, "the convnet has no --auto_parallel model (the "
+                         "transformer and MoE binaries do): leave it out")
+training.check_meshes(lambda values: ([("data", "spatial")], (64, 32)))
 FLAGS = flags.FLAGS
 
 CLASSES = 3   # background, disc, square

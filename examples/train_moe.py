@@ -27,17 +27,29 @@ from absl import flags  # noqa: E402
 
 import training  # noqa: E402
 
-flags.DEFINE_integer("layers", 2, "Transformer layers (each with a mixture-of-experts block).")
-flags.DEFINE_integer("d_model", 64, "Model width.")
-flags.DEFINE_integer("heads", 4, "Attention heads.")
-flags.DEFINE_integer("d_ff", 128, "Hidden width of each expert.")
-flags.DEFINE_integer("experts", 8, "Number of experts.")
-flags.DEFINE_float("capacity_factor", 2.0, "Expert capacity as a multiple of the even share of top-2 slots.")
-flags.DEFINE_float("aux_weight", 0.01, "Weight of the load-balancing loss.")
-flags.DEFINE_integer("vocab", 128, "Vocabulary size.")
-flags.DEFINE_integer("seq_len", 32, "Sequence length (tokens per group).")
-flags.DEFINE_integer("batch", 16, "Global batch size (groups).")
-flags.DEFINE_integer("microbatches", 4, "With --auto_parallel: microbatches of the MPMD pipeline.")
+flags.DEFINE_integer("layers", 2, "Transformer layers (each with a mixture-of-experts block).", lower_bound=1)
+flags.DEFINE_integer("d_model", 64, "Model width (a multiple of --heads).", lower_bound=1)
+flags.DEFINE_integer("heads", 4, "Attention heads.", lower_bound=1)
+flags.DEFINE_integer("d_ff", 128, "Hidden width of each expert.", lower_bound=1)
+flags.DEFINE_integer("experts", 8, "Number of experts.", lower_bound=1)
+flags.DEFINE_float("capacity_factor", 2.0, "Expert capacity as a multiple of the even share of top-2 slots (a "
+                   "positive number).")
+flags.DEFINE_float("aux_weight", 0.01, "Weight of the load-balancing loss (0 or more).", lower_bound=0.0)
+flags.DEFINE_integer("vocab", 128, "Vocabulary size.", lower_bound=1)
+flags.DEFINE_integer("seq_len", 32, "Sequence length (tokens per group).", lower_bound=1)
+flags.DEFINE_integer("batch", 16, "Global batch size (groups).", lower_bound=1)
+flags.DEFINE_integer("microbatches", 4, "With --auto_parallel: microbatches of the MPMD pipeline (the batch must be "
+                     "a multiple).", lower_bound=1)
+flags.adopt_module_key_flags(training)   # --help lists the shared flags (--mesh, --steps, --plan, ...) too
+flags.register_validator("capacity_factor", training.positive_number, "give a positive multiple of the even share")
+flags.register_validator("aux_weight", lambda v: v == v and v != float("inf"), "give a finite weight")
+training.check_meshes(lambda values: (None, (32, 8)) if values["auto_parallel"] else ([("expert",)], (2048,)))
+flags.register_multi_flags_validator(
+    ["d_model", "heads"], lambda v: v["d_model"] % v["heads"] == 0,
+    "--d_model must be a multiple of --heads: each head takes d_model / heads of the width")
+flags.register_multi_flags_validator(
+    ["batch", "microbatches", "auto_parallel"], lambda v: not v["auto_parallel"] or v["batch"] % v["microbatches"] == 0,
+    "with --auto_parallel, --batch must be a multiple of --microbatches")
 FLAGS = flags.FLAGS
 
 B1, B2, EPS = 0.9, 0.999, 1e-7

@@ -31,21 +31,62 @@ from absl import flags  # noqa: E402
 
 import training  # noqa: E402
 
-flags.DEFINE_integer("layers", 4, "Transformer layers.")
-flags.DEFINE_integer("d_model", 64, "Model width.")
-flags.DEFINE_integer("heads", 4, "Attention heads.")
-flags.DEFINE_integer("d_ff", 256, "MLP hidden width.")
-flags.DEFINE_integer("vocab", 128, "Vocabulary size.")
-flags.DEFINE_integer("seq_len", 32, "Sequence length.")
-flags.DEFINE_integer("batch", 16, "Global batch size.")
+flags.DEFINE_integer("layers", 4, "Transformer layers.", lower_bound=1)
+flags.DEFINE_integer("d_model", 64, "Model width (a multiple of --heads).", lower_bound=1)
+flags.DEFINE_integer("heads", 4, "Attention heads.", lower_bound=1)
+flags.DEFINE_integer("d_ff", 256, "MLP hidden width.", lower_bound=1)
+flags.DEFINE_integer("vocab", 128, "Vocabulary size.", lower_bound=1)
+flags.DEFINE_integer("seq_len", 32, "Sequence length.", lower_bound=1)
+flags.DEFINE_integer("batch", 16, "Global batch size.", lower_bound=1)
 flags.DEFINE_enum("layout", "megatron", ["megatron", "2d"], "megatron: attention heads and the MLP hidden dim split "
                   "over `model`, everything else replicated over `data` (the batch split over it); 2d: GSPMD's 2D "
                   "layout, every weight split over both axes (d_model over `data`, heads / hidden / vocabulary over "
                   "`model`), the activations' batch over `data` and d_model over `model`.")
 flags.DEFINE_integer("pipeline_stages", 0, "Pipeline stages S (0: no pipeline); the layers are split into S (x R) "
-                     "stage slots over the mesh's first axis, `stage`.")
-flags.DEFINE_integer("microbatches", 8, "Microbatches M of the pipeline (the batch must be a multiple).")
-flags.DEFINE_integer("circular_repeats", 1, "Circular repeats R: each device runs R non-adjacent stage slots.")
+                     "stage slots over the mesh's first axis, `stage`.", lower_bound=0)
+flags.DEFINE_integer("microbatches", 8, "Microbatches M of the pipeline (the batch must be a multiple).",
+                     lower_bound=1)
+flags.DEFINE_integer("circular_repeats", 1, "Circular repeats R: each device runs R non-adjacent stage slots.",
+                     lower_bound=1)
+flags.adopt_module_key_flags(training)   # --help lists the shared flags (--mesh, --steps, --plan, ...) too
+
+
+def _meshes(values):
+  """The axes this run's mesh may have and its default --plan_mesh (training.check_meshes)."""
+  if values["auto_parallel"]:
+    return None, (32, 8)
+  if values["pipeline_stages"]:
+    return [("stage", "data"), ("stage", "data", "model")], (16, 16, 8)
+  return [("data", "model")], (32, 64)
+
+
+def _model_fits(values):
+  """The model's flags agree with each other (checked before TensorFlow starts; the model would fail later)."""
+  stages, repeats, micro = values["pipeline_stages"], values["circular_repeats"], values["microbatches"]
+  if values["d_model"] % values["heads"]:
+    raise flags.ValidationError(f"--d_model={values['d_model']} is not a multiple of --heads={values['heads']}: "
+                                "each head takes d_model / heads of the width")
+  if (stages or values["auto_parallel"]) and values["batch"] % micro:
+    raise flags.ValidationError(f"--batch={values['batch']} cannot be divided into --microbatches={micro}: give a "
+                                "batch that is a multiple of the microbatches")
+  if stages and values["layers"] % (stages * repeats):
+    raise flags.ValidationError(f"--layers={values['layers']} cannot be divided into --pipeline_stages={stages} x "
+                                f"--circular_repeats={repeats} stage slots: give a multiple of {stages * repeats}")
+  if stages and repeats > 1 and micro < stages:
+    raise flags.ValidationError(f"a circular pipeline needs at least as many microbatches as stages: "
+                                f"--microbatches={micro} < --pipeline_stages={stages}")
+  flag = "plan_mesh" if values["plan"] else "mesh"
+  shape = training.sizes(values[flag]) or ((16, 16, 8) if values["plan"] else (4, 2))   # (pipelined_task's defaults)
+  if stages and stages % shape[0]:
+    raise flags.ValidationError(f"--pipeline_stages={stages} is not a multiple of {shape[0]}, the size of the mesh's "
+                                f"`stage` axis (the first size of --{flag}={','.join(map(str, shape))}): give a "
+                                "multiple of it")
+  return True
+
+
+training.check_meshes(_meshes, extra=["pipeline_stages"])
+flags.register_multi_flags_validator(["d_model", "heads", "batch", "microbatches", "layers", "pipeline_stages",
+                                      "circular_repeats", "auto_parallel", "mesh", "plan_mesh", "plan"], _model_fits)
 FLAGS = flags.FLAGS
 
 
@@ -77,7 +118,7 @@ def pipelined_task():
   from tf_gspmd import P  # pylint: disable=g-import-not-at-top
   cfg = tm.Config(layers=FLAGS.layers, d_model=FLAGS.d_model, heads=FLAGS.heads, d_ff=FLAGS.d_ff,
                   vocab=FLAGS.vocab, seq=FLAGS.seq_len, batch=FLAGS.batch, lr=FLAGS.lr)
-  shape = (FLAGS.plan_mesh or (16, 16, 8)) if FLAGS.plan else (FLAGS.mesh or (4, 2))
+  shape = (FLAGS.plan_mesh or (16, 16, 8)) if FLAGS.plan else (FLAGS.mesh or (4, 2))   # (as _model_fits checks)
   axes = ("stage", "data", "model")[:len(shape)]
 
   def build(mesh, plan_only=False):  # pylint: disable=unused-argument

@@ -25,18 +25,20 @@ from typing import Any, Callable, Dict, Sequence
 from absl import flags
 import numpy as np
 
-flags.DEFINE_list("mesh", None, "Mesh shape, one size per axis (e.g. 2,4).")
-flags.DEFINE_integer("steps", 30, "Training steps.")
-flags.DEFINE_integer("seed", 0, "Seed of the initial values and of the data.")
-flags.DEFINE_float("lr", 3e-3, "Learning rate.")
+flags.DEFINE_list("mesh", None, "Mesh shape, one positive size per axis (e.g. 2,4).")
+flags.DEFINE_integer("steps", 30, "Training steps (with --resume: the step to stop at).", lower_bound=1)
+flags.DEFINE_integer("seed", 0, "Seed of the initial values and of the data.", lower_bound=0)
+flags.DEFINE_float("lr", 3e-3, "Learning rate (a positive number).")
 flags.DEFINE_string("logdir", "/tmp/tf_gspmd_runs", "TensorBoard and checkpoint root directory.")
-flags.DEFINE_integer("ckpt_every", 10, "Save a checkpoint every this many steps (0: never).")
+flags.DEFINE_integer("ckpt_every", 10, "Save a checkpoint every this many steps (0: never).", lower_bound=0)
 flags.DEFINE_bool("resume", False, "Continue from the latest checkpoint in --logdir.")
 flags.DEFINE_bool("plan", False, "Print the sharding and communication plan for --plan_mesh and exit.")
-flags.DEFINE_list("plan_mesh", None, "Mesh shape for --plan (default: 2048 devices).")
+flags.DEFINE_list("plan_mesh", None, "Mesh shape for --plan, one positive size per axis (default: 2048 devices).")
 flags.DEFINE_integer("plan_hosts", None, "For --plan: the mesh's devices spread over this many hosts (processes), "
-                     "an equal number each, hosts major; the plan then tells which collectives cross hosts.")
-flags.DEFINE_integer("check_steps", 3, "Steps re-run unpartitioned at the end to check the losses (0: skip).")
+                     "an equal number each, hosts major; the plan then tells which collectives cross hosts.",
+                     lower_bound=1)
+flags.DEFINE_integer("check_steps", 3, "Steps re-run unpartitioned at the end to check the losses (0: skip).",
+                     lower_bound=0)
 flags.DEFINE_bool("auto", False, "Choose the layouts of the batch, the weights and the optimizer state automatically "
                   "(in_shardings=\"auto\": an integer program over the whole step) instead of the model's annotations.")
 flags.DEFINE_float("memory_budget_mib", None, "With --auto: MiB per device the arguments, weights, optimizer state and "
@@ -50,13 +52,77 @@ flags.DEFINE_bool("auto_parallel", False, "Plan pipeline stages, their submeshes
                   "automatically (gs.auto_parallel, Alpa's two levels) and train the model's plain-TF step as an MPMD "
                   "pipeline, SGD at --lr; with --plan: only the plan, for --plan_mesh, without devices.")
 flags.DEFINE_integer("stage_layers", None, "With --auto_parallel: the layers the step's ops are clustered into (the "
-                     "stage boundaries fall between them; default: the model's layers + 2).")
+                     "stage boundaries fall between them; default: the model's layers + 2).", lower_bound=1)
 flags.DEFINE_bool("stage_profile", True, "With --auto_parallel: time the stages of the plans the cost model "
                   "chooses, and the step without a pipeline, and plan again with the measured latencies "
                   "(gs.auto_parallel(profile=...)); --nostage_profile: the cost model alone.")
 flags.DEFINE_list("profile", [], "Steps FIRST,LAST (e.g. 3,5) to trace with the TensorFlow profiler into "
                   "<logdir>/<task>/profile (open in TensorBoard's Profile tab); empty: no trace.")
+
 FLAGS = flags.FLAGS
+
+
+# ---- flag checks: every value is checked as the flags are parsed, before TensorFlow starts ------------------------
+# A bad value ends the binary with absl's usage error naming the flag (exit status 1), instead of a traceback after
+# TensorFlow's start-up (or a run that silently does nothing).
+
+def sizes(values):
+  """A list flag's values as a tuple of positive ints, or None when one of them is not."""
+  if not values or not all(v.strip().isdigit() and int(v) > 0 for v in values):
+    return None
+  return tuple(int(v) for v in values)
+
+
+def positive_number(value):
+  return value is None or (math.isfinite(value) and value > 0)
+
+
+def _profile_steps(values):
+  """Whether --profile is empty, one step or FIRST,LAST (0 or more, FIRST <= LAST)."""
+  if not values:
+    return True
+  if len(values) > 2 or not all(v.strip().isdigit() for v in values):
+    return False
+  return int(values[0]) <= int(values[-1])
+
+
+for _flag in ("mesh", "plan_mesh"):
+  flags.register_validator(_flag, lambda v: v is None or sizes(v) is not None,
+                           "give one positive whole size per mesh axis, e.g. 2,4")
+flags.register_validator("lr", lambda v: positive_number(v) and v is not None, "give a positive learning rate")
+flags.register_validator("memory_budget_mib", positive_number, "give a positive number of MiB (or leave it out)")
+flags.register_validator("profile", _profile_steps, "give the steps FIRST,LAST to trace (FIRST <= LAST, 0 or more, "
+                         "e.g. 3,5), one step (e.g. 3), or nothing")
+flags.register_multi_flags_validator(
+    ["profile", "steps"], lambda v: not _profile_steps(v["profile"]) or not v["profile"] or
+    int(v["profile"][-1]) < v["steps"],
+    "--profile names a step the run does not reach: trace steps below --steps")
+
+
+def check_meshes(meshes, extra=()):
+  """Registers the check of --mesh, --plan_mesh and --plan_hosts against the binary's meshes.
+
+  `meshes(values)` -> (the axis names a mesh may have -- a list of tuples, one per accepted rank, or None for any
+  rank --, the default --plan_mesh), for the flag values `values` (a dict of mesh, plan_mesh, plan_hosts, plan,
+  auto_parallel and the binary's flags `extra`, e.g. its pipeline stages)."""
+  names = ["mesh", "plan_mesh", "plan_hosts", "plan", "auto_parallel", *extra]
+
+  def check(values):
+    axes, default_plan_mesh = meshes(values)
+    for flag in ("mesh", "plan_mesh"):
+      shape = sizes(values[flag])
+      if shape is not None and axes is not None and len(shape) not in {len(a) for a in axes}:
+        ranks = " or ".join(f"{len(a)} ({','.join(a)})" for a in axes)
+        raise flags.ValidationError(f"--{flag}={','.join(values[flag])} gives {len(shape)} sizes, but this run's "
+                                    f"mesh has {ranks} axes: give one size per axis")
+    plan_shape = sizes(values["plan_mesh"]) or tuple(default_plan_mesh)
+    hosts, devices = values["plan_hosts"], math.prod(plan_shape)
+    if hosts is not None and devices % hosts:
+      raise flags.ValidationError(f"--plan_hosts={hosts} does not divide the {devices} devices of the plan's mesh "
+                                  f"{','.join(map(str, plan_shape))}: give a number of hosts that divides {devices}")
+    return True
+
+  flags.register_multi_flags_validator(names, check)
 
 
 @dataclasses.dataclass
@@ -180,7 +246,7 @@ def plan(task):
     print(f"  + partitioning adds {d:+,} B ({d / 2**20:+,.2f} MiB): live at the "
           f"per-device peak, collective buffers {memory.added_collective_bytes:,} + per-device tables and partition "
           f"id {memory.added_table_bytes:,} + reshard temporaries and ops above their layout "
-          f"{memory.added_other_bytes:,}, less {memory.added_bytes - d:,} of the plan's bytes not live there"
+          f"{memory.added_other_bytes:,}, {plan_bytes_at_peak(memory.added_bytes - d)}"
           + (" (the per-device program holds less than the plan's count)" if d < 0 else ""))
     if memory.budget is not None:
       over = plan.peak_bytes - memory.budget
@@ -193,6 +259,17 @@ def plan(task):
     print(f"  {r.name:48s} {str(list(r.shape)):18s} {r.sharding:32s} {r.bytes_per_device:>12,} B/device")
   print(low.report)
   return low
+
+
+def plan_bytes_at_peak(rest):
+  """The last term of "partitioning adds": `rest` = the bytes partitioning added at the per-device peak minus the
+  difference of the two peaks. Positive, that many of the plan's bytes are not live at the per-device peak (it
+  falls at another op); negative, the per-device peak holds more of the plan's own tensors than the plan's peak
+  does -- said as a sum, not as "less" a negative number."""
+  if rest >= 0:
+    return f"less {rest:,} of the plan's bytes not live there"
+  return (f"plus {-rest:,} B of the plan's own tensors above the plan's peak (more of them are live at once at the "
+          "per-device peak than at the plan's)")
 
 
 def _shardings(task, mesh):
@@ -238,6 +315,9 @@ def run(task):
   train = gs.function(model.step, mesh=mesh, jit_compile=FLAGS.jit, exchange=FLAGS.exchange, **_shardings(task, mesh))
   writer = tf.summary.create_file_writer(directory) if chief else tf.summary.create_noop_writer()
   first = int(step_var.numpy())
+  if first >= FLAGS.steps:
+    print(f"nothing to train: the checkpoint is at step {first} and --steps={FLAGS.steps}; give a larger --steps to "
+          "continue")
   bar = keras.utils.Progbar(FLAGS.steps, verbose=1 if sys.stdout.isatty() else 0)
   losses = []
   trace = [int(s) for s in FLAGS.profile]

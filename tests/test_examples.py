@@ -269,3 +269,32 @@ def test_auto_parallel_plan_without_devices():
   assert "mesh (8, 8) (64 devices), 8 layers, 8 microbatches, planned in" in out
   table = re.findall(r"^\s+\d+\s+\d+-\d+\s+\d+\s+\(\d+, \d+\)", out, re.M)
   assert len(table) >= 1 and "stage plan: 8 layers on a (8, 8) mesh" in out
+
+
+@pytest.mark.parametrize("binary", sorted(SMALL))
+def test_help_lists_the_shared_flags_with_the_binarys_own(binary):
+  """absl's --help shows the main module's key flags: the binaries adopt examples/training.py's."""
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", binary), "--help"], capture_output=True,
+                       text=True, timeout=120, env=_env(), check=False)
+  assert "Traceback" not in out.stderr, out.stderr[-2000:]   # (absl's --help exits with status 1)
+  for flag in ("--plan:", "--plan_mesh:", "--plan_hosts:", "--mesh:", "--steps:", "--resume:", "--logdir:",
+               "--batch:"):
+    assert flag in out.stdout, f"{binary} --help does not list {flag}"
+
+
+def test_a_bad_flag_is_absls_usage_error_before_tensorflow_starts():
+  start = time.monotonic()
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_transformer.py"), "--steps=-1"],
+                       capture_output=True, text=True, timeout=120, env=_env(), check=False)
+  assert out.returncode == 1 and "flag --steps=-1: -1 is not a positive integer" in out.stderr, out.stderr[-2000:]
+  assert "Traceback" not in out.stderr and time.monotonic() - start < 20   # (TensorFlow alone takes longer)
+
+
+def test_the_plans_memory_line_never_says_less_a_negative_number():
+  code = ("import sys; sys.path.insert(0, 'examples'); import training; "
+          "print(training.plan_bytes_at_peak(1234)); print(training.plan_bytes_at_peak(-760068))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT,
+                       check=False)
+  fewer, more = out.stdout.strip().splitlines()
+  assert fewer == "less 1,234 of the plan's bytes not live there"
+  assert more.startswith("plus 760,068 B of the plan's own tensors above the plan's peak") and "-760" not in more

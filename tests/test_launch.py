@@ -71,3 +71,41 @@ def test_all_workers_succeeding_exit_zero():
   status, out, _ = _run("print('ok', k)", workers=3)
   assert status == 0 and all(f"[worker {k}] ok {k}" in out for k in range(3)), out
   assert "[launch]" not in out
+
+
+def test_dash_c_and_dash_m_run_with_this_python_like_python_does(capsys):
+  # `-- -c CODE` used to be run as a program named "-c" (FileNotFoundError after starting nothing useful).
+  code = _INDEX + "print('code', k, os.environ['TF_GSPMD_CPU_DEVICES_PER_PROCESS'])"
+  assert launch.main(["--workers=2", "--devices_per_worker=3", "--", "-c", code]) == 0
+  out = capsys.readouterr().out
+  assert "[worker 0] code 0 3" in out and "[worker 1] code 1 3" in out, out
+  assert launch.main(["--workers=1", "--", "-m", "json.tool", "--help"]) == 0
+  assert "[worker 0] usage:" in capsys.readouterr().out
+
+
+def test_help_documents_what_may_follow_the_double_dash(capsys):
+  with pytest.raises(SystemExit) as e:
+    launch.main(["--help"])
+  assert e.value.code == 0
+  text = capsys.readouterr().out
+  assert all(form in text for form in ("script.py [ARGS]", "-c CODE [ARGS]", "-m MODULE [ARGS]", "PROGRAM [ARGS]"))
+  assert "before any worker starts" in text
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--workers=2", "--devices_per_worker=-3"], "--devices_per_worker=-3"),   # used to wait 60 s for the join
+    (["--workers=1", "--timeout=-1"], "--timeout=-1"),                         # used to stop the workers at once
+    (["--workers=1", "--grace=nan"], "--grace=nan"),
+])
+def test_bad_numbers_are_refused_before_any_worker_starts(argv, named, capsys, monkeypatch):
+  monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("a worker was started"))
+  with pytest.raises(SystemExit) as e:
+    launch.main(argv + ["--", "-c", "pass"])
+  assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_a_missing_script_is_named_before_any_worker_starts(capsys, monkeypatch, tmp_path):
+  monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("a worker was started"))
+  with pytest.raises(SystemExit):
+    launch.main(["--workers=2", "--", str(tmp_path / "train.py"), "--steps=1"])
+  assert f"the script '{tmp_path / 'train.py'}' does not exist" in capsys.readouterr().err

@@ -383,3 +383,71 @@ def test_initialize_connects_to_a_remote_tpu_only_and_initialises_each_system_on
   assert calls == [("init", ""), ("connect", "grpc://127.0.0.1:8470"), ("init", "grpc://127.0.0.1:8470")]
   mesh = gs.tpu_mesh((4, 8), ("data", "model"), resolver=local)   # the topology the TPU system reports
   assert mesh.devices[1] == "/job:worker/replica:0/task:0/device:TPU:1" and len(calls) == 3
+
+
+# ---- without a TPU: typed errors that say so, and how to simulate one -----------------------------------------
+
+@pytest.mark.parametrize("error", [
+    tf.errors.NotFoundError(None, None, "TPUs not found in the cluster. Failed in initialization: No OpKernel was "
+                            "registered to support Op 'ConfigureDistributedTPU'"),
+    tf.errors.InvalidArgumentError(None, None, "No OpKernel was registered to support Op 'ConfigureDistributedTPU'"),
+])
+def test_no_tpu_is_a_mesh_error_that_says_how_to_simulate_one(error, monkeypatch):
+  monkeypatch.setattr(rt, "_INITIALIZED", {})
+
+  def initialize_tpu_system(resolver):
+    raise error
+
+  monkeypatch.setattr(tf.tpu.experimental, "initialize_tpu_system", initialize_tpu_system)
+  for call in (gs.tpu.initialize, lambda: gs.tpu_mesh((2, 4), ("data", "model")),
+               lambda: gs.tpu.strategy(gs.tpu_mesh((2, 4), ("data", "model"), topology=V3_8))):
+    with pytest.raises(gs.MeshError, match="no TPU is attached") as e:
+      call()
+    text = str(e.value)
+    assert "ConfigureDistributedTPU" in text and "gs.tpu.simulated_topology(" in text
+    assert 'partitioner="xla"' in text and "tools/xla_oracle.py" in text
+  assert rt._INITIALIZED == {}   # a failed initialisation is not remembered  # pylint: disable=protected-access
+
+
+def test_an_initialisation_that_fails_otherwise_is_named_as_such(monkeypatch):
+  monkeypatch.setattr(rt, "_INITIALIZED", {})
+  monkeypatch.setattr(tf.config, "experimental_connect_to_cluster", lambda r: None)
+
+  def initialize_tpu_system(resolver):
+    raise tf.errors.UnavailableError(None, None, "connection refused")
+
+  monkeypatch.setattr(tf.tpu.experimental, "initialize_tpu_system", initialize_tpu_system)
+  remote = _Resolver([])
+  remote.master = lambda: "grpc://10.0.0.1:8470"
+  with pytest.raises(gs.MeshError, match="could not initialise the TPU system at 'grpc://10.0.0.1:8470'.*refused"):
+    gs.tpu.initialize(remote)
+
+
+@pytest.mark.skipif(bool(tf.config.list_logical_devices("TPU")), reason="a TPU is attached")
+def test_this_machine_without_a_tpu_raises_the_mesh_error():
+  with pytest.raises(gs.MeshError, match="no TPU is attached"):
+    gs.tpu.initialize()
+
+
+def test_a_strategy_needs_a_tpu_mesh_before_anything_is_initialised(monkeypatch):
+  monkeypatch.setattr(rt, "initialize", lambda *a: pytest.fail("initialised a TPU for a mesh of CPUs"))
+  with pytest.raises(gs.MeshError, match="not a mesh of TPU cores.*simulated_topology"):
+    gs.tpu.strategy(gs.Mesh((2, 4), ("data", "model")))
+  with pytest.raises(gs.MeshError, match="not a mesh of TPU cores"):
+    gs.tpu.run(gs.function(lambda a: a * 2, mesh=gs.Mesh((2, 4), ("data", "model")), partitioner="xla"),
+               np.ones((8, 4), np.float32))
+
+
+@pytest.mark.parametrize("call,msg", [
+    (lambda: gs.tpu.simulated_topology((2, 2, 1)), "four positive ints"),
+    (lambda: gs.tpu.simulated_topology((2.5, 2, 1, 1)), r"shape=\(2.5, 2, 1, 1\)"),
+    (lambda: gs.tpu.simulated_topology(V3_8, chips_per_host=(0, 2, 1)), "chips_per_host"),
+    (lambda: gs.tpu.core_order(V3_8, "x"), "mesh_shape='x'"),
+    (lambda: gs.tpu.xla_device_id(V3_8, (2, 0, 0, 0)), r"\(2, 0, 0, 0\) is not a core of the topology"),
+    (lambda: gs.tpu.xla_device_id(V3_8, (0, 0, 0)), "four ints"),
+    (lambda: gs.tpu.is_tpu_mesh("m"), "not a gs.Mesh"),
+    (lambda: gs.tpu.use_strategy("m", None), "not a gs.Mesh"),
+])
+def test_topology_helpers_check_their_arguments(call, msg):
+  with pytest.raises(gs.MeshError, match=msg):
+    call()

@@ -227,8 +227,8 @@ class ShardedFunction:
     if processes is not None:
       if isinstance(processes, bool) or not isinstance(processes, numbers.Integral) or processes < 1 or \
           self.mesh.size % processes:
-        raise MeshError(f"processes={processes!r}: give the number of processes (hosts) the mesh's {self.mesh.size} "
-                        "devices are spread over, a whole number of 1 or more that divides them evenly",
+        raise MeshError(f"processes={processes!r} must divide the mesh's {self.mesh.size} devices evenly: give the "
+                        "number of processes (hosts) they are spread over, a whole number of 1 or more",
                         node="processes")
       n = int(processes)
       plan = tuple(p // (self.mesh.size // n) for p in range(self.mesh.size))

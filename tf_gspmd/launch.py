@@ -8,13 +8,20 @@ workers' output is forwarded line by line, prefixed with `[worker K]`. The launc
 failing worker's status (0 when all succeed); when one fails, the others are given `--grace` seconds to fail
 on their own (their collectives name the lost worker) before they are stopped.
 
+The program after `--` is a Python script (`train.py ...`, run with this Python), Python code (`-c CODE ...`) or a
+module (`-m MODULE ...`), as `python` takes them, or any other executable with its arguments. Every argument is
+checked before any worker starts: a bad one is a usage error (exit status 2) naming the flag, its value and the fix.
+
 Several machines do not need this launcher: start the program on each with its TF_CONFIG (or under Slurm, with
 `gs.initialize(tf.distribute.cluster_resolver.SlurmClusterResolver())`).
 """
 
 import argparse
 import json
+import math
+import numbers
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,6 +30,7 @@ import threading
 import time
 
 from tf_gspmd._platform.cluster import DEVICES_ENV
+from tf_gspmd.errors import InputError, MeshError
 
 
 def free_ports(n):
@@ -64,11 +72,10 @@ def launch(command, workers, devices_per_worker=None, grace=60.0, timeout=None, 
   status (the first failing worker's, else 0).
 
   Every worker is polled every 0.1 s; once one fails, the others get `grace` seconds to exit before they are sent
-  SIGTERM (and killed 10 s later)."""
-  if int(workers) < 1:
-    raise ValueError(f"workers={workers}: the launcher needs at least one worker process; pass --workers=1 or more")
-  if grace < 0:
-    raise ValueError(f"grace={grace}: give the seconds (0 or more) the other workers get after one fails")
+  SIGTERM (and killed 10 s later). Raises MeshError (worker or device counts) or InputError (times, the command)
+  for an argument it cannot run with, before any worker starts."""
+  command = checked_command(command)
+  workers, devices_per_worker, grace, timeout = checked_numbers(workers, devices_per_worker, grace, timeout)
   out = out or sys.stdout
   lock = threading.Lock()
   procs, threads = [], []
@@ -115,27 +122,103 @@ def launch(command, workers, devices_per_worker=None, grace=60.0, timeout=None, 
   return status if status >= 0 else 128 - status
 
 
+def _shown(value):
+  return f"{value:g}" if isinstance(value, float) else repr(value) if isinstance(value, str) else str(value)
+
+
+def checked_numbers(workers, devices_per_worker, grace, timeout, dashes=""):
+  """(workers, devices_per_worker, grace, timeout), checked before anything starts. A count below 1 would start
+  no worker, or workers whose `gs.initialize` splits the CPU into no device (they then wait for each other until
+  the join times out); a negative or NaN time would stop the workers at once, or never. Raises MeshError
+  (counts) or InputError (times), naming the argument -- as the command-line flag when `dashes` is "--"."""
+  def whole(value):
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral)
+
+  def seconds(value):
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+
+  if not whole(workers) or workers < 1:
+    raise MeshError(f"{dashes}workers={_shown(workers)}: the launcher needs at least one worker process; give at "
+                    f"least 1 (e.g. {dashes}workers=2)", node=f"{dashes}workers")
+  if devices_per_worker is not None and (not whole(devices_per_worker) or devices_per_worker < 1):
+    raise MeshError(f"{dashes}devices_per_worker={_shown(devices_per_worker)}: each worker needs at least 1 logical "
+                    f"CPU device; give a whole number of 1 or more (e.g. {dashes}devices_per_worker=4), or leave it "
+                    "out to keep the devices TensorFlow finds", node=f"{dashes}devices_per_worker")
+  if not seconds(grace) or grace < 0:
+    raise InputError(f"{dashes}grace={_shown(grace)}: give the seconds (0 or more) the other workers get to finish "
+                     f"on their own after one fails (e.g. {dashes}grace=60)", node=f"{dashes}grace")
+  if timeout is not None and (not seconds(timeout) or timeout <= 0):
+    raise InputError(f"{dashes}timeout={_shown(timeout)}: give the seconds (more than 0) after which every worker "
+                     "is stopped, or leave it out for no limit", node=f"{dashes}timeout")
+  return int(workers), None if devices_per_worker is None else int(devices_per_worker), float(grace), \
+      None if timeout is None else float(timeout)
+
+
+def checked_command(command):
+  """`command` as a list of strings whose program exists (InputError otherwise: Popen would raise
+  FileNotFoundError in the middle of starting the workers)."""
+  if isinstance(command, str) or not isinstance(command, (list, tuple)) or not command or \
+      not all(isinstance(a, str) for a in command):
+    raise InputError(f"command={command!r}: give the program and its arguments as a list of strings, e.g. "
+                     "[sys.executable, 'train.py', '--steps=10']", node="command")
+  if shutil.which(command[0]) is None:
+    raise InputError(f"the program {command[0]!r} is not an executable file nor on PATH; give a path to it (or, "
+                     "on the command line, a script.py, -c CODE or -m MODULE)", node="command")
+  return list(command)
+
+
+def python_command(command):
+  """The argv that runs the program given after `--`: a Python script, `-c CODE` or `-m MODULE` with this Python,
+  else the executable as it is. Raises InputError, naming what is missing, for anything that cannot start."""
+  first = command[0]
+  if first in ("-c", "-m"):
+    if len(command) < 2:
+      what = "the code" if first == "-c" else "the module's name"
+      raise InputError(f"{first} needs {what} after it, as for python (e.g. -- -c \"print(1)\" or -- -m "
+                       "package.train)", node=first)
+    return [sys.executable] + list(command)
+  if first.startswith("-"):
+    raise InputError(f"{first!r} is an option, not a program: after -- give a script path (train.py), -c CODE, "
+                     "-m MODULE, or an executable", node="command")
+  if first.endswith(".py"):
+    if not os.path.isfile(first):
+      raise InputError(f"the script {first!r} does not exist (looked for it from {os.getcwd()}); give the path of "
+                       "a Python file", node="command")
+    return [sys.executable] + list(command)
+  return checked_command(command)
+
+
+_PROGRAMS = """program (after --), as python takes it:
+  script.py [ARGS]     a Python script, run with this Python
+  -c CODE [ARGS]       Python code (python -c CODE)
+  -m MODULE [ARGS]     a module (python -m MODULE)
+  PROGRAM [ARGS]       any other executable (a path, or a name on PATH)
+
+Every argument is checked before any worker starts; a bad one is a usage error (exit status 2)."""
+
+
 def main(argv=None):
-  parser = argparse.ArgumentParser(prog="python -m tf_gspmd.launch", description=__doc__.splitlines()[0])
-  parser.add_argument("--workers", type=int, required=True, help="number of processes")
+  parser = argparse.ArgumentParser(prog="python -m tf_gspmd.launch", description=__doc__.splitlines()[0],
+                                   epilog=_PROGRAMS, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--workers", type=int, required=True, help="number of processes (1 or more)")
   parser.add_argument("--devices_per_worker", type=int, default=None,
-                      help="logical CPU devices per process (gs.initialize reads it)")
+                      help="logical CPU devices per process, 1 or more (gs.initialize reads it)")
   parser.add_argument("--grace", type=float, default=60.0,
-                      help="seconds the other workers get to fail on their own after one fails")
-  parser.add_argument("--timeout", type=float, default=None, help="stop every worker after this many seconds")
-  parser.add_argument("command", nargs=argparse.REMAINDER, help="-- program.py [flags] (a .py file runs with this "
-                      "Python)")
+                      help="seconds (0 or more) the other workers get to fail on their own after one fails")
+  parser.add_argument("--timeout", type=float, default=None,
+                      help="stop every worker after this many seconds (more than 0; default: no limit)")
+  parser.add_argument("command", nargs=argparse.REMAINDER,
+                      help="-- then the program and its arguments: script.py, -c CODE, -m MODULE or an executable")
   args = parser.parse_args(argv)
-  if args.workers < 1:
-    parser.error(f"--workers={args.workers}: give at least 1 worker process")
-  if args.grace < 0:
-    parser.error(f"--grace={args.grace:g}: give 0 or more seconds")
   command = args.command[1:] if args.command[:1] == ["--"] else args.command
-  if not command:
-    parser.error("give the program after --")
-  if command[0].endswith(".py"):
-    command = [sys.executable] + command
-  return launch(command, args.workers, args.devices_per_worker, args.grace, args.timeout)
+  try:
+    numbers_ = checked_numbers(args.workers, args.devices_per_worker, args.grace, args.timeout, dashes="--")
+    if not command:
+      raise InputError("give the program after --, e.g. -- train.py --steps=10", node="command")
+    command = python_command(command)
+  except (InputError, MeshError) as e:
+    parser.error(e.message)
+  return launch(command, *numbers_)
 
 
 if __name__ == "__main__":

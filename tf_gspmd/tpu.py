@@ -17,6 +17,7 @@ Without a TPU: `gs.tpu.simulated_topology((4, 4, 1, 2))` stands for a v3-32's to
 
 import tensorflow as tf
 
+from tf_gspmd._layout.mesh import Mesh as _Mesh
 from tf_gspmd.errors import InputError
 from tf_gspmd.runtime import tpu as _tpu
 from tf_gspmd.runtime.tpu import (AnnotatedProgram, Partition, Runner, annotated_program, core_order,  # noqa: F401
@@ -34,7 +35,10 @@ def mesh(shape, axis_names, topology=None, resolver=None, job=None):
       default: `initialize(resolver)`, which connects to and initialises the TPU system.
     resolver: a `TPUClusterResolver` (default: this TPU VM's).
     job: the TF job of the cores (default: the resolver's, else "localhost" on one host, "worker" on several).
+
+  Raises MeshError when no topology is given and no TPU is attached (its message says how to plan without one).
   """
+  _Mesh(shape, axis_names)   # a malformed shape or axis names is said before the TPU system is initialised
   if topology is None:
     topology = initialize(resolver)
   if job is None and resolver is not None:

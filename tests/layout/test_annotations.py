@@ -148,3 +148,35 @@ def test_open_dims_out_of_range():
   with pytest.raises(gs.SpecError, match=r"open dims \[2\].*rank 2"):
     tf.function(lambda x: gs.mesh_split(x, MESH.device_ids, [0, -1], unspecified_dims=[2])).get_concrete_function(
         tf.TensorSpec([4, 4]))
+
+
+@pytest.mark.parametrize("spec,msg", [
+    ("data", r"the spec 'data' is a string; give gs.P\('data'\)"),   # not P('d', 'a', 't', 'a')
+    (5, r"cannot read a partition spec from 5"),
+])
+def test_shard_reads_only_partition_specs(spec, msg):
+  with pytest.raises(gs.SpecError, match=msg):
+    gs.shard(np.ones((8, 4), np.float32), spec, mesh=MESH)
+  with pytest.raises(gs.SpecError, match=msg):   # with no mesh (a no-op eagerly) the spec is still read
+    gs.shard(np.ones((8, 4), np.float32), spec)
+
+
+def test_annotations_name_a_mesh_or_tensor_that_is_not_one():
+  with pytest.raises(gs.MeshError, match=r"shard\(mesh='m'\): give a gs.Mesh"):
+    gs.shard(np.ones((8, 4), np.float32), P("data"), mesh="m")
+  with pytest.raises(gs.MeshError, match=r"replicate\(mesh='m'\)"):
+    gs.replicate(np.ones((8, 4), np.float32), mesh="m")
+  with pytest.raises(gs.InputError, match="shard annotates a tensor; got object"):
+    gs.shard(object(), P())
+
+
+@pytest.mark.parametrize("dims,unspecified,msg", [
+    (["a", -1], None, r"dims_mapping=\['a', -1\]: give one int per tensor dimension"),
+    (5, None, "dims_mapping=5"),
+    ([True, -1], None, "dims_mapping="),
+    ([0, -1], "x", "unspecified_dims='x'"),
+    ([0, -1], [1.5], r"unspecified_dims=\[1.5\]"),
+])
+def test_mesh_split_checks_its_lists(dims, unspecified, msg):
+  with pytest.raises(gs.SpecError, match=msg):
+    gs.mesh_split(np.ones((8, 4), np.float32), np.arange(8).reshape(2, 4), dims, unspecified_dims=unspecified)

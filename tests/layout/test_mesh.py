@@ -84,3 +84,26 @@ def test_a_mesh_over_absent_devices_is_planned_but_refuses_to_run():
   assert _cluster.runnable_devices(cpus) == cpus.resolve_devices()
   np.testing.assert_array_equal(gs.function(lambda x: x * 2.0, mesh=cpus, in_shardings=gs.P("d"))(
       np.ones(8, np.float32)).numpy(), np.full(8, 2.0))
+
+
+@pytest.mark.parametrize("shape,names,msg", [
+    ("24", ("a", "b"), "positive ints.*'24'"),          # int() would read the string as (2, 4)
+    ((2.5, 4), ("a", "b"), r"\(2.5, 4\)"),             # and truncate a fraction
+    ((True, 4), ("a", "b"), "True"),
+    (8, ("a",), "got 8"),
+    ((2, 4), None, "axis names"),
+])
+def test_mesh_shape_and_names_are_checked_not_converted(shape, names, msg):
+  with pytest.raises(gs.MeshError, match=msg):
+    gs.Mesh(shape, names)
+  assert gs.Mesh((np.int64(2), 4.0), ("a", "b")).shape == (2, 4)   # whole numbers of any numeric type
+
+
+def test_device_names_and_positions_are_checked():
+  with pytest.raises(gs.MeshError, match="'garbage' is not a device name"):
+    gs.Mesh((1,), ("a",), devices=["garbage"])
+  mesh = gs.Mesh((2, 4), ("data", "model"))
+  for position in (8, -1, "1", 1.5):
+    with pytest.raises(gs.MeshError, match="is not a device of Mesh.*0..7"):
+      mesh.coords(position)
+  assert tuple(mesh.coords(np.int64(7))) == (1, 3)

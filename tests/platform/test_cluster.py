@@ -429,3 +429,37 @@ def test_processes_saving_a_weights_file_to_different_paths_or_an_archive_all_ra
     assert "different paths" in r.get("error", ""), r
     assert "whose tiles are in several processes" in r.get("archive_error", ""), r
   assert not list(tmp_path.glob("*gspmd-part*"))
+
+
+@pytest.mark.parametrize("n", [0, -1, 2.5, "8", True])
+def test_split_cpu_devices_takes_a_positive_whole_number(n):
+  # 0 would configure no CPU at all (TF: "No CPU devices are available"); "8" and 2.5 would multiply a list.
+  with pytest.raises(gs.MeshError, match=rf"n={n!r} is not a positive whole number.*give 1 or more"):
+    gs.split_cpu_devices(n)
+  with pytest.raises(gs.MeshError, match="intra_op_threads=0"):
+    gs.split_cpu_devices(8, intra_op_threads=0)
+
+
+@pytest.mark.parametrize("cpu_devices", [0, -8, 2.5, "8"])
+def test_initialize_refuses_a_cpu_device_count_it_cannot_split(cpu_devices):
+  with pytest.raises(gs.MeshError, match=rf"cpu_devices={cpu_devices!r} is not a positive whole number"):
+    gs.initialize(cpu_devices=cpu_devices)   # (0 used to be ignored)
+  assert gs.process_count() == 1   # nothing was joined
+
+
+@pytest.mark.parametrize("value", ["-3", "0", "four"])
+def test_initialize_names_a_bad_launcher_device_count(monkeypatch, value):
+  monkeypatch.setenv(_cluster.DEVICES_ENV, value)
+  with pytest.raises(gs.MeshError, match=rf"{_cluster.DEVICES_ENV}='{value}'.*--devices_per_worker"):
+    gs.initialize()
+
+
+def test_initialize_and_device_queries_name_what_is_not_a_resolver_mesh_or_device():
+  with pytest.raises(gs.MeshError, match="cluster_resolver='x'.*ClusterResolver"):
+    gs.initialize("x")
+  with pytest.raises(gs.MeshError, match="5 is not a device"):
+    gs.is_local(5)
+  with pytest.raises(gs.MeshError, match="'garbage' is not a device name"):
+    gs.is_local("garbage")
+  with pytest.raises(gs.MeshError, match="give a gs.Mesh"):
+    gs.local_devices("mesh")

@@ -19,8 +19,8 @@ import tensorflow as tf
 from tf_gspmd._platform import compat as _compat
 from tf_gspmd._layout.mesh import Mesh, P
 from tf_gspmd._layout.schedule import Schedule
-from tf_gspmd._layout.sharding import Sharding, to_annotation
-from tf_gspmd.errors import MeshError, ShapeError, SpecError
+from tf_gspmd._layout.sharding import Sharding, as_spec, to_annotation
+from tf_gspmd.errors import InputError, MeshError, ShapeError, SpecError
 
 SHARDING_ATTR = "_XlaSharding"
 SPEC_ATTR = "_gspmd_spec"   # a named-axis spec awaiting the mesh of the gs.function that traces it
@@ -62,6 +62,32 @@ def _tensor_name(t):
     return "<eager tensor>"
 
 
+def _as_tensor(value, api):
+  """`value` as a tensor; InputError naming `api` (the annotation called) for what TF cannot convert."""
+  try:
+    return tf.convert_to_tensor(value)
+  except (TypeError, ValueError) as e:
+    raise InputError(f"{api} annotates a tensor; got {type(value).__name__} {value!r:.80}, which is not one ({e})",
+                     node=api) from None
+
+
+def _checked_mesh(mesh, api):
+  """`mesh` unless it is given and is not a gs.Mesh (MeshError naming `api`)."""
+  if mesh is not None and not isinstance(mesh, Mesh):
+    raise MeshError(f"{api}(mesh={mesh!r}): give a gs.Mesh, or leave mesh out inside a gs.function (its mesh is "
+                    "used)", node="mesh")
+  return mesh
+
+
+def _open_dims(dims, what):
+  """`unspecified_dims` as a sorted list of ints (SpecError for anything else)."""
+  if isinstance(dims, (str, bytes)) or not hasattr(dims, "__iter__") or not all(
+      isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in dims):
+    raise SpecError(f"unspecified_dims={dims!r}: give the tensor dimensions left open as a list of ints, e.g. [1]",
+                    node=what)
+  return sorted({int(d) for d in dims})
+
+
 def _annotate(t, sharding, name=None, open_dims=()):
   t = tf.convert_to_tensor(t)
   rank = t.shape.rank
@@ -69,7 +95,7 @@ def _annotate(t, sharding, name=None, open_dims=()):
     raise ShapeError("cannot annotate a tensor of unknown rank; give the tf.function an input_signature or "
                      "TensorSpecs with static shapes", node=_tensor_name(t))
   sharding = sharding.with_rank(rank, what=_tensor_name(t)) if sharding.dims else sharding
-  open_dims = sorted({int(d) for d in open_dims})
+  open_dims = _open_dims(open_dims, _tensor_name(t))
   if open_dims and (open_dims[0] < 0 or open_dims[-1] >= rank):
     raise SpecError(f"open dims {open_dims} are not dimensions of a tensor of rank {rank}", node=_tensor_name(t))
   if tf.executing_eagerly():
@@ -119,7 +145,7 @@ def mesh_split(tensor, device_mesh, dims_mapping, name=None, unspecified_dims=No
     >>> y = mesh_split(x, np.arange(8).reshape(2, 4), [0, -1])   # rows split over mesh dim 0
     >>> y = mesh_split(x, np.arange(8).reshape(2, 4), [0, -1], unspecified_dims=[1])   # columns: completion's
   """
-  t = tf.convert_to_tensor(tensor)
+  t = _as_tensor(tensor, "mesh_split")
   what = _tensor_name(t)
   if isinstance(device_mesh, Mesh):
     mesh, ids = device_mesh, device_mesh.device_ids
@@ -130,6 +156,10 @@ def mesh_split(tensor, device_mesh, dims_mapping, name=None, unspecified_dims=No
     if sorted(ids.reshape(-1).tolist()) != list(range(ids.size)):
       raise SpecError(f"device_mesh must hold each device id 0..{ids.size - 1} once; got {ids.tolist()}", node=what)
     mesh = _mesh_from_device_mesh(ids, current_mesh())
+  if isinstance(dims_mapping, (str, bytes)) or not hasattr(dims_mapping, "__iter__") or not all(
+      isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in dims_mapping):
+    raise SpecError(f"dims_mapping={dims_mapping!r}: give one int per tensor dimension, the mesh dimension that "
+                    "splits it or -1 (not split), e.g. [0, -1]", node=what)
   dims_mapping = [int(d) for d in dims_mapping]
   if t.shape.rank is not None and len(dims_mapping) != t.shape.rank:
     raise SpecError(f"dims_mapping {dims_mapping} has {len(dims_mapping)} entries but the tensor has rank "
@@ -159,9 +189,9 @@ def shard(tensor, spec, mesh=None, name=None):
   Example:
     >>> h = shard(h, P("data", P.UNCONSTRAINED))   # rows over "data"; columns as the neighbours want
   """
-  t = tf.convert_to_tensor(tensor)
-  mesh = mesh or current_mesh()
-  spec = spec if isinstance(spec, (P, Sharding)) else P(*spec)
+  t = _as_tensor(tensor, "shard")
+  mesh = _checked_mesh(mesh, "shard") or current_mesh()
+  spec = spec if isinstance(spec, Sharding) else as_spec(spec, what=_tensor_name(t))
   if mesh is None:
     if isinstance(spec, Sharding):
       return _annotate(t, spec, name)
@@ -185,8 +215,8 @@ def decode_spec(raw):
 
 def replicate(tensor, mesh=None, name=None):
   """Annotates `tensor` as replicated on every device."""
-  t = tf.convert_to_tensor(tensor)
-  mesh = mesh or current_mesh() or Mesh((1,), ("_",))
+  t = _as_tensor(tensor, "replicate")
+  mesh = _checked_mesh(mesh, "replicate") or current_mesh() or Mesh((1,), ("_",))
   return _annotate(t, Sharding(mesh), name)
 
 

@@ -114,12 +114,15 @@ class Mesh:
   devices: Optional[Tuple[str, ...]] = None
 
   def __post_init__(self):
-    try:
-      shape = tuple(int(s) for s in self.shape)
-    except (TypeError, ValueError):
-      raise MeshError(f"mesh shape must be a tuple of positive ints; got {self.shape!r}") from None
+    shape = _whole_numbers(self.shape)
+    if shape is None:
+      raise MeshError(f"mesh shape must be a tuple of positive ints, one size per axis (e.g. (2, 4)); got "
+                      f"{self.shape!r}", node="shape")
     if isinstance(self.axis_names, str):
       names = (self.axis_names,)
+    elif not hasattr(self.axis_names, "__iter__"):
+      raise MeshError(f"mesh axis names must be a tuple of names, one per axis (e.g. ('data', 'model')); got "
+                      f"{self.axis_names!r}", node="axis_names")
     else:
       names = tuple(self.axis_names)
     object.__setattr__(self, "shape", shape)
@@ -168,6 +171,8 @@ class Mesh:
 
   def coords(self, position):
     """Mesh coordinates (one per axis) of the device at flat position `position`."""
+    if isinstance(position, bool) or not isinstance(position, (int, np.integer)) or not 0 <= position < self.size:
+      raise MeshError(f"position {position!r} is not a device of {self}: give 0..{self.size - 1}", node="position")
     return np.unravel_index(position, self.shape)
 
   def resolve_devices(self):
@@ -188,6 +193,21 @@ class Mesh:
     return "Mesh(" + ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape)) + ")"
 
 
+def _whole_numbers(values):
+  """`values` as a tuple of ints, or None unless it is a sequence of whole numbers (not a string, a float with a
+  fraction or a bool: `int()` would turn "24" into (2, 4) and 2.5 into 2 without a word)."""
+  if isinstance(values, (str, bytes)):
+    return None
+  try:
+    items = tuple(values)
+  except TypeError:
+    return None
+  if not all(isinstance(v, (int, np.integer, float, np.floating)) and not isinstance(v, (bool, np.bool_)) and
+             float(v).is_integer() for v in items):
+    return None
+  return tuple(int(v) for v in items)
+
+
 JOB_ORDER = ("chief", "worker")   # the jobs whose tasks drive devices, in process order
 
 
@@ -205,7 +225,11 @@ def _device_name(d):
   if not isinstance(name, str):
     raise MeshError(f"devices must be device names or tf.config.LogicalDevice objects; got {d!r}")
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  spec = tf.DeviceSpec.from_string(name)
+  try:
+    spec = tf.DeviceSpec.from_string(name)
+  except ValueError as e:
+    raise MeshError(f"{name!r} is not a device name ({e}); give one such as '/device:CPU:0' or "
+                    "'/job:worker/replica:0/task:1/device:GPU:0'") from None
   if spec.job is None:
     spec = spec.replace(job="localhost", replica=0, task=0)
   if spec.device_type is None or spec.device_index is None:

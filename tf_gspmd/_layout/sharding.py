@@ -48,11 +48,16 @@ class Sharding:
   maximal: Optional[int] = None
 
   def __post_init__(self):
+    if not isinstance(self.mesh, Mesh):
+      raise SpecError(f"a Sharding is over a gs.Mesh; got mesh={self.mesh!r}", node="mesh")
     dims = self.dims
     if type(dims) is not tuple or any(type(d) is not tuple for d in dims):  # pylint: disable=unidiomatic-typecheck
-      dims = tuple(tuple(d) for d in dims)
+      dims = _dims(dims)
       object.__setattr__(self, "dims", dims)
     if self.maximal is not None and type(self.maximal) is not int:  # pylint: disable=unidiomatic-typecheck
+      if isinstance(self.maximal, bool) or not isinstance(self.maximal, (int, np.integer)):
+        raise SpecError(f"maximal={self.maximal!r}: give the mesh position (0..{self.mesh.size - 1}) of the device "
+                        "that holds the whole tensor, or None", node="maximal")
       object.__setattr__(self, "maximal", int(self.maximal))
     key = (self.mesh.axis_names, self.mesh.shape, dims, self.maximal)
     try:
@@ -88,8 +93,7 @@ class Sharding:
   @classmethod
   def from_spec(cls, mesh, spec, rank=None, what=None):
     """Sharding of a tensor of rank `rank` (default len(spec)) split as `spec` over `mesh`."""
-    if not isinstance(spec, P):
-      spec = P(*spec)
+    spec = as_spec(spec, what)
     if spec.open_dims:
       raise SpecError(f"{spec} leaves dimension {spec.open_dims[0]} of {what or 'the tensor'} open "
                       "(P.UNCONSTRAINED), but a layout is needed here; leave dimensions to completion only in "
@@ -107,7 +111,13 @@ class Sharding:
   def from_dims_mapping(cls, mesh, dims_mapping, what=None):
     """The sharding of `mesh_split(t, mesh.device_ids, dims_mapping)`."""
     spec = []
+    if isinstance(dims_mapping, (str, bytes)) or not hasattr(dims_mapping, "__iter__"):
+      raise SpecError(f"dims_mapping={dims_mapping!r}: give one mesh dimension (or -1) per tensor dimension, e.g. "
+                      "[0, -1]", node=what)
     for i, d in enumerate(dims_mapping):
+      if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
+        raise SpecError(f"dims_mapping[{i}] = {d!r} is not a mesh dimension: give an int, 0..{mesh.ndim - 1}, or -1 "
+                        "(not split)", node=what)
       d = int(d)
       if d < -1 or d >= mesh.ndim:
         raise SpecError(f"dims_mapping[{i}] = {d} is not a mesh dimension of {mesh} (use -1 or 0..{mesh.ndim - 1})",
@@ -215,7 +225,14 @@ class Sharding:
     if isinstance(proto, (bytes, str)):
       raw = proto.encode("latin-1") if isinstance(proto, str) else proto
       proto = pb.OpSharding()
-      proto.ParseFromString(raw)
+      try:
+        proto.ParseFromString(raw)
+      except Exception as e:  # pylint: disable=broad-except  (protobuf's DecodeError, from the C++ or Python parser)
+        raise SpecError(f"{raw[:40]!r} is not a serialized OpSharding ({e}); pass gs.P(...), a gs.Sharding or "
+                        "xla_data_pb2.OpSharding(...).SerializeToString()", node=what) from None
+    if not (hasattr(proto, "type") and hasattr(proto, "tile_assignment_dimensions")):   # (any copy of the class)
+      raise SpecError(f"cannot read an OpSharding from {proto!r:.80} ({type(proto).__name__}); pass an "
+                      "xla_data_pb2.OpSharding or its serialized bytes", node=what)
     t = proto.type
     if t == pb.OpSharding.REPLICATED:
       return cls(mesh)
@@ -255,9 +272,40 @@ class Sharding:
     return str(self.spec)
 
   def __repr__(self):
+    """The layout as `P(...)` (what a user writes, and what the README and docs show `gs.sharding_of(v)` and
+    `y.sharding` as; the mesh is `.mesh`); a maximal sharding, which no P expresses, with its mesh and device."""
     if self.maximal is not None:
-      return f"Sharding({self.mesh!r}, maximal={self.maximal})"
-    return f"Sharding({self.mesh!r}, {self.dims!r})"
+      return f"Sharding({self.mesh}, maximal={self.maximal})"
+    return repr(self.spec)
+
+
+def as_spec(value, what=None):
+  """`value` (a P, or a tuple or list of its entries) as a P; SpecError for anything else -- a bare string would
+  otherwise be read as one entry per character."""
+  if isinstance(value, P):
+    return value
+  if isinstance(value, (str, bytes)):
+    raise SpecError(f"the spec {value!r} is a string; give gs.P({value!r}) to split the first dimension over axis "
+                    f"{value!r}, or gs.P(...) with one entry per dimension", node=what)
+  if not isinstance(value, (tuple, list)):
+    raise SpecError(f"cannot read a partition spec from {value!r} ({type(value).__name__}); give gs.P(...) with one "
+                    "entry (None, an axis name or a tuple of them) per tensor dimension", node=what)
+  return P(*value)
+
+
+def _dims(dims):
+  """A Sharding's `dims` as a tuple of tuples of axis names; SpecError for anything else (a string would be read as
+  its characters, a bare axis name per dimension as the letters of the name)."""
+  if isinstance(dims, (str, bytes)) or not hasattr(dims, "__iter__"):
+    raise SpecError(f"dims={dims!r}: give one tuple of mesh axis names per tensor dimension, e.g. (('data',), ()), "
+                    "or build the sharding with Sharding.from_spec(mesh, P('data', None))", node="dims")
+  dims = tuple(dims)
+  for i, d in enumerate(dims):
+    if isinstance(d, (str, bytes)) or not hasattr(d, "__iter__"):
+      raise SpecError(f"dims[{i}] = {d!r} is not a tuple of mesh axis names: give e.g. ('data',) for a dimension "
+                      "split over 'data' and () for one not split, or use Sharding.from_spec(mesh, P(...))",
+                      node="dims")
+  return tuple(tuple(d) for d in dims)
 
 
 def _proto_devices(proto):

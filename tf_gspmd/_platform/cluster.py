@@ -12,7 +12,9 @@ exchanging any Python state.
 A process that never calls `initialize` (or whose resolver describes no cluster) is a cluster of one.
 """
 
+import functools
 import json
+import numbers
 import os
 import re
 import signal
@@ -38,7 +40,7 @@ def initialize(cluster_resolver=None, *, cpu_devices=None, heartbeat_timeout=30.
       (the `TF_CONFIG` environment variable). Its tasks of jobs "chief" and "worker" are the processes.
     cpu_devices: when given, the CPU is split into logical devices so that the whole cluster has this many
       (each of the P processes gets cpu_devices / P): the same program runs on 1 process x 8 devices or on
-      2 x 4 with `cpu_devices=8`.
+      2 x 4 with `cpu_devices=8`. A whole number of 1 or more (MeshError otherwise: 0 would leave no CPU).
     heartbeat_timeout: seconds after which the cluster declares a silent process lost (its peers' collectives
       then fail naming it instead of waiting for the collective deadline).
     join_timeout: seconds to wait for every process to start (registering with the cluster and the first barrier
@@ -47,15 +49,21 @@ def initialize(cluster_resolver=None, *, cpu_devices=None, heartbeat_timeout=30.
   Returns:
     (process index, process count).
   """
-  import os  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  per_process = os.environ.get(DEVICES_ENV)
+  per_process = _devices_per_process(os.environ.get(DEVICES_ENV))
   for name, value in (("join_timeout", join_timeout), ("heartbeat_timeout", heartbeat_timeout)):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
       raise MeshError(f"gs.initialize({name}={value!r}): give a positive number of seconds")
+  if cpu_devices is not None:
+    cpu_devices = count(cpu_devices, "cpu_devices", "gs.initialize(cpu_devices=...) takes the logical CPU devices "
+                        "of the whole cluster (e.g. 8), or None to keep the devices TensorFlow finds")
   if cluster_resolver is None:
     _check_tf_config(os.environ.get("TF_CONFIG"))
     cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+  elif not callable(getattr(cluster_resolver, "cluster_spec", None)):
+    raise MeshError(f"gs.initialize(cluster_resolver={cluster_resolver!r}): give a "
+                    "tf.distribute.cluster_resolver.ClusterResolver (e.g. TFConfigClusterResolver(), "
+                    "SlurmClusterResolver()), or None to read TF_CONFIG", node="cluster_resolver")
   spec = cluster_resolver.cluster_spec()
   jobs = spec.jobs
   other = [j for j in jobs if j not in JOB_ORDER]
@@ -64,10 +72,10 @@ def initialize(cluster_resolver=None, *, cpu_devices=None, heartbeat_timeout=30.
                     f"{list(JOB_ORDER)} (no parameter servers or evaluators): remove them from the cluster spec")
   tasks = tuple((j, i) for j in JOB_ORDER if j in jobs for i in sorted(spec.task_indices(j)))
   if per_process:   # set by the launcher (python -m tf_gspmd.launch --devices_per_worker)
-    if cpu_devices and int(per_process) * max(len(tasks), 1) != cpu_devices:
+    if cpu_devices and per_process * max(len(tasks), 1) != cpu_devices:
       raise MeshError(f"the program asks for cpu_devices={cpu_devices} in all, but it was launched with "
                       f"{per_process} devices for each of {max(len(tasks), 1)} processes; make them agree")
-    cpu_devices = int(per_process) * max(len(tasks), 1)
+    cpu_devices = per_process * max(len(tasks), 1)
   with _lock:
     if _state["tasks"] is not None:
       raise MeshError("gs.initialize was already called in this process; call it once, before any TF op")
@@ -94,6 +102,27 @@ def initialize(cluster_resolver=None, *, cpu_devices=None, heartbeat_timeout=30.
       raise _join_error(e, spec, tasks, (job, task), join_timeout) from e
     _state.update(job=job, task=task, tasks=tasks)
     return tasks.index((job, task)), len(tasks)
+
+
+def count(value, what, fix):
+  """`value` as an int of 1 or more; MeshError naming `what` and its value, with `fix`, for anything else (zero, a
+  negative number, a fraction, a bool, a string): a device or process count TensorFlow would otherwise take as an
+  empty device list (no CPU at all) or a multiplier of Python lists."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    raise MeshError(f"{what}={value!r} is not a positive whole number: {fix}", node=what)
+  return int(value)
+
+
+def _devices_per_process(text):
+  """The launcher's per-process device count (the value of DEVICES_ENV), or None when it is unset or empty."""
+  if text is None or not text.strip():
+    return None
+  try:
+    return count(int(text), DEVICES_ENV, "")
+  except (ValueError, MeshError):
+    raise MeshError(f"the environment variable {DEVICES_ENV}={text!r} (which python -m tf_gspmd.launch "
+                    "--devices_per_worker sets) is not a positive whole number: give the logical CPU devices of "
+                    "each process, e.g. 4, or unset it", node=DEVICES_ENV) from None
 
 
 _TF_CONFIG_EXAMPLE = ('{"cluster": {"worker": ["host0:port", "host1:port"]}, '
@@ -219,17 +248,32 @@ def is_multi_process():
   return process_count() > 1
 
 
-def _task_of(name):
+def _task_of(device):
+  """(job, task) of device name `device` (or a LogicalDevice); MeshError for anything that is not a device name."""
+  name = getattr(device, "name", device)
+  if not isinstance(name, str):
+    raise MeshError(f"{device!r} is not a device: give a TF device name such as '/device:CPU:0' (or a "
+                    "tf.config.LogicalDevice)")
+  return _parsed_task(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed_task(name):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  spec = tf.DeviceSpec.from_string(name)
+  try:
+    spec = tf.DeviceSpec.from_string(name)
+  except ValueError as e:
+    raise MeshError(f"{name!r} is not a device name ({e}); give one such as '/job:worker/replica:0/task:1/device:"
+                    "CPU:0' or '/device:CPU:0'") from None
   return spec.job, spec.task or 0
 
 
 def is_local(device):
   """Whether device name `device` belongs to this process."""
+  task = _task_of(device)   # (checks that it is a device name, in every process)
   if not _state["tasks"]:
     return True
-  return _task_of(device) == (_state["job"], _state["task"])
+  return task == (_state["job"], _state["task"])
 
 
 def process_of(device):
@@ -256,6 +300,8 @@ def host_device():
 
 def local_devices(mesh):
   """The devices of `mesh` this process drives (all of them unless the mesh spans several processes)."""
+  if not callable(getattr(mesh, "resolve_devices", None)):
+    raise MeshError(f"gs.local_devices({mesh!r}): give a gs.Mesh")
   return tuple(d for d in mesh.resolve_devices() if is_local(d))
 
 
@@ -294,9 +340,15 @@ def split_cpu_devices(n, intra_op_threads=None):
   (`tf.config.threading.set_intra_op_parallelism_threads`), it is set to `intra_op_threads`, by default the
   cores per device (at least 1): with more devices than cores, an op that splits its work over the pool only
   waits for threads the other devices keep busy.
-  Raises MeshError when TensorFlow has already initialised with a different number of devices.
+  Raises MeshError when `n` (or `intra_op_threads`) is not a whole number of 1 or more -- TensorFlow would take 0 as
+  "no CPU device" and fail later, elsewhere -- or when TensorFlow has already initialised with fewer devices.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  n = count(n, "n", "gs.split_cpu_devices(n) splits the host CPU into n logical devices: give 1 or more (e.g. 8 "
+            "for a mesh of 8 devices)")
+  if intra_op_threads is not None:
+    intra_op_threads = count(intra_op_threads, "intra_op_threads", "give the threads one op may split its work "
+                             "over (1 or more), or None for the cores per device")
   _configure_cpu_devices(n, intra_op_threads)
   names = [d.name for d in tf.config.list_logical_devices("CPU") if is_local(d.name)]
   if len(names) < n:

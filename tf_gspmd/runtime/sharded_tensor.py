@@ -3,8 +3,9 @@
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd._layout.mesh import Mesh
 from tf_gspmd._layout.sharding import to_sharding
-from tf_gspmd.errors import InputError
+from tf_gspmd.errors import InputError, MeshError
 from tf_gspmd.runtime import parallel
 
 
@@ -154,7 +155,13 @@ def from_process_local_data(local_data, mesh, spec, global_shape=None):
 
   Raises InputError when the block's shape does not fit the spec and global shape.
   """
+  if not isinstance(mesh, Mesh):
+    raise MeshError(f"gs.from_process_local_data(mesh={mesh!r}): give the gs.Mesh the global value is laid out over",
+                    node="mesh")
   block = np.asarray(local_data)
+  if block.dtype == object:
+    raise InputError(f"process-local data {type(local_data).__name__} is not an array of numbers: pass this "
+                     "process's block as a numpy array or tf.Tensor", node="process-local data")
   devices = mesh.resolve_devices()
   positions = parallel.local(devices).positions
   s = to_sharding(spec, mesh, rank=block.ndim, what="process-local data")
@@ -164,6 +171,10 @@ def from_process_local_data(local_data, mesh, spec, global_shape=None):
   mine = [sorted({idx[p][d] for p in positions}) for d in range(rank)]
   if global_shape is None:
     global_shape = [block.shape[d] * tiles[d] // len(mine[d]) for d in range(rank)]
+  if isinstance(global_shape, (str, bytes)) or not hasattr(global_shape, "__iter__") or len(global_shape) != rank or \
+      not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0 for n in global_shape):
+    raise InputError(f"global_shape={global_shape!r}: give the global value's shape, {rank} non-negative ints (the "
+                     f"block has rank {rank}), or leave it out", node="global_shape")
   global_shape = tuple(int(n) for n in global_shape)
   shard = s.shard_shape(global_shape) if not s.is_maximal else global_shape
   lo = [mine[d][0] * shard[d] for d in range(rank)]

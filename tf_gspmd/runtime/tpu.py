@@ -60,10 +60,11 @@ def simulated_topology(shape, chips_per_host=CHIPS_PER_HOST):
   slice that is not here, and tests the mapping. Examples: v4-8 `(2, 2, 1, 1)`, v3-8 `(2, 2, 1, 2)`,
   v3-32 `(4, 4, 1, 2)` (4 hosts).
   """
-  shape = tuple(int(s) for s in shape)
-  if len(shape) != 4 or any(s < 1 for s in shape):
-    raise MeshError(f"a TPU topology shape is (x, y, z, cores per chip), four positive ints; got {shape}")
-  block = tuple(min(int(b), s) for b, s in zip(chips_per_host, shape[:3]))
+  shape = whole_numbers(shape, "shape", "a TPU topology shape is (x, y, z, cores per chip), four positive ints, "
+                        "e.g. (2, 2, 1, 2) for a v3-8", length=4)
+  chips = whole_numbers(chips_per_host, "chips_per_host", "give the (x, y, z) block of chips one host drives, three "
+                        "positive ints, e.g. (2, 2, 1)", length=3)
+  block = tuple(min(b, s) for b, s in zip(chips, shape[:3]))
   if any(s % b for s, b in zip(shape[:3], block)):
     raise MeshError(f"chips_per_host {block} does not tile the chips {shape[:3]}")
   hosts = [s // b for s, b in zip(shape[:3], block)]
@@ -73,6 +74,19 @@ def simulated_topology(shape, chips_per_host=CHIPS_PER_HOST):
     for ordinal, (lz, ly, lx, core) in enumerate(np.ndindex(block[2], block[1], block[0], shape[3])):
       coords[task, ordinal] = (hx * block[0] + lx, hy * block[1] + ly, hz * block[2] + lz, core)
   return tf.tpu.experimental.Topology(mesh_shape=list(shape), device_coordinates=coords)
+
+
+def whole_numbers(values, what, fix, length=None):
+  """`values` as a tuple of ints of 1 or more (`length` of them, when given); MeshError naming `what` otherwise."""
+  try:
+    ok = not isinstance(values, (str, bytes)) and all(
+        not isinstance(v, bool) and int(v) == v and v >= 1 for v in values)
+    out = tuple(int(v) for v in values) if ok else None
+  except (TypeError, ValueError):
+    out = None
+  if out is None or (length is not None and len(out) != length):
+    raise MeshError(f"{what}={values!r}: {fix}", node=what)
+  return out
 
 
 def as_topology(topology):
@@ -103,16 +117,44 @@ def local_resolver():
 
 def initialize(resolver=None):
   """Connects to the TPU of `resolver` (default: this TPU VM's, `local_resolver()`) and initialises its TPU
-  system, once per process; returns its Topology."""
+  system, once per process; returns its Topology. Raises MeshError when there is no TPU to initialise (a
+  machine without one, or a TensorFlow built without TPU support) or it cannot be reached."""
   if resolver is None:
     resolver = local_resolver()
+  elif not callable(getattr(resolver, "master", None)):
+    raise MeshError(f"resolver={resolver!r} is not a cluster resolver: give a "
+                    "tf.distribute.cluster_resolver.TPUClusterResolver, or None for this TPU VM's own cores",
+                    node="resolver")
   key = resolver.master()
   with _INIT_LOCK:
     if key not in _INITIALIZED:
-      if key:   # a remote TPU (a grpc:// master); a TPU VM's own cores need no connection
-        tf.config.experimental_connect_to_cluster(resolver)
-      _INITIALIZED[key] = tf.tpu.experimental.initialize_tpu_system(resolver)
+      try:
+        if key:   # a remote TPU (a grpc:// master); a TPU VM's own cores need no connection
+          tf.config.experimental_connect_to_cluster(resolver)
+        _INITIALIZED[key] = tf.tpu.experimental.initialize_tpu_system(resolver)
+      except (tf.errors.OpError, RuntimeError, ValueError) as e:
+        raise no_tpu_error(key, e) from e
     return _INITIALIZED[key]
+
+
+SIMULATE = ("plan for a TPU slice that is not here with topology=gs.tpu.simulated_topology((x, y, z, cores)) "
+            "(e.g. gs.tpu_mesh((2, 4), (\"data\", \"model\"), topology=gs.tpu.simulated_topology((2, 2, 1, 2))), a "
+            "v3-8), or run XLA's SPMD partitioner on host CPUs: gs.function(..., partitioner=\"xla\") on a CPU mesh "
+            "(tools/xla_oracle.py partitions its export over 8 host CPUs; docs/hardware.md)")
+
+
+def no_tpu_error(master, error):
+  """MeshError for `error`, raised while connecting to or initialising the TPU system at `master` ("" for this
+  machine's own): TensorFlow's own text (an unregistered ConfigureDistributedTPU kernel, "TPUs not found") does not
+  say that there is simply no TPU, nor what to do without one."""
+  first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+  missing = isinstance(error, tf.errors.NotFoundError) or "ConfigureDistributedTPU" in str(error)
+  where = f"at {master!r}" if master else "on this machine"
+  what = f"no TPU is attached: TensorFlow found none {where}" if missing else \
+      f"could not initialise the TPU system {where}"
+  return MeshError(f"{what} (TensorFlow: {first}). On a TPU VM, install TensorFlow's TPU build and run there (or "
+                   f"pass resolver=TPUClusterResolver(tpu=...) for a remote TPU); without a TPU, {SIMULATE}",
+                   node="TPU")
 
 
 def job_of(resolver):
@@ -194,7 +236,7 @@ def core_order(topology, mesh_shape):
   """
   topology = as_topology(topology)
   topo_shape = [int(s) for s in topology.mesh_shape]
-  mesh_shape = tuple(int(s) for s in mesh_shape)
+  mesh_shape = whole_numbers(mesh_shape, "mesh_shape", "give the size of each mesh axis, positive ints, e.g. (2, 4)")
   size = math.prod(mesh_shape)
   present = np.zeros(topo_shape, bool)
   for c in topology.device_coordinates.reshape(-1, 4):
@@ -244,6 +286,8 @@ def mesh(shape, axis_names, topology, job=None):
 
 def is_tpu_mesh(m):
   """Whether `m`'s devices are given and are TPU cores."""
+  if not isinstance(m, Mesh):
+    raise MeshError(f"{m!r} is not a gs.Mesh", node="mesh")
   return m.devices is not None and all(tf.DeviceSpec.from_string(d).device_type == "TPU" for d in m.devices)
 
 
@@ -275,8 +319,16 @@ def device_assignment(m, topology):
 
 def xla_device_id(topology, coords):
   """XLA's id of the TPU core at `coords`, as TF's bridge numbers them: (x + X * (y + Y * z)) * C + core."""
-  x_size, y_size, _, cores = (int(s) for s in as_topology(topology).mesh_shape)
-  x, y, z, core = (int(c) for c in coords)
+  shape = tuple(int(s) for s in as_topology(topology).mesh_shape)
+  x_size, y_size, _, cores = shape
+  try:
+    x, y, z, core = (int(c) for c in coords)
+  except (TypeError, ValueError):
+    raise MeshError(f"coords={coords!r}: give a TPU core's topology coordinate (x, y, z, core), four ints",
+                    node="coords") from None
+  if not all(0 <= c < n for c, n in zip((x, y, z, core), shape)):
+    raise MeshError(f"coords={tuple(coords)} is not a core of the topology {shape}: each of (x, y, z, core) must be "
+                    "at least 0 and below the topology's size along it", node="coords")
   return (x + x_size * (y + y_size * z)) * cores + core
 
 
@@ -316,6 +368,9 @@ def strategy_arguments(m, resolver, topology):
 def strategy(m, resolver=None, topology=None, factory=None):
   """`tf.distribute.TPUStrategy` over mesh `m` (`strategy_arguments`); `topology` defaults to the one
   `initialize(resolver)` returns. `factory`: the class to build (default TPUStrategy)."""
+  if not isinstance(m, Mesh) or not is_tpu_mesh(m):
+    raise MeshError(f"{m} is not a mesh of TPU cores (devices {getattr(m, 'devices', None)}); build it with "
+                    f"gs.tpu_mesh(...) on a TPU VM; without a TPU, {SIMULATE}", node="mesh")
   if resolver is None:
     resolver = local_resolver()
   if topology is None:
@@ -473,10 +528,21 @@ _RUNNERS_LOCK = threading.Lock()
 def use_strategy(m, strategy_, jit_compile=None):
   """Makes `strategy_` the one that runs mesh `m`'s programs (`run_exported`, gs.function calls on `m`); returns
   its Runner. `jit_compile`: see `Runner` (True only for a one-device strategy standing in on CPU)."""
+  _check_strategy(m, None)   # (the strategy may be a stand-in: `strategy(factory=...)` builds what it is given)
   runner = Runner(strategy_, jit_compile=jit_compile)
   with _RUNNERS_LOCK:
     _RUNNERS[m] = runner
   return runner
+
+
+def _check_strategy(m, strategy_):
+  """MeshError unless `m` is a gs.Mesh; InputError unless `strategy_` is a tf.distribute strategy."""
+  if not isinstance(m, Mesh):
+    raise MeshError(f"{m!r} is not a gs.Mesh: give the mesh whose programs the strategy runs (gs.tpu_mesh(...))",
+                    node="mesh")
+  if strategy_ is not None and not isinstance(strategy_, tf.distribute.Strategy):
+    raise InputError(f"strategy={strategy_!r} is not a tf.distribute.Strategy: give gs.tpu.strategy(mesh) (a "
+                     "TPUStrategy), or a one-device strategy standing in for it", node="strategy")
 
 
 def runner_for(m):
@@ -497,6 +563,7 @@ def run(program, *args, strategy_=None):
   values) through `strategy_`, default the strategy of the program's mesh (`runner_for`); returns its results
   as global values."""
   program = program_of(program)
+  _check_strategy(program.mesh, strategy_)
   if strategy_ is None:
     return runner_for(program.mesh)(program, *args)
   with _RUNNERS_LOCK:
