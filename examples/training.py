@@ -246,7 +246,7 @@ def plan(task):
     print(f"  + partitioning adds {d:+,} B ({d / 2**20:+,.2f} MiB): live at the "
           f"per-device peak, collective buffers {memory.added_collective_bytes:,} + per-device tables and partition "
           f"id {memory.added_table_bytes:,} + reshard temporaries and ops above their layout "
-          f"{memory.added_other_bytes:,}, {plan_bytes_at_peak(memory.added_bytes - d)}"
+          f"{memory.added_other_bytes:,}, {memory.plan_bytes_elsewhere()}"
           + (" (the per-device program holds less than the plan's count)" if d < 0 else ""))
     if memory.budget is not None:
       over = plan.peak_bytes - memory.budget
@@ -259,17 +259,6 @@ def plan(task):
     print(f"  {r.name:48s} {str(list(r.shape)):18s} {r.sharding:32s} {r.bytes_per_device:>12,} B/device")
   print(low.report)
   return low
-
-
-def plan_bytes_at_peak(rest):
-  """The last term of "partitioning adds": `rest` = the bytes partitioning added at the per-device peak minus the
-  difference of the two peaks. Positive, that many of the plan's bytes are not live at the per-device peak (it
-  falls at another op); negative, the per-device peak holds more of the plan's own tensors than the plan's peak
-  does -- said as a sum, not as "less" a negative number."""
-  if rest >= 0:
-    return f"less {rest:,} of the plan's bytes not live there"
-  return (f"plus {-rest:,} B of the plan's own tensors above the plan's peak (more of them are live at once at the "
-          "per-device peak than at the plan's)")
 
 
 def _shardings(task, mesh):

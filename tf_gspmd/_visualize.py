@@ -2,8 +2,10 @@
 `visualize_array_sharding`): one cell per tile of the first two dims, naming the devices that hold it."""
 
 import io
+import numbers
 
 from tf_gspmd._layout.sharding import Sharding
+from tf_gspmd.errors import InputError
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
 
@@ -24,11 +26,14 @@ def visualize_sharding(x, shape=None, *, show=True, width=None):
     sharding, shape = x.sharding, tuple(x.shape.as_list())
   elif isinstance(x, Sharding):
     sharding = x
-    if shape is None:
-      raise ValueError("visualize_sharding(sharding, shape): give the tensor's shape")
-    shape = tuple(shape)
+    if shape is None or isinstance(shape, (str, bytes)) or not all(
+        isinstance(d, numbers.Integral) and d >= 0 for d in (shape if hasattr(shape, "__iter__") else [None])):
+      raise InputError(f"visualize_sharding(sharding, shape): give the tensor's shape as a tuple of sizes; got "
+                       f"shape={shape!r}", node="shape")
+    shape = tuple(int(d) for d in shape)
   else:
-    raise TypeError(f"visualize_sharding takes a ShardedTensor or a Sharding; got {type(x).__name__}")
+    raise InputError(f"visualize_sharding draws a ShardedTensor or a Sharding (with its tensor's shape); got "
+                     f"{type(x).__name__} {x!r:.60}: give y.sharding of a result, or gs.sharding_of(v)", node="x")
   mesh = sharding.mesh
   rank = len(shape)
   title = f"{list(shape)} {sharding} on {mesh}"

@@ -512,15 +512,12 @@ def _device_estimate(prog, cache, layouts):
 
 @dataclasses.dataclass(frozen=True)
 class Account(MemoryEstimate):
-  """The per-device program's estimate (the MemoryEstimate fields) and the plan's count it is made of.
-
-  `plan` is the count of the global program at its layouts (`plan_estimate`: what `memory_budget` bounds).
-  The per-device program holds that plus what partitioning adds; at its peak `added_collective_bytes` of
-  collective receive buffers, `added_table_bytes` of per-device tables and partition id and `added_other_bytes`
-  of reshard temporaries and ops computed at more than their layout are live. `difference_bytes` =
-  peak_bytes - plan.peak_bytes is that sum less the plan's bytes not live at the per-device peak (its peak falls
-  at another op); it is negative only where partitioning made the program hold less than the plan (said so).
-  """
+  """The per-device program's estimate (the MemoryEstimate fields) and the plan's count it is made of: `plan`, the
+  global program at its layouts (`plan_estimate`: what `memory_budget` bounds), plus what partitioning adds; at its
+  peak `added_collective_bytes` of collective receive buffers, `added_table_bytes` of per-device tables and partition
+  id and `added_other_bytes` of reshard temporaries and ops computed at more than their layout are live.
+  `difference_bytes` = peak_bytes - plan.peak_bytes is that sum less the plan's bytes not live at the per-device peak
+  (`plan_bytes_elsewhere`); negative only where partitioning made the program hold less than the plan (said so)."""
 
   plan: Optional[MemoryEstimate] = None
   added_collective_bytes: int = 0
@@ -536,6 +533,12 @@ class Account(MemoryEstimate):
   def difference_bytes(self):
     return self.peak_bytes - self.plan.peak_bytes
 
+  def plan_bytes_elsewhere(self):
+    """The last term of "partitioning adds" (added_bytes - difference_bytes) as a sum, never "less" a negative."""
+    rest = self.added_bytes - self.difference_bytes
+    return f"less {rest:,} of the plan's bytes not live there" if rest >= 0 else \
+        f"plus {-rest:,} of the plan's own tensors above the plan's peak (more are live there than at the plan's)"
+
   def __str__(self):
     p, d = self.plan, self.difference_bytes
     lines = [f"the plan at its layouts (what memory_budget bounds): {p.peak_bytes:,} = arguments "
@@ -543,8 +546,8 @@ class Account(MemoryEstimate):
              f"activations {p.activation_bytes:,} at {p.at}",
              f"partitioning adds: {d:+,} = collective buffers {self.added_collective_bytes:,} + per-device tables "
              f"and partition id {self.added_table_bytes:,} + reshard temporaries and ops above their layout "
-             f"{self.added_other_bytes:,} live at the per-device peak, less {self.added_bytes - d:,} of the plan's "
-             f"bytes not live there" + (" (the per-device program holds less than the plan's count)" if d < 0 else "")]
+             f"{self.added_other_bytes:,} live at the per-device peak, {self.plan_bytes_elsewhere()}"
+             + (" (the per-device program holds less than the plan's count)" if d < 0 else "")]
     if self.budget is not None:
       over = p.peak_bytes - self.budget
       lines.append(f"memory_budget {self.budget:,}: the plan's count is "

@@ -21,6 +21,7 @@ its repeat's weights are selects against the iteration counter, which keep every
 """
 
 import itertools
+import numbers
 
 import numpy as np
 import tensorflow as tf
@@ -41,6 +42,8 @@ def stack_stages(layer_weights, stages, repeats=1, what="layer weights"):
   device holding row s of the stage dim holds the non-adjacent slots s, s + S, ... (the circular schedule's
   placement). Raises SpecError when L is not a multiple of S*R.
   """
+  _check_counts(stages=stages, repeats=repeats)
+
   def one(w):
     w = tf.convert_to_tensor(w) if not isinstance(w, np.ndarray) else w
     shape = list(w.shape)
@@ -59,6 +62,8 @@ def stack_stages(layer_weights, stages, repeats=1, what="layer weights"):
 
 def unstack_stages(stage_weights, repeats=1):
   """The inverse of `stack_stages`: stage weights -> [L, ...] in layer order."""
+  _check_counts(repeats=repeats)
+
   def one(w):
     shape = list(w.shape)
     if repeats > 1:
@@ -67,6 +72,14 @@ def unstack_stages(stage_weights, repeats=1):
     return _reshape(w, [shape[0] * shape[1]] + shape[2:])
 
   return tf.nest.map_structure(one, stage_weights)
+
+
+def _check_counts(**counts):
+  """SpecError naming the argument for a count of stages or repeats that is not a whole number of 1 or more."""
+  for name, value in counts.items():
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+      raise SpecError(f"{name}={value!r}: give the number of pipeline {name}, a whole number of 1 or more",
+                      node=name)
 
 
 def _reshape(w, shape):

@@ -24,7 +24,7 @@ from typing import Tuple
 import tensorflow as tf
 
 from tf_gspmd._platform import cluster as _cluster
-from tf_gspmd._layout.sharding import to_sharding
+from tf_gspmd._layout.sharding import Sharding, to_sharding
 from tf_gspmd.errors import InputError
 from tf_gspmd.rewriter.collectives import vocabulary
 from tf_gspmd.runtime import parallel
@@ -132,10 +132,22 @@ def _segments(lo, n, tile):
   return out
 
 
+def _check_layouts(**layouts):
+  """InputError naming the argument for a layout that is not a gs.Sharding, or devices that are not its mesh's."""
+  for name, (sharding, devices) in layouts.items():
+    if not isinstance(sharding, Sharding):
+      raise InputError(f"{name}={sharding!r}: give the layout as a gs.Sharding, e.g. "
+                       "gs.Sharding.from_spec(mesh, P(...))", node=name)
+    if len(devices) != sharding.mesh.size:
+      raise InputError(f"{name}_devices names {len(devices)} devices, but the layout's mesh {sharding.mesh} has "
+                       f"{sharding.mesh.size}: give one device per mesh position", node=f"{name}_devices")
+
+
 def plan_transfer(shape, dtype, src, dst, src_devices, dst_devices):
   """The pieces that move a value of `shape`/`dtype` laid out as Sharding `src` over `src_devices` to Sharding
   `dst` over `dst_devices`: {destination position: [Transfer]} (pieces in row-major order of the grid they form;
   an empty list for a padding-only or empty slice). Pure: no tensors, sized by the number of pieces only."""
+  _check_layouts(src=(src, src_devices), dst=(dst, dst_devices))
   shape = tuple(int(n) for n in shape)
   rank = len(shape)
   itemsize = tf.as_dtype(dtype).size

@@ -212,3 +212,17 @@ def test_a_loop_keeps_trips_times_its_intermediates_for_the_gradient():
   for est in (low.report.memory, layouts.count()):
     assert "while_grad" in est.at
     assert any(b.op == "while" and b.op_type == "StatelessWhile" and b.bytes == biggest for b in est.largest)
+
+
+@pytest.mark.parametrize("peak,added,phrase", [
+    (1_000, 300, "less 100 of the plan's bytes not live there"),
+    (1_000, 0, "plus 200 of the plan's own tensors above the plan's peak"),
+])
+def test_the_accounts_last_term_is_never_less_a_negative_number(peak, added, phrase):
+  """"partitioning adds" ends with the plan's bytes not live at the per-device peak; where more of the plan's
+  own tensors are live there than at the plan's peak (a negative count), it says so as a sum, in the report and
+  in the binaries' plan printout alike."""
+  plan = memory.MemoryEstimate(800, 0, 0, 0, 800, 0, "plan_peak")
+  account = memory.Account(peak, 0, 0, 0, peak, 0, "device_peak", plan=plan, added_other_bytes=added)
+  assert account.plan_bytes_elsewhere().startswith(phrase)
+  assert phrase in str(account) and "less -" not in str(account)
