@@ -121,17 +121,6 @@ def test_counter_arithmetic_tables():
   assert list(runs[1]) == [3, 15, 27, 39, 51]   # model position 1: columns 3..5 of each row
 
 
-def test_a_late_split_of_many_rows_is_generated_whole_and_sliced():
-  shape = (64, 16)
-
-  def fn(seed):
-    return tf.random.stateless_uniform(shape, seed=seed)
-
-  low = check_partitioned(fn, [SEED], (P(),), MESH, out=P(None, "model"), tol=0)
-  assert ("StatelessRandomUniformV2", shape) in _random_ops(low)
-  assert any("generated whole" in w for w in low.report.warnings)
-
-
 def test_keras_dropout_with_a_seed_matches_the_unpartitioned_layer():
   layer = keras.layers.Dropout(0.5, seed=3)
   layer.build((16, 64))
@@ -151,3 +140,163 @@ def test_keras_dropout_with_a_seed_matches_the_unpartitioned_layer():
   assert not low.report.warnings
   shapes = [s for op, s in _random_ops(low) if op == "StatelessRandomUniformV2"]
   assert shapes and (16, 64) not in shapes and all(int(np.prod(s)) == 16 for s in shapes)
+
+
+# Shards of more than MAX_RUNS runs of the flat output: uniform and ints computed in integer ops at the shard's
+# groups, normals over the shard's span.
+MANY_RUNS = [
+    (MESH, (40, 24), P("data", "model")),                   # 2-D split: 20 rows a shard, 6-element runs
+    (LINE, (33, 5, 7), P(None, "d")),                       # a middle dim split unevenly: devices 5..7 in padding
+    (LINE, (20, 9), P(None, "d")),                          # 2-element runs at odd offsets (inside groups)
+    (MESH, (3, 10, 6, 7), P(None, "data", None, "model")),  # 4-D, two non-leading splits, uneven last dim
+    (MESH, (4, 12, 32), P("data", None, "model")),          # a Megatron FFN activation [batch, seq, 4d]
+]
+ALL_KINDS = {
+    **GENERATORS,
+    "uniform_f16": lambda s, seed: tf.random.stateless_uniform(s, seed=seed, dtype=tf.float16),
+    "uniform_bf16": lambda s, seed: tf.random.stateless_uniform(s, seed=seed, dtype=tf.bfloat16),
+    "normal_bf16": lambda s, seed: tf.random.stateless_normal(s, seed=seed, dtype=tf.bfloat16),
+    "int32_full_range": lambda s, seed: tf.random.stateless_uniform(s, seed=seed, minval=-2**31, maxval=2**31 - 1,
+                                                                    dtype=tf.int32),
+    "full_int32": lambda s, seed: tf.random.stateless_uniform(s, seed=seed, minval=None, maxval=None,
+                                                              dtype=tf.int32),
+    "full_uint32": lambda s, seed: tf.random.stateless_uniform(s, seed=seed, minval=None, maxval=None,
+                                                               dtype=tf.uint32),
+    "full_uint64": lambda s, seed: tf.random.stateless_uniform(s, seed=seed, minval=None, maxval=None,
+                                                               dtype=tf.uint64),
+}
+NORMALS = ("normal", "truncated")
+
+
+def _bits(x):
+  x = np.asarray(x)
+  return x.view(np.uint8 if x.dtype.itemsize == 1 else f"u{x.dtype.itemsize}")
+
+
+def _assert_bit_equal(got, want):
+  """Equal bit for bit (so -0.0 differs from 0.0, and NaNs compare)."""
+  assert got.shape == want.shape and got.dtype == want.dtype
+  assert np.array_equal(_bits(got), _bits(want))
+
+
+def _global_sized(low, shape):
+  """The nodes of the per-device program with an output of the global element count (none when nothing of the
+  global tensor is built)."""
+  total = int(np.prod(shape))
+  graph = tf.Graph()
+  with graph.as_default():
+    tf.graph_util.import_graph_def(low.graph_def, name="")
+  return [(op.name, op.type) for op in graph.get_operations() for t in op.outputs
+          if t.shape.rank is not None and t.shape.is_fully_defined() and t.shape.num_elements() == total]
+
+
+def _partitioned(fn, args, specs, mesh, out):
+  f = gs.function(fn, mesh=mesh, in_shardings=specs, out_shardings=out)
+  got = f(*args)
+  want = fn(*[tf.constant(a) for a in args])
+  for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
+    _assert_bit_equal(g.numpy(), w.numpy())
+  return f.lower(*[tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in args])
+
+
+@pytest.mark.parametrize("layout", MANY_RUNS, ids=_ids)
+@pytest.mark.parametrize("kind", list(ALL_KINDS))
+def test_a_shard_of_many_runs_is_generated_alone_bit_for_bit(kind, layout):
+  mesh, shape, spec = layout
+  gen = ALL_KINDS[kind]
+  target = gs.Sharding.from_spec(mesh, spec, len(shape))
+  assert random_rules.run_count(random_rules.shard_geometry(shape, target, mesh.size)) > random_rules.MAX_RUNS
+
+  low = _partitioned(lambda seed: gen(shape, seed), [SEED], (P(),), mesh, spec)
+  if kind.startswith(NORMALS):   # the kernel over the shard's span, said so
+    assert any("spanning the shard" in w for w in low.report.warnings)
+    return
+  assert not low.report.warnings
+  assert not _global_sized(low, shape)
+  assert not [op for op, _ in _random_ops(low) if op != "StatelessRandomGetKeyCounter"]   # no kernel op at all
+
+
+def test_the_span_of_a_normal_is_the_shard_rows_span_not_the_whole():
+  shape = (64, 96)
+
+  def fn(seed):
+    return tf.random.stateless_normal(shape, seed=seed)
+
+  low = _partitioned(fn, [SEED], (P(),), MESH, P("data", "model"))
+  assert [s for op, s in _random_ops(low) if op == "StatelessRandomNormalV2"] == [(32 * 96 - 96 + 24,)]
+
+
+@pytest.mark.parametrize("low_word", [2**64 - 3, 2**64 - 1])
+def test_the_counter_carries_into_its_high_word_in_integer_ops_too(low_word):
+  shape = (12, 64)
+
+  def fn(key, counter):
+    return (tf.raw_ops.StatelessRandomUniformV2(shape=shape, key=key, counter=counter, alg=1, dtype=tf.float64),
+            tf.raw_ops.StatelessRandomUniformFullIntV2(shape=shape, key=key, counter=counter, alg=3,
+                                                       dtype=tf.uint32),
+            tf.raw_ops.StatelessTruncatedNormalV2(shape=shape, key=key, counter=counter, alg=1))
+
+  key = np.array([0xFEDCBA0987654321], np.uint64)
+  counter = np.array([low_word, 2**64 - 1], np.uint64)
+  _partitioned(fn, [key, counter], (P(), P()), LINE, (P(None, "d"),) * 3)
+
+
+OLDER = {
+    "StatelessRandomUniform": lambda s, seed: tf.raw_ops.StatelessRandomUniform(shape=s, seed=seed),
+    "StatelessRandomNormal": lambda s, seed: tf.raw_ops.StatelessRandomNormal(shape=s, seed=seed, dtype=tf.float64),
+    "StatelessTruncatedNormal": lambda s, seed: tf.raw_ops.StatelessTruncatedNormal(shape=s, seed=seed),
+    "StatelessRandomUniformInt": lambda s, seed: tf.raw_ops.StatelessRandomUniformInt(
+        shape=s, seed=seed, minval=tf.constant(-7, tf.int64), maxval=tf.constant(2**35, tf.int64)),
+    "StatelessRandomUniformFullInt": lambda s, seed: tf.raw_ops.StatelessRandomUniformFullInt(
+        shape=s, seed=seed, dtype=tf.int32),
+}
+
+
+@pytest.mark.parametrize("layout", [LAYOUTS[1], LAYOUTS[3], MANY_RUNS[0], MANY_RUNS[2]], ids=_ids)
+@pytest.mark.parametrize("op", list(OLDER))
+def test_the_older_ops_of_a_seed_are_generated_per_shard(op, layout):
+  mesh, shape, spec = layout
+  low = _partitioned(lambda seed: OLDER[op](shape, seed), [SEED.astype(np.int64)], (P(),), mesh, spec)
+  assert shape not in [s for _, s in _random_ops(low)]
+  assert op not in [t for t, _ in _random_ops(low)]   # the V2 form, at the seed's key and counter
+
+
+def test_bounds_out_of_order_fail_as_the_kernel_does():
+  shape = (40, 24)
+
+  def fn(seed, lo, hi):
+    return tf.random.stateless_uniform(shape, seed=seed, minval=lo, maxval=hi, dtype=tf.int32)
+
+  f = gs.function(fn, mesh=MESH, in_shardings=(P(), P(), P()), out_shardings=P("data", "model"))
+  assert np.array_equal(f(SEED, np.int32(3), np.int32(9)).numpy(), fn(SEED, np.int32(3), np.int32(9)).numpy())
+  with pytest.raises(tf.errors.InvalidArgumentError, match="minval < maxval"):
+    f(SEED, np.int32(9), np.int32(9))
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.bfloat16, tf.float16])
+def test_dropout_of_a_megatron_activation_split_over_its_last_dim_builds_nothing_global(dtype):
+  """[batch, seq, 4d] split over (data, model) on batch and 4d: 48 runs a shard, each device draws only its own
+  keep mask."""
+  shape = (4, 24, 64)
+
+  def fn(x, seed):
+    return tf.nn.experimental.stateless_dropout(x, rate=0.25, seed=seed)
+
+  x = np.random.default_rng(1).standard_normal(shape).astype(dtype.as_numpy_dtype)
+  low = _partitioned(fn, [x, SEED], (P("data", None, "model"), P()), MESH, P("data", None, "model"))
+  assert not low.report.warnings
+  assert not _global_sized(low, shape)
+
+
+def test_a_draw_of_many_runs_in_a_loop_body_is_generated_per_shard_each_iteration():
+  shape = (40, 24)
+
+  def fn(x, seed):
+    def body(i, acc):
+      noise = tf.random.stateless_uniform(shape, seed=seed + i) + tf.random.stateless_normal(shape, seed=seed - i)
+      return i + 1, acc + noise
+    return tf.while_loop(lambda i, _: i < 3, body, (tf.constant(0), x))[1]
+
+  x = np.zeros(shape, np.float32)
+  spec = P("data", "model")
+  _partitioned(fn, [x, SEED], (spec, P()), MESH, spec)
