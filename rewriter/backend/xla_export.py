@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gspmd._platform import compat as _compat
+from tf_gspmd.errors import InputError, UnsupportedOpError
 from tf_gspmd.rewriter.graph.graph_view import node_def, normalize, split_ref
 
 XLA = "xla"
@@ -97,9 +98,27 @@ class Exported:
       return list(self.function()(*args))
 
 
+def _check_compilable(program):
+  """A typed error for what XLA cannot compile at all: strings (XLA has no string type; tf2xla would refuse the
+  compiled function at its first call, naming an internal `_Arg`)."""
+  for k, (name, spec) in enumerate(zip(program.input_names, program.arg_specs)):
+    if spec.dtype == tf.string:
+      raise InputError(f"partitioner=\"xla\" compiles the whole function with XLA, which has no string type, but "
+                       f"argument {k} ({name}) is a tf.string {list(spec.shape)}: turn strings into numbers outside "
+                       "the function (e.g. a tf.keras.layers.StringLookup before the call), or leave partitioner at "
+                       "its default (tf_gspmd's own partitioner runs string ops replicated)", node=name)
+  for node in program.ir.nodes:
+    if any(info.dtype == tf.string for info in node.outputs):
+      raise UnsupportedOpError(f"partitioner=\"xla\" compiles the whole function with XLA, which has no string "
+                               f"type: {node.name} ({node.op}) makes a string; move it outside the function, or "
+                               "leave partitioner at its default (tf_gspmd's own partitioner runs it replicated)",
+                               node=node.name, op_type=node.op)
+
+
 def run(program):
   """Pass (partitioner="xla"): `program.exported`, the completed global graph with every layout as an XlaSharding
   op (see the module docstring)."""
+  _check_compilable(program)
   ir, shardings = program.ir, program.shardings
   gd = tf.compat.v1.GraphDef()
   gd.CopyFrom(ir.graph_def)

@@ -132,3 +132,20 @@ def test_parse_hlo_sharding_spellings():
   assert Sharding.from_proto(xla_export.parse_hlo_sharding("{maximal device=3}"), mesh).maximal == 3
   with pytest.raises(ValueError, match="cannot read"):
     xla_export.parse_hlo_sharding("{devices=[2,4]0,1,2,3,4,5,6,7 last_tile_dims={manual}}")
+
+
+def test_strings_are_a_typed_error_before_xla_compiles():
+  """XLA has no string type: a string argument or a string op is refused when lowered, naming it and the way out
+  (tf2xla would refuse the compiled function at its first call, naming an internal `_Arg`); the default
+  partitioner runs the same function."""
+  mesh = gs.Mesh((2, 4), ("data", "model"))
+  x, s = np.ones((8, 4), np.float32), np.array(["ab", "c"])
+
+  def fn(x, s):
+    return tf.strings.length(s) + tf.cast(tf.reduce_sum(x), tf.int32)
+
+  with pytest.raises(gs.InputError, match=r"argument 1 \(s\) is a tf.string"):
+    gs.function(fn, mesh=mesh, partitioner="xla")(x, s)
+  with pytest.raises(gs.UnsupportedOpError, match="AsString.*makes a string"):
+    gs.function(lambda x: tf.strings.length(tf.strings.as_string(x)), mesh=mesh, partitioner="xla")(x)
+  assert_close(gs.function(fn, mesh=mesh)(x, s).numpy(), fn(x, s).numpy())
