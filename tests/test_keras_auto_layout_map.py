@@ -6,6 +6,7 @@ Keras's, and the memory per device of the step they run (the report's memory acc
 """
 
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -48,7 +49,11 @@ def test_the_map_is_explicit_printable_and_editable(rng):
   layout_map = gsk.auto_layout_map(model, mesh, budget, data=(x[:8], y[:8]), solver_time_limit=TIME_LIMIT)
   assert isinstance(layout_map, keras.distribution.LayoutMap) and layout_map.batch_dim_name == "batch"
   paths = [v.path for v in model.weights + model.optimizer.variables]
-  assert list(layout_map) == paths   # one key per variable: its exact path
+  # One key per variable: a weight's exact path; an optimizer variable's path with any name of the optimizer.
+  assert list(layout_map)[:len(model.weights)] == [v.path for v in model.weights]
+  assert [bool(re.fullmatch(k, p)) for k, p in zip(layout_map, paths)] == [True] * len(paths)
+  assert list(layout_map)[len(model.weights):][2] == re.sub(r"_\d+$", "", model.optimizer.name) + (
+      r"(?:_\d+)?/up_kernel_momentum")
   assert all(layout_map[p].device_mesh is mesh for p in paths)
   # The layouts are the plan's: the weights and Adam slots that hold most bytes are split to meet the budget.
   assert layout_map.memory.plan.peak_bytes <= budget
@@ -82,6 +87,36 @@ def test_bad_calls_are_typed_errors(rng):
     gsk.auto_layout_map(model, _mesh(), data=(x, y), batch_dim_name="data")
   with pytest.raises(gs.AutoShardingError, match="no layout fits memory_budget=1,024 B"):
     gsk.auto_layout_map(model, _mesh(), 1024, data=(x, y), solver_time_limit=TIME_LIMIT)
+  with pytest.raises(gs.InputError, match=r"\[data\] data=ndarray\[8, 16\] has no targets, but model .* computes its "
+                                          r"compiled loss from them: .* data=\(x, y\) or \(x, y, sample_weight\)"):
+    gsk.auto_layout_map(model, _mesh(), data=x)
+
+
+def test_the_map_lays_out_the_slots_of_the_model_and_optimizer_built_again(rng):
+  """The map's optimizer keys match the optimizer's variables whatever name Keras gives it: the same model built
+  again in the distribution's scope, with a new Adam ("adam_<n>"), gets every slot laid out as the map says (one
+  edited unlike its weight, as a plan may lay it out) and no warning about keys that match nothing."""
+  x, y = rng.standard_normal((32, 16)).astype(np.float32), rng.integers(0, 8, 32)
+  model = _compiled(_dense)
+  mesh = _mesh()
+  budget = gsk.auto_layout_map(model, mesh, data=(x[:8], y[:8])).memory.plan.peak_bytes // 2
+  layout_map = gsk.auto_layout_map(model, mesh, budget, data=(x[:8], y[:8]), solver_time_limit=TIME_LIMIT)
+  (key,) = [k for k in layout_map if re.fullmatch(k, model.optimizer.name + "/up_kernel_momentum")]
+  del layout_map[key]
+  layout_map[key] = ("model", None)
+  for _ in range(3):
+    keras.optimizers.Adam()   # (Keras numbers the names of the optimizers it makes)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch").scope():
+      rebuilt = _compiled(_dense)
+      rebuilt.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+  assert rebuilt.optimizer.name != model.optimizer.name
+  assert [str(w.message) for w in caught if "layout map key" in str(w.message)] == []
+  for v in rebuilt.weights + rebuilt.optimizer.variables:
+    (k,) = [k for k in layout_map if re.fullmatch(k, v.path)]
+    assert gs.sharding_of(v).spec == P(*layout_map[k].axes), v.path
+  assert gs.sharding_of(rebuilt.optimizer.variables[2]).spec == P("model", None)
 
 
 # ---- keras-hub models that ship no layout map
@@ -169,5 +204,30 @@ def test_keras_hub_model_without_a_layout_map_trains_with_the_auto_map_within_th
   assert account.peak_bytes <= budget + account.added_bytes, str(account)
   assert low.report.fallbacks == ()
   for key in split:   # every variable is stored as the map says
-    v = next(v for v in model.weights + model.optimizer.variables if v.path == key)
+    v = next(v for v in model.weights + model.optimizer.variables if re.fullmatch(key, v.path))
     assert gs.sharding_of(v).spec == P(*layout_map[key].axes), key
+
+
+def test_identical_calls_give_identical_maps_also_when_the_solver_runs_out_of_time():
+  """docs/keras.md's call (GPT-2, 0.8 x the unbudgeted plan, solver_time_limit=5) gives one map every time; a limit
+  too short for the solver to find any plan says so (a warning, `auto_plan.timed_out`) and gives the deterministic
+  fallback's map, within the budget, the same every time -- not "no layout fits"."""
+  pytest.importorskip("keras_hub")
+  data = _first(_lm_data(BATCH))
+  model = _compiled(_gpt2)
+  mesh = _mesh()
+  budget = int(gsk.auto_layout_map(model, mesh, data=data).memory.plan.peak_bytes * 0.8)
+  maps = {}
+  for limit in (0.01,) * 2 + (TIME_LIMIT,) * 3:
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      layout_map = gsk.auto_layout_map(model, mesh, budget, data=data, solver_time_limit=limit)
+    plan = layout_map.auto_plan
+    said = [str(w.message) for w in caught if "sharding solver ran out of time" in str(w.message)]
+    if limit != TIME_LIMIT:   # too short for the solver: it says so, and the plan is the fallback's
+      assert said and plan.status == "time limit reached: deterministic local search", (plan.status, said)
+    assert bool(said) == plan.timed_out, (said, plan.status)
+    assert layout_map.memory.plan.peak_bytes <= budget
+    maps.setdefault(limit, []).append({k: tuple(v.axes) for k, v in layout_map.items()})
+  assert all(m == maps[TIME_LIMIT][0] for m in maps[TIME_LIMIT])
+  assert maps[0.01][0] == maps[0.01][1]

@@ -261,3 +261,14 @@ def test_a_layout_map_key_that_matches_nothing_warns_once_per_key(rng):
   assert "'dense_upp/bias' matches no variable" in messages[0] and "dense_up/bias" in messages[0]   # the nearest
   assert "'encoder/.*/kernel' matches no variable" in messages[1] and "stays replicated" in messages[1]
   assert gs.sharding_of(model.get_layer("dense_up").kernel).spec == P(None, "model")
+
+
+def test_a_batch_dim_name_that_is_not_a_mesh_axis_is_a_typed_error(rng):
+  """ModelParallel(batch_dim_name=...) naming no axis of its mesh: a MeshError naming that argument, its value and
+  the axes to choose from (not an error about an internal P of the step's first argument)."""
+  x, y = _batches(rng)
+  distribution = dist.ModelParallel(layout_map=dist.LayoutMap(_mesh()), batch_dim_name="data")
+  with pytest.raises(gs.MeshError, match=r"\[batch_dim_name\] ModelParallel\(batch_dim_name='data'\): the device mesh "
+                                         r"\{'batch': 2, 'model': 4\} has no axis 'data'.*one of \['batch', 'model'\]"):
+    with distribution.scope():
+      _mlp().fit(x, y, batch_size=8, epochs=1, verbose=0)

@@ -5,8 +5,6 @@ Each case must end in a typed tf_gspmd error (`tf_gspmd.errors`) whose message n
 inside the library (AttributeError, IndexError, KeyError, TypeError, ZeroDivisionError ...) or a silent result.
 The launcher's and the training binaries' command lines must end in a usage error naming the flag, before anything
 starts (no worker, no TensorFlow). `test_every_public_function_is_tried` keeps the sweep complete as the API grows.
-
-Cases in modules other people own that do not pass yet are marked `_elsewhere(...)` (xfail, with the defect).
 """
 
 import contextlib
@@ -70,12 +68,6 @@ def _tpu_mesh():
 
 def _other_mesh_value():
   return _f(OTHER, in_shardings=P("data"))(X)
-
-
-def _elsewhere(case, defect):
-  """A case whose defect is in a module someone else owns: expected to fail until it is fixed there."""
-  return pytest.param(*case, marks=pytest.mark.xfail(reason=f"not fixed yet (other owner): {defect}", strict=False),
-                      id=f"{case[0]}:{case[1]}")
 
 
 def _layout_map_entry(value):
@@ -324,25 +316,17 @@ CASES = [
      "repeats"),
     ("plan_transfer", "meshes-strings", lambda: gs.plan_transfer((8, 4), tf.float32, "a", "b", [], []),
      errors.ShardingError, "'a'"),
+    ("schedule_order", "zero-stages", lambda: gs.schedule_order("1f1b", 0, 2), errors.ShardingError, "0"),
+    ("Stage", "mesh-string", lambda: gs.Stage(_double, "m"), errors.ShardingError, "'m'"),
+    ("keras.LayoutMap", "entry-int", lambda: _layout_map_entry(5), errors.SpecError, "5"),
+    ("keras.LayoutMap", "entry-string", lambda: _layout_map_entry("data"), errors.SpecError, "data"),
+    ("keras.LayoutMap", "entry-axis-unknown", lambda: _layout_map_entry(P("nope")), errors.SpecError, "nope"),
 ]
 
-ELSEWHERE = [   # (defects in modules other people own: the case, then the defect)
-    (("schedule_order", "zero-stages", lambda: gs.schedule_order("1f1b", 0, 2), errors.ShardingError, "0"),
-     "_parallel/mpmd.py: 0 stages returns [] silently"),
-    (("Stage", "mesh-string", lambda: gs.Stage(_double, "m"), errors.ShardingError, "'m'"),
-     "_parallel/mpmd.py: Stage accepts a non-mesh silently"),
-    (("keras.LayoutMap", "entry-int", lambda: _layout_map_entry(5), errors.SpecError, "5"),
-     "keras.py LayoutMap.__setitem__: TypeError from P(*5)"),
-    (("keras.LayoutMap", "entry-string", lambda: _layout_map_entry("data"), errors.SpecError, "data"),
-     "keras.py LayoutMap.__setitem__: a string is read as one axis per character, P('d', 'a', 't', 'a')"),
-    (("keras.LayoutMap", "entry-axis-unknown", lambda: _layout_map_entry(P("nope")), errors.SpecError, "nope"),
-     "keras.py LayoutMap.__setitem__: an unknown axis is kept silently (it fails at the first step)"),
-]
 
 
 @pytest.mark.parametrize("api,case,call,error,match",
-                         [pytest.param(*c, id=f"{c[0]}:{c[1]}") for c in CASES] +
-                         [_elsewhere(c, d) for c, d in ELSEWHERE])
+                         [pytest.param(*c, id=f"{c[0]}:{c[1]}") for c in CASES])
 def test_misuse_raises_a_typed_error_naming_the_problem(api, case, call, error, match):  # pylint: disable=unused-argument
   with _deadline(60):
     with pytest.raises(error, match=match) as e:
@@ -365,7 +349,7 @@ def test_every_public_function_is_tried():
   public = set(gs.__all__) | {"keras"}
   public |= {f"tpu.{n}" for n in dir(gs.tpu) if not n.startswith("_") and callable(getattr(gs.tpu, n)) and
              not isinstance(getattr(gs.tpu, n), type(tf))}
-  tried = {c[0] for c in CASES} | {c[0] for c, _ in ELSEWHERE}
+  tried = {c[0] for c in CASES}
   untried = sorted(public - tried - NOT_CALLED_WITH_ARGUMENTS - {"tf"})
   assert not untried, f"add misuse cases for: {untried}"
 

@@ -539,8 +539,8 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=Fal
     axis_cost: with "auto": {mesh axis: relative time per byte} (default 1.0; e.g. 8.0 for an axis across hosts).
     flops_per_byte: with "auto": arithmetic a device does in the time a link moves one byte (weighs splitting the
       work against the bytes it costs).
-    solver_time_limit: with "auto": seconds the solver may take (default 60), after which it keeps the best plan
-      it found (within the budget).
+    solver_time_limit: with "auto": seconds the solver may take (default 60); at the limit a deterministic local
+      search gives the plan (within the budget; `auto_plan.timed_out`, with a warning), the same on every call.
     auto_pins: with "auto": "all" (default) pins every tensor the solver priced, so the partitioner does what it
       priced; "state" pins only the arguments and variables and leaves the rest to completion (what a program
       given only those layouts runs, e.g. a Keras LayoutMap's; the budget still bounds the completed plan).

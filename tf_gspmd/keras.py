@@ -57,8 +57,9 @@ from tf_gspmd._keras.layouts import AutoLayoutMap, auto_layout_map  # noqa: F401
 from tf_gspmd._keras.layouts import (backend_layout, distribute_eagerly, distribute_variable, mesh_of,
                                      warn_unmatched_keys)
 from tf_gspmd._layout.mesh import Mesh, P, device_order
-from tf_gspmd._layout.sharding import Sharding, to_sharding
-from tf_gspmd.errors import InputError, MeshError
+from tf_gspmd._layout.plan_scope import in_plan_scope
+from tf_gspmd._layout.sharding import Sharding, as_spec, to_sharding
+from tf_gspmd.errors import InputError, MeshError, SpecError
 from tf_gspmd.runtime import state as _state
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
@@ -86,7 +87,14 @@ class LayoutMap(collections.abc.MutableMapping):
     self._rules = collections.OrderedDict()
 
   def __setitem__(self, pattern, spec):
-    self._rules[pattern] = spec if isinstance(spec, P) else P(*spec)
+    spec = as_spec(spec, what=pattern)
+    unknown = [a for entry in spec for a in ((entry,) if isinstance(entry, str) else
+                                             tuple(entry) if isinstance(entry, (tuple, list)) else ())
+               if a not in self.mesh.axis_names]
+    if unknown:
+      raise SpecError(f"layout_map[{pattern!r}] = {spec!r} names {unknown}, not axes of {self.mesh}; use "
+                      f"{self.mesh.axis_names}", node=pattern)
+    self._rules[pattern] = spec
 
   def __getitem__(self, path):
     if path in self._rules:
@@ -127,6 +135,11 @@ def _plan_of(source):
     return _Plan(source.mesh, source.batch_axis, lambda path: source[path], keys=lambda: list(source))
   if isinstance(source, _compat.keras_distribution_class()):
     mesh = mesh_of(source.device_mesh)
+    batch = source.batch_dim_name
+    if batch is not None and batch not in mesh.axis_names:
+      raise MeshError(f"{type(source).__name__}(batch_dim_name={batch!r}): the device mesh "
+                      f"{dict(zip(mesh.axis_names, mesh.shape))} has no axis {batch!r} to split the batch over; give "
+                      f"batch_dim_name one of {list(mesh.axis_names)}", node="batch_dim_name")
 
     def spec_for(path):
       try:
@@ -477,7 +490,9 @@ def _install_sharded_initializer():
       return initialize(self, initializer)
     shape, dtype = _compat.keras_variable_shape_dtype(self)
     nbytes = math.prod(shape) * tf.as_dtype(dtype).size
-    init = _sharded_initializer(initializer, self.path) if nbytes > WHOLE_INIT_MAX_BYTES else None
+    # (in plan_scope every value is shape-only: Keras's own initializer makes none)
+    init = _sharded_initializer(initializer, self.path) if nbytes > WHOLE_INIT_MAX_BYTES and \
+        not in_plan_scope() else None
     if init is not None:
       _compat.keras_set_inner_variable(self, _state.variable(init, shape, dtype, mesh=plan.mesh, spec=spec,
                                                              name=self.name, trainable=self.trainable))

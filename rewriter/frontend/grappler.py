@@ -12,6 +12,7 @@ import tensorflow as tf
 from tf_gspmd._platform import compat as _compat
 from tf_gspmd._layout.annotations import SHARDING_ATTR, SPEC_ATTR
 from tf_gspmd.rewriter.graph import grappler_view
+from tf_gspmd.rewriter.graph import graph_view
 from tf_gspmd.rewriter.graph.graph_view import prune, side_effect_nodes, split_ref
 
 OPTIMIZERS = ("function", "constfold", "shape", "arithmetic")
@@ -35,6 +36,7 @@ def run(program):
   if optimized is None:  # Grappler dropped a node we must keep: fall back to the unoptimized graph.
     optimized = tf.compat.v1.GraphDef()
     optimized.CopyFrom(gd)
+  graph_view.drop_colocation(optimized)   # (inlining colocates with nodes it then renames: they point nowhere)
   _restore_shape_hints(gd, optimized)
   # Drop what no output, annotation or side effect needs (Grappler leaves rewritten nodes behind).
   optimized = prune(optimized, sorted(keep) + side_effect_nodes(optimized))

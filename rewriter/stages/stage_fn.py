@@ -26,6 +26,10 @@ def stage_function(plan, k):
   program = plan.program
   if program is None:
     raise InputError("this StagePlan does not keep its program; plan it with gs.plan_stages", node=f"stage {k}")
+  n = len(plan.stages)
+  if not hasattr(k, "__index__") or not -n <= k.__index__() < n:
+    raise InputError(f"stage_function(k={k!r}): the plan has {n} stage(s); give k in 0..{n - 1} (plan.stages lists "
+                     "them)", node="k")
   stage = plan.stages[k]
   first, last = stage.layers
   sub, renamed = clustering.subprogram(program, plan.layers, first, last, program.mesh, program.options)

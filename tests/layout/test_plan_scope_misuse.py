@@ -115,3 +115,17 @@ def test_keras_fit_of_a_model_built_in_plan_scope_is_an_input_error_naming_the_v
                                             r"create the model outside the scope"):
       model.fit(x, y, batch_size=8, epochs=1, verbose=0)
 
+
+
+def test_a_keras_kernel_over_the_whole_init_limit_builds_shape_only_in_plan_scope():
+  """A kernel larger than gs.keras.WHOLE_INIT_MAX_BYTES (created shard by shard outside the scope) built in
+  gs.plan_scope() under ModelParallel is shape-only with the layout map's layout: nothing is initialized (Keras's
+  seeded initializer would read a shape-only seed)."""
+  mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], keras.distribution.list_devices("cpu")[:8])
+  layout_map = keras.distribution.LayoutMap(mesh)
+  layout_map[".*big/kernel"] = (None, "model")
+  with gs.plan_scope(), keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch").scope():
+    model = keras.Sequential([keras.Input((8192,)), keras.layers.Dense(16384, name="big")])
+  kernel = model.get_layer("big").kernel
+  assert kernel.shape == (8192, 16384) and 8192 * 16384 * 4 > gs.keras.WHOLE_INIT_MAX_BYTES
+  assert is_shape_only(kernel) and gs.sharding_of(kernel).spec == P(None, "model")

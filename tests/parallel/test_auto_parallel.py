@@ -255,3 +255,84 @@ def test_profiling_times_the_chosen_stages_and_the_step_without_a_pipeline():
   with pytest.raises(InputError, match="profile=True times the plan's stages on real values"):
     gs.auto_parallel(loss_fn, {k: tf.TensorSpec(v.shape) for k, v in init().items()}, tokens, labels, mesh=mesh,
                      microbatches=4, profile=True)
+
+
+# ---- a loss that sums over the batch, against one that averages (issue 53, item 4)
+
+
+def sum_loss_fn(params, tokens, labels):
+  """loss_fn's per-token cross-entropy summed over the batch, not averaged."""
+  x = tf.gather(params["embed"], tokens)
+  for b in range(BLOCKS):
+    h = tf.nn.relu(tf.einsum("nsd,df->nsf", x, params[f"b{b}/w1"]))
+    x = x + tf.einsum("nsf,fd->nsd", h, params[f"b{b}/w2"])
+  logits = tf.einsum("nsd,dv->nsv", x, params["head"])
+  return tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+
+
+@pytest.mark.parametrize("fn, reduction", [(loss_fn, "mean"), (sum_loss_fn, "sum")])
+def test_sum_and_mean_losses_equal_plain_tensorflow_in_both_plans(fn, reduction):
+  """Whichever plan runs -- the pipeline of 4 microbatches or the whole mesh without one -- the loss and the
+  SGD-updated parameters are plain TF's: a sum over the batch is the sum of the microbatches' sums."""
+  mesh = gs.Mesh((2, 4), ("host", "device"))
+  tokens, labels = data()
+  step = gs.auto_parallel(fn, init(), tokens, labels, mesh=mesh, microbatches=4, layers=6, calibration=CAL)
+  assert len(step.pipelined_plan.stages) > 1 and step.intra_plan is not None
+  lr = 0.5 if reduction == "mean" else 0.5 / (N * S)
+  for plan in (step.pipelined_plan, step.intra_plan):
+    step.select(plan)
+    assert step.microbatches == (4 if plan is step.pipelined_plan else 1)
+    params, want = init(), {k: tf.Variable(v) for k, v in init().items()}
+    for _ in range(2):
+      loss, grads = step(params, tokens, labels)
+      params = step.sgd(params, grads, lr)
+      with tf.GradientTape() as tape:
+        ref = fn(want, tf.constant(tokens), tf.constant(labels))
+      for k, g in tape.gradient(ref, want).items():
+        want[k].assign_sub(lr * tf.convert_to_tensor(g))
+      assert_close(loss, ref.numpy())
+    for k in want:
+      assert_close(params[k], want[k].numpy(), rtol=1e-4, atol=1e-5)
+  assert step.loss_reduction == reduction
+
+
+def test_a_loss_the_microbatches_cannot_combine_into_is_refused():
+  """A loss that is neither a sum nor a mean of per-row terms is a typed error naming where the proof stops, and
+  microbatches=1 (nothing to combine) runs it."""
+  mesh = gs.Mesh((2, 4), ("host", "device"))
+  tokens, labels = data()
+  regularized = lambda p, t, l: sum_loss_fn(p, t, l) + tf.reduce_sum(tf.square(p["head"]))  # noqa: E731
+  with pytest.raises(InputError, match="sum over the batch rows plus a term that does not depend on the batch"):
+    gs.auto_parallel(regularized, init(), tokens, labels, mesh=mesh, microbatches=4, calibration=CAL)
+  by_size = lambda p, t, l: loss_fn(p, t, l) * t.shape[0]  # noqa: E731  (a sum in disguise)
+  with pytest.raises(InputError, match=r"could not be shown to be a sum or a mean .*\(Mul\).*microbatches=1"):
+    gs.auto_parallel(by_size, init(), tokens, labels, mesh=mesh, microbatches=4, calibration=CAL)
+  one = gs.auto_parallel(by_size, init(), tokens, labels, mesh=mesh, microbatches=1, layers=4, calibration=CAL,
+                         max_stages=1)
+  params = init()
+  loss, _ = one(params, tokens, labels)
+  assert_close(loss, reference(params, tokens, labels)[0] * N)
+
+
+# ---- typed errors for bad arguments (issue 53, items 11 and 13)
+
+
+def test_a_mesh_that_is_not_a_gs_mesh_is_a_typed_error():
+  tokens, labels = data()
+  with pytest.raises(gs.MeshError, match=r"mesh=\(2, 4\): gs.auto_parallel cuts its stages from a gs.Mesh.*"
+                                         r"gs.Mesh\(\(2, 4\), "):
+    gs.auto_parallel(loss_fn, init(), tokens, labels, mesh=(2, 4), microbatches=4, calibration=CAL)
+  specs = ({k: tf.TensorSpec(v.shape) for k, v in init().items()}, tf.TensorSpec((4, S), tf.int32),
+           tf.TensorSpec((4, S), tf.int32))
+  with pytest.raises(gs.MeshError, match=r"mesh='mesh': gs.plan_stages"):
+    gs.plan_stages(loss_fn, *specs, mesh="mesh", layers=2)
+
+
+def test_a_stage_out_of_range_and_another_batch_size_are_typed_errors(step):
+  n = len(step.plan.stages)
+  with pytest.raises(InputError, match=rf"stage_function\(k=99\): the plan has {n} stage\(s\); give k in 0..{n - 1}"):
+    step.plan.stage_function(99)
+  tokens, labels = data()
+  with pytest.raises(InputError, match=r"batch argument 1 has shape \[8, 8\]; the step was planned for \[16, 8\] "
+                                       r"\(a batch of 16 rows, microbatches=4 of 4\)"):
+    step(init(), tokens[:8], labels[:8])

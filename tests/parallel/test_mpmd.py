@@ -254,3 +254,20 @@ def test_a_structure_layout_must_match_the_activations():
   with pytest.raises(gs.InputError, match="in_sharding .* does not match the structure"):
     pipe([(np.ones((4, 4), np.float32),), (np.ones((), np.float32),)], np.ones((2, 4), np.float32),
          np.ones((2, 1), np.float32))
+
+
+def test_a_sum_reduction_adds_the_microbatch_losses_and_their_gradients():
+  """reduction="sum": the loss is the microbatches' losses added (here each a mean over its rows, so the batch's
+  mean x 4) and the gradients are that sum's; a reduction that is neither is a typed error naming it."""
+  params, ids, labels = _data()
+  mean_pipe = gs.mpmd_pipeline(_stages(), microbatches=4)
+  sum_pipe = gs.mpmd_pipeline(_stages(), microbatches=4, reduction="sum")
+  want_loss, want_grads = _reference(params, ids, labels)
+  loss, grads = sum_pipe(params, ids, labels)
+  assert_close(loss, 4 * want_loss)
+  for got, want in zip(grads, want_grads):
+    for g, w in zip(got, want):
+      assert_close(g.numpy(), 4 * w)
+  assert_close(mean_pipe(params, ids, labels)[0], want_loss)
+  with pytest.raises(gs.InputError, match="reduction='max': give 'mean'"):
+    gs.mpmd_pipeline(_stages(), microbatches=4, reduction="max")

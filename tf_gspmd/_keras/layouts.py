@@ -170,7 +170,8 @@ def backend_layout(tensor_layout):
 
 class AutoLayoutMap(keras.distribution.LayoutMap):
   """A Keras LayoutMap written by `auto_layout_map`: one key per variable (its exact path, as a regular
-  expression), the TensorLayout automatic sharding chose for it. Edit it as any LayoutMap; `str()` prints it as
+  expression; an optimizer variable's matches any name of its optimizer, `map_key`), the TensorLayout automatic
+  sharding chose for it. Edit it as any LayoutMap; `str()` prints it as
   the Python that builds it.
 
   Attributes:
@@ -205,6 +206,28 @@ def tensor_layout(sharding, rank, device_mesh):
   return keras.distribution.TensorLayout(axes, device_mesh)
 
 
+def map_key(variable, optimizer=None):
+  """The layout map key of `variable`: its path as a regular expression matching it alone. For a variable of
+  `optimizer` (a slot, its step counter), the optimizer's generated name in the path ("adam_3/...") matches any
+  name Keras generates for it ("adam", "adam_7", ...): the same model and optimizer built again (e.g. in the
+  distribution's scope) get new optimizer names, and the map must lay out their slots too."""
+  parts = variable.path.split("/")
+  if optimizer is None or len(parts) < 2:
+    return re.escape(variable.path)
+  scopes = [re.escape(re.sub(r"_\d+$", "", p)) + r"(?:_\d+)?" for p in parts[:-1]]
+  return "/".join(scopes + [re.escape(parts[-1])])
+
+
+def _check_data(model, data):
+  """InputError naming `data` where it carries no targets for a model whose compiled loss reads them."""
+  y = data[1] if isinstance(data, (tuple, list)) and len(data) in (2, 3) else None
+  if getattr(model, "loss", None) is None or y is not None:
+    return
+  got = tf.nest.map_structure(lambda t: f"{type(t).__name__}{list(np.shape(t))}", data)
+  raise InputError(f"data={got} has no targets, but model {model.name!r} computes its compiled loss from them: give "
+                   f"one batch as train_step takes it, data=(x, y) or (x, y, sample_weight)", node="data")
+
+
 def auto_layout_map(model, device_mesh, memory_budget=None, *, data, batch_dim_name=None, axis_cost=None,
                     flops_per_byte=1000.0, solver_time_limit=None, include_optimizer=True):
   """A Keras LayoutMap for `model` chosen by automatic sharding (`in_shardings="auto"`) of its train step.
@@ -213,8 +236,9 @@ def auto_layout_map(model, device_mesh, memory_budget=None, *, data, batch_dim_n
   runs it) with the batch split over `batch_dim_name`, as ModelParallel splits it, and every variable's layout
   left to the solver under `memory_budget` (bytes per device of the step: arguments, variables and optimizer
   state, constants and the activations live at the peak). The layouts it chose are returned as an explicit
-  LayoutMap: a key per variable -- its exact path -- and a TensorLayout, the optimizer's included
-  (`include_optimizer`). Only the batch and the variables are pinned while solving (`auto_pins="state"`), the
+  LayoutMap: a key per variable -- its exact path; for the optimizer's, included with `include_optimizer`, the path
+  with any name of the optimizer (`map_key`), so the map also fits the model and optimizer built again -- and a
+  TensorLayout. Only the batch and the variables are pinned while solving (`auto_pins="state"`), the
   rest completed as the step ModelParallel runs with the map completes it, so the count the budget bounds is that
   step's (`.memory`).
 
@@ -250,6 +274,7 @@ def auto_layout_map(model, device_mesh, memory_budget=None, *, data, batch_dim_n
     raise MeshError(f"batch_dim_name {batch_dim_name!r} is not an axis of the device mesh {names}; give one of them")
   if getattr(model, "optimizer", None) is None:
     raise InputError(f"auto_layout_map lays out model {model.name!r}'s train step: compile the model first")
+  _check_data(model, data)
   leaves = [None if t is None else tf.convert_to_tensor(t) for t in tf.nest.flatten(data)]
   structure = data
   _compat.keras_symbolic_build(model, data)
@@ -259,6 +284,7 @@ def auto_layout_map(model, device_mesh, memory_budget=None, *, data, batch_dim_n
   present = [t is not None for t in leaves]
   flat = [t for t in leaves if t is not None]
   variables = list(model.weights) + (list(model.optimizer.variables) if include_optimizer else [])
+  slots = {id(v) for v in model.optimizer.variables}
 
   def step(*xs):
     it = iter(shard(t, P(batch_dim_name)) if t.shape.rank else t for t in xs)
@@ -279,6 +305,6 @@ def auto_layout_map(model, device_mesh, memory_budget=None, *, data, batch_dim_n
     if sharding is None or v.path in done:
       continue   # not read by the train step (or a variable listed twice)
     done.add(v.path)
-    key = v.path if re.escape(v.path) == v.path else re.escape(v.path)
+    key = map_key(v, model.optimizer if id(v) in slots else None)
     layout_map[key] = tensor_layout(sharding, len(v.shape), device_mesh)
   return layout_map

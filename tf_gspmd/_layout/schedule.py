@@ -10,6 +10,7 @@ the stage planner prices.
 """
 
 import dataclasses
+import numbers
 
 from tf_gspmd.errors import InputError
 
@@ -28,6 +29,11 @@ class Schedule:
   def __post_init__(self):
     if self.kind not in KINDS:
       raise InputError(f"schedule={self.kind!r}: give one of {KINDS}", node="schedule")
+    for name in ("stages", "microbatches", "repeats"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise InputError(f"{name}={value!r}: a pipeline schedule needs a whole number of 1 or more {name}",
+                         node=name)
 
   @property
   def iterations(self):

@@ -17,7 +17,10 @@ targets tensor (to the last). So:
     when integers travel too (float32 and int32 values survive it exactly). A stage passes on the tensors it
     received that later stages read.
 
-The stages run in one process (several processes: InputError). The step's loss must be a mean over the batch rows (the pipeline's loss is the mean of the microbatch losses).
+The stages run in one process (several processes: InputError). The pipeline combines the microbatches' losses and
+gradients as the step's loss combines the batch rows: their mean for a mean over the rows, their sum for a sum, as
+proven from the step's graph (`rewriter.stages.microbatch_loss`); a loss not proven to be one of them is refused
+(InputError) unless microbatches=1.
 Parameters are `params`' leaves; a step that reads captured tf.Variables is refused (InputError).
 """
 
@@ -33,8 +36,9 @@ from tf_gspmd._function import function as gs_function, parse_bytes
 from tf_gspmd._layout.mesh import Mesh, P
 from tf_gspmd._parallel.mpmd import Stage, mpmd_pipeline
 from tf_gspmd._parallel.stage_programs import leaf_paths
-from tf_gspmd._parallel.stages import plan_stages
+from tf_gspmd._parallel.stages import check_mesh, plan_stages
 from tf_gspmd.errors import AutoShardingError, InputError
+from tf_gspmd.rewriter.stages import microbatch_loss
 from tf_gspmd.rewriter.stages.calibrate import call_times
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
@@ -119,7 +123,8 @@ class AutoParallel:
     pipeline: the gs.MpmdPipeline running it; stages: its gs.Stage objects.
     param_names: the readable name of each leaf of `params` (tf.nest order); boundaries: what travels between
       consecutive stages.
-    last_seconds: wall time of the last call.
+    last_seconds: wall time of the last call; loss_reduction: "mean" or "sum", how the microbatches' losses (and
+      gradients) combine into the batch's, as proven from the step's graph (`rewriter.stages.microbatch_loss`).
     profiled_rounds: how many plans had their stages timed (`profile`); whole_timings: {layout: seconds} of the
       step without a pipeline as timed, whole_layouts: the layouts `intra_plan` holds ("planned",
       "whole-step automatic" or "data parallel"). `select(plan)` runs the other plan.
@@ -148,6 +153,8 @@ class AutoParallel:
                          f"batch ({rows} rows) on dim 0, a multiple of microbatches={self.microbatches}",
                          node=str(k + 1))
     micro = [tf.TensorSpec([rows // self.microbatches] + s.shape.as_list()[1:], s.dtype) for s in batch_specs]
+    # ("mean" or "sum": how the microbatches' losses make the batch's; refused when neither is proven)
+    self.loss_reduction = microbatch_loss.reduction(loss_fn, param_specs, self._batch_specs, self.microbatches)
     self.data_names = tuple(str(k + 1) for k in range(len(batch_specs)))
     self._data_specs = dict(zip(self.data_names, micro))
     if layers is None:
@@ -371,7 +378,8 @@ class AutoParallel:
                                out_sharding=self.boundaries[k].out_sharding if k < n - 1 else None,
                                target_sharding=P() if k == n - 1 else None,
                                name=f"stage {k} (layers {stage.layers[0]}-{stage.layers[1]})"))
-    self.pipeline = mpmd_pipeline(self.stages, microbatches=self.microbatches, schedule=schedule, exchange=exchange)
+    self.pipeline = mpmd_pipeline(self.stages, microbatches=self.microbatches, schedule=schedule, exchange=exchange,
+                                  reduction=self.loss_reduction)
 
   def _batch_dtype(self):
     dtypes = {s.dtype for s in self._batch_specs}
@@ -419,17 +427,23 @@ class AutoParallel:
 
   # ---- running -------------------------------------------------------------------------------------------
   def pack_batch(self, *batch):
-    """The batch arguments as the pipeline's one [rows, features] tensor."""
+    """The batch arguments as the pipeline's one [rows, features] tensor (each of the shape it was planned for)."""
     if len(batch) != len(self.data_names):
       raise InputError(f"the step takes {len(self.data_names)} batch argument(s); got {len(batch)}", node="batch")
     parts = []
-    for name, b in zip(self.data_names, batch):
+    for name, b, spec in zip(self.data_names, batch, self._batch_specs):
       t = _to_tensor(b)
+      if t.shape != spec.shape:
+        rows = spec.shape[0]
+        raise InputError(f"batch argument {name} has shape {t.shape.as_list()}; the step was planned for "
+                         f"{spec.shape.as_list()} (a batch of {rows} rows, microbatches={self.microbatches} of "
+                         f"{rows // self.microbatches}): give batches of that shape, or plan the step again with "
+                         "gs.auto_parallel for this one", node=name)
       parts.append(tf.reshape(tf.cast(t, self._data_dtype), [t.shape[0], -1]))
     return tf.concat(parts, axis=1)
 
   def __call__(self, params, *batch):
-    """(loss, grads): the mean loss over the batch and its gradient per leaf of `params` (same structure), each
+    """(loss, grads): the batch's loss and its gradient per leaf of `params` (same structure), each
     a ShardedTensor on the submesh of the stage that reads it, laid out as planned (a parameter read by several
     stages: the sum of their gradients, as a host tensor)."""
     leaves = tf.nest.flatten(params)
@@ -487,7 +501,8 @@ class AutoParallel:
       lines.append(f"runs as one gs.function on the whole mesh, no pipeline ({self.whole_layouts} layouts): "
                    f"{self.stages[0].mesh}")
       return "\n".join(lines)
-    lines.append("MPMD stages:")
+    lines.append(f"MPMD stages: {self.microbatches} microbatches, their losses and gradients combined by their "
+                 f"{self.loss_reduction}")
     for k, s in enumerate(self.stages):
       lines.append(f"  {s.name}: devices {list(s.mesh.resolve_devices())[0]}..{list(s.mesh.resolve_devices())[-1]} "
                    f"as {s.mesh}, {len(self._stage_params[k])} parameter(s)")
@@ -536,7 +551,9 @@ def auto_parallel(loss_fn, params, *batch, mesh, microbatches, memory_budget=Non
   and run as an MPMD pipeline on `mesh`.
 
   Args:
-    loss_fn: the forward and loss: loss_fn(params, *batch) -> the scalar mean loss over the batch rows.
+    loss_fn: the forward and loss: loss_fn(params, *batch) -> the batch's scalar loss; with microbatches > 1, a
+      mean or a sum over the batch rows of per-row terms (+ terms free of the batch, for a mean), which the
+      pipeline's microbatches then combine into exactly (others: InputError naming where the proof stops).
     params: the parameters (a nest of tensors/arrays or tf.TensorSpecs): their shapes and dtypes.
     *batch: the batch arguments of ONE step (tensors/arrays/TensorSpecs with the batch on dim 0).
     mesh: the gs.Mesh the stages are cut from (its last axis is a row).
@@ -557,6 +574,7 @@ def auto_parallel(loss_fn, params, *batch, mesh, microbatches, memory_budget=Non
   Returns an AutoParallel: `loss, grads = step(params, *batch)`; `step.plan` the StagePlan; `step.sgd(...)`,
   `step.adam(lr)`.
   """
+  check_mesh(mesh, "gs.auto_parallel")
   param_specs = tf.nest.map_structure(lambda v: _spec_of(v, "params"), params)
   batch_specs = tuple(_spec_of(b, f"batch argument {k + 1}") for k, b in enumerate(batch))
   concrete = not any(isinstance(v, tf.TensorSpec) for v in tf.nest.flatten(params) + list(batch))

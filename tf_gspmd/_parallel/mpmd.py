@@ -77,6 +77,13 @@ class Stage:
   target_sharding: Any = None
   name: Optional[str] = None
 
+  def __post_init__(self):
+    if not callable(self.fn):
+      raise InputError(f"Stage(fn, mesh): fn must be the stage's function; got {self.fn!r:.60}", node="fn")
+    if not isinstance(self.mesh, Mesh):
+      raise MeshError(f"Stage(fn, mesh): mesh must be the stage's gs.Mesh (a submesh of the devices); got "
+                      f"{self.mesh!r:.60}", node="mesh")
+
 
 def schedule_order(schedule, num_stages, microbatches):
   """Per stage, the order its program runs: a list of ("F" | "B", microbatch) for each stage (`Schedule.order`)."""
@@ -156,14 +163,15 @@ class MpmdPipeline:
 
   Call it as `loss, grads = pipe(params, batch, targets)`: `params[i]` is the tuple of stage i's parameters
   (arrays, tf.Tensors or ShardedTensors on stage i's mesh); `batch` and `targets` (host values) have the batch
-  on dim 0 and are split into the microbatches. Returns the loss (the mean of the microbatch losses, a numpy
-  scalar) and, per stage, the tuple of its parameters' gradients (ShardedTensors on its mesh laid out like the
-  parameters): the gradients of that mean. `last_run` is the step's `RunRecord`. Over several processes, the
-  loss is None except in the process of the last stage, and a stage that runs in another process has None in
-  place of its gradients.
+  on dim 0 and are split into the microbatches. Returns the loss (the mean of the microbatch losses, or their sum
+  with reduction="sum"; a numpy scalar) and, per stage, the tuple of its parameters' gradients (ShardedTensors on
+  its mesh laid out like the parameters): the gradients of that loss. `last_run` is the step's `RunRecord`. Over
+  several processes, the loss is None except in the process of the last stage, and a stage that runs in another
+  process has None in place of its gradients.
   """
 
-  def __init__(self, stages, microbatches, schedule="1f1b", loss_fn=None, concurrent=True, exchange="auto"):
+  def __init__(self, stages, microbatches, schedule="1f1b", loss_fn=None, concurrent=True, exchange="auto",
+               reduction="mean"):
     stages = tuple(stages)
     if not stages or not all(isinstance(s, Stage) for s in stages):
       raise InputError("mpmd_pipeline needs a non-empty sequence of gs.Stage(fn, mesh, ...)", node="stages")
@@ -172,6 +180,10 @@ class MpmdPipeline:
     schedule_order(schedule, len(stages), 1)
     if exchange not in ("auto", "collectives"):
       raise InputError(f"exchange={exchange!r}: give 'auto' or 'collectives'", node="exchange")
+    if reduction not in ("mean", "sum"):
+      raise InputError(f"reduction={reduction!r}: give 'mean' (the batch's loss is the mean of the microbatches' "
+                       "losses) or 'sum' (their sum)", node="reduction")
+    self.reduction = reduction
     self.stages = stages
     self.microbatches = microbatches
     self.schedule = schedule
@@ -199,7 +211,7 @@ class MpmdPipeline:
   def _build(self, i):
     """The stage's programs: forward, backward (first microbatch), backward adding to the gradients so far."""
     stage, last = self.stages[i], i == len(self.stages) - 1
-    loss_fn, scale = self.loss_fn, 1.0 / self.microbatches
+    loss_fn, scale = self.loss_fn, 1.0 / self.microbatches if self.reduction == "mean" else 1.0
 
     def run(params, h, targets):
       if not last:
@@ -361,7 +373,8 @@ class MpmdPipeline:
     self.last_run = record
     if losses[0] is None:   # the last stage runs in another process
       return None, [None if g is None else tuple(g) for g in grads]
-    loss = np.mean([np.float64(l.numpy()) for l in losses]).astype(losses[0].dtype.as_numpy_dtype)
+    combine = np.mean if self.reduction == "mean" else np.sum
+    loss = combine([np.float64(l.numpy()) for l in losses]).astype(losses[0].dtype.as_numpy_dtype)
     return loss, [None if g is None else tuple(g) for g in grads]
 
   def _step_function(self, params, micro, micro_t, t0, box, record, losses, grads):
@@ -544,7 +557,7 @@ def _check_disjoint(stages, name):
 
 
 def mpmd_pipeline(stages: Sequence[Stage], microbatches: int, schedule: str = "1f1b", loss_fn=None,
-                  concurrent: bool = True, exchange: str = "auto"):
+                  concurrent: bool = True, exchange: str = "auto", reduction: str = "mean"):
   """A training step over different stages on different submeshes, pipelined over microbatches (MPMD).
 
   Args:
@@ -556,10 +569,12 @@ def mpmd_pipeline(stages: Sequence[Stage], microbatches: int, schedule: str = "1
     loss_fn: loss_fn(outputs, targets) -> scalar, applied to the last stage's outputs (optional).
     concurrent: one dispatch thread per stage (submeshes disjoint), or False: one thread for all.
     exchange: the stages' gs.function exchange ("auto" or "collectives").
+    reduction: how the microbatches' losses make the batch's: "mean" (a loss that is a mean over the batch rows)
+      or "sum" (a sum over them); the gradients are those of that loss.
 
   Example:
     >>> pipe = gs.mpmd_pipeline([gs.Stage(embed, mesh_a, P(None, "m"), P("d")),
     ...                          gs.Stage(head, mesh_b, P(None, "m"), P("d", None))], microbatches=4)
     >>> loss, grads = pipe([(table,), (w,)], token_ids, labels)
   """
-  return MpmdPipeline(stages, microbatches, schedule, loss_fn, concurrent, exchange)
+  return MpmdPipeline(stages, microbatches, schedule, loss_fn, concurrent, exchange, reduction)

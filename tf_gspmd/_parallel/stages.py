@@ -6,7 +6,7 @@ import tensorflow as tf
 from tf_gspmd._function import function as gs_function, parse_bytes
 from tf_gspmd._parallel.stage_programs import leaf_paths
 from tf_gspmd._layout.mesh import Mesh, P
-from tf_gspmd.errors import InputError
+from tf_gspmd.errors import InputError, MeshError
 from tf_gspmd.rewriter import pipeline
 from tf_gspmd.rewriter.program import Options, Program
 from tf_gspmd.rewriter.stages import calibrate, plan as stages
@@ -79,6 +79,15 @@ def _time_stage_runs(best_of, elements=1 << 20):
 TIMERS = calibrate.Timers(all_reduce=_time_all_reduce, stage_runs=_time_stage_runs)
 
 
+def check_mesh(mesh, caller):
+  """MeshError naming `mesh=` for anything but a gs.Mesh (e.g. a shape tuple)."""
+  if isinstance(mesh, Mesh):
+    return
+  shape = f"{tuple(mesh)!r}" if isinstance(mesh, (tuple, list)) and all(isinstance(n, int) for n in mesh) else "(2, 4)"
+  raise MeshError(f"mesh={mesh!r}: {caller} cuts its stages from a gs.Mesh, not {type(mesh).__name__}; give e.g. "
+                  f"mesh=gs.Mesh({shape}, (\"host\", \"device\")) (its last axis is a row of devices)", node="mesh")
+
+
 def trace_forward(fn, arg_specs, mesh):
   """The traced, imported global program of `fn` at `arg_specs` (nested TensorSpecs) on `mesh`: (Program,
   {Placeholder name: readable argument path}, per argument the Placeholder names of its leaves)."""
@@ -143,6 +152,7 @@ def plan_stages(fn, *arg_specs, mesh, layers, microbatches=1, memory_budget=None
     ...                       mesh=gs.Mesh((2, 4), ("host", "device")), layers=2, microbatches=8)
     >>> print(plan)   # stages, submeshes, logical meshes, layouts, predicted t_i and T*
   """
+  check_mesh(mesh, "gs.plan_stages")
   if int(microbatches) < 1:
     raise InputError(f"microbatches must be >= 1; got {microbatches}", node=getattr(fn, "__name__", "the step"))
   program, names, per_arg = trace_forward(fn, arg_specs, mesh)

@@ -13,6 +13,7 @@ again while that count is over (the per-device program's estimate adds what part
 
 import dataclasses
 import time
+import warnings
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -22,7 +23,7 @@ from tf_gspmd.errors import AutoShardingError
 from tf_gspmd.rewriter.sharding import completion, memory
 from tf_gspmd.rewriter.sharding.auto.budget import MemoryRow
 from tf_gspmd.rewriter.sharding.auto.model import Builder, local_elements
-from tf_gspmd.rewriter.sharding.auto.solver import evaluate, fold, local_delta, solve
+from tf_gspmd.rewriter.sharding.auto.solver import TIMED_OUT, evaluate, fold, local_delta, solve
 
 AUTO = "auto"   # the in_shardings entry that leaves an argument's layout to this pass
 
@@ -35,7 +36,8 @@ class AutoOptions:
   memory_budget: Optional[int] = None              # bytes per device of the plan's count (`plan_memory`)
   axis_cost: Tuple[Tuple[str, float], ...] = ()    # time per byte over a mesh axis, relative (default 1.0)
   flops_per_byte: float = 1000.0                   # device arithmetic per link byte
-  time_limit: float = 60.0                         # seconds the solver may take (then its best plan so far)
+  time_limit: float = 60.0                         # seconds the solver may take (then the deterministic
+                                                   # fallback, `solver.local_search`)
   pin_intermediates: bool = True                   # pin every modelled tensor and op strategy, not only the
                                                    # arguments and variables (the partitioner then does what the
                                                    # program priced)
@@ -85,6 +87,7 @@ class AutoPlan:
   status: str
   constant_bytes_per_device: int = 0
   memory_rounds: int = 1            # programs solved (more where a plan the model chose was over the budget)
+  timed_out: bool = False           # the solver ran out of time: the plan is `solver.local_search`'s
   planned: Any = dataclasses.field(default=None, repr=False, compare=False)  # node name -> {factor: axes}
 
   @property
@@ -174,9 +177,11 @@ def _solve(program, builder, model, folded, of):
   take at the layouts completion gives them -- or, where they are not what the model missed, every row is raised
   by what it missed -- and it is solved again."""
   budget, time_limit = program.options.auto.memory_budget, program.options.auto.time_limit
-  start, count = time.perf_counter(), None
+  start, count, status = time.perf_counter(), None, ""
   for rounds in range(1, _ROUNDS + 1):
-    left = max(1.0, time_limit - (time.perf_counter() - start))
+    # Once out of time, every later round takes the fallback too (a fresh second for the solver would make the
+    # plan depend on the machine's speed again).
+    left = 0.0 if status.startswith(TIMED_OUT) else max(0.0, time_limit - (time.perf_counter() - start))
     choice, status, ncol, nrow, _ = solve(folded, budget, left)
     if choice is None:
       break
@@ -212,6 +217,17 @@ def run(program):
   budget = options.memory_budget
   folded, of = fold(model)
   choice, status, ncol, nrow, took, rounds, count = _solve(program, builder, model, folded, of)
+  timed_out = status.startswith(TIMED_OUT)
+  if choice is None and timed_out:
+    raise AutoShardingError(
+        f"the sharding solver ran out of time (solver_time_limit={options.time_limit:g} s) before it found a plan "
+        f"within memory_budget={budget:,} B per device, and the deterministic fallback (every layout split as far "
+        f"as it divides, then improved) does not fit it either: raise solver_time_limit, or the budget")
+  if timed_out:
+    warnings.warn(f"tf_gspmd: the sharding solver ran out of time (solver_time_limit={options.time_limit:g} s) "
+                  f"before it proved a plan optimal; the layouts are the deterministic fallback's (the same for the "
+                  f"same call), which may move more bytes: raise solver_time_limit for the solver's plan",
+                  stacklevel=2)
   if choice is None:
     need = max(sum(float(np.asarray(row.total(model.state, b)).min()) for b in set(model.state) | set(row.terms))
                + row.fixed for row in model.rows or [MemoryRow(None)])
@@ -263,5 +279,5 @@ def run(program):
                   memory_budget=budget, groups=len(builder.groups), strategies=len(builder.strategies),
                   blocks=len(model.sizes), folded_blocks=len(folded.sizes),
                   variables=ncol, constraints=nrow, build_seconds=built, solve_seconds=took, status=status,
-                  planned=strategies)
+                  planned=strategies, timed_out=timed_out)
   return program.replace(annotations=annotations, open_dims=open_dims, auto_plan=plan)

@@ -5,6 +5,11 @@ continuous variable per pair of choices of two blocks joined by a cost matrix (i
 two one-hot choices, exact for integral choices), and the memory budget as one row per op whose live bytes are
 bounded (`budget.MemoryRow`). `fold` first merges the blocks of repeated layers; `evaluate` and `local_delta`
 price a full assignment and one block's alternatives.
+
+The solver's time limit is wall-clock time: where it runs out, the plan HiGHS holds then depends on how far it got
+(the machine's load), so it is not used. `local_search` gives the plan instead: a deterministic descent from every
+block at its fewest bytes, within the budget. Identical calls then give identical plans, whether the solver proves
+its plan optimal in time (the same every time: one thread, no time-dependent choices) or runs out.
 """
 
 import os
@@ -37,8 +42,13 @@ def _highs():
   return h
 
 
+TIMED_OUT = "time limit reached"
+
+
 def solve(model, budget, time_limit):
-  """Minimise the model's cost with HiGHS; returns (choice per block, status, columns, rows, seconds)."""
+  """Minimise the model's cost with HiGHS; returns (choice per block, status, columns, rows, seconds). Where the
+  time limit runs out (status TIMED_OUT + what was used) the choice is `local_search`'s, or None where that does
+  not fit the budget. A `time_limit` of 0 skips the solver."""
   h = _highs()
   start_col, pair_keys, pair_start = _columns(model)
   ny = int(start_col[-1])
@@ -46,6 +56,8 @@ def solve(model, budget, time_limit):
   cost = _objective(model, start_col, pair_keys, pair_start)
   rows, cols, vals, lo, hi, r = _constraints(model, budget, start_col, pair_keys, pair_start)
   lp = _highs_lp(cost, rows, cols, vals, lo, hi, ncol, r, ny)
+  if time_limit <= 0:
+    return _fallback(model, budget, ncol, r, 0.0)
   h.setOptionValue("output_flag", False)
   h.setOptionValue("time_limit", float(time_limit))
   h.setOptionValue("mip_rel_gap", 1e-3)
@@ -54,6 +66,8 @@ def solve(model, budget, time_limit):
   h.passModel(lp)
   h.run()
   took = time.perf_counter() - t0
+  if h.getModelStatus() == highspy_status("kTimeLimit"):
+    return _fallback(model, budget, ncol, r, took)
   status = h.modelStatusToString(h.getModelStatus())
   sol = h.getSolution()
   if not sol.value_valid:
@@ -61,6 +75,68 @@ def solve(model, budget, time_limit):
   x = np.asarray(sol.col_value)
   choice = [int(np.argmax(x[start_col[b]:start_col[b + 1]])) for b in range(len(model.sizes))]
   return choice, status, ncol, r, took
+
+
+def highspy_status(name):
+  import highspy  # pylint: disable=g-import-not-at-top
+  return getattr(highspy.HighsModelStatus, name)
+
+
+def _fallback(model, budget, ncol, nrow, took):
+  start = time.perf_counter()
+  choice = local_search(model, budget)
+  return (choice, f"{TIMED_OUT}: deterministic local search", ncol, nrow,
+          took + time.perf_counter() - start)
+
+
+def local_search(model, budget, sweeps=50):
+  """A plan within `budget` found without the solver, the same for the same model: every block at its choice of
+  fewest bytes (summed over the memory rows; ties: the cheaper), then, until nothing improves, each block and each
+  pair of blocks joined by a cost matrix in turn moved to the choices that cost least with the rest as they are,
+  within the budget. None where the start is over the budget."""
+  n = len(model.sizes)
+  rows = list(model.rows or [MemoryRow(None)]) if budget is not None else []
+  mem = [np.array([np.broadcast_to(np.asarray(row.total(model.state, b), float), (model.sizes[b],))
+                   for row in rows]).reshape(len(rows), model.sizes[b]) for b in range(n)]
+  choice = [int(np.lexsort((model.linear[b], mem[b].sum(axis=0)))[0]) for b in range(n)]
+  room = np.array([float(budget) - row.fixed for row in rows])
+  used = np.array([sum(mem[b][j, choice[b]] for b in range(n)) for j in range(len(rows))])
+  if np.any(used > room):
+    return None
+  near = [[] for _ in range(n)]
+  for (u, v), (c, _) in sorted(model.pairs.items()):
+    near[u].append((v, c))
+    near[v].append((u, c.T))
+
+  def cost(b, skip=None):
+    return model.linear[b] + sum((c[:, choice[o]] for o, c in near[b] if o != skip), np.zeros(model.sizes[b]))
+
+  for _ in range(sweeps):
+    moved = False
+    for b in range(n):
+      trial = used[:, None] - mem[b][:, [choice[b]]] + mem[b]
+      moved |= _move(cost(b), np.all(trial <= room[:, None], axis=0), choice, [b])
+      used = trial[:, choice[b]]
+    for (u, v), (c, _) in sorted(model.pairs.items()):
+      trial = (used[:, None, None] - mem[u][:, [choice[u]], None] - mem[v][:, None, [choice[v]]] +
+               mem[u][:, :, None] + mem[v][:, None, :])
+      total = cost(u, v)[:, None] + cost(v, u)[None, :] + c
+      moved |= _move(total, np.all(trial <= room[:, None, None], axis=0), choice, [u, v])
+      used = trial[:, choice[u], choice[v]]
+    if not moved:
+      break
+  return choice
+
+
+def _move(total, fits, choice, blocks):
+  """Moves `blocks` to the cheapest choices of `total` (one axis per block) that `fits`, when cheaper than now."""
+  best = np.unravel_index(int(np.argmin(np.where(fits, total, np.inf))), total.shape)
+  now = total[tuple(choice[b] for b in blocks)]
+  if not fits[best] or total[best] >= now - 1e-9 * max(1.0, abs(now)):
+    return False
+  for b, i in zip(blocks, best):
+    choice[b] = int(i)
+  return True
 
 
 def _columns(model):

@@ -228,6 +228,24 @@ def test_a_budget_nothing_fits_is_a_typed_error(rng):
     f.lower(*_specs(args))
 
 
+def test_a_solver_time_out_says_so_and_gives_the_same_plan_every_call(rng):
+  """The solver's limit is wall-clock time; where it runs out, the plan is the deterministic fallback's
+  (`solver.local_search`), within the budget and the same for the same call, and a warning says so."""
+  args = _mlp_args(rng)
+  budget = _replicated_memory(tm.mlp_train_step, args) // 4
+  plans = []
+  for _ in range(2):
+    f = gs.function(tm.mlp_train_step, mesh=M24, in_shardings="auto", memory_budget=budget, solver_time_limit=1e-6)
+    with pytest.warns(UserWarning, match=r"sharding solver ran out of time \(solver_time_limit=1e-06 s\).*"
+                                         r"deterministic fallback"):
+      low = f.lower(*_specs(args))
+    plans.append(low.auto_plan)
+  assert all(p.timed_out and p.status == "time limit reached: deterministic local search" for p in plans)
+  assert [(c.name, c.sharding) for c in plans[0].choices] == [(c.name, c.sharding) for c in plans[1].choices]
+  assert _memory(low) <= budget
+  _assert_same_results(f, tm.mlp_train_step, args)
+
+
 def test_bad_auto_arguments_are_typed_errors():
   with pytest.raises(InputError, match="only string accepted is \"auto\""):
     gs.function(tm.mlp_train_step, mesh=M24, in_shardings="atuo")
