@@ -36,6 +36,11 @@ def test_plain_transformer_step_completes_without_fallback_and_matches():
   assert low.report.fallbacks == ()
   # Weights stay split: no all-gather of a Megatron-split weight.
   assert "all-gather" not in low.report.counts()
+  # Per layer two activation all-reduces forward and two backward (the q, k and v input gradients summed before
+  # their one all-reduce, rewriter/partition/sums.py), and the tied embedding's two gradients reduced as one.
+  reduced = [c for c in low.report.collectives if c.kind == "all-reduce"]
+  assert sum(c.axes == ("model",) for c in reduced) == 4 * CFG.layers
+  assert sum("sum of 2 partial terms" in c.reason for c in reduced) == 1
   got = f(np.int32(0), tokens, targets, *state)
   want = step(tf.constant(0), tf.constant(tokens), tf.constant(targets), *[tf.constant(a) for a in state])
   assert_close(got[0].numpy(), want[0], rtol=1e-5)

@@ -242,7 +242,8 @@ class _Loop:
 
 # Ops whose output is a linear function of the inputs listed (None: all of them), so a sum pending over mesh
 # axes in those inputs stays pending in the output: what a gradient loop's accumulation is built from.
-_LINEAR = {"Identity": (0,), "Snapshot": (0,), "AddN": None, "AddV2": None, "Add": None, "StridedSliceGrad": (4,),
+_LINEAR = {"Identity": (0,), "Snapshot": (0,), "AddN": None, "AddV2": None, "Add": None, "Sub": None, "Neg": (0,),
+           "StridedSliceGrad": (4,),
            "Reshape": (0,), "ExpandDims": (0,), "Squeeze": (0,), "Transpose": (0,),
            # the same choice on every device of a group (the condition is not a pending sum) of pending sums
            "Select": (1, 2), "SelectV2": (1, 2), "XlaSharding": (0,)}
@@ -254,6 +255,40 @@ def linear_inputs(node):
     return None
   which = _LINEAR[node.op]
   return tuple(range(len(node.inputs))) if which is None else tuple(i for i in which if i < len(node.inputs))
+
+
+# The linear ops that are element-wise: each output element is a linear function of the same element of every
+# operand, so a sum pending over mesh axes passes through them with its layout unchanged (XLA's all-reduce
+# reassociation looks through the same adds, subtractions, negations and copies).
+_ELEMENTWISE = frozenset(("Identity", "Snapshot", "AddN", "AddV2", "Add", "Sub", "Neg"))
+
+
+def sum_inputs(node):
+  """The inputs of `node` that a pending sum passes through with its layout (a tuple of indices: every input),
+  or None: `node` is an element-wise linear op (`_ELEMENTWISE`) whose inputs all have its output's static shape
+  (no broadcasting, which would change the layout a term is held in)."""
+  which = linear_inputs(node) if node.op in _ELEMENTWISE else None
+  if not which or len(which) != len(node.inputs):
+    return None
+  shape = node.outputs[0].shape
+  if shape is None or any(node.input_info(i).shape != shape for i in which):
+    return None
+  return which
+
+
+def summed_by(ir):
+  """{tensor: the name of the one node reading it} for the tensors of graph `ir` that only an element-wise linear
+  op (`sum_inputs`) reads, and none of the graph's results: a sum pending in such a tensor may be added to the
+  op's other terms before it is reduced, since nothing else needs its value."""
+  found = {}
+  results = set(ir.outputs)
+  for r, readers in ir.consumers.items():
+    if r in results or not readers or len({n.name for n, _ in readers}) != 1:
+      continue
+    which = sum_inputs(readers[0][0])
+    if which and all(j in which for _, j in readers):
+      found[r] = readers[0][0].name
+  return found
 
 
 def reads_parameter(fdef, k):

@@ -18,7 +18,7 @@ from tf_gspmd import ops as op_rules
 from tf_gspmd._layout.mesh import axes_text
 from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.errors import PartitionError, ShapeError, UnsupportedOpError
-from tf_gspmd.rewriter.partition import accumulation, halo
+from tf_gspmd.rewriter.partition import accumulation, halo, sums
 from tf_gspmd.rewriter.sharding import completion, reshard
 from tf_gspmd.rewriter.graph import functions, loops
 from tf_gspmd.rewriter.collectives.builders import Backend
@@ -36,7 +36,7 @@ _warned_fallback = set()
 _warned_unknown_rank = set()
 
 
-class PartitionContext(halo.WindowedOperands, accumulation.PendingSums):
+class PartitionContext(halo.WindowedOperands, accumulation.PendingSums, sums.PartialSums):
   """What a rule's `partition` sees: the node's operands (resharded on demand) and where to put results."""
 
   def __init__(self, program, graph, devices, report, functions=None, processes=None):
@@ -68,6 +68,7 @@ class PartitionContext(halo.WindowedOperands, accumulation.PendingSums):
     self.pending = {}
     self.carried = {}
     self.passing = None
+    self.held = {}              # ref -> sums.Held: a sum left pending for its one reader, an add (sums.py)
 
   # ---- helpers for rules ------------------------------------------------------------------------------------
   def planned_axes(self):
@@ -80,7 +81,7 @@ class PartitionContext(halo.WindowedOperands, accumulation.PendingSums):
 
   def current(self, i):
     r = self.node.inputs[i]
-    if r in self._deferred:   # the layout it has once emitted
+    if r in self._deferred or r in self.held:   # the layout it has once emitted (or reduced)
       return self.program.shardings[r]
     return self.values[r][1] if r in self.values else None
 
@@ -103,6 +104,8 @@ class PartitionContext(halo.WindowedOperands, accumulation.PendingSums):
     """Local value of tensor `r` laid out as `sharding`, for `what` (the node's operand it is)."""
     if r in self.pending:
       self._settle(r)
+    if r in self.held:
+      self.settle_sum(r)
     self._emit_deferred(r)
     value, have = self.values[r]
     info = self.ir.info(r)
@@ -137,6 +140,8 @@ class PartitionContext(halo.WindowedOperands, accumulation.PendingSums):
       shift, _, node = self._deferred[r]
       with self._as_node(node):
         extra = shift.cost()
+      have = self.program.shardings[r]
+    elif r in self.held:   # reduced to its completed sharding before it is read (the reduction is owed anyway)
       have = self.program.shardings[r]
     elif r in self.values:
       have = self.values[r][1]
@@ -332,6 +337,8 @@ class PartitionContext(halo.WindowedOperands, accumulation.PendingSums):
     if kept:
       self._store(r, value, target)
       return
+    if r not in self.deferrable and self.hold_sum(r, value, natural, partial):
+      return
     if info.partitionable and (partial or natural != target.with_rank(len(info.shape))):
       requested = (self.program.annotations or {}).get(r) is not None   # the user pinned the result's layout
       with tf.name_scope(self._scope()), self.report.resharding_of(public_key(r), natural, target, requested):
@@ -339,7 +346,7 @@ class PartitionContext(halo.WindowedOperands, accumulation.PendingSums):
         if partial:
           what += f" as partial {partial[1]} over {axes_text(partial[0])}"
         value = reshard.emit_reshard(self, value, info.shape, natural, target, partial, self.node.name,
-                                     f"{what}; {public_key(r)} is completed as {target}")
+                                     f"{what}; {public_key(r)} is completed as {target}{self.summed_text()}")
     elif info.is_list:
       _check_list_layout(r, natural, target, f"output {o} of {self.node.name} ({self.node.op})")
     self._store(r, value, target)
@@ -381,6 +388,9 @@ def _partition_nodes(ctx):
   program, report = ctx.program, ctx.report
   for node in program.ir.nodes:
     ctx.node = node
+    ctx.begin_node(node)
+    if ctx.reassociate(node):   # terms of pending sums added before they are reduced (sums.py)
+      continue
     rule = op_rules.lookup(node.op)
     if rule is None:
       if program.options.strict:
@@ -402,11 +412,11 @@ def _partition_nodes(ctx):
           warnings.warn(f"tf_gspmd: {node.name} ({node.op}): {unknown} has unknown rank; the op runs replicated",
                         stacklevel=3)
         rule = op_rules.FALLBACK
-    ctx.begin_node(node)
     try:
       rule.partition(ctx, node)
     except PartitionError as e:
-      origins = _split_arguments_behind(program, node) if e.node == node.name else []
+      # (the node that raised: this one, or the producer of a sum held for it and reduced as it is read)
+      origins = _split_arguments_behind(program, program.ir.by_name[e.node]) if e.node in program.ir.by_name else []
       if not origins:
         raise
       raise PartitionError(f"{e.message}; it comes from {', '.join(origins)}: pass that argument replicated (P() in "

@@ -1,0 +1,123 @@
+"""Partial sums added before they are reduced (XLA's all-reduce reassociation).
+
+A rule that reduces a factor over mesh axes (a matmul contracting a split dim) leaves each device one term of its
+result's sum. When the only reader of that result is an element-wise linear op (`loops.sum_inputs`: AddN, AddV2,
+Add, Sub, Neg, Identity, Snapshot) the sum stays pending (*held*), in the layout the rule produced it in: if every
+operand of that op is held over the same mesh axes in the same layout, the op runs on the terms and its result
+is one sum of all of them, reduced once (or held again, up a chain of adds). Megatron's backward then reduces the
+q, k and v input gradients as one, and a tied embedding's two gradients as one. Any other reader (an op that
+needs the value, an add whose operands do not all agree) reduces the held sum first, just as it would have been
+reduced where it was produced: holding never costs a collective, and a sum op passes its terms on only when
+reducing its result moves no more bytes than reducing them one by one.
+
+`PartialSums` is a part of `partition.PartitionContext`: it uses the context's `values`, `ir`, `program`,
+`report`, `tree_nodes` and emission helpers. Loop bodies' accumulators (`accumulation.PendingSums`) are a
+separate mechanism: a node of an accumulation tree is left to it.
+"""
+
+import dataclasses
+from typing import Tuple
+
+import tensorflow as tf
+
+from tf_gspmd._layout.mesh import axes_text
+from tf_gspmd._layout.sharding import Sharding
+from tf_gspmd.rewriter.graph import loops
+from tf_gspmd.rewriter.sharding import reshard
+from tf_gspmd.rewriter.graph.graph_view import public_key
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+  """A sum held pending in a tensor: its partial (mesh axes, "Add"), its completed sharding, how many terms of
+  the graph's it adds up, and where its reduction is named from: the node that produced the sum, the tensor and
+  the reason's text (a single term passed through copies or negations keeps its producer's, so its reduction
+  reads as it did where it was produced)."""
+
+  partial: Tuple
+  target: Sharding
+  terms: int
+  node: str
+  key: str
+  what: str
+
+
+class PartialSums:
+  """Sums held pending until their first reader that needs the value (mixed into PartitionContext)."""
+
+  held = None      # ref -> Held; its value in `values` is laid out as the rule produced it
+  summed = 1       # how many terms the current node's output adds up (set by `reassociate`)
+  _passed = None   # the Held of the one term the current node passes on, if it passes just one
+  _summed_by = None
+
+  def _readers_of_sums(self):
+    if self._summed_by is None:
+      self._summed_by = loops.summed_by(self.ir)
+    return self._summed_by
+
+  def hold_sum(self, r, value, natural, partial):
+    """Keep output `r` of the current node (local `value` laid out as `natural`, + `partial`) with its sum
+    pending when its one reader may add it to other terms; returns whether it did."""
+    info = self.ir.info(r)
+    if (not partial or partial[1] != "Add" or not info.partitionable or info.shape is None or
+        r not in self._readers_of_sums()):
+      return False
+    natural = natural.with_rank(len(info.shape))
+    if set(partial[0]) & set(natural.used_axes):
+      return False
+    one = self._passed
+    self.held[r] = Held(tuple(partial), self.program.shardings[r], self.summed,
+                        *((one.node, one.key, one.what) if one else
+                          (self.node.name, public_key(r), self._produces(natural, partial))))
+    self._store(r, value, natural)
+    return True
+
+  def _produces(self, natural, partial):
+    """The reduction's reason text: what the current node produces."""
+    return f"{self.node.name} ({self.node.op}) produces {natural} as partial {partial[1]} over {axes_text(partial[0])}"
+
+  def summed_text(self):
+    """The reason's tail for a reduction of several terms added first (empty for one)."""
+    return f"; sum of {self.summed} partial terms reduced once" if self.summed > 1 else ""
+
+  def reassociate(self, node):
+    """Partition `node` here when it is an element-wise linear op (`loops.sum_inputs`) whose operands all hold
+    sums pending over the same axes in the same layout, and reducing its result moves no more bytes than
+    reducing them apart: the op runs on the terms, and its result is their sum, held or reduced (`set_output`).
+    Returns whether it did."""
+    self.summed, self._passed = 1, None
+    which = loops.sum_inputs(node) if node.name not in self.tree_nodes else None
+    if not which:
+      return False
+    refs = list(dict.fromkeys(node.inputs[i] for i in which))
+    sums = [self.held.get(r) for r in refs]
+    if None in sums or len({s.partial for s in sums}) != 1 or len({self.values[r][1] for r in refs}) != 1:
+      return False
+    out, natural, partial = node.ref(0), self.values[refs[0]][1], sums[0].partial
+    info = self.ir.info(out)
+    def cost(target):
+      return reshard.plan_bytes(info.shape, info.dtype.size, natural, target.with_rank(len(info.shape)), partial)
+    terms = sum(s.terms for s in sums)
+    if (cost(self.program.shardings[out]) > sum(cost(s.target) for s in sums) or
+        (terms == 1 and out not in self._readers_of_sums())):   # one term, no more to meet: reduced as it was
+      return False
+    for r in refs:
+      del self.held[r]
+    self.summed, self._passed = terms, (sums[0] if terms == 1 else None)
+    outs = self.clone(node, {i: self.values[node.inputs[i]][0] for i in which})
+    self.set_output(0, outs[0], natural, partial)
+    return True
+
+  def settle_sum(self, r):
+    """Reduce the sum held in `r` to its completed sharding (it is read by an op that needs its value): the
+    reduction it would have had where it was produced, emitted as that node's."""
+    held = self.held.pop(r)
+    value, natural = self.values[r]
+    info = self.ir.info(r)
+    requested = (self.program.annotations or {}).get(r) is not None
+    with self._as_node(self.ir.node(held.node)), self.graph.name_scope(None), self.graph.control_dependencies(None):
+      with tf.name_scope(self._scope()), self.report.resharding_of(held.key, natural, held.target, requested):
+        tail = f"; sum of {held.terms} partial terms reduced once" if held.terms > 1 else ""
+        value = reshard.emit_reshard(self, value, info.shape, natural, held.target, held.partial, held.node,
+                                     f"{held.what}; {held.key} is completed as {held.target}{tail}")
+    self._store(r, value, held.target)
