@@ -133,7 +133,7 @@ def main(_):
     print()
     print("ops (graph nodes, function bodies included) of the unpartitioned program, of the per-device program "
           "each device runs through TF's collectives (after the optimize and fuse passes) and of the in-process "
-          "graph of all 8 devices (deduplicated), and the collectives one step runs (XLA off)")
+          "graph of all 8 devices (what they compute alike written once), and the collectives one step runs (XLA off)")
     head = ("program", "unpartitioned ops", "per-device ops", "in-process graph ops", "logical collectives",
             "collective ops emitted", "bytes sent / device")
     table = []

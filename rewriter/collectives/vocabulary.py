@@ -46,6 +46,10 @@ class Collective:
   # (x, data inputs, {name: Const NodeDef}, the GraphDef being written) -> (op, inputs, attrs), or None where TF's
   # own shape function gives the result its operand's shape; `unshaped`: a stand-in may be none (shape unknown).
   stand_in: Optional[Callable[..., Any]] = None
+  # What device p's result is a function of, beside the op and its control inputs (the one graph emits one copy
+  # for devices whose results are equal, rewriter/one_graph/in_process.py): "group", the members' operands in rank
+  # order (every member gets the same result); "rank", those and p's rank among them; None: p's own.
+  depends_on: Optional[str] = None
 
   def runs_in_process(self, node_def):
     return self.in_process_if is None or self.in_process_if(node_def)
@@ -121,9 +125,11 @@ def _plain_reduce(node_def):
 
 EMITTED = {c.op_type: c for c in (
     Collective("CollectiveReduceV2", "all-reduce", tf.raw_ops.CollectiveReduceV2, _all_reduce, xla=True,
-               xla_merges=(b"Add", b"Mul"), in_process_if=_plain_reduce),
-    Collective("CollectiveGatherV2", "all-gather", tf.raw_ops.CollectiveGatherV2, _all_gather, stand_in=_gathered),
-    Collective("CollectiveAllToAllV2", "all-to-all", tf.raw_ops.CollectiveAllToAllV2, _all_to_all),
+               xla_merges=(b"Add", b"Mul"), in_process_if=_plain_reduce, depends_on="group"),
+    Collective("CollectiveGatherV2", "all-gather", tf.raw_ops.CollectiveGatherV2, _all_gather, stand_in=_gathered,
+               depends_on="group"),
+    Collective("CollectiveAllToAllV2", "all-to-all", tf.raw_ops.CollectiveAllToAllV2, _all_to_all,
+               depends_on="rank"),
     Collective("CollectiveBcastSendV2", "collective-permute", tf.raw_ops.CollectiveBcastSendV2, _send,
                sender=True),
     Collective("CollectiveBcastRecvV2", "collective-permute", tf.raw_ops.CollectiveBcastRecvV2, _receive,

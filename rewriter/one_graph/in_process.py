@@ -3,9 +3,9 @@
 Every mesh device runs the same per-device program; TF's collective executor joins their collectives. On
 logical CPUs of one process that costs more than the data it moves: a small all-reduce over 4 logical CPUs
 takes ~400 us beyond its arithmetic (ring steps, callbacks, thread wake-ups), and a transformer step runs
-dozens. The devices share the host's memory and cores, so this pass instead copies the per-device program once
-per device into one GraphDef (node `d<p>/<name>`, the partition id a constant) and replaces each collective by
-its in-process meaning, the ordinary ops that compute its result from the members' tensors, which the
+dozens. The devices share the host's memory and cores, so this pass instead writes the per-device program of
+every device into one GraphDef (node `d<p>/<name>`: device p's copy, the partition id a constant) with each
+collective as its in-process meaning, the ordinary ops that compute its result from the members' tensors, which the
 collectives vocabulary (rewriter/collectives/vocabulary.py) states beside each op; `Edges` is what the meanings
 build with. Who takes part in each collective is read from its record in the report (`Emitted.groups`, its
 instance key, a receive's send), as the collectives builder made it: nothing of the program is run or decoded.
@@ -22,10 +22,11 @@ Then:
     device, and a replicated one's row 0 stands for its value. Other variables' reads and writes run per device:
     a replicated variable is read once, on device 0; each device's reads of one shape reach the first device as
     one tensor, and the values written come back likewise;
-  * deduplication: copies of an argument that hold the same tile are read from the first device holding it (a
-    replicated argument is the same everywhere), and a stateless node that repeats an earlier one (same op,
-    attributes and inputs) is left out and its uses read the earlier one. What the devices compute alike -- a
-    replicated weight's update, the layer norm of an all-reduced activation -- runs once.
+  * one copy per class of equal values (`_copy_of`): devices holding the same tile of an argument, the members of
+    a collective whose result is the same on each (the vocabulary's `depends_on`), and, through stateless ops,
+    devices whose operands are equal compute equal values; a node is written once for each such class of
+    devices, and their uses read that copy. What the devices compute alike -- a replicated weight's update, the
+    layer norm of an all-reduced activation -- is written and runs once.
 
 These are the semantics of TF's ops as the partitioner uses them; the per-device program, its report and the
 bytes it counts are unchanged (`program.in_process` is another way to run them). The runtime calls the graph once
@@ -274,8 +275,9 @@ def _build(program, emitted, found, grouped):
                              lambda x: [edges.ranked(p, x.name) for p in range(n)], grouped and stack,
                              stacked_variables={v: v in replicated for v in stacked},
                              positions=positions, across=across)
-  printed = _copies(program, gd, edges, stacker, (uniform, read_once, touching, pairs))
-  return _assembled(program, out, edges.ref, stacker, handles, printed, stacked)
+  copy = _copy_of(program, gd, edges, stacker, handles | touching | set(pairs))
+  _copies(program, gd, edges, stacker, copy, (uniform, read_once, touching, pairs))
+  return _assembled(program, out, edges.ref, stacker, copy, stacked)
 
 
 def _resources(program, gd):
@@ -308,19 +310,17 @@ def _read_once(program, gd, ref, stack):
   return uniform, read_once, stacked, shards
 
 
-def _copies(program, gd, edges, stacker, shared):
-  """Each device's copy of every node the stacker leaves per device (into `edges.out`), a collective's as its
-  in-process meaning; {device p's print: device 0's} (see PRINT_OPS)."""
+def _copies(program, gd, edges, stacker, copy, shared):
+  """The copies of the nodes the stacker leaves per device (into `edges.out`): device p's where it stands for its
+  own (`copy`), a collective's as its in-process meaning."""
   uniform, read_once, touching, pairs = shared
   ref, devices, positions = edges.ref, edges.devices, local_positions(program)
   nodes = {x.name: x for x in gd.node}
-  printed = {}
   for p in range(len(devices)):
     for x in gd.node:
       if stacker.form[x.name] != stacking.PER_DEVICE and (x.name not in uniform or p and x.name in read_once):
         continue
-      if p and x.op in PRINT_OPS:
-        printed[ref(p, x.name)] = ref(0, x.name)
+      if x.name in copy and copy[x.name][p] != p and x.op != "Placeholder":   # (an argument is fed to every copy)
         continue
       node = edges.out.node.add()
       node.CopyFrom(x)
@@ -339,30 +339,88 @@ def _copies(program, gd, edges, stacker, shared):
         graph_view.write_const(node, np.int32(positions[p]))
       elif x.op in vocabulary.EMITTED and p not in pairs.get(x.name, ()):   # (none over a group of one)
         vocabulary.EMITTED[x.op].in_process(edges, x, node, p)
-  return printed
 
 
-def _assembled(program, out, ref, stacker, handles, printed, stacked):
-  """The InProcess record of the one graph `out`: references renamed to the stacker's, equal copies merged."""
-  positions = local_positions(program)
-  n = len(positions)
+def _copy_of(program, gd, edges, stacker, own):
+  """{node the stacker leaves per device: per device p, the device whose copy stands for p's -- p itself, or one
+  whose copy computes the same value}.
+
+  Devices hold equal values where the per-device program does the same to equal operands: an argument's equal tiles
+  (a replicated argument is the same everywhere, `_same_tiles`); a uniform operand (the stacker's); a collective's
+  result, where the vocabulary says it depends on the group's operands only (all-reduce, all-gather: the group's
+  first member computes it for all) or on them and the rank (all-to-all); and whatever a stateless op computes from
+  equal operands. Stateful ops, the `own` nodes (variable handles and what touches them, transfers across
+  processes), the partition id and a stacked operand's rows are each device's own. A print is device 0's (its
+  operands are replicated: printed once per call, as the tf.function would). So what the devices compute alike -- a
+  replicated weight's update, the layer norm of an all-reduced activation -- is written once, never copied to be
+  merged later."""
+  n = len(edges.devices)
+  functions = {f.signature.name: f for f in gd.library.function}
+  copy = _same_tiles(program, local_positions(program))
+
+  def operand(i, p):
+    control = graph_view.is_control(i)
+    name, k = graph_view.split_ref(i[1:] if control else i)
+    form = stacker.form[name]
+    return (copy[name][p] if name in copy else None if form == stacking.UNIFORM else p, name, k, control)
+
+  for x in graph_view.GraphView(gd).order():
+    if stacker.form[x.name] != stacking.PER_DEVICE or x.name in copy:
+      continue
+    called = functions.get(x.op) or (functions.get(x.attr["f"].func.name) if "f" in x.attr else None)
+    stateful = called.signature.is_stateful if called is not None else graph_view.is_stateful(x.op)
+    collective = vocabulary.EMITTED.get(x.op)
+    if x.op in PRINT_OPS:
+      copy[x.name] = (0,) * n
+    elif x.op == "Placeholder" or x.name in own or x.name == program.partition_id or (
+        collective is None and stateful) or (collective is not None and collective.depends_on is None):
+      copy[x.name] = tuple(range(n))
+    else:
+      copy[x.name] = _equal_copies(x, collective, edges, n, operand)
+  return copy
+
+
+def _equal_copies(x, collective, edges, n, operand):
+  """Per device p, the first device whose copy of NodeDef `x` has the same operands (`operand(input, p)`); a
+  collective whose members all get one result stands for its group by its first member (which computes it)."""
+  controls = [i for i in x.input if graph_view.is_control(i)]
+  keys, firsts = [], []
+  for p in range(n):
+    if collective is None:
+      keys.append(tuple(operand(i, p) for i in x.input))
+      firsts.append(p)
+      continue
+    ranked = edges.ranked(p, x.name)
+    keys.append((tuple(operand(x.input[0], q) for q in ranked), tuple(operand(i, p) for i in controls)) +
+                ((ranked.index(p),) if collective.depends_on == "rank" else ()))
+    firsts.append(ranked[0] if collective.depends_on == "group" else p)
+  first = {}
+  # (a member whose controls differ from its group's first keeps its own copy, which reads the first's result)
+  return tuple(first.setdefault(keys[p], firsts[p] if keys[firsts[p]] == keys[p] else p) for p in range(n))
+
+
+def _assembled(program, out, ref, stacker, copy, stacked):
+  """The InProcess record of the one graph `out`: references renamed to the stacker's forms and to the copies that
+  stand for each device's (`copy`)."""
+  n = len(local_positions(program))
   existing = {x.name for x in out.node}
-  outputs = [stacker.rename(ref(p, graph_view.normalize(t)), existing) for t in program.local_outputs
-             for p in range(n)]
-  side_effects = [stacker.rename("^" + ref(p, s), existing)[1:] for s in program.side_effects for p in range(n)]
-  for x in list(out.node):
-    renamed = [stacker.rename(i, existing) for i in x.input]
+
+  def renamed(i):
+    return _to_copy(stacker.rename(i, existing), copy)
+
+  outputs = [renamed(ref(p, graph_view.normalize(t))) for t in program.local_outputs for p in range(n)]
+  # A side effect that equals another device's (a check of the same tile) runs once, as that one.
+  effects = dict.fromkeys(renamed("^" + ref(p, s))[1:] for s in program.side_effects for p in range(n))
+  for x in out.node:
+    inputs = [renamed(i) for i in x.input]
     del x.input[:]
-    x.input.extend(graph_view.dedupe_controls(renamed))
-  graph, same = _deduplicated(out, {**_same_tiles(program, positions, ref), **printed},
-                              {ref(p, h) for h in handles for p in range(n)})
+    x.input.extend(graph_view.dedupe_controls(inputs))
+  graph_view.GraphView(out).order()   # ValueError on a cycle (grouped reads and writes can close one: see run)
   inputs = [ref(p, graph_view.normalize(t)) for t in program.local_inputs for p in range(n)]
   for v in program.local_variables:
     inputs += [f"stk/{v}:0"] if v in stacked else [ref(p, graph_view.normalize(v)) for p in range(n)]
-  # A side effect merged with an equal one (a check of the same tile) runs once, as that one.
-  effects = dict.fromkeys(_renamed(s, same) for s in side_effects)
-  return InProcess(graph, tuple(inputs), tuple(_renamed(t, same) for t in outputs),
-                   _joined_per_device(graph, effects), tuple(v in stacked for v in program.local_variables))
+  return InProcess(out, tuple(inputs), tuple(outputs), _joined_per_device(out, effects),
+                   tuple(v in stacked for v in program.local_variables))
 
 
 def _stackable(gd, shards, outputs):
@@ -403,20 +461,22 @@ def _creates_resource(node):
       a.type == tf.resource.as_datatype_enum for a in op_def.output_arg)
 
 
-def _renamed(i, same):
-  """Input string `i` with its node replaced by the node it equals under `same` (a left-out node's)."""
-  name = graph_view.node_of(i)
-  name = same.get(name, name)
-  if graph_view.is_control(i):
-    return f"^{name}"
-  index = graph_view.split_ref(i)[1]
-  return name if ":" not in i else f"{name}:{index}"
+def _to_copy(i, copy):
+  """Input string `i` of the one graph, a reference to device p's copy of a per-device node (`d<p>/<name>`) read
+  from the copy that stands for it (`copy`)."""
+  control = graph_view.is_control(i)
+  name, k = graph_view.split_ref(i[1:] if control else i)
+  head, _, rest = name.partition("/")
+  if rest not in copy or not (head[:1] == "d" and head[1:].isdigit()):
+    return i
+  name = f"d{copy[rest][int(head[1:])]}/{rest}"
+  return f"^{name}" if control else (f"{name}:{k}" if ":" in i else name)
 
 
-def _same_tiles(program, positions, ref):
-  """{argument Placeholder of device p: that of the first device holding the same tile}: equal tiles hold equal
-  values (a replicated argument is the same on every device), so the copies can read one (p indexes `positions`,
-  the mesh positions of the graph's devices)."""
+def _same_tiles(program, positions):
+  """{argument Placeholder: per device p, the first device holding the same tile}: equal tiles hold equal values (a
+  replicated argument is the same on every device), so the copies can read one (p indexes `positions`, the mesh
+  positions of the graph's devices)."""
   same = {}
   for name, sharding, spec in zip(program.local_inputs, program.param_shardings, program.arg_specs):
     rank = spec.shape.rank
@@ -424,49 +484,6 @@ def _same_tiles(program, positions, ref):
       continue
     s = sharding.with_rank(rank)
     first = {}
-    for p, position in enumerate(positions):
-      q = first.setdefault(tuple(s.tile_index(position, d) for d in range(rank)), p)
-      if q != p:
-        same[ref(p, name)] = ref(q, name)
+    same[graph_view.node_of(name)] = tuple(
+        first.setdefault(tuple(s.tile_index(position, d) for d in range(rank)), p) for p, position in enumerate(positions))
   return same
-
-
-def _deduplicated(gd, same, keep):
-  """(`gd` with every stateless node that repeats an earlier one -- same op, attributes and inputs once `same`
-  maps node names to the nodes they equal -- left out, {left-out node: the node it equals}).
-
-  The devices' copies of the program compute many values alike (a replicated weight's update, a layer norm of
-  an all-reduced activation, every member of a group after an all-reduce); in one graph each runs once. Stateful
-  ops (variable reads and writes, stateful calls) and the nodes in `keep` are never merged.
-  """
-  functions = {f.signature.name: f for f in gd.library.function}
-  same = dict(same)
-  seen, kept = {}, []
-  for node in graph_view.GraphView(gd).order():
-    new = tf.compat.v1.NodeDef()
-    new.CopyFrom(node)
-    del new.input[:]
-    new.input.extend(graph_view.dedupe_controls([_renamed(i, same) for i in node.input]))
-    called = functions.get(node.op) or (functions.get(node.attr["f"].func.name) if "f" in node.attr else None)
-    stateful = called.signature.is_stateful if called is not None else graph_view.is_stateful(node.op)
-    if stateful or node.op == "Placeholder" or node.name in keep or node.name in same:
-      kept.append(new)
-      continue
-    if node.op == "Identity" and len(new.input) == 1 and graph_view.split_ref(new.input[0])[1] == 0 and \
-        not graph_view.is_control(new.input[0]):   # (an all-reduce member reading the group's result)
-      same[node.name] = graph_view.node_of(new.input[0])
-      continue
-    key = tf.compat.v1.NodeDef()
-    key.CopyFrom(new)
-    key.name, key.device = "", ""
-    key = key.SerializeToString(deterministic=True)
-    if key in seen:
-      same[node.name] = seen[key]
-    else:
-      seen[key] = node.name
-      kept.append(new)
-  out = tf.compat.v1.GraphDef()
-  out.versions.CopyFrom(gd.versions)
-  out.library.CopyFrom(gd.library)
-  out.node.extend(kept)
-  return out, same

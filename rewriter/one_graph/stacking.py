@@ -68,6 +68,7 @@ class Stacker(Rules):
     self._uniform = dict(uniform_refs)  # node name -> the name of its uniform tensor's node
     self._packed, self._unpacked = {}, {}
     self._made = set()
+    self._consts = {}   # (dtype, shape, bytes) -> the Const holding that value
     self._groups_of = []
     self._nodes = {x.name: x for x in gd.node}
     self._groups = groups   # collective NodeDef -> per device, the mesh positions of its group in rank order
@@ -276,10 +277,16 @@ class Stacker(Rules):
     return name
 
   def _const(self, name, value):
-    if name in self._made:
-      return f"{name}:0"
-    self._made.add(name)
-    graph_view.write_const(self.out.node.add(name=name, device=self.devices[0]), value)
+    """A Const named `name` holding `value`, as an input string: the one already made with that name, or with that
+    value (the stacked forms' shapes, axes and perms repeat across nodes: one Const each)."""
+    value = np.asarray(value)
+    key = (value.dtype.str, value.shape, value.tobytes())
+    if name not in self._made and key in self._consts:
+      return self._consts[key]
+    if name not in self._made:
+      self._made.add(name)
+      graph_view.write_const(self.out.node.add(name=name, device=self.devices[0]), value)
+      self._consts.setdefault(key, f"{name}:0")
     return f"{name}:0"
 
   def _copy(self, x, name, inputs, **attrs):
