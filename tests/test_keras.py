@@ -249,7 +249,8 @@ def test_eager_distribute_tensor_lays_the_value_out(shape, axes):
   mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], keras.distribution.list_devices("cpu")[:8])
   value = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
   layout = keras.distribution.TensorLayout(axes, mesh)
-  assert keras.distribution.distribute_tensor(value, layout) is value   # no distribution: unchanged
+  own = keras.distribution.distribute_tensor(value, layout)   # no distribution: on the layout's own mesh (as JAX's)
+  assert gs.sharding_of(own).spec == P(*axes) and np.array_equal(own.numpy(), value)
   with _model_parallel(mesh).scope():
     got = keras.distribution.distribute_tensor(tf.constant(value), layout)
     assert isinstance(got, gs.ShardedTensor)
@@ -264,6 +265,15 @@ def test_eager_distribute_tensor_lays_the_value_out(shape, axes):
     assert gs.sharding_of(again).is_replicated and np.array_equal(again.numpy(), value)   # relaid out
     # TF ops and Keras layers read it as its global value (an eager layer output with a layout is one)
     np.testing.assert_array_equal(tf.reduce_sum(got).numpy(), value.sum())
+
+
+def test_a_layout_without_a_mesh_is_keras_value_error():
+  """Keras's words first (its backends' ValueError), then ours; outside any distribution and in backend_layout."""
+  layout = keras.distribution.TensorLayout(("batch", None))
+  with pytest.raises(ValueError, match="^Cannot create sharding when device mesh is not set"):
+    keras.distribution.distribute_tensor(np.ones((8, 12), np.float32), layout)
+  with pytest.raises(ValueError, match="^Cannot create sharding when device mesh is not set.*DeviceMesh"):
+    layout.backend_layout   # pylint: disable=pointless-statement
 
 
 def test_eager_distribute_tensor_rejects_layouts_that_do_not_fit():

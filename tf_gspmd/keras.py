@@ -458,12 +458,13 @@ def _backend_functions(backend_dl):
   """tf_gspmd's `distribute_tensor` and `get_device_count` for Keras's backend distribution module `backend_dl`."""
   def distribute_tensor(tensor, layout):
     """`keras.distribution.distribute_tensor` (also Keras's hook for `"<layer path>/output"` layouts): inside a
-    partitioned function an annotation; run eagerly under a distribution, the value laid out as `layout` says
-    (a gs.ShardedTensor, `gs.sharding_of` its layout); elsewhere (a plain tf.function, no distribution) the
-    tensor unchanged."""
+    partitioned function an annotation; run eagerly, the value laid out as `layout` says (a gs.ShardedTensor,
+    `gs.sharding_of` its layout) over the active distribution's mesh or, with none, the layout's own (as Keras's
+    JAX backend lays it out; a layout without a mesh is Keras's ValueError); in a plain tf.function the tensor
+    unchanged."""
     if tf.executing_eagerly():
       plan = _active_plan()
-      return tensor if plan is None else distribute_eagerly(tensor, layout, plan.mesh)
+      return distribute_eagerly(tensor, layout, None if plan is None else plan.mesh)
     if current_mesh() is None:
       return tensor
     return shard(tensor, layout if isinstance(layout, Sharding) else P(*layout.axes))

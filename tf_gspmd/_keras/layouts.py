@@ -72,6 +72,10 @@ def warn_unmatched_keys(keys, model):
                     f"stays replicated. Fix the key{hint}", stacklevel=4)
 
 
+# Keras's own words for a layout without a mesh (its backends' ValueError; SpecError is one): callers match them.
+NO_MESH = "Cannot create sharding when device mesh is not set"
+
+
 def layout_sharding(layout, shape, what, mesh=None):
   """(mesh, Sharding) of a Keras TensorLayout (or a gs.Sharding, the layout's `backend_layout`) for a value of
   `shape`, over the layout's own device mesh, else `mesh` (the active distribution's). Raises SpecError naming
@@ -84,9 +88,8 @@ def layout_sharding(layout, shape, what, mesh=None):
     own = mesh_of(device_mesh)
     mesh = mesh if own == mesh else own
   if mesh is None:
-    raise SpecError(f"layout {tuple(layout.axes)} for {what} has no device mesh and no distribution is active: "
-                    f"create the TensorLayout with a keras.distribution.DeviceMesh, or call this under a "
-                    f"distribution's scope()")
+    raise SpecError(f"{NO_MESH} (layout {tuple(layout.axes)} for {what}, no distribution active): create the "
+                    f"TensorLayout with a keras.distribution.DeviceMesh, or call this under a distribution's scope()")
   axes = tuple(layout.axes)
   if len(axes) != len(shape):
     raise SpecError(f"layout {axes} has {len(axes)} entries but {what} has rank {len(shape)}; give the layout one "
@@ -162,8 +165,8 @@ def distribute_variable(value, layout, mesh=None):
 def backend_layout(tensor_layout):
   """`TensorLayout.backend_layout` on the TF backend: the gs.Sharding over the layout's mesh (`backend_mesh`)."""
   if tensor_layout.device_mesh is None:
-    raise SpecError(f"TensorLayout {tuple(tensor_layout.axes)}: cannot create a sharding when the device mesh is "
-                    f"not set; give the TensorLayout a DeviceMesh (or put it in a LayoutMap, which sets its own)")
+    raise SpecError(f"{NO_MESH} (TensorLayout {tuple(tensor_layout.axes)}): give the TensorLayout a DeviceMesh (or "
+                    f"put it in a LayoutMap, which sets its own)")
   axes = tuple(tensor_layout.axes)
   return layout_sharding(tensor_layout, (0,) * len(axes), f"TensorLayout {axes}")[1]
 
