@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gspmd.errors import InputError
+from tf_gspmd.ops import registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,17 +66,7 @@ def _static(t):
 
 # ---- element-wise ops ------------------------------------------------------------------------------------------
 
-UNARY = frozenset((
-    "Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Ceil", "Cos", "Cosh", "Digamma", "Elu", "Erf", "Erfc",
-    "Erfinv", "Exp", "Expm1", "Floor", "Inv", "Invert", "IsFinite", "IsInf", "IsNan", "LeakyRelu", "Lgamma", "Log",
-    "Log1p", "LogicalNot", "Ndtri", "Reciprocal", "Relu", "Relu6", "Rint", "Round", "Rsqrt", "Selu", "Sigmoid", "Sign",
-    "Sin", "Sinh", "Softplus", "Softsign", "Sqrt", "Square", "Tan", "Tanh", "ZerosLike", "OnesLike", "Gelu"))
 LINEAR = frozenset(("Identity", "Snapshot", "StopGradient", "PreventGradient", "CheckNumerics", "EnsureShape", "Neg"))
-BINARY = frozenset((
-    "Add", "AddV2", "Sub", "Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan", "FloorDiv", "FloorMod", "TruncateDiv",
-    "TruncateMod", "Mod", "Maximum", "Minimum", "Pow", "SquaredDifference", "Atan2", "Xlogy", "Xdivy", "Xlog1py",
-    "Equal", "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr", "BitwiseAnd",
-    "BitwiseOr", "BitwiseXor", "ClipByValue", "SelectV2", "AddN", "BiasAdd"))
 
 
 def _elementwise(op, opn, ins):
@@ -450,8 +441,17 @@ def _select(op, opn, ins):
   return _elementwise(op, opn, ins)
 
 
+def _elementwise_rule(op):
+  """The rule of an element-wise op (ops/registry's `is_elementwise`: each output element depends on the same
+  element of each broadcast operand), by its arity; None for any other op."""
+  if not registry.is_elementwise(op.type):
+    return None
+  return _unary if len(op.inputs) == 1 else _elementwise
+
+
 def _rules():
-  table = {_elementwise: BINARY, _unary: UNARY | LINEAR | {"Cast"}, _reduce: ("Sum", "Mean", "Max", "Min", "Prod"),
+  # (element-wise ops are the registry's, `_elementwise_rule`; BiasAdd broadcasts its own way)
+  table = {_elementwise: ("BiasAdd",), _unary: LINEAR | {"Cast"}, _reduce: ("Sum", "Mean", "Max", "Min", "Prod"),
            _contract: ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"), _batched: _BATCHED,
            _gather: ("Gather", "GatherV2", "ResourceGather"),
            _keeps_rows: ("Slice", "Tile", "Pad", "PadV2", "MirrorPad"),
@@ -517,7 +517,7 @@ def _transfer(op, opn, ins, factor):
     return [FREE] * n
   if all(s.kind in ("free", "nconst") for s in ins):
     return [NCONST] * n
-  rule = RULES.get(op.type)
+  rule = RULES.get(op.type) or _elementwise_rule(op)
   if rule is None:
     return [_top(op, "has no rule saying how it treats the batch rows")] * n
   out = rule(op, opn, ins)
