@@ -98,6 +98,8 @@ def splat_value(proto):
 class IdentityLike(FactorRule):
   """Identity, TF's XlaSharding annotation op, EnsureShape: the value passes through unchanged."""
 
+  linear = (0,)
+
   priority = 0
 
   data = (0,)

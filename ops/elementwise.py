@@ -42,12 +42,21 @@ def _element_shape(info):
   return info.value_shape if info.is_list else info.shape
 
 
+# The element-wise ops linear in their inputs (Rule.linear): sums, differences, negation, copies of the value, and
+# SelectV2 in the values it picks between (its condition fixed).
+_LINEAR = {"AddN": "all", "AddV2": "all", "Add": "all", "Sub": "all", "Neg": (0,), "Snapshot": (0,),
+           "StopGradient": (0,), "PreventGradient": (0,), "CheckNumerics": (0,), "SelectV2": (1, 2)}
+
+
 @register(*UNARY, *BINARY, *GRADIENTS, *TERNARY, "AddN")
 class Elementwise(FactorRule):
   """Same-position ops with broadcasting: the output is split like the operands."""
 
   priority = 0
   elementwise = True
+
+  def linear_in(self, op_type):
+    return _LINEAR.get(op_type)
 
   def stacked_form(self, op_type):
     if op_type in _SAME_SHAPE:
@@ -66,6 +75,7 @@ class Select(FactorRule):
   """Select (v1): a rank-1 condition picks whole rows of higher-rank operands (dim 0), else same shapes."""
 
   priority = 0
+  linear = (1, 2)   # (in the values it picks between, its condition fixed)
 
   def factors(self, node):
     out_shape = node.outputs[0].shape

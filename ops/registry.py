@@ -50,11 +50,19 @@ class Rule:
   rank_free = False   # True: the rule itself handles tensors of unknown rank (parameters, control flow, lists)
 
   stacked = None   # the one-graph form of every op of the rule (STACKED_FORMS), or None: it runs once per device
+  # The inputs the output is a linear function of, jointly with the others fixed ("all", or a tuple of indices), or
+  # None: a sum pending over mesh axes in them may pass to the output unreduced (rewriter/partition/sums.py, a
+  # loop's gradient accumulators, rewriter/graph/loops.py) and a loss's sum over the batch stays one.
+  linear = None
   elementwise = False   # every output element depends on the same element of each (broadcast) operand only
 
   def stacked_form(self, op_type):  # pylint: disable=unused-argument
     """The one-graph form of `op_type` (one of STACKED_FORMS), or None where the op runs once per device."""
     return self.stacked
+
+  def linear_in(self, op_type):  # pylint: disable=unused-argument
+    """`linear` for `op_type` (a rule of several op types may state it per type)."""
+    return self.linear
 
   def unknown_rank(self, node):
     """The first input or output of the node whose rank is unknown ("input 0 (name)"), or None. Unless the rule is
@@ -125,6 +133,16 @@ def stacked_form(op_type):
   device)."""
   rule = _RULES.get(op_type)
   return rule.stacked_form(op_type) if rule is not None else None
+
+
+def linear_inputs(op_type, n_inputs):
+  """The indices of the inputs of an `op_type` op with `n_inputs` inputs its output is a linear function of (jointly,
+  the others fixed; `Rule.linear`), or None."""
+  rule = _RULES.get(op_type)
+  which = rule.linear_in(op_type) if rule is not None else None
+  if which is None:
+    return None
+  return tuple(range(n_inputs)) if which == "all" else tuple(i for i in which if i < n_inputs)
 
 
 def is_elementwise(op_type):

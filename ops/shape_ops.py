@@ -26,6 +26,7 @@ class Transpose(FactorRule):
   """out[i] = in[perm[i]]: the split of each dim moves with it."""
 
   stacked = "transpose"
+  linear = (0,)   # (a rearrangement of the elements)
 
   priority = 0
 
@@ -45,6 +46,7 @@ class ExpandDims(FactorRule):
   """A new size-1 dim: never split; the others keep theirs."""
 
   stacked = "expand_dims"
+  linear = (0,)   # (a rearrangement of the elements)
 
   priority = 0
 
@@ -62,6 +64,7 @@ class Squeeze(FactorRule):
   """Removed size-1 dims carry no split; the others keep theirs."""
 
   stacked = "squeeze"
+  linear = (0,)   # (a rearrangement of the elements)
 
   priority = 0
 
@@ -139,6 +142,7 @@ class Reshape(Rule):
   """Reshape by groups of dims (split/merge keeps the split on the major dim when exact)."""
 
   stacked = "reshape"
+  linear = (0,)   # (a rearrangement of the elements)
 
   priority = 0
 

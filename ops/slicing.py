@@ -369,6 +369,7 @@ class StridedSliceGrad(FactorRule):
   others are whole."""
 
   data = (4,)
+  linear = (4,)   # (the gradient placed in zeros)
 
   def factors(self, node):
     rank = len(node.outputs[0].shape)

@@ -30,6 +30,7 @@ import operator
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd.ops import registry
 from tf_gspmd.rewriter.graph.graph_view import is_control, split_ref
 
 WHILE_OPS = ("While", "StatelessWhile")
@@ -240,34 +241,20 @@ class _Loop:
     return least, None
 
 
-# Ops whose output is a linear function of the inputs listed (None: all of them), so a sum pending over mesh
-# axes in those inputs stays pending in the output: what a gradient loop's accumulation is built from.
-_LINEAR = {"Identity": (0,), "Snapshot": (0,), "AddN": None, "AddV2": None, "Add": None, "Sub": None, "Neg": (0,),
-           "StridedSliceGrad": (4,),
-           "Reshape": (0,), "ExpandDims": (0,), "Squeeze": (0,), "Transpose": (0,),
-           # the same choice on every device of a group (the condition is not a pending sum) of pending sums
-           "Select": (1, 2), "SelectV2": (1, 2), "XlaSharding": (0,)}
-
-
 def linear_inputs(node):
-  """The inputs of `node` its output is linear in (a tuple of indices), or None when it is not such an op."""
-  if node.op not in _LINEAR or len(node.outputs) != 1:
+  """The inputs of `node` its output is linear in (a tuple of indices; its rule's `linear`), so a sum pending over
+  mesh axes in them stays pending in the output: what a gradient loop's accumulation is built from; or None."""
+  if len(node.outputs) != 1:
     return None
-  which = _LINEAR[node.op]
-  return tuple(range(len(node.inputs))) if which is None else tuple(i for i in which if i < len(node.inputs))
-
-
-# The linear ops that are element-wise: each output element is a linear function of the same element of every
-# operand, so a sum pending over mesh axes passes through them with its layout unchanged (XLA's all-reduce
-# reassociation looks through the same adds, subtractions, negations and copies).
-_ELEMENTWISE = frozenset(("Identity", "Snapshot", "AddN", "AddV2", "Add", "Sub", "Neg"))
+  return registry.linear_inputs(node.op, len(node.inputs))
 
 
 def sum_inputs(node):
   """The inputs of `node` that a pending sum passes through with its layout (a tuple of indices: every input),
-  or None: `node` is an element-wise linear op (`_ELEMENTWISE`) whose inputs all have its output's static shape
-  (no broadcasting, which would change the layout a term is held in)."""
-  which = linear_inputs(node) if node.op in _ELEMENTWISE else None
+  or None: `node` is linear in every input (adds, subtractions, negations, copies: XLA's all-reduce reassociation
+  looks through the same) and they all have its output's static shape (no broadcasting, which would change the
+  layout a term is held in), so each output element is a linear function of the same element of every operand."""
+  which = linear_inputs(node)
   if not which or len(which) != len(node.inputs):
     return None
   shape = node.outputs[0].shape
@@ -300,7 +287,7 @@ def reads_parameter(fdef, k):
 
 def accumulators(body, candidates):
   """{k: tensors of its accumulation} for the loop variables k (among `candidates`) that body `body` (a
-  graph_ir.Graph of a While's body) only adds to: the body's result k is computed by linear ops (`_LINEAR`)
+  graph_ir.Graph of a While's body) only adds to: the body's result k is computed by linear ops (`linear_inputs`)
   from parameter k and other values, every consumer of a tensor of that computation (parameter k's included)
   being one of its linear ops (on a linear input). The tensors are the computation's, parameter k and result k
   included; its other inputs are whatever the body computes."""

@@ -86,7 +86,9 @@ class PartialSums:
     reducing them apart: the op runs on the terms, and its result is their sum, held or reduced (`set_output`).
     Returns whether it did."""
     self.summed, self._passed = 1, None
-    which = loops.sum_inputs(node) if node.name not in self.tree_nodes else None
+    # (a layout the user pinned, an annotation's, is met where it is asked for: its operands reduced first)
+    pinned = node.ref(0) in (self.program.annotations or {})
+    which = loops.sum_inputs(node) if node.name not in self.tree_nodes and not pinned else None
     if not which:
       return False
     refs = list(dict.fromkeys(node.inputs[i] for i in which))

@@ -16,10 +16,9 @@ them, which makes it a value of the batch size). Each tensor gets an abstract va
   sum     c x the sum over the rows of a function of the row, c known in each graph (`c`), `affine` when a free
           term is added;
   top     none of these (`why` names the node): refused.
-Each op type has a rule stating how it maps these (element-wise ops, contractions, reductions, gathers, reshapes,
-slices, convolutions, ...); an op without one turns rows and sums into `top`. Nothing is evaluated on data, so
-the answer holds for every input: a loss the rules cannot place is refused, never guessed.
-"""
+Each kind of op has a rule for these (element-wise ops and copies as ops/registry states them; contractions,
+reductions, gathers, reshapes, slices, ...); any other op makes rows and sums `top`. Nothing is evaluated on data:
+the answer holds for every input, and a loss the rules cannot place is refused, never guessed."""
 
 import dataclasses
 import math
@@ -66,7 +65,9 @@ def _static(t):
 
 # ---- element-wise ops ------------------------------------------------------------------------------------------
 
-LINEAR = frozenset(("Identity", "Snapshot", "StopGradient", "PreventGradient", "CheckNumerics", "EnsureShape", "Neg"))
+def _copies_value(op):
+  """Whether `op` passes its one input on linearly (Identity, StopGradient, Neg: its rule's `linear`)."""
+  return len(op.inputs) == 1 and registry.linear_inputs(op.type, 1) == (0,)
 
 
 def _elementwise(op, opn, ins):
@@ -122,7 +123,7 @@ def _linear(op, ins):
         s.kind == "free" and not _is_zero(op, i) for i, s in enumerate(ins))
     return dataclasses.replace(sums[0], affine=affine)
   if len(sums) == 1 and (op.type in ("Mul", "MulNoNan") or (
-      op.type in ("RealDiv", "Div", "DivNoNan") and ins[0].kind == "sum") or op.type in LINEAR):
+      op.type in ("RealDiv", "Div", "DivNoNan") and ins[0].kind == "sum") or _copies_value(op)):
     return sums[0]
   if op.type == "Cast" and op.get_attr("SrcT").is_floating and op.get_attr("DstT").is_floating:
     return sums[0]
@@ -442,8 +443,9 @@ def _select(op, opn, ins):
 
 
 def _elementwise_rule(op):
-  """The rule of an element-wise op (ops/registry's `is_elementwise`: each output element depends on the same
-  element of each broadcast operand), by its arity; None for any other op."""
+  """The rule of an element-wise op (ops/registry's `is_elementwise`) by its arity, or of a copy; else None."""
+  if _copies_value(op):
+    return _unary
   if not registry.is_elementwise(op.type):
     return None
   return _unary if len(op.inputs) == 1 else _elementwise
@@ -451,7 +453,7 @@ def _elementwise_rule(op):
 
 def _rules():
   # (element-wise ops are the registry's, `_elementwise_rule`; BiasAdd broadcasts its own way)
-  table = {_elementwise: ("BiasAdd",), _unary: LINEAR | {"Cast"}, _reduce: ("Sum", "Mean", "Max", "Min", "Prod"),
+  table = {_elementwise: ("BiasAdd",), _unary: ("Cast",), _reduce: ("Sum", "Mean", "Max", "Min", "Prod"),
            _contract: ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"), _batched: _BATCHED,
            _gather: ("Gather", "GatherV2", "ResourceGather"),
            _keeps_rows: ("Slice", "Tile", "Pad", "PadV2", "MirrorPad"),
