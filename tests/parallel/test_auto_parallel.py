@@ -257,7 +257,7 @@ def test_profiling_times_the_chosen_stages_and_the_step_without_a_pipeline():
                      microbatches=4, profile=True)
 
 
-# ---- a loss that sums over the batch, against one that averages (issue 53, item 4)
+# ---- a loss that sums over the batch, against one that averages
 
 
 def sum_loss_fn(params, tokens, labels):
@@ -314,7 +314,7 @@ def test_a_loss_the_microbatches_cannot_combine_into_is_refused():
   assert_close(loss, reference(params, tokens, labels)[0] * N)
 
 
-# ---- typed errors for bad arguments (issue 53, items 11 and 13)
+# ---- typed errors for bad arguments
 
 
 def test_a_mesh_that_is_not_a_gs_mesh_is_a_typed_error():
