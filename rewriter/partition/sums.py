@@ -20,6 +20,7 @@ from typing import Tuple
 
 import tensorflow as tf
 
+from tf_gspmd import ops as op_rules
 from tf_gspmd._layout.mesh import axes_text
 from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.rewriter.graph import loops
@@ -86,9 +87,7 @@ class PartialSums:
     reducing them apart: the op runs on the terms, and its result is their sum, held or reduced (`set_output`).
     Returns whether it did."""
     self.summed, self._passed = 1, None
-    # (a layout the user pinned, an annotation's, is met where it is asked for: its operands reduced first)
-    pinned = node.ref(0) in (self.program.annotations or {})
-    which = loops.sum_inputs(node) if node.name not in self.tree_nodes and not pinned else None
+    which = loops.sum_inputs(node) if node.name not in self.tree_nodes else None
     if not which:
       return False
     refs = list(dict.fromkeys(node.inputs[i] for i in which))
@@ -106,7 +105,8 @@ class PartialSums:
     for r in refs:
       del self.held[r]
     self.summed, self._passed = terms, (sums[0] if terms == 1 else None)
-    outs = self.clone(node, {i: self.values[node.inputs[i]][0] for i in which})
+    rule = op_rules.lookup(node.op)   # the op's own local computation (an annotation's is a copy)
+    outs = rule.emit(self, node, [self.values[node.inputs[i]][0] for i in rule.data_inputs(node)], None)
     self.set_output(0, outs[0], natural, partial)
     return True
 
