@@ -43,6 +43,9 @@ flags.DEFINE_bool("auto", False, "Choose the layouts of the batch, the weights a
                   "(in_shardings=\"auto\": an integer program over the whole step) instead of the model's annotations.")
 flags.DEFINE_float("memory_budget_mib", None, "With --auto: MiB per device the arguments, weights, optimizer state and "
                    "the activations live at the peak may take (--plan prints what a plan takes, counted this way).")
+flags.DEFINE_bool("gpu_form", False, "Lower the train step for a mesh of --mesh GPUs (none needed here), check its GPU "
+                  "form (gs.gpu_form: its XLA clusters through tf2xla, one all-reduce configuration per cluster, one "
+                  "launch order on every device), print it and exit.")
 flags.DEFINE_bool("jit", False, "Compile the compute between collectives with XLA (jit_compile=True).")
 flags.DEFINE_enum("exchange", "auto", ["auto", "collectives"], "How the devices exchange data (gs.function's "
                   "`exchange`): auto runs the CPUs of each process as one graph (TF's collectives only across "
@@ -261,6 +264,22 @@ def plan(task):
   return low
 
 
+def gpu_form(task):
+  """Check and print the GPU form of the train step for a mesh of --mesh GPUs, without them."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
+  mesh = _mesh(task, FLAGS.mesh or task.default_mesh)
+  with gs.plan_scope():
+    model = task.build(mesh, plan_only=True)
+  f = gs.function(model.step, mesh=mesh, **_shardings(task, mesh))
+  form = gs.gpu_form(f, *[tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in task.batch(0)])
+  print(f"{task.name}: GPU form for mesh {dict(zip(mesh.axis_names, mesh.shape))}: {form.summary()}")
+  for c in form.clusters:
+    print(f"  {c.name}: {c.ops} ops, {len(c.all_reduces)} all-reduce(s) of groups {sorted({g for _, g in c.all_reduces})}"
+          f", {c.arithmetic:,.0f} FLOPs per device")
+  return form
+
+
 def _shardings(task, mesh):
   """gs.function's in_shardings (and memory budget) per the flags: the task's specs, or "auto"."""
   if not FLAGS.auto:
@@ -280,6 +299,9 @@ def run(task):
   """Train `task` per the flags; returns the list of (step, loss)."""
   if FLAGS.plan:
     plan(task)
+    return []
+  if FLAGS.gpu_form:
+    gpu_form(task)
     return []
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tf_gspmd as gs  # pylint: disable=g-import-not-at-top

@@ -25,8 +25,9 @@ from tf_gspmd._layout.plan_scope import plan_scope
 from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd._parallel.stages import plan_stages
 from tf_gspmd._parallel.auto_parallel import AutoParallel, auto_parallel
+from tf_gspmd._gpu_form import GpuForm, gpu_form
 from tf_gspmd._visualize import visualize_sharding
-from tf_gspmd.errors import (AutoShardingError, ClusterJoinError, InputError, MeshError, PartitionError,
+from tf_gspmd.errors import (AutoShardingError, ClusterJoinError, GpuFormError, InputError, MeshError, PartitionError,
                              ProcessLostError, ShapeError, ShardingError, SpecError, UnsupportedOpError)
 from tf_gspmd.runtime.cross_mesh import Transfer, TransferLog, plan_transfer, reshard, value_elsewhere, wait_for_sends
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor, from_process_local_data
@@ -41,7 +42,8 @@ __all__ = [
     "from_process_local_data", "sharding_of", "shards_of", "Shard", "variable", "initializers", "visualize_sharding", "ShardingError",
     "MeshError", "SpecError", "ShapeError", "PartitionError", "UnsupportedOpError", "InputError", "ProcessLostError", "ClusterJoinError",
     "AutoShardingError", "tpu", "tpu_mesh", "Stage", "mpmd_pipeline", "MpmdPipeline", "RunRecord", "schedule_order",
-    "reshard", "plan_transfer", "Transfer", "TransferLog", "value_elsewhere", "wait_for_sends",
+    "reshard", "plan_transfer", "Transfer", "TransferLog", "value_elsewhere", "wait_for_sends", "gpu_form", "GpuForm",
+    "GpuFormError",
 ]
 __version__ = "0.1.0"
 

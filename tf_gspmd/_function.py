@@ -170,8 +170,8 @@ class ShardedFunction:
     self.mesh = mesh
     self._in = in_shardings
     self._out = out_shardings
-    if jit_compile not in ("auto", True, False):
-      raise InputError(f"jit_compile must be 'auto', True or False; got {jit_compile!r}")
+    if jit_compile not in ("auto", True, False, "segments"):
+      raise InputError(f"jit_compile must be 'auto', True, False or 'segments'; got {jit_compile!r}")
     if exchange not in ("auto", "collectives"):
       raise InputError(f"exchange must be 'auto' or 'collectives'; got {exchange!r}")
     if partitioner is not None and partitioner not in PARTITIONERS:
@@ -534,7 +534,8 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, strict=Fal
       the "data" axis, or the first axis; or an axis name): gradients are reduce-scattered, the update runs on
       the shard, weights are all-gathered; optimizer-state memory is divided by the axis size.
     jit_compile: "auto" (XLA on GPU and TPU), True (also on CPU, where the compute between collectives runs as
-      XLA-compiled segments), or False.
+      XLA-compiled segments), "segments" (on GPUs too, every collective between XLA clusters, none inside), or
+      False. On GPUs the summing all-reduces of one mesh group run inside XLA clusters (docs/hardware.md).
     memory_budget: with "auto": bytes per device the arguments and variables (weights, optimizer state) may take.
     axis_cost: with "auto": {mesh axis: relative time per byte} (default 1.0; e.g. 8.0 for an axis across hosts).
     flops_per_byte: with "auto": arithmetic a device does in the time a link moves one byte (weighs splitting the

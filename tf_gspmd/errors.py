@@ -46,6 +46,10 @@ class PartitionError(ShardingError):
   """The partitioner or a verifier found an inconsistency in the per-device program."""
 
 
+
+class GpuFormError(PartitionError):
+  """The GPU form of a program (gs.gpu_form) would not compile on GPUs or could hang there."""
+
 class InputError(ShardingError):
   """A gs.function's arguments do not match its declaration, or it is given or returns a value it cannot
   carry (e.g. a split string argument, a SparseTensor result)."""

@@ -1,19 +1,25 @@
 """The compile pass: XLA compilation of the per-device program, by backend.
 
-* GPU: the whole per-device program is compiled (`jit_compile=True` on the imported function) when XLA lowers
-  all of its collectives (TF's tf2xla lowers only summing or multiplying CollectiveReduceV2); this pass checks
-  that every op is one XLA can compile. A program with other collectives (max/min all-reduce, all-gather,
-  all-to-all, collective-permute) is cut into segments, as on CPU.
-* TPU: the per-device program runs under `TPUStrategy.run`, where XLA compiles it whole; same check.
-* CPU: XLA on CPU refuses collectives, so the program is cut into *segments* — maximal groups of compilable
-  ops between collectives — and each segment becomes a function marked `_XlaMustCompile`, called from the
-  (uncompiled) per-device program. Segments are numbered by the number of uncompilable ops (collectives,
-  parameters) on the longest path that reaches them; a path that leaves a segment passes an uncompilable
-  op and so enters a later segment, which keeps the cut acyclic. Constants are copied into every segment
-  that reads them (XLA wants shapes and axes as compile-time constants). Segments that compute the same (the
-  same ops, attributes, constants and wiring once nodes are named by position -- layer l's attention block and
-  layer l+1's) call one function, so XLA compiles it once per input signature: a 12-layer transformer's 50
-  segments per device are 8 functions.
+* GPU: the per-device program is cut into XLA *clusters*, each compiled (`_XlaMustCompile`) and called from the
+  program. A summing or multiplying all-reduce among GPUs that are each a physical GPU (hint "nccl", set by the
+  collectives builder) runs inside a cluster, as XLA's own all-reduce; tf2xla takes one (group key, group size)
+  configuration of CollectiveReduceV2 per cluster, so a cluster holds the all-reduces of one group only. Other
+  collectives (gathers, all-to-alls, permutes, max/min all-reduces, every collective among logical GPUs that share
+  a physical one) run between clusters. A program that is one cluster with nothing outside is compiled whole.
+* TPU: the per-device program runs under `TPUStrategy.run`, where XLA compiles it whole; every op is checked.
+* CPU: XLA on CPU refuses collectives, so every collective runs between clusters (`jit_compile=True`).
+  `jit_compile="segments"` keeps every collective between clusters on GPUs too.
+
+Clusters are grown one after another (`_clusters`): a cluster takes every compilable op whose inputs are ready (made
+by earlier clusters, by ops already run between clusters, or by the cluster itself), except an all-reduce of
+another configuration than the cluster's; of the configurations ready to start a cluster, the one that grows it
+most is taken. The ops between clusters run when their inputs are ready. Every path that leaves a cluster
+therefore enters only later ones, and the cut is acyclic. On a Megatron step the per-layer all-reduces of the
+model axis fall into one cluster with all the compute, and the data axis's gradient all-reduces, ready only when
+nothing of the model axis's is left, into a second with the update (docs/hardware.md argues the bound). Constants
+are copied into every cluster that reads them (XLA wants shapes and axes as compile-time constants). Clusters that
+compute the same (the same ops, attributes, constants and wiring once nodes are named by position -- layer l's
+attention block and layer l+1's) call one function, so XLA compiles it once per input signature.
 
 `jit_compile="auto"` compiles on GPU and TPU and leaves CPU programs to TF's executor, which the runtime
 benchmark (bench/runtime.py) measures as faster for CPU programs cut by many collectives; `True` compiles
@@ -21,24 +27,26 @@ on every backend.
 """
 
 import collections
+import heapq
 import itertools
 
 import tensorflow as tf
 
 from tf_gspmd._platform import compat as _compat
 from tf_gspmd.errors import UnsupportedOpError
-from tf_gspmd.rewriter.collectives import vocabulary
+from tf_gspmd.rewriter.collectives import shapes, vocabulary
 from tf_gspmd.rewriter.graph.graph_view import (GraphView, dedupe_controls, is_control, is_stateful, node_def, node_of,
                                           normalize)
 
-# Ops XLA has no kernel for (TF's tf2xla registry), or that must stay outside a compiled segment on CPU
-# (every collective: XLA on CPU refuses them).
-UNCOMPILABLE = vocabulary.TF_COLLECTIVE_OPS | frozenset({
+# Ops XLA has no kernel for (TF's tf2xla registry), or that must stay outside a compiled cluster; a collective
+# runs in one only where `in_xla` says so.
+UNCOMPILABLE = frozenset({
     "Placeholder", "NoOp", "VarHandleOp", "While", "StatelessWhile", "If", "StatelessIf", "PartitionedCall",
     "StatefulPartitionedCall", "PrintV2", "StringFormat", "Assert", "CheckNumerics", "CheckNumericsV2",
     "ResourceScatterNdUpdate", "UnsortedSegmentProd",
 })
-MIN_SEGMENT_OPS = 2
+MIN_SEGMENT_OPS = {"CPU": 2, "GPU": 1}   # smaller clusters run in TF's executor (on GPUs every op is compiled)
+MODES = ("auto", True, False, "segments")
 _function_ids = itertools.count()
 
 
@@ -56,7 +64,15 @@ def wants_jit(option, backend):
   return bool(option)
 
 
-def _compilable(node):
+def in_xla(node):
+  """Whether collective NodeDef `node` runs inside an XLA cluster: tf2xla lowers it, and it is among GPUs that
+  NCCL serves (hint "nccl": XLA's all-reduce is NCCL's). XLA on CPU refuses collectives."""
+  return vocabulary.lowered_by_xla(node) and node.attr["communication_hint"].s == b"nccl"
+
+
+def _compilable(node, collectives_in_xla=True):
+  if node.op in vocabulary.TF_COLLECTIVE_OPS:
+    return collectives_in_xla and in_xla(node)
   if node.op in UNCOMPILABLE:
     return False
   for key in ("T", "dtype", "Tparams", "DstT", "SrcT"):
@@ -75,55 +91,147 @@ def check_whole_program(graph_def, backend):
                                "jit_compile=False or avoid this op", node=node.name, op_type=node.op)
 
 
-def segment(graph_def, keep):
-  """The per-device GraphDef with its compilable ops grouped into `_XlaMustCompile` functions.
+def segment(graph_def, keep, backend="CPU", collectives_in_xla=False, partition_id=None, variables=None):
+  """The per-device GraphDef with its compilable ops grouped into `_XlaMustCompile` functions (clusters).
 
   Args:
     graph_def: the per-device program (with its function library).
     keep: names of nodes that must stay in the outer program (its inputs and outputs).
+    backend: "CPU" or "GPU" (the smallest cluster compiled, MIN_SEGMENT_OPS).
+    collectives_in_xla: collectives `in_xla` go into clusters (GPU).
+    partition_id: its partition-id Placeholder: what is computed from it and constants alone (a collective's
+      group key) is copied into every cluster that reads it, as constants are.
+    variables: {variable handle Placeholder: (shard shape, dtype)}, for the clusters' arguments' static shapes.
   Returns:
-    (new GraphDef, {old node name: call node name} for the nodes moved into segments).
+    (new GraphDef, {old node name: call node name} for the nodes moved into clusters).
   """
   view = GraphView(graph_def)
-  nodes = list(graph_def.node)
   full = tf.Graph()
   with full.as_default():
-    tf.graph_util.import_graph_def(graph_def, name="")
+    tf.graph_util.import_graph_def(shapes.for_shapes(graph_def, variables or {}), name="")
   order = view.order()
-  groups = _segment_groups(nodes, order, keep)
+  fixed = per_device_constants(order, partition_id)
+  groups = dict(enumerate(_clusters(view, order, keep, fixed, collectives_in_xla, MIN_SEGMENT_OPS[backend])))
   if not groups:
     return graph_def, {}
   out = tf.compat.v1.GraphDef()
   out.versions.CopyFrom(graph_def.versions)
   out.library.CopyFrom(graph_def.library)
-  calls, moved = _segment_functions(out, groups, view, full)
+  calls, moved = _segment_functions(out, groups, view, full, fixed)
   _emit_outer_program(out, order, groups, calls, moved)
   return out, moved
 
 
-def _segment_groups(nodes, order, keep):
-  """The segments: {segment number: its nodes in topological order}, each of at least MIN_SEGMENT_OPS ops.
+def per_device_constants(order, partition_id):
+  """Names of the nodes computed from constants and the partition id alone (a row of a per-device table): each
+  device's value is fixed; a cluster computes its own copy instead of taking it as an argument."""
+  fixed = set()
+  for n in order:   # (a constant that waits for an op, by a control input, runs after it: not fixed)
+    if (n.op == "Const" and not n.input) or (n.op in ("GatherV2", "Identity", "Reshape", "StridedSlice", "Squeeze") and n.input and
+                           not any(is_control(i) for i in n.input) and
+                           all(node_of(i) in fixed or node_of(i) == partition_id for i in n.input)):
+      fixed.add(n.name)
+  return fixed
 
-  A node's number is the number of uncompilable ops (collectives, parameters) on the longest path reaching it.
-  """
-  is_const = {n.name: n.op == "Const" for n in nodes}
-  inside = {n.name: _compilable(n) and not is_const[n.name] and n.name not in keep for n in nodes}
-  phase = {}
+
+def configuration(view, node):
+  """A collective's (group size, group key) configuration, as values: each input's constant value, or the ops and
+  constants that compute it from the partition id (two all-reduces over one mesh axis read equal tables)."""
+  memo = {}
+
+  def value(ref):
+    name = node_of(ref)
+    if name not in memo:
+      n = view.node(name)
+      if n.op == "Const":
+        memo[name] = ("Const", n.attr["value"].SerializeToString(deterministic=True))
+      elif n.op == "Placeholder":
+        memo[name] = ("Placeholder", name)
+      else:
+        memo[name] = (n.op, tuple(value(i) for i in n.input if not is_control(i)))
+    return memo[name]
+
+  return value(node.input[1]), value(node.input[2])
+
+
+def _clusters(view, order, keep, fixed, collectives_in_xla, min_ops):
+  """The clusters, in the order they run: lists of `order`'s nodes (a topological order) in that order (see the
+  module docstring); a cluster smaller than `min_ops` ops runs in TF's executor instead. `fixed`: the per-device
+  constants, which every cluster has."""
+  by_name = {n.name: n for n in order}
+  const = fixed
+  inside = {n.name: n.name not in const and n.name not in keep and _compilable(n, collectives_in_xla)
+            for n in order}
+  config = {n.name: configuration(view, n) for n in order
+            if inside[n.name] and n.op in vocabulary.TF_COLLECTIVE_OPS}
+  position = {n.name: k for k, n in enumerate(order)}
+  succs = collections.defaultdict(list)
+  missing = {}
   for n in order:
-    p = 0
-    for i in n.input:
-      src = node_of(i)
-      step = 0 if inside[src] or is_const[src] else 1
-      p = max(p, phase[src] + step)
-    phase[n.name] = p
-  groups = collections.defaultdict(list)
+    preds = {node_of(i) for i in n.input} - const
+    missing[n.name] = len(preds)
+    for p in preds:
+      succs[p].append(n.name)
+  ready_in, ready_out = [], collections.deque()
+  placed = set()
+
+  def done(name):
+    placed.add(name)
+    for s in succs[name]:
+      missing[s] -= 1
+      if missing[s] == 0 and s not in const and s not in placed:
+        if inside[s]:
+          heapq.heappush(ready_in, (position[s], s))
+        else:
+          ready_out.append(s)
+
   for n in order:
-    if inside[n.name]:
-      groups[phase[n.name]].append(n)
-  return {k: g for k, g in groups.items() if len(g) >= MIN_SEGMENT_OPS}
+    if missing[n.name] == 0 and n.name not in const:   # the program's inputs, ops of constants only
+      if inside[n.name]:
+        heapq.heappush(ready_in, (position[n.name], n.name))
+      else:
+        ready_out.append(n.name)
+
+  def grow(first, cfg):
+    """The cluster grown from the ready ops `first` with configuration `cfg` (None: the first all-reduce's)."""
+    heap, taken, members, left = list(first), set(), [], {}
+    while heap:
+      _, name = heapq.heappop(heap)
+      if name in taken:
+        continue
+      if name in config:
+        if cfg is None:
+          cfg = config[name]
+        elif config[name] != cfg:
+          continue
+      taken.add(name)
+      members.append(name)
+      for s in succs[name]:
+        left[s] = left.get(s, missing[s]) - 1
+        if left[s] == 0 and inside.get(s):
+          heapq.heappush(heap, (position[s], s))
+    return members
+
+  clusters = []
+  while True:
+    while ready_out:
+      done(ready_out.popleft())
+    if not ready_in:
+      break
+    first = sorted(set(ready_in))
+    starts = [None] + sorted({config[n] for _, n in first if n in config}, key=repr)
+    members = max((grow(first, cfg) for cfg in starts), key=len)
+    placed.update(members)
+    ready_in = [(p, n) for p, n in first if n not in placed]
+    heapq.heapify(ready_in)
+    for name in members:
+      done(name)
+    if len(members) >= min_ops:
+      clusters.append([by_name[n] for n in sorted(members, key=position.get)])
+  return clusters
 
 
-def _segment_functions(out, groups, view, full):
+def _segment_functions(out, groups, view, full, fixed):
   """Adds each segment's function to `out`'s library, one per distinct body.
 
   Returns ({segment number: (its call NodeDef, its output refs)}, {old node name: call node name}).
@@ -132,7 +240,7 @@ def _segment_functions(out, groups, view, full):
   calls = {}
   shared = {}   # the canonical form of a segment's body -> the function computing it
   for k, group in sorted(groups.items()):
-    fdef, call, outputs = _build_segment(k, group, view, full)
+    fdef, call, outputs = _build_segment(k, group, view, full, fixed)
     # A layer's segment repeats another layer's: one function, compiled once (not one with state, whose op kernels
     # -- a random generator's -- a shared function would share).
     body = None if fdef.signature.is_stateful else _canonical(fdef)
@@ -209,40 +317,48 @@ def _canonical(fdef):
   return b"\0".join(parts) + repr((rets, controls)).encode()
 
 
-def _build_segment(k, group, view, full):
-  """FunctionDef for segment k, the call NodeDef (inputs still in old names), and its output refs."""
+def _build_segment(k, group, view, full, fixed):
+  """FunctionDef for segment k, the call NodeDef (inputs still in old names), and its output refs. `fixed`: the
+  per-device constants (`per_device_constants`), copied into the segment where it reads them."""
   graph_def = view.graph_def
   names = {n.name for n in group}
-  ext_inputs, ext_controls, consts = [], [], []
+  ext_inputs, ext_controls, copies = [], [], []
+
+  def read(i):   # the source of input `i` of a segment node: inside, a copy, or an argument
+    src = node_of(i)
+    if src in names or src in copies:
+      return
+    if src in fixed:
+      for j in view.node(src).input:
+        read(j)
+      copies.append(src)
+    elif is_control(i):
+      if i not in ext_controls:
+        ext_controls.append(i)
+    elif normalize(i) not in ext_inputs:
+      ext_inputs.append(normalize(i))
+
   for n in group:
     for i in n.input:
-      src = node_of(i)
-      if src in names:
-        continue
-      if view.node(src).op == "Const":
-        if src not in consts:
-          consts.append(src)
-        continue
-      if is_control(i):
-        if i not in ext_controls:
-          ext_controls.append(i)
-      elif normalize(i) not in ext_inputs:
-        ext_inputs.append(normalize(i))
+      read(i)
   outputs = [t.name for n in group for t in full.get_operation_by_name(n.name).outputs
              if any(c.name not in names for c, _ in view.consumers(t.name))]
-  # The segment as a graph: external inputs become placeholders.
+  # The segment as a graph: external inputs become placeholders (of their static shapes, where known).
   g = tf.Graph()
   sub = tf.compat.v1.GraphDef()
   sub.versions.CopyFrom(graph_def.versions)
   arg_names = {}
   for j, r in enumerate(ext_inputs):
-    dtype = tf.compat.v1.AttrValue(type=full.get_tensor_by_name(r).dtype.as_datatype_enum)
-    sub.node.add().CopyFrom(node_def(f"gspmd_arg_{j}", "Placeholder", attrs={"dtype": dtype}))
+    t = full.get_tensor_by_name(r)
+    attrs = {"dtype": tf.compat.v1.AttrValue(type=t.dtype.as_datatype_enum)}
+    sub.node.add().CopyFrom(node_def(f"gspmd_arg_{j}", "Placeholder", attrs=attrs))
     arg_names[r] = f"gspmd_arg_{j}:0"
-  for c in consts:   # a copy, without the control inputs the original may carry
+  for c in copies:   # without the control inputs the original may carry
     node = sub.node.add()
     node.CopyFrom(view.node(c))
     node.ClearField("input")
+    node.input.extend(arg_names.get(normalize(i), i) for i in view.node(c).input if not is_control(i))
+    node.ClearField("device")
   for n in group:
     node = sub.node.add()
     node.CopyFrom(n)
@@ -252,7 +368,7 @@ def _build_segment(k, group, view, full):
       if is_control(i):
         if src in names:
           node.input.append(i)
-      elif src in names or src in consts:
+      elif src in names or src in copies:
         node.input.append(i)
       else:
         node.input.append(arg_names[normalize(i)])
@@ -263,7 +379,7 @@ def _build_segment(k, group, view, full):
   sub.library.CopyFrom(graph_def.library)
   with g.as_default():
     tf.graph_util.import_graph_def(sub, name="")
-  ops = [g.get_operation_by_name(n.name) for n in group] + [g.get_operation_by_name(c) for c in consts]
+  ops = [g.get_operation_by_name(n.name) for n in group] + [g.get_operation_by_name(c) for c in copies]
   inputs = [g.get_tensor_by_name(arg_names[r]) for r in ext_inputs]
   outs = [g.get_tensor_by_name(r) for r in outputs]
   fname = f"gspmd_xla_segment_{k}_{next(_function_ids)}"   # unique in the process (the eager context's library)
@@ -272,6 +388,8 @@ def _build_segment(k, group, view, full):
   fdef.signature.name = fname
   fdef.attr["_XlaMustCompile"].b = True
   fdef.attr["_noinline"].b = True
+  # what the arguments' static shapes are known to be (for readers of the function)
+  fdef.attr["_input_shapes"].list.shape.extend(full.get_tensor_by_name(r).shape.as_proto() for r in ext_inputs)
   fdef.signature.is_stateful = any(is_stateful(op.type) for op in ops)
   for op in ops:
     if not op.outputs and is_stateful(op.type):
@@ -287,21 +405,41 @@ def _build_segment(k, group, view, full):
 
 
 def run(program):
-  """Pass: check (GPU, TPU) or segment (CPU; GPU with collectives XLA does not lower) the per-device program for
-  XLA, per `Options.jit_compile`."""
+  """Pass: check (TPU) or cut into XLA clusters (CPU, GPU) the per-device program, per `Options.jit_compile`."""
   backend = backend_of(program)
-  if not wants_jit(program.options.jit_compile, backend):
+  option = program.options.jit_compile
+  if not wants_jit(option, backend):
     return program.replace(jit=None)
-  unlowered = [n for n in program.local_graph_def.node
-               if n.op in vocabulary.TF_COLLECTIVE_OPS and not vocabulary.lowered_by_xla(n)]
-  if backend == "TPU" or (backend == "GPU" and not unlowered):
+  if backend == "TPU":
     check_whole_program(program.local_graph_def, backend)
     return program.replace(jit="whole")
+  gpu = backend == "GPU" and option != "segments"
+  if gpu and _one_cluster(program.local_graph_def):
+    return program.replace(jit="whole")
   keep = set(program.local_inputs) | set(program.local_variables) | set(program.local_outputs) | {program.partition_id}
-  gd, moved = segment(program.local_graph_def, keep)
+  variables = {ph: (s.with_rank(len(v.shape)).shard_shape(tuple(v.shape)), v.dtype)
+               for ph, v, s in zip(program.local_variables, program.variables, program.variable_shardings)
+               if v is not None}
+  gd, moved = segment(program.local_graph_def, keep, "GPU" if backend == "GPU" else "CPU", collectives_in_xla=gpu,
+                      partition_id=program.partition_id, variables=variables)
   side = []
   for name in program.side_effects:
     call = moved.get(name, name)
     if call not in side:
       side.append(call)
   return program.replace(local_graph_def=gd, side_effects=tuple(side), jit="segments")
+
+
+def _one_cluster(graph_def):
+  """Whether XLA compiles the whole per-device program on GPUs: every op compiles (collectives inside XLA), and its
+  all-reduces share one configuration."""
+  view = GraphView(graph_def)
+  configs = set()
+  for node in graph_def.node:
+    if node.op in ("Placeholder", "Const"):
+      continue
+    if not _compilable(node):
+      return False
+    if node.op in vocabulary.TF_COLLECTIVE_OPS:
+      configs.add(configuration(view, node))
+  return len(configs) <= 1

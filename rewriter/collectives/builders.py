@@ -38,6 +38,17 @@ from tf_gspmd.rewriter.collectives.widths import (WIDER, from_carrier, moving, m
 _REDUCE = {"Add": tf.reduce_sum, "Max": tf.reduce_max, "Min": tf.reduce_min, "Mul": tf.reduce_prod}
 
 
+def communication_hint(devices):
+  """How TF's collectives among `devices` communicate: "nccl" among GPUs that are each a physical GPU (XLA then
+  compiles their summing all-reduces, as NCCL's: rewriter/backend/jit.py), "ring" among logical GPUs that share
+  one (NCCL takes one physical GPU per member), else "auto" (TF's own choice: its ring on CPUs)."""
+  if (tf.DeviceSpec.from_string(devices[0]).device_type or "CPU").upper() != "GPU":
+    return "auto"
+  if len(tf.config.list_logical_devices("GPU")) > len(tf.config.list_physical_devices("GPU")):
+    return "ring"
+  return "nccl"
+
+
 def _token_pairs(idle, starved):
   """{sender: receiver} of tokens: a bijection from the members that send nothing (`idle`) to those that receive
   nothing (`starved`, as many), none to itself; None when there is none (a single member that is both)."""
@@ -57,6 +68,7 @@ class Backend(MeshGroups):
     self.pid = pid
     self.lookup = lookup      # lookup(np table, name) -> per-device row of the table (a tensor)
     self.report = report
+    self.hint = communication_hint(self.devices)
 
   def _keys(self, axes, level=None):
     of, members = self._groups_at(axes, level)
@@ -105,7 +117,7 @@ class Backend(MeshGroups):
     size, key = self._keys(axes, level)
     instance = next_instance_key()
     common = dict(input=y, group_size=size, group_key=key, instance_key=instance, ordering_token=[],
-                  name=name or kind.replace("-", "_"))
+                  communication_hint=self.hint, name=name or kind.replace("-", "_"))
     build = vocabulary.BY_KIND[kind].build
     who = (self.ranked_groups(axes, level), instance, None)
     if kind == "all-reduce":
@@ -414,9 +426,11 @@ class Backend(MeshGroups):
       sending, recv_shape, carried = y, shape, shape
     instance = next_instance_key()
     sent = vocabulary.PERMUTE_SEND.build(input=sending, group_size=2, group_key=self.lookup(
-        send_key, f"permute_send_key_{tag}"), instance_key=instance, name="permute_send")
+        send_key, f"permute_send_key_{tag}"), instance_key=instance, communication_hint=self.hint,
+        name="permute_send")
     got = vocabulary.PERMUTE_RECEIVE.build(group_size=2, group_key=self.lookup(recv_key, f"permute_recv_key_{tag}"),
-                                           instance_key=instance, shape=recv_shape, T=y.dtype, name="permute_recv")
+                                           instance_key=instance, shape=recv_shape, T=y.dtype,
+                                           communication_hint=self.hint, name="permute_recv")
     per_device = count * y.dtype.size
     ops = (self._describe(sent, "collective-permute", axes, y, 2, device_bytes=per_device if tokens else None,
                           shape=carried, who=(groups[0], instance, None)),

@@ -81,6 +81,7 @@ class MeshGroups:
 
   def __init__(self, mesh, devices, processes=None):
     self.mesh = mesh
+    devices = devices or mesh.devices   # planned without them: the devices the mesh names, if any
     self.devices = tuple(devices) if devices else tuple(f"/job:localhost/replica:0/task:0/device:CPU:{p}"
                                                          for p in range(mesh.size))
     self.processes = processes
