@@ -28,13 +28,12 @@ three ways:
   * more runs of a uniform, uniform int or full int: every group the runs touch at once, Philox and the
     distribution written in TF integer ops (ops/philox.py), bit for bit the kernel's (both are bit manipulations
     of the words), then each run's elements taken from its groups -- any layout, nothing of the global size;
-  * more runs of a normal or truncated normal: one op over the span of the flat output from the shard's first
-    element to its last, and the shard's elements taken from it, with a warning. Box-Muller goes through the C
-    library's logf and sincosf (CUDA's on GPUs), whose last bit TF's math ops do not reproduce (measured on CPU:
-    TF's float32 log, sin and cos miss the kernel's float32 normal by an ulp or two in about a fifth of samples,
-    even correctly rounded ones in 1.5%), so only the kernel gives its values. The span is about the global size
-    over the tiles of the leading dims up to the first split one: a split of dim 0 divides it, a split of a late
-    dim only (P(None, "model")) generates nearly the whole tensor on every device.
+  * more runs of a normal or truncated normal: the runs one after another in a loop (tf.map_fn), each by the
+    kernel op at its own counter, as above: Box-Muller goes through the C library's logf and sincosf (CUDA's on
+    GPUs), whose last bit TF's math ops do not reproduce (measured on CPU: TF's float32 log, sin and cos miss the
+    kernel's float32 normal by an ulp or two in about a fifth of samples, even correctly rounded ones in 1.5%), so
+    only the kernel gives its values. The loop holds one run (plus a group) at a time, the result the shard:
+    nothing of the global size, for any layout and any number of runs.
 
 Padding of uneven splits is set to 0, what slicing the whole tensor gives. The algorithm must be Philox: `alg` a
 constant 1 (Philox) or 3 (auto select, Philox on CPUs and GPUs); another or an unknown one is generated whole and
@@ -153,7 +152,7 @@ class StatelessRandom(Rule):
   """shape, key, counter, alg (and minval, maxval for the bounded ints), or shape, seed (and the bounds) for the
   older ops: each device generates its shard's runs of the flat output (see the module docstring): one op per run
   at the counter advanced past the groups before it; past MAX_RUNS runs, Philox in integer ops at the shard's own
-  groups (uniform and ints) or one op over the shard's span (normals); an algorithm other than Philox is
+  groups (uniform and ints) or the kernel op run by run in a loop (normals); an algorithm other than Philox is
   generated whole and sliced."""
 
   priority = 0
@@ -182,7 +181,7 @@ class StatelessRandom(Rule):
     elif OLDER.get(node.op, node.op) in BIT_EXACT:
       y = self._bit_exact(ctx, node, geometry, local, key, counter)
     else:
-      y = self._span(ctx, node, geometry, local, key, counter)
+      y = self._looped(ctx, node, geometry, local, key, counter)
     for d in range(len(shape)):
       if target.tiles(d) > 1 and target.tiles(d) * local[d] != shape[d]:
         y = ctx.mask(y, shape, target, d, 0)
@@ -277,20 +276,33 @@ class StatelessRandom(Rule):
     ctx.record(y)
     return y
 
-  def _span(self, ctx, node, geometry, local, key, counter):
-    """The span of the flat output from the shard's first element to its last, by one kernel op, and the shard's
-    elements taken from it (a normal's values need the kernel itself: see the module docstring)."""
+  def _looped(self, ctx, node, geometry, local, key, counter):
+    """The shard's runs generated one after another in a loop, each by the kernel at its own counter (the run [o,
+    o + L) is elements [o % G, o % G + L) of the kernel's L + G - 1 outputs at the counter advanced by (o // G) * K):
+    a normal's values need the kernel itself (see the module docstring); the loop holds one run at a time and the
+    result the shard, nothing of the global size."""
     k, c, strides, _ = geometry
-    span = sum((c[d] - 1) * strides[d] for d in range(k)) + c[k] * strides[k]
-    shape = node.outputs[0].shape
-    total = int(np.prod(shape, dtype=np.int64))
-    ctx.warn(f"{node.op} {node.name}: a shard of {list(shape)} split as {ctx.target(0)} is {run_count(geometry)} "
-             f"runs of the flat output; its normal samples come from TF's kernel only, generated over the "
-             f"{span} elements spanning the shard (of {total}) on every device")
-    y = self._kernel_runs(ctx, node, first_elements(geometry)[:, None], span, [span], key, counter)
-    with ctx.helper_scope():
-      within = _index_grid(c[:k] + [c[k] * strides[k]], strides[:k] + [1], tf.constant(0, tf.int64))
-      return tf.reshape(tf.gather(y, within), local)
+    dtype = node.outputs[0].dtype
+    g, skip = group_size(dtype), counter_skip(node.op, dtype)
+    length = c[k] * strides[k]
+    op = OLDER.get(node.op, node.op)
+    alg = 1 if node.op in OLDER else int(np.asarray(node.const_input(3)).reshape(-1)[0])
+    tshape = node.input_info(0).dtype
+    with ctx.helper_scope(), ctx.after_control_inputs():
+      starts = run_starts(ctx, geometry)
+      counters = advance(counter, tf.cast(tf.math.floordiv(starts, g) * skip, tf.uint64))
+      dims = tf.constant([length + g - 1], tshape)
+
+      def run(args):
+        counter_r, offset_r = args
+        y = getattr(tf.raw_ops, op)(shape=dims, key=key, counter=counter_r, alg=alg, dtype=dtype)
+        return tf.slice(y, tf.reshape(offset_r, [1]), [length])
+
+      values = tf.map_fn(run, (counters, tf.math.floormod(starts, g)),
+                         fn_output_signature=tf.TensorSpec([length], dtype))
+      y = tf.reshape(values, local)
+    ctx.record(y)
+    return y
 
   def _whole(self, ctx, node):
     (y,) = ctx.clone(node, {})

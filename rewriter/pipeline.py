@@ -19,6 +19,7 @@ done by the runtime (`tf_gspmd.runtime`), because it needs the devices; everythi
 runtime reads one record, `DeviceProgram` (built by the last pass), never the Program or its IR.
 """
 
+import dataclasses
 import os
 import time
 
@@ -26,6 +27,7 @@ from tf_gspmd.errors import PartitionError, ShardingError
 from tf_gspmd.rewriter.backend import cleanup, constants, horizontal, jit, xla_export
 from tf_gspmd.rewriter.collectives import combine, ordering
 from tf_gspmd.rewriter.frontend import grappler, import_annotations, trace
+from tf_gspmd.rewriter.graph import graph_view
 from tf_gspmd.rewriter.one_graph import in_process
 from tf_gspmd.rewriter.partition import partition, schedules
 from tf_gspmd.rewriter.program import DeviceProgram
@@ -33,16 +35,22 @@ from tf_gspmd.rewriter.sharding import auto, completion, memory, weight_update
 
 
 def device_program(program):
-  """Pass: `program.device_program`, the record the runtime runs (needs the mesh's devices; None in plan mode)."""
+  """Pass: `program.device_program`, the record the runtime runs (needs the mesh's devices; None in plan mode); its
+  graphs' functions named by what they compute (`graph_view.named_by_content`)."""
+  one_graph = program.in_process
+  if one_graph is not None and one_graph.graph_def.library.function:
+    one_graph = dataclasses.replace(one_graph, graph_def=graph_view.named_by_content(one_graph.graph_def))
+  local = program.local_graph_def
   return program.replace(device_program=DeviceProgram(
-      devices=tuple(program.devices), graph_def=program.local_graph_def, partition_id=program.partition_id,
+      devices=tuple(program.devices), partition_id=program.partition_id,
+      graph_def=graph_view.named_by_content(local) if local.library.function else local,
       inputs=tuple(program.local_inputs), variable_inputs=tuple(program.local_variables),
       outputs=tuple(program.local_outputs), side_effects=tuple(program.side_effects),
       arguments=tuple(zip(program.input_names, program.arg_specs, program.param_shardings)),
       variables=tuple(zip(program.variable_names, program.variables, program.variable_shardings,
                           program.variables_written)),
       results=tuple(program.output_specs), jit=program.jit, locally_optimized=program.locally_optimized,
-      in_process=program.in_process, collective_timeout=program.options.collective_timeout))
+      in_process=one_graph, collective_timeout=program.options.collective_timeout))
 
 
 PASSES = (

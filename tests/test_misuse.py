@@ -311,6 +311,9 @@ CASES = [
     ("keras.auto_layout_map", "not-a-model", lambda: _keras("auto_layout_map", "m", MESH, data=X), errors.InputError,
      "DeviceMesh"),
     ("visualize_sharding", "int", lambda: gs.visualize_sharding(5, show=False), errors.ShardingError, "int"),
+    ("gpu_form", "not-a-function", lambda: gs.gpu_form(5), errors.InputError, "takes a gs.function"),
+    ("gpu_form", "cpu-lowering", lambda: gs.gpu_form(_f().lower(tf.TensorSpec([8, 4]))), errors.InputError,
+     "lowering is for a CPU mesh"),
     ("stack_stages", "zero-stages", lambda: gs.stack_stages(np.zeros((4, 2)), 0), errors.ShardingError, "stages"),
     ("unstack_stages", "zero-repeats", lambda: gs.unstack_stages(np.zeros((4, 2)), repeats=0), errors.ShardingError,
      "repeats"),
@@ -336,7 +339,7 @@ def test_misuse_raises_a_typed_error_naming_the_problem(api, case, call, error, 
 
 # Public names that take no arguments, are values or error types, or are classes the library builds for the user.
 NOT_CALLED_WITH_ARGUMENTS = {
-    "AutoShardingError", "ClusterJoinError", "InputError", "MeshError", "PartitionError", "ProcessLostError",
+    "AutoShardingError", "ClusterJoinError", "GpuFormError", "GpuForm", "InputError", "MeshError", "PartitionError", "ProcessLostError",
     "ShapeError", "ShardingError", "SpecError", "UnsupportedOpError", "errors", "initializers", "ops", "rewriter",
     "runtime", "tpu", "keras", "process_count", "process_index", "plan_scope", "wait_for_sends", "TransferLog",
     "Lowered", "ShardedFunction", "ShardedTensor", "Shard", "Transfer", "RunRecord", "AutoParallel", "MpmdPipeline",

@@ -32,8 +32,8 @@ from typing import Tuple
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.framework import function_def_to_graph
 
+from tf_gspmd._platform import compat as _compat
 from tf_gspmd.errors import GpuFormError, InputError, PartitionError
 from tf_gspmd._layout.mesh import Mesh
 from tf_gspmd.rewriter import pipeline
@@ -109,7 +109,9 @@ class GpuForm:
     if program.variables and any(v is None for v in program.variables):
       raise InputError("the program captures a resource that is not a variable: its GPU form cannot run here")
     graph_def = _on_cpus(program.local_graph_def)
-    record = pipeline.device_program(program.replace(devices=tuple(devices), local_graph_def=graph_def))
+    # compiled whole on GPUs, collectives included: TF's executor runs it on CPUs (XLA on CPU refuses collectives)
+    jit_mode = None if program.jit == "whole" else program.jit
+    record = pipeline.device_program(program.replace(devices=tuple(devices), local_graph_def=graph_def, jit=jit_mode))
     flat = _executable.Executable(record.device_program)(list(args))
     return tf.nest.map_structure(lambda k: None if k is None else flat[k], program.output_structure)
 
@@ -179,7 +181,7 @@ def _cluster_unit(call, fdef, handles):
   shard}) of the cluster `call` calls."""
   sources = [i for i in call.input if not i.startswith("^")]
   known = list(fdef.attr["_input_shapes"].list.shape) if "_input_shapes" in fdef.attr else None   # (jit.py)
-  graph_def, flat = function_def_to_graph.function_def_to_graph_def(fdef, input_shapes=known)
+  graph_def, flat = _compat.function_def_to_graph_def(fdef, input_shapes=known)
   inputs = [a.name for a in fdef.signature.input_arg]
   outputs = [flat.get(fdef.ret[a.name], fdef.ret[a.name]) for a in fdef.signature.output_arg]
   held = {a: handles[node_of(i)] for a, i in zip(inputs, sources) if node_of(i) in handles}

@@ -317,10 +317,9 @@ def _canonical(fdef):
   return b"\0".join(parts) + repr((rets, controls)).encode()
 
 
-def _build_segment(k, group, view, full, fixed):
-  """FunctionDef for segment k, the call NodeDef (inputs still in old names), and its output refs. `fixed`: the
-  per-device constants (`per_device_constants`), copied into the segment where it reads them."""
-  graph_def = view.graph_def
+def _segment_inputs(group, view, fixed):
+  """What segment `group` reads from outside: (its arguments (tensor refs), its control inputs, the per-device
+  constants it copies, in an order that has each after the ones it reads)."""
   names = {n.name for n in group}
   ext_inputs, ext_controls, copies = [], [], []
 
@@ -341,6 +340,15 @@ def _build_segment(k, group, view, full, fixed):
   for n in group:
     for i in n.input:
       read(i)
+  return ext_inputs, ext_controls, copies
+
+
+def _build_segment(k, group, view, full, fixed):
+  """FunctionDef for segment k, the call NodeDef (inputs still in old names), and its output refs. `fixed`: the
+  per-device constants (`per_device_constants`), copied into the segment where it reads them."""
+  graph_def = view.graph_def
+  names = {n.name for n in group}
+  ext_inputs, ext_controls, copies = _segment_inputs(group, view, fixed)
   outputs = [t.name for n in group for t in full.get_operation_by_name(n.name).outputs
              if any(c.name not in names for c, _ in view.consumers(t.name))]
   # The segment as a graph: external inputs become placeholders (of their static shapes, where known).

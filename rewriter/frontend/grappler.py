@@ -52,7 +52,7 @@ def run_local(program):
   gd = program.local_graph_def
   keep = set(program.local_inputs) | set(program.local_variables) | set(program.local_outputs) | set(
       program.side_effects) | {program.partition_id} | set(program.report.emitted())
-  optimized = _optimized(gd, keep, LOCAL_OPTIMIZERS)
+  optimized = _optimized(_functional_control_flow(gd), keep, LOCAL_OPTIMIZERS)   # (its loops stay While ops)
   if optimized is None:   # it dropped a node the program needs: leave the optimizing to TF's runtime
     return program
   return program.replace(local_graph_def=optimized, locally_optimized=True)

@@ -6,6 +6,7 @@ A tensor reference is "node:index"; a control input is "^node". Public sharding 
 `h` is "h", its second output "h:1"), matching how users name tensors with tf.identity(..., name="h").
 """
 
+import hashlib
 import heapq
 
 import numpy as np
@@ -260,6 +261,53 @@ def function_names(nd):
     elif v.HasField("list"):
       names.extend(f.name for f in v.list.func)
   return names
+
+
+def named_by_content(graph_def):
+  """A copy of `graph_def` whose library functions are named by what they compute (each name suffixed with a hash
+  of its body, the functions it calls renamed first), and every reference renamed: two programs imported into one
+  process then never hold different bodies under one name (TF's function library keeps one body per name)."""
+  functions = {f.signature.name: f for f in graph_def.library.function}
+  renamed = {}
+
+  def rename_refs(nodes):
+    for nd in nodes:
+      if nd.op in renamed:
+        nd.op = renamed[nd.op]
+      for v in nd.attr.values():
+        if v.HasField("func") and v.func.name in renamed:
+          v.func.name = renamed[v.func.name]
+        elif v.HasField("list"):
+          for f in v.list.func:
+            f.name = renamed.get(f.name, f.name)
+
+  def visit(name):
+    if name in renamed:
+      return
+    renamed[name] = name   # (no function calls itself)
+    fdef = functions[name]
+    for nd in fdef.node_def:
+      for callee in function_names(nd):
+        if callee in functions:
+          visit(callee)
+    rename_refs(fdef.node_def)
+    body = type(fdef)()
+    body.CopyFrom(fdef)
+    body.signature.name = ""
+    digest = hashlib.sha1(body.SerializeToString(deterministic=True)).hexdigest()[:12]
+    renamed[name] = f"{name}_{digest}"
+    fdef.signature.name = renamed[name]
+
+  out = type(graph_def)()
+  out.CopyFrom(graph_def)
+  functions = {f.signature.name: f for f in out.library.function}
+  for name in list(functions):
+    visit(name)
+  rename_refs(out.node)
+  for grad in out.library.gradient:
+    grad.function_name = renamed.get(grad.function_name, grad.function_name)
+    grad.gradient_func = renamed.get(grad.gradient_func, grad.gradient_func)
+  return out
 
 
 def is_stateful(op_type):

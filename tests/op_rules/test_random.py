@@ -208,22 +208,47 @@ def test_a_shard_of_many_runs_is_generated_alone_bit_for_bit(kind, layout):
   assert random_rules.run_count(random_rules.shard_geometry(shape, target, mesh.size)) > random_rules.MAX_RUNS
 
   low = _partitioned(lambda seed: gen(shape, seed), [SEED], (P(),), mesh, spec)
-  if kind.startswith(NORMALS):   # the kernel over the shard's span, said so
-    assert any("spanning the shard" in w for w in low.report.warnings)
-    return
   assert not low.report.warnings
   assert not _global_sized(low, shape)
+  if kind.startswith(NORMALS):   # the kernel run by run in a loop: one run (and a group) at a time
+    length = random_rules.shard_runs(shape, target, mesh.size)[2]
+    sizes = _kernel_sizes_in_functions(low)
+    assert sizes and max(sizes) <= length + random_rules.PHILOX_WORDS - 1, sizes
+    return
   assert not [op for op, _ in _random_ops(low) if op != "StatelessRandomGetKeyCounter"]   # no kernel op at all
 
 
-def test_the_span_of_a_normal_is_the_shard_rows_span_not_the_whole():
+def _kernel_sizes_in_functions(low):
+  """Element counts the random kernels inside the per-device program's loops are asked for: the shape constants the
+  program passes its loops (a kernel in a loop body reads its shape from the loop's inputs)."""
+  kernels = [n for f in low.graph_def.library.function for n in f.node_def
+             if n.op in ("StatelessRandomNormalV2", "StatelessTruncatedNormalV2")]
+  loops = [n for n in low.graph_def.node if n.op in ("While", "StatelessWhile")]
+  if not kernels or not loops:
+    return []
+  nodes = {n.name: n for n in low.graph_def.node}
+  sizes = []
+  for loop in loops:
+    for i in loop.input:
+      src = nodes.get(i.split(":")[0].lstrip("^"))
+      if src is not None and src.op == "Const" and src.attr["dtype"].type in (tf.int32.as_datatype_enum,
+                                                                             tf.int64.as_datatype_enum):
+        value = tf.make_ndarray(src.attr["value"].tensor)
+        if value.ndim == 1 and value.size == 1:
+          sizes.append(int(value[0]))
+  return sizes
+
+
+def test_a_normal_of_a_late_split_is_generated_run_by_run_not_over_its_span():
+  """P(None, "model") on [64, 96]: 64 runs of 24 elements a device; no kernel op larger than a run and a group."""
   shape = (64, 96)
 
   def fn(seed):
     return tf.random.stateless_normal(shape, seed=seed)
 
-  low = _partitioned(fn, [SEED], (P(),), MESH, P("data", "model"))
-  assert [s for op, s in _random_ops(low) if op == "StatelessRandomNormalV2"] == [(32 * 96 - 96 + 24,)]
+  low = _partitioned(fn, [SEED], (P(),), MESH, P(None, "model"))
+  assert not [op for op, _ in _random_ops(low) if op == "StatelessRandomNormalV2"]
+  assert max(_kernel_sizes_in_functions(low)) == 24 + 3
 
 
 @pytest.mark.parametrize("low_word", [2**64 - 3, 2**64 - 1])
