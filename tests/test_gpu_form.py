@@ -145,3 +145,17 @@ def test_every_reference_program_binary_and_keras_hub_step_passes():
   names = {line.split()[0] for line in lines[:-1]}
   assert {"mlp_megatron", "transformer_megatron", "conv_halo", "train_transformer", "train_convnet", "train_moe",
           "keras_hub_gemma_train_step"} <= names
+
+
+def test_the_gpu_check_script_checks_its_own_set_up_without_a_gpu():
+  """tools/gpu_check.py --dry_run: every program planned for GPUs and its GPU form checked; two run on CPUs in both
+  modes against one device."""
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--dry_run",
+                        "--only=mlp_megatron,attention"], capture_output=True, text=True, timeout=900, check=False)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert "no GPU: dry run" in out.stdout and out.stdout.strip().endswith("all checks passed")
+  planned = [line for line in out.stdout.splitlines() if "GPU plan x4" in line]
+  assert len(planned) >= 2 * 12 and all("GPU form checked" in line or "planned, GPU form checked" in line
+                                        for line in planned), planned
+  ran = [line for line in out.stdout.splitlines() if " CPU x4 " in line]   # progress lines and the table's rows
+  assert len(ran) == 8 and all(line.rstrip().endswith("matches") for line in ran), ran
