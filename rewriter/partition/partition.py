@@ -287,6 +287,9 @@ class PartitionContext(halo.WindowedOperands, accumulation.PendingSums, sums.Par
       params = [graph.get_tensor_by_name(ctx.ops[name].name + ":0") for name in sub.ir.inputs]
     name = f"{fname}_gspmd_{len(self.functions)}"
     self.functions.append(functions.to_function_def(graph, name, params + [ctx.pid], outs))
+    # the functions the body's own ops built (a loop a rule emits inside it), which the program's library lacks
+    known = {f.signature.name for f in self.functions} | {f.signature.name for f in sub.ir.graph_def.library.function}
+    self.functions.extend(f for f in graph.as_graph_def().library.function if f.signature.name not in known)
     return name, carried
 
   def used(self, r):
