@@ -37,11 +37,12 @@ def _explicit(pads):
           "explicit_paddings": tf.compat.v1.AttrValue(list=tf.compat.v1.AttrValue.ListValue(i=pads))}
 
 
-def _explicit_except(dims, d):
-  """EXPLICIT paddings attrs: each spatial dim padded as the op pads it, except `d` (its window is cut)."""
+def _explicit_except(dims, ds):
+  """EXPLICIT paddings attrs: each spatial dim padded as the op pads it, except those of `ds` (their windows are
+  cut)."""
   pads = [0, 0]
   for k in (1, 2):
-    pads += [0, 0] if k == d else [dims[k].lo, dims[k].hi]
+    pads += [0, 0] if k in ds else [dims[k].lo, dims[k].hi]
   return _explicit(pads + [0, 0])
 
 
@@ -52,28 +53,30 @@ def _valid(node):
   return attrs
 
 
-def _pad_others(x, dims, d, fill):
-  """`x` padded along the spatial dims but `d` as the op pads them (pooling ops take no EXPLICIT padding;
-  AvgPool none at all), so the local op runs VALID."""
-  pads = [[0, 0]] + [[0, 0] if k == d else [dims[k].lo, dims[k].hi] for k in (1, 2)] + [[0, 0]]
+def _pad_others(x, dims, ds, fill):
+  """`x` padded along the spatial dims but those of `ds` as the op pads them (pooling ops take no EXPLICIT
+  padding; AvgPool none at all), so the local op runs VALID."""
+  pads = [[0, 0]] + [[0, 0] if k in ds else [dims[k].lo, dims[k].hi] for k in (1, 2)] + [[0, 0]]
   return tf.pad(x, pads, constant_values=fill) if any(p[0] or p[1] for p in pads) else x
 
 
-def _unpad_others(x, dims, d):
+def _unpad_others(x, dims, ds):
   """The inverse of `_pad_others` on a gradient of the padded input: the rows of the input itself."""
-  begin = [0] + [0 if k == d else dims[k].lo for k in (1, 2)] + [0]
-  size = [-1] + [-1 if k == d else dims[k].size for k in (1, 2)] + [-1]
-  return tf.slice(x, begin, size) if any(dims[k].lo or dims[k].hi for k in (1, 2) if k != d) else x
+  begin = [0] + [0 if k in ds else dims[k].lo for k in (1, 2)] + [0]
+  size = [-1] + [-1 if k in ds else dims[k].size for k in (1, 2)] + [-1]
+  return tf.slice(x, begin, size) if any(dims[k].lo or dims[k].hi for k in (1, 2) if k not in ds) else x
 
 
-def _avg_scale(ctx, layout, dims, d, first, count):
+def _avg_scale(ctx, layout, dims, reached):
   """Per result element, taps / window count, so a VALID average of a window with padding selected to 0
   becomes the average over its input rows alone (the op's SAME semantics); None where every count is full.
-  Along `d` result row j of the device of shard index t is row first[t] + j (a per-device table)."""
+  Along a split dim d, `reached[d]` = (first, count): result row j of the device of shard index t is row
+  first[t] + j (a per-device table)."""
   scale = None
   for k in (1, 2):
     g = dims[k]
-    if k == d:
+    if k in reached:
+      d, (first, count) = k, reached[k]
       rows = first[:, None] + np.arange(count)[None, :]
       cnt = g.count(rows)
       if np.all(cnt[(rows >= 0) & (rows < g.out)] == g.taps):
@@ -92,6 +95,25 @@ def _avg_scale(ctx, layout, dims, d, first, count):
       f = tf.constant((g.taps / cnt).astype(np.float32).reshape(shape))
     scale = f if scale is None else scale * f
   return scale
+
+
+def _forward_reads(ctx, w, i):
+  """[(dim, `windows.Rows`)]: the rows of input i each device's result rows read, along every split dim."""
+  return [(d, ctx.rows_read(i, w.layout(), d, w.dims[d].out, -w.dims[d].lo, w.dims[d].stride, w.dims[d].window))
+          for d in w.ds]
+
+
+def _reaching(w, layout):
+  """{split dim: `WindowDim.reaching`}: per shard index, the result rows whose windows reach its input rows."""
+  return {d: w.dims[d].reaching(layout.tiles(d)) for d in w.ds}
+
+
+def _own_rows(ctx, dx, layout, w, reached):
+  """A gradient computed over the windows `reached` cut to each device's own input rows, dim by dim."""
+  for d, (first, count, lo, hi, c) in reached.items():
+    start = w.dims[d].rows_read(first, count, lo, hi)[0]
+    dx = ctx.take_rows(dx, layout, d, np.arange(len(first)) * c - start, c)
+  return dx
 
 
 @register("Conv2D", "Conv3D")
@@ -113,12 +135,11 @@ class Conv(WindowedRule):
     return Factors((("b",) + space + ("ci",), filt), (("b",) + space + ("co",),))
 
   def windowed(self, ctx, node, w):
-    g, d = w.g, w.d
-    if not ctx.window_fits(0, w.layout(), d, g.out, -g.lo, g.stride, g.window):
+    x = ctx.windows(0, w.layout(), _forward_reads(ctx, w, 0), 0)
+    if x is None:
       return False
-    x = ctx.window(0, w.layout(), d, g.out, -g.lo, 0, g.stride, g.window)
     k = ctx.operand(1, Sharding(ctx.mesh, ((),) * 3 + (w.c_axes,)))
-    (y,) = ctx.clone(node, {0: x, 1: k}, attrs=_explicit_except(w.dims, d))
+    (y,) = ctx.clone(node, {0: x, 1: k}, attrs=_explicit_except(w.dims, w.ds))
     ctx.set_output(0, y, w.layout(w.c_axes))
     return True
 
@@ -149,21 +170,19 @@ class ConvBackpropInput(WindowedRule):
     return ctx.clone(node, {0: sizes, 1: local_inputs[0], 2: local_inputs[1]})
 
   def windowed(self, ctx, node, w):
-    g, d = w.g, w.d
     layout = w.layout()
-    first, count, lo, hi, c = g.reaching(layout.tiles(d))
-    dy = ctx.window_rows(2, layout, d, first, count, lo, hi, 0)
+    reached = _reaching(w, layout)
+    dy = ctx.windows(2, layout, [(d, r[:4]) for d, r in reached.items()], 0)
     if dy is None:
       return False
     k = ctx.operand(1, Sharding(ctx.mesh, ((),) * 2 + (w.c_axes, ())))
     natural = w.layout(w.c_axes)
-    start, rows, _, _ = g.rows_read(first, count, lo, hi)
     sizes = list(natural.shard_shape(node.outputs[0].shape))
-    sizes[d] = rows
+    for d, (first, count, lo, hi, _) in reached.items():
+      sizes[d] = w.dims[d].rows_read(first, count, lo, hi)[1]
     (dx,) = ctx.clone(node, {0: tf.constant(sizes, node.input_info(0).dtype), 1: k, 2: dy},
-                      attrs=_explicit_except(w.dims, d))
-    dx = ctx.take_rows(dx, natural, d, np.arange(len(first)) * c - start, c)
-    ctx.set_output(0, dx, natural)
+                      attrs=_explicit_except(w.dims, w.ds))
+    ctx.set_output(0, _own_rows(ctx, dx, natural, w, reached), natural)
     return True
 
 @register("Conv2DBackpropFilter", "Conv3DBackpropFilterV2")
@@ -192,27 +211,28 @@ class ConvBackpropFilter(WindowedRule):
     return ctx.clone(node, {0: local_inputs[0], 1: sizes, 2: local_inputs[1]})
 
   def split_layout(self, ctx, node):
-    """The layout of d_out when it splits one spatial dim, else the input's."""
+    """The layout of d_out when it splits a spatial dim, else the input's."""
     cur = ctx.current(2)
-    return cur if split_spatial(cur, 4) else ctx.current(0)
+    rank = len(node.input_shape(2))
+    return cur if split_spatial(cur, rank) else ctx.current(0)
 
   def windowed(self, ctx, node, w):
-    g, d = w.g, w.d
     layout = w.layout()
-    if not ctx.window_fits(0, layout, d, g.out, -g.lo, g.stride, g.window):
+    x = ctx.windows(0, layout, _forward_reads(ctx, w, 0), 0)
+    if x is None:
       return False
-    x = ctx.window(0, layout, d, g.out, -g.lo, 0, g.stride, g.window)
     dy = ctx.operand(2, layout)
     dy_shape = node.input_shape(2)
     # Summed over batch and rows: the padding of uneven shards must add nothing (selected to 0 on both sides).
-    if g.out % layout.tiles(d):
-      dy = ctx.mask(dy, dy_shape, layout, d, 0)
+    for d in w.ds:
+      if w.dims[d].out % layout.tiles(d):
+        dy = ctx.mask(dy, dy_shape, layout, d, 0)
     if w.b_axes and dy_shape[0] % layout.tiles(0):
       dy = ctx.mask(dy, dy_shape, layout, 0, 0)
       x = ctx.mask(x, node.input_shape(0), layout, 0, 0)
     kernel = [int(v) for v in node.outputs[0].shape]
     (dw,) = ctx.clone(node, {0: x, 1: tf.constant(kernel, node.input_info(1).dtype), 2: dy},
-                      attrs=_explicit_except(w.dims, d))
+                      attrs=_explicit_except(w.dims, w.ds))
     ctx.set_output(0, dw, Sharding(ctx.mesh, ((),) * 4), partial=(tuple(w.axes) + w.b_axes, "Add"))
     return True
 
@@ -271,18 +291,19 @@ class Pool(_PoolRule):
   data = (0,)
 
   def windowed(self, ctx, node, w):
-    dims, d, g, layout = w.dims, w.d, w.g, w.layout(w.c_axes)
+    dims, layout = w.dims, w.layout(w.c_axes)
     fill = identity_value("Max", node.outputs[0].dtype) if node.op == "MaxPool" else 0
-    if not ctx.window_fits(0, layout, d, g.out, -g.lo, g.stride, g.window):
+    x = ctx.windows(0, layout, _forward_reads(ctx, w, 0), fill)
+    if x is None:
       return False
-    x = ctx.window(0, layout, d, g.out, -g.lo, fill, g.stride, g.window)
     with ctx.helper_scope():
-      x = _pad_others(x, dims, d, fill)
+      x = _pad_others(x, dims, w.ds, fill)
     (y,) = ctx.clone(node, {0: x}, attrs=_valid(node))
     if node.op == "AvgPool":
-      c = -(-g.out // layout.tiles(d))
+      own = {d: (np.arange(layout.tiles(d)) * -(-dims[d].out // layout.tiles(d)), -(-dims[d].out // layout.tiles(d)))
+             for d in w.ds}
       with ctx.helper_scope():
-        scale = _avg_scale(ctx, layout, dims, d, np.arange(layout.tiles(d)) * c, c)
+        scale = _avg_scale(ctx, layout, dims, own)
         if scale is not None:
           y = ctx.record(y * tf.cast(scale, y.dtype))
     ctx.set_output(0, y, layout)
@@ -311,23 +332,23 @@ class MaxPoolGrad(_PoolRule):
     return Factors((labels, labels, labels), (labels,))
 
   def windowed(self, ctx, node, w):
-    dims, d, g, layout = w.dims, w.d, w.g, w.layout(w.c_axes)
+    dims, layout = w.dims, w.layout(w.c_axes)
     lowest = identity_value("Max", node.outputs[0].dtype)
-    first, count, lo, hi, c = g.reaching(layout.tiles(d))
-    start, rows, r_lo, r_hi = g.rows_read(first, count, lo, hi)
-    if not (ctx.window_rows_fit(0, layout, d, start, rows, r_lo, r_hi) and
-            ctx.window_rows_fit(2, layout, d, first, count, lo, hi)):
+    reached = _reaching(w, layout)
+    inputs = [(d, dims[d].rows_read(*r[:4])) for d, r in reached.items()]
+    grads = [(d, r[:4]) for d, r in reached.items()]
+    if not (ctx.windows_fit(0, layout, inputs) and ctx.windows_fit(2, layout, grads)):
       return False
-    x = ctx.window_rows(0, layout, d, start, rows, r_lo, r_hi, lowest)
-    dy = ctx.window_rows(2, layout, d, first, count, lo, hi, 0)
+    x = ctx.windows(0, layout, inputs, lowest)
+    dy = ctx.windows(2, layout, grads, 0)
     with ctx.helper_scope():
-      x = _pad_others(x, dims, d, lowest)
+      x = _pad_others(x, dims, w.ds, lowest)
       # The pooled result over the window, recomputed from the input rows the window holds anyway (a max is
       # exact), rather than exchanging the result's halo rows too.
       y = tf.nn.max_pool2d(x, list(node.attr("ksize").i), list(node.attr("strides").i), "VALID")
     (dx,) = ctx.clone(node, {0: x, 1: y, 2: dy}, attrs=_valid(node))
     with ctx.helper_scope():
-      dx = ctx.take_rows(_unpad_others(dx, dims, d), layout, d, np.arange(len(first)) * c - start, c)
+      dx = _own_rows(ctx, _unpad_others(dx, dims, w.ds), layout, w, reached)
     ctx.set_output(0, dx, layout)
     return True
 
@@ -347,24 +368,24 @@ class AvgPoolGrad(_PoolRule):
     return ctx.clone(node, {0: self.local_shape_input(ctx, node, axes_of, 0), 1: local_inputs[0]})
 
   def windowed(self, ctx, node, w):
-    dims, d, g, layout = w.dims, w.d, w.g, w.layout(w.c_axes)
-    first, count, lo, hi, c = g.reaching(layout.tiles(d))
-    if not ctx.window_rows_fit(1, layout, d, first, count, lo, hi):
+    dims, layout = w.dims, w.layout(w.c_axes)
+    reached = _reaching(w, layout)
+    dy = ctx.windows(1, layout, [(d, r[:4]) for d, r in reached.items()], 0)
+    if dy is None:
       return False
-    dy = ctx.window_rows(1, layout, d, first, count, lo, hi, 0)
-    start, rows, _, _ = g.rows_read(first, count, lo, hi)
     with ctx.helper_scope():
-      scale = _avg_scale(ctx, layout, dims, d, first, count)
+      scale = _avg_scale(ctx, layout, dims, {d: (r[0], r[1]) for d, r in reached.items()})
       if scale is not None:
         dy = dy * tf.cast(scale, dy.dtype)
       sizes = list(layout.shard_shape(node.outputs[0].shape))
-      sizes[d] = rows
       for k in (1, 2):
-        if k != d:
+        if k in reached:
+          sizes[k] = dims[k].rows_read(*reached[k][:4])[1]
+        else:
           sizes[k] += dims[k].lo + dims[k].hi
     (dx,) = ctx.clone(node, {0: tf.constant(sizes, node.input_info(0).dtype), 1: dy}, attrs=_valid(node))
     with ctx.helper_scope():
-      dx = ctx.take_rows(_unpad_others(dx, dims, d), layout, d, np.arange(len(first)) * c - start, c)
+      dx = _own_rows(ctx, _unpad_others(dx, dims, w.ds), layout, w, reached)
     ctx.set_output(0, dx, layout)
     return True
 

@@ -4,7 +4,7 @@ windowed ops share.
 A result row of a windowed op reads a run of input rows: a slice, pad or concat one row per result row, a
 convolution or pooling window its dilated size at its stride. With the result split along that dim, each
 device computes its rows of the result from its own input rows plus halo rows from its neighbours (GSPMD's
-windowed input). Nothing here emits a window; it is what the emitters compute from:
+windowed input); with several spatial dims split, one dim after the other. Nothing here emits a window; it is what the emitters compute from:
 - `WindowDim`, `geometry`: per spatial dim of a 2-D NHWC convolution or pooling (forward or a gradient), the
   input rows each result row reads;
 - `rows_read_by`, `plan_halo` (a `HaloPlan`): per device, the input rows its window reads, the layout the input
@@ -12,8 +12,8 @@ windowed input). Nothing here emits a window; it is what the emitters compute fr
   `Backend.halo_exchange` moves the halos, then each device cuts its window at its offset (`take_bounds`);
 - `Shift`: a pad or slice along the split dim left unemitted, whose readers' windows read its operand (one
   halo exchange for both ops; `PartitionContext.defer`);
-- `WindowedRule`: the rules of those ops, whose `partition` is their shared prologue (geometry, the one split
-  spatial dim, the mesh axes left for batch and channels, the gathered fallback) before the op's own emission.
+- `WindowedRule`: the rules of those ops, whose `partition` is their shared prologue (geometry, the split
+  spatial dims, the mesh axes left for batch and channels, the gathered fallback) before the op's own emission.
 """
 
 import dataclasses
@@ -255,12 +255,11 @@ def take_bounds(offset, count, extent):
 
 # ---- the windowed rules' prologue -----------------------------------------------------------------------------------
 def split_spatial(layout, rank):
-  """(dim, axes) of the one split spatial dim of an NHWC layout, or None."""
+  """((dim, axes), ...) of the split spatial dims of an NHWC layout (empty when none), or None (no layout)."""
   if layout is None or layout.is_maximal:
     return None
   layout = layout.with_rank(rank)
-  split = [d for d in range(1, rank - 1) if layout.dims[d]]
-  return (split[0], layout.dims[split[0]]) if len(split) == 1 else None
+  return tuple((d, layout.dims[d]) for d in range(1, rank - 1) if layout.dims[d])
 
 
 def free_axes(axes, *used):
@@ -269,45 +268,48 @@ def free_axes(axes, *used):
   return tuple(a for a in axes if a not in taken)
 
 
-def nhwc_layout(mesh, d, axes, b_axes, c_axes=()):
-  """NHWC layout: batch over `b_axes`, spatial dim `d` over `axes`, channels over `c_axes`."""
-  return Sharding(mesh, tuple(b_axes if i == 0 else axes if i == d else c_axes if i == 3 else () for i in range(4)))
+def nhwc_layout(mesh, splits, b_axes, c_axes=()):
+  """NHWC layout: batch over `b_axes`, each spatial dim of `splits` ({dim: axes}) over its axes, channels over
+  `c_axes`."""
+  return Sharding(mesh, tuple(b_axes if i == 0 else splits.get(i, ()) if i < 3 else c_axes for i in range(4)))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class SplitWindow:
-  """A 2-D NHWC windowed op with spatial dim `d` kept split over mesh `axes`: the op's geometry `dims`
-  ({spatial dim: WindowDim}) and the mesh axes left for batch (`b_axes`) and channels (`c_axes`)."""
+  """A 2-D NHWC windowed op with the spatial dims of `splits` ({dim: mesh axes}) kept split: the op's geometry
+  `dims` ({spatial dim: WindowDim}) and the mesh axes left for batch (`b_axes`) and channels (`c_axes`)."""
 
   mesh: Any
   dims: Dict[int, WindowDim]
-  d: int
-  axes: Tuple[str, ...]
+  splits: Dict[int, Tuple[str, ...]]
   b_axes: Tuple[str, ...]
   c_axes: Tuple[str, ...]
 
   @property
-  def g(self):
-    """The geometry of the split dim."""
-    return self.dims[self.d]
+  def ds(self):
+    """The split spatial dims, in order."""
+    return tuple(sorted(self.splits))
+
+  @property
+  def axes(self):
+    """The mesh axes of the split spatial dims."""
+    return tuple(a for d in self.ds for a in self.splits[d])
 
   def layout(self, c_axes=()):
-    """NHWC layout with batch over `b_axes`, dim `d` over `axes` and channels over `c_axes`."""
-    return nhwc_layout(self.mesh, self.d, self.axes, self.b_axes, c_axes)
+    """NHWC layout with batch over `b_axes`, the split dims over their axes and channels over `c_axes`."""
+    return nhwc_layout(self.mesh, self.splits, self.b_axes, c_axes)
 
 
 class WindowedRule(FactorRule):
-  """A 2-D NHWC convolution or pooling, forward or a gradient, that keeps one spatial dim split (halo exchange
-  handles one at a time).
+  """A 2-D NHWC convolution or pooling, forward or a gradient, that keeps its split spatial dims split: each
+  device's window of input rows along every split dim, the halos exchanged one dim after the other (the second
+  exchange carries the first's halo, so corners come with it).
 
-  `partition` is the prologue these rules share: the op's geometry and the layout whose one split spatial dim
-  it keeps (`split_window`), then the op's own emission (`windowed`); when a window reaches past the
-  neighbouring shards the dim is gathered instead (and the report says so). An op with no such split
-  partitions by `unsplit`. Automatic sharding prices the halo rows a split exchanges (`internal_bytes`).
+  `partition` is the prologue these rules share: the op's geometry and the layout whose split spatial dims it
+  keeps (`split_window`), then the op's own emission (`windowed`); when a window reaches past the neighbouring
+  shards the dims are gathered instead (and the report says so). An op with no such split partitions by
+  `unsplit`. Automatic sharding prices the halo rows a split exchanges (`internal_bytes`).
   """
-
-  def exclusive_factors(self, node):
-    return (("s0", "s1"),) if geometry(node) is not None else ()
 
   def internal_bytes(self, node, axes_of, mesh):
     dims = geometry(node)
@@ -328,29 +330,30 @@ class WindowedRule(FactorRule):
     raise NotImplementedError
 
   def split_layout(self, ctx, node):  # pylint: disable=unused-argument
-    """The layout whose split spatial dim the op keeps: its result's completed sharding."""
+    """The layout whose split spatial dims the op keeps: its result's completed sharding."""
     return ctx.target(0)
 
   def split_window(self, ctx, node):
-    """The `SplitWindow` of `node` under `split_layout`, or None (no 2-D NHWC geometry, or not exactly one
-    spatial dim split)."""
+    """The `SplitWindow` of `node` under `split_layout`, or None (no 2-D NHWC geometry, or no spatial dim
+    split)."""
     dims = geometry(node)
     layout = self.split_layout(ctx, node)
     split = split_spatial(layout, 4) if dims else None
-    if split is None:
+    if not split:
       return None
-    d, axes = split
+    splits = dict(split)
     dims4 = layout.with_rank(4).dims
+    axes = tuple(a for _, ax in split for a in ax)
     b_axes = free_axes(dims4[0], axes)
-    return SplitWindow(ctx.mesh, dims, d, axes, b_axes, free_axes(dims4[3], axes, b_axes))
+    return SplitWindow(ctx.mesh, dims, splits, b_axes, free_axes(dims4[3], axes, b_axes))
 
   def partition(self, ctx, node):
     w = self.split_window(ctx, node)
     if w is None:
       self.unsplit(ctx, node)
     elif not self.windowed(ctx, node, w):
-      ctx.warn(f"{node.name} ({node.op}): its windows along dim {w.d} reach past the neighbouring shards, so "
-               "that dim is gathered instead of exchanging halos")
+      ctx.warn(f"{node.name} ({node.op}): its windows along dims {list(w.ds)} reach past the neighbouring shards, "
+               "so those dims are gathered instead of exchanging halos")
       self.partition_with(ctx, node, self.factors(node, spatial=False))
 
   def unsplit(self, ctx, node):
@@ -358,6 +361,6 @@ class WindowedRule(FactorRule):
     self.partition_with(ctx, node, self.factors(node, spatial=False))
 
   def windowed(self, ctx, node, w):
-    """Emit the op with its spatial dim `w.d` split (the `SplitWindow` w); False when a window reaches past
+    """Emit the op with its spatial dims `w.ds` split (the `SplitWindow` w); False when a window reaches past
     the neighbouring shards (nothing emitted then)."""
     raise NotImplementedError

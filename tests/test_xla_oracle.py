@@ -64,11 +64,12 @@ def test_pipeline_loops_count_per_iteration(comparisons):
   assert {x.times for x in c.ours.collectives} == {1, 11}
 
 
-def test_known_difference_conv_halo(comparisons):
-  """Rows and columns both split: tf_gspmd gathers the image, XLA exchanges halos along both dims."""
+def test_rows_and_columns_split_exchange_halos_along_both_dims(comparisons):
+  """Rows and columns both split: tf_gspmd exchanges halos along both dims (the second exchange carries the
+  first's, corners included) and all-reduces the kernel gradients, as XLA does, in fewer bytes."""
   c = comparisons["conv_halo"]
   assert c.xla_ok and c.ours_ok, str(c)
-  assert c.ours.counts() == {"all-gather": 8} and c.ours_bytes == 393216
+  assert set(c.ours.counts()) == {"collective-permute", "all-reduce"} and c.ours_bytes <= c.xla_bytes, str(c)
   assert c.xla_counts() == {"collective-permute": 20, "all-reduce": 2} and c.xla_bytes == 40960
 
 

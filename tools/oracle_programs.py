@@ -204,10 +204,6 @@ def pipeline():
 # Where the two partitioners differ, and why (tools/xla_oracle.py prints these under the table; the oracle's tests
 # assert them exactly).
 KNOWN_DIFFERENCES = {
-    "conv_halo": "tf_gspmd sends more: its window rules (ops/windows.py) keep one spatial dim split and exchange "
-                 "halos along it; with rows and columns both split they gather the image (8 all-gathers, 393,216 "
-                 "B/device), where XLA exchanges halos along both dims (20 collective-permutes) and all-reduces the "
-                 "kernel gradients (40,960 B/device)",
     "pool_halo": "XLA's result differs: its partition of MaxPoolGrad (select-and-scatter, 3x3 stride 1 SAME, rows "
                  "split) gives the first shard's rows a wrong input gradient, where the window reaches into the "
                  "padding; XLA unpartitioned (jit_compile) and tf_gspmd agree with TF",

@@ -356,7 +356,9 @@ def table(comparisons):
   lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
   match = sum(c.ok for c in comparisons)
   fewer = sum(c.ours_at_most_xla for c in comparisons)
-  lines.append(f"oracle: {len(comparisons)} programs, results match on {match}, tf_gspmd bytes <= XLA on {fewer}")
+  xla_wrong = sum(c.ours_ok and not c.xla_ok for c in comparisons)
+  lines.append(f"oracle: {len(comparisons)} programs, results match on {match}, tf_gspmd bytes <= XLA on {fewer}, "
+               f"{xla_wrong} where XLA's own result is wrong")
   return "\n".join(lines)
 
 

@@ -39,12 +39,12 @@ class WindowedOperands:
     (c-1)*stride + size (GSPMD's windowed input). Returns None when a window reaches past a neighbour (the
     caller then gathers instead); see `window_rows`.
     """
-    rows = self._rows_read(i, sharding, dim, out_size, start, stride, size)
+    rows = self.rows_read(i, sharding, dim, out_size, start, stride, size)
     return self.window_rows(i, sharding, dim, *rows, fill)
 
   def window_fits(self, i, sharding, dim, out_size, start, stride=1, size=1):
     """Whether `window` can serve input i from neighbours only (no emission)."""
-    rows = self._rows_read(i, sharding, dim, out_size, start, stride, size)
+    rows = self.rows_read(i, sharding, dim, out_size, start, stride, size)
     return self._window_plan(i, sharding, dim, rows)[1] is not None
 
   def window_rows(self, i, sharding, dim, first, length, lo, hi, fill):
@@ -95,12 +95,8 @@ class WindowedOperands:
       what += f" through {node.name} ({node.op})"
     x = self._operand_of(r, plan.source, what)
     with tf.name_scope(self._scope()):
-      if plan.left or plan.right:
-        via = "" if shift is None else f" of {public_key(r)} (through {node.name} ({node.op}))"
-        x = self.backend.halo_exchange(x, dim, plan.axes, plan.left, plan.right, self.node.name,
-                                       f"{self.node.name} ({self.node.op}) moves its window{via} along dim {dim}")
-      x = self._take(x, dim, plan.offsets(), length, f"window_{dim}_{length}")
-      x = self._keep(x, plan.valid(), len(plan.shape), dim, length, fill if shift is None else shift.fill)
+      via = "" if shift is None else f" of {public_key(r)} (through {node.name} ({node.op}))"
+      x = self._halo_take(x, plan, fill if shift is None else shift.fill, via)
       if shift is None:
         return x
       if repr(np.asarray(shift.fill).item()) != repr(np.asarray(fill).item()):
@@ -108,6 +104,38 @@ class WindowedOperands:
         wanted = windows.HaloPlan(plan.shape, dim, rows, plan.tiles, plan.own, 0, 0, (), plan.source).valid()
         x = self._keep(x, wanted, len(plan.shape), dim, length, fill)
       return shift.local(x)
+
+  def _halo_take(self, x, plan, fill, via=""):
+    """`x` (laid out as `plan.source`) with its halos along `plan.dim` exchanged, cut to each device's window and
+    the rows that do not matter set to `fill`."""
+    dim, length = plan.dim, plan.rows.length
+    if plan.left or plan.right:
+      x = self.backend.halo_exchange(x, dim, plan.axes, plan.left, plan.right, self.node.name,
+                                     f"{self.node.name} ({self.node.op}) moves its window{via} along dim {dim}")
+    x = self._take(x, dim, plan.offsets(), length, f"window_{dim}_{length}")
+    return self._keep(x, plan.valid(), len(plan.shape), dim, length, fill)
+
+  def windows(self, i, sharding, reads, fill):
+    """Input i windowed along several split dims: `reads`, [(dim, `windows.Rows`)] in order. The first dim's
+    window is `window_rows`'s; each next dim's halos are exchanged on the tensor already extended along the dims
+    before it, so a device's corner rows arrive with that exchange (one dim after the other, as XLA does).
+    Returns None when a window reaches past a neighbour's shard along some dim."""
+    if not self.windows_fit(i, sharding, reads):
+      return None
+    (d0, rows0), rest = reads[0], reads[1:]
+    x = self.window_rows(i, sharding, d0, *rows0, fill)
+    shape = self.node.input_info(i).shape
+    with tf.name_scope(self._scope()):
+      for d, rows in rest:
+        x = self._halo_take(x, windows.plan_halo(shape, sharding, sharding, d, windows.Rows(*rows)), fill)
+    return x
+
+  def windows_fit(self, i, sharding, reads):
+    """Whether `windows` can serve input i from neighbours only (no emission)."""
+    (d0, rows0), rest = reads[0], reads[1:]
+    shape = self.node.input_info(i).shape
+    return self.window_rows_fit(i, sharding, d0, *rows0) and all(
+        windows.plan_halo(shape, sharding, sharding, d, windows.Rows(*rows)) is not None for d, rows in rest)
 
   def _keep(self, x, valid, rank, dim, length, fill):
     """`x` with the window rows that are not `valid` (per device and row; None: all are) set to `fill`."""
@@ -125,7 +153,7 @@ class WindowedOperands:
   def window_bytes(self, i, sharding, dim, out_size, start, stride=1, size=1):
     """Bytes per device that `window` moves (resharding input i to the layout it reads, then its halos); None
     when the window does not fit (the caller weighs it against other ways to compute the same result)."""
-    r, plan, _ = self._window_plan(i, sharding, dim, self._rows_read(i, sharding, dim, out_size, start, stride, size))
+    r, plan, _ = self._window_plan(i, sharding, dim, self.rows_read(i, sharding, dim, out_size, start, stride, size))
     if plan is None:
       return None
     return self._cost_of(r, plan.source) + plan.halo_elements() * self.input_dtype(i).size
@@ -137,7 +165,7 @@ class WindowedOperands:
     with tf.name_scope(self._scope()):
       return self._take(x, dim, np.asarray(begin)[tiles].astype(np.int32), count, f"rows_{dim}_{count}")
 
-  def _rows_read(self, i, sharding, dim, out_size, start, stride, size):
+  def rows_read(self, i, sharding, dim, out_size, start, stride=1, size=1):
     """The `windows.Rows` of input i a result of `out_size` rows split like `sharding` on `dim` reads."""
     return windows.rows_read_by(self.node.input_info(i).shape[dim], sharding.tiles(dim), out_size, start, stride,
                                 size)

@@ -344,3 +344,47 @@ def test_slice_then_windowed_op_takes_one_exchange(rng, reader):
   permutes = [c for c in low.report.collectives if c.kind == "collective-permute"]
   assert permutes and len({c.source for c in permutes}) == 1, str(low.report)
   assert "strided_slice" not in permutes[0].source, str(low.report)
+
+
+# ---- rows and columns both split: halos along both dims, corners with the second exchange ----------------------
+M42 = gs.Mesh((4, 2), ("rows", "cols"))
+M222 = gs.Mesh((2, 2, 2), ("data", "rows", "cols"))
+RC = P(None, "rows", "cols", None)
+
+
+@pytest.mark.parametrize("name", sorted(CONVS))
+def test_conv_over_rows_and_columns_exchanges_halos_only(rng, name):
+  shape, fshape, stride, padding, dilation = CONVS[name]
+  x = rng.standard_normal(shape).astype(np.float32)
+  w = (rng.standard_normal(fshape) * 0.3).astype(np.float32)
+  low = check_partitioned(_conv_step(stride, padding, dilation), [x, w], (RC, P()), M42, out=(RC, RC, P()), tol=1e-4)
+  _halos_only(low, filter_gradient=True)
+  assert low.report.bytes_per_device() < int(np.prod(shape)) * 4, str(low.report)   # less than the image
+
+
+@pytest.mark.parametrize("name", sorted(POOLS))
+def test_pooling_over_rows_and_columns_exchanges_halos_only(rng, name):
+  pool, window, stride, padding, shape = POOLS[name]
+  x = rng.standard_normal(shape).astype(np.float32)
+  low = check_partitioned(_pool_step(pool, window, stride, padding), [x], (RC,), M42, out=(RC, RC))
+  _halos_only(low)
+
+
+def test_batch_rows_and_columns_split_at_once(rng):
+  spec = P("data", "rows", "cols", None)
+  x = rng.standard_normal((4, 20, 18, 3)).astype(np.float32)
+  w = (rng.standard_normal((3, 3, 3, 4)) * 0.3).astype(np.float32)
+  low = check_partitioned(_conv_step(1, "SAME"), [x, w], (spec, P()), M222, out=(spec, spec, P()), tol=1e-4)
+  _halos_only(low, filter_gradient=True)
+
+
+def test_a_corner_comes_with_the_second_exchange(rng):
+  """A 3x3 SAME conv over a (4, 2) grid of shards: each device receives its row halos, then column halos one
+  row longer at each end (the corners); nothing is gathered."""
+  x = rng.standard_normal((1, 16, 8, 1)).astype(np.float32)
+  x[0, 3, 3, 0] = 1e3   # a corner of device (0, 0)'s shard, read by the diagonal neighbour (1, 1)
+  w = np.ones((3, 3, 1, 1), np.float32)
+  low = check_partitioned(lambda a, k: tf.nn.conv2d(a, k, 1, "SAME"), [x, w], (RC, P()), M42, out=RC, tol=1e-4)
+  _halos_only(low)
+  permutes = [c for c in low.report.collectives if c.kind == "collective-permute"]
+  assert any(c.shape[1] == 4 + 2 and c.shape[2] == 1 for c in permutes), str(low.report)   # rows and corners
