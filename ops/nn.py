@@ -1,10 +1,11 @@
 """Convolutions, pooling and batch normalisation (and their gradients).
 
 Batch and channel dims pass their split; an input-channel (or, for the filter gradient, batch) split gives
-partial sums and one all-reduce, like a matmul. A 2-D NHWC convolution or pooling, forward and both gradients,
-may also keep one spatial dim split whatever its window, stride, dilation and padding (GSPMD's windowed
+partial sums and one all-reduce, like a matmul. A 2-D or 3-D channels-last convolution or pooling, forward and both
+gradients, may also keep its spatial dims split whatever its window, stride, dilation and padding (GSPMD's windowed
 input): each device computes its rows of the result from its own input rows plus halo rows from its
-neighbours, moved by one halo exchange and cut at a per-device offset (`PartitionContext.window_rows`); rows
+neighbours, moved by one halo exchange per split dim and cut at a per-device offset (`PartitionContext.windows`:
+one dim after the other, each exchange carrying the earlier ones' halos, so corners arrive too); rows
 outside the input (padding, the padding of uneven shards) are *selected* to the window's pad value, so the
 local op runs with no padding along that dim. An input gradient is the transposed window: each device takes
 the rows of the result gradient whose windows reach its rows, runs the gradient op on that window, and keeps
@@ -41,9 +42,17 @@ def _explicit_except(dims, ds):
   """EXPLICIT paddings attrs: each spatial dim padded as the op pads it, except those of `ds` (their windows are
   cut)."""
   pads = [0, 0]
-  for k in (1, 2):
+  for k in sorted(dims):
     pads += [0, 0] if k in ds else [dims[k].lo, dims[k].hi]
   return _explicit(pads + [0, 0])
+
+
+def _local_conv(node, x, dims, ds):
+  """(the window `x` as the local convolution reads it, its attrs): a 2-D convolution pads its other spatial dims
+  itself (EXPLICIT); a 3-D one (SAME or VALID only) reads them padded here and runs VALID."""
+  if len(dims) == 2:
+    return x, _explicit_except(dims, ds)
+  return _pad_others(x, dims, ds, 0), _valid(node)
 
 
 def _valid(node):
@@ -56,15 +65,15 @@ def _valid(node):
 def _pad_others(x, dims, ds, fill):
   """`x` padded along the spatial dims but those of `ds` as the op pads them (pooling ops take no EXPLICIT
   padding; AvgPool none at all), so the local op runs VALID."""
-  pads = [[0, 0]] + [[0, 0] if k in ds else [dims[k].lo, dims[k].hi] for k in (1, 2)] + [[0, 0]]
+  pads = [[0, 0]] + [[0, 0] if k in ds else [dims[k].lo, dims[k].hi] for k in sorted(dims)] + [[0, 0]]
   return tf.pad(x, pads, constant_values=fill) if any(p[0] or p[1] for p in pads) else x
 
 
 def _unpad_others(x, dims, ds):
   """The inverse of `_pad_others` on a gradient of the padded input: the rows of the input itself."""
-  begin = [0] + [0 if k in ds else dims[k].lo for k in (1, 2)] + [0]
-  size = [-1] + [-1 if k in ds else dims[k].size for k in (1, 2)] + [-1]
-  return tf.slice(x, begin, size) if any(dims[k].lo or dims[k].hi for k in (1, 2) if k not in ds) else x
+  begin = [0] + [0 if k in ds else dims[k].lo for k in sorted(dims)] + [0]
+  size = [-1] + [-1 if k in ds else dims[k].size for k in sorted(dims)] + [-1]
+  return tf.slice(x, begin, size) if any(dims[k].lo or dims[k].hi for k in dims if k not in ds) else x
 
 
 def _avg_scale(ctx, layout, dims, reached):
@@ -73,7 +82,7 @@ def _avg_scale(ctx, layout, dims, reached):
   Along a split dim d, `reached[d]` = (first, count): result row j of the device of shard index t is row
   first[t] + j (a per-device table)."""
   scale = None
-  for k in (1, 2):
+  for k in sorted(dims):
     g = dims[k]
     if k in reached:
       d, (first, count) = k, reached[k]
@@ -83,14 +92,14 @@ def _avg_scale(ctx, layout, dims, reached):
         continue
       tiles = np.array([layout.tile_index(p, d) for p in range(ctx.mesh.size)])
       table = (g.taps / np.where(cnt > 0, cnt, g.taps)).astype(np.float32)[tiles]
-      shape = [1, 1, 1, 1]
+      shape = [1] * (len(dims) + 2)
       shape[d] = count
       f = tf.reshape(ctx.lookup(table, f"avg_scale_{d}_{count}"), shape)
     else:
       cnt = g.count(np.arange(g.out))
       if np.all(cnt == g.taps):
         continue
-      shape = [1, 1, 1, 1]
+      shape = [1] * (len(dims) + 2)
       shape[k] = g.out
       f = tf.constant((g.taps / cnt).astype(np.float32).reshape(shape))
     scale = f if scale is None else scale * f
@@ -138,8 +147,10 @@ class Conv(WindowedRule):
     x = ctx.windows(0, w.layout(), _forward_reads(ctx, w, 0), 0)
     if x is None:
       return False
-    k = ctx.operand(1, Sharding(ctx.mesh, ((),) * 3 + (w.c_axes,)))
-    (y,) = ctx.clone(node, {0: x, 1: k}, attrs=_explicit_except(w.dims, w.ds))
+    k = ctx.operand(1, Sharding(ctx.mesh, ((),) * (w.rank - 1) + (w.c_axes,)))
+    with ctx.helper_scope():
+      x, attrs = _local_conv(node, x, w.dims, w.ds)
+    (y,) = ctx.clone(node, {0: x, 1: k}, attrs=attrs)
     ctx.set_output(0, y, w.layout(w.c_axes))
     return True
 
@@ -175,14 +186,21 @@ class ConvBackpropInput(WindowedRule):
     dy = ctx.windows(2, layout, [(d, r[:4]) for d, r in reached.items()], 0)
     if dy is None:
       return False
-    k = ctx.operand(1, Sharding(ctx.mesh, ((),) * 2 + (w.c_axes, ())))
+    k = ctx.operand(1, Sharding(ctx.mesh, ((),) * (w.rank - 2) + (w.c_axes, ())))
     natural = w.layout(w.c_axes)
     sizes = list(natural.shard_shape(node.outputs[0].shape))
     for d, (first, count, lo, hi, _) in reached.items():
       sizes[d] = w.dims[d].rows_read(first, count, lo, hi)[1]
+    padded = w.rank == 5   # a 3-D gradient (SAME or VALID only) of the input padded along its other dims
+    if padded:
+      for k_ in w.dims:
+        if k_ not in reached:
+          sizes[k_] += w.dims[k_].lo + w.dims[k_].hi
     (dx,) = ctx.clone(node, {0: tf.constant(sizes, node.input_info(0).dtype), 1: k, 2: dy},
-                      attrs=_explicit_except(w.dims, w.ds))
-    ctx.set_output(0, _own_rows(ctx, dx, natural, w, reached), natural)
+                      attrs=_valid(node) if padded else _explicit_except(w.dims, w.ds))
+    with ctx.helper_scope():
+      dx = _own_rows(ctx, _unpad_others(dx, w.dims, w.ds) if padded else dx, natural, w, reached)
+    ctx.set_output(0, dx, natural)
     return True
 
 @register("Conv2DBackpropFilter", "Conv3DBackpropFilterV2")
@@ -231,9 +249,10 @@ class ConvBackpropFilter(WindowedRule):
       dy = ctx.mask(dy, dy_shape, layout, 0, 0)
       x = ctx.mask(x, node.input_shape(0), layout, 0, 0)
     kernel = [int(v) for v in node.outputs[0].shape]
-    (dw,) = ctx.clone(node, {0: x, 1: tf.constant(kernel, node.input_info(1).dtype), 2: dy},
-                      attrs=_explicit_except(w.dims, w.ds))
-    ctx.set_output(0, dw, Sharding(ctx.mesh, ((),) * 4), partial=(tuple(w.axes) + w.b_axes, "Add"))
+    with ctx.helper_scope():
+      x, attrs = _local_conv(node, x, w.dims, w.ds)
+    (dw,) = ctx.clone(node, {0: x, 1: tf.constant(kernel, node.input_info(1).dtype), 2: dy}, attrs=attrs)
+    ctx.set_output(0, dw, Sharding(ctx.mesh, ((),) * w.rank), partial=(tuple(w.axes) + w.b_axes, "Add"))
     return True
 
 
@@ -292,14 +311,14 @@ class Pool(_PoolRule):
 
   def windowed(self, ctx, node, w):
     dims, layout = w.dims, w.layout(w.c_axes)
-    fill = identity_value("Max", node.outputs[0].dtype) if node.op == "MaxPool" else 0
+    fill = identity_value("Max", node.outputs[0].dtype) if node.op in ("MaxPool", "MaxPool3D") else 0
     x = ctx.windows(0, layout, _forward_reads(ctx, w, 0), fill)
     if x is None:
       return False
     with ctx.helper_scope():
       x = _pad_others(x, dims, w.ds, fill)
     (y,) = ctx.clone(node, {0: x}, attrs=_valid(node))
-    if node.op == "AvgPool":
+    if node.op in ("AvgPool", "AvgPool3D"):
       own = {d: (np.arange(layout.tiles(d)) * -(-dims[d].out // layout.tiles(d)), -(-dims[d].out // layout.tiles(d)))
              for d in w.ds}
       with ctx.helper_scope():
@@ -345,7 +364,7 @@ class MaxPoolGrad(_PoolRule):
       x = _pad_others(x, dims, w.ds, lowest)
       # The pooled result over the window, recomputed from the input rows the window holds anyway (a max is
       # exact), rather than exchanging the result's halo rows too.
-      y = tf.nn.max_pool2d(x, list(node.attr("ksize").i), list(node.attr("strides").i), "VALID")
+      y = tf.nn.max_pool(x, list(node.attr("ksize").i)[1:-1], list(node.attr("strides").i)[1:-1], "VALID")
     (dx,) = ctx.clone(node, {0: x, 1: y, 2: dy}, attrs=_valid(node))
     with ctx.helper_scope():
       dx = _own_rows(ctx, _unpad_others(dx, dims, w.ds), layout, w, reached)
@@ -378,7 +397,7 @@ class AvgPoolGrad(_PoolRule):
       if scale is not None:
         dy = dy * tf.cast(scale, dy.dtype)
       sizes = list(layout.shard_shape(node.outputs[0].shape))
-      for k in (1, 2):
+      for k in sorted(dims):
         if k in reached:
           sizes[k] = dims[k].rows_read(*reached[k][:4])[1]
         else:

@@ -25,9 +25,14 @@ import numpy as np
 from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.ops.factors import FactorRule
 
-# The ops whose split spatial dim takes halos: 2-D convolutions and pooling, forward and gradients.
-WINDOWED_2D = frozenset({"Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "MaxPool", "AvgPool",
-                         "MaxPoolGrad", "AvgPoolGrad"})
+# The ops whose split spatial dims take halos: 2-D and 3-D convolutions and pooling, forward and gradients
+# (channels last), with the rank of their activations.
+WINDOWED = {**dict.fromkeys(("Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "MaxPool", "AvgPool",
+                             "MaxPoolGrad", "AvgPoolGrad"), 4),
+            **dict.fromkeys(("Conv3D", "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2", "MaxPool3D", "AvgPool3D",
+                             "MaxPool3DGrad", "AvgPool3DGrad"), 5)}
+_IMAGE_OUT = ("Conv2DBackpropInput", "AvgPoolGrad", "Conv3DBackpropInputV2", "AvgPool3DGrad")   # d_in is the result
+_FORWARD = ("Conv2D", "MaxPool", "AvgPool", "Conv3D", "MaxPool3D", "AvgPool3D")
 
 
 def attr_text(node, name, default):
@@ -84,33 +89,36 @@ def _known(shape, rank=4):
 
 
 def geometry(node):
-  """{spatial dim: WindowDim} of a 2-D NHWC convolution or pooling (forward or a gradient), or None (other
-  layouts, unknown shapes)."""
+  """{spatial dim: WindowDim} of a 2-D (NHWC) or 3-D (NDHWC) convolution or pooling (forward or a gradient), or
+  None (other layouts, unknown shapes)."""
   op = node.op
-  if op not in WINDOWED_2D or attr_text(node, "data_format", "NHWC") != "NHWC":
+  rank = WINDOWED.get(op)
+  if rank is None or attr_text(node, "data_format", "NHWC" if rank == 4 else "NDHWC") not in ("NHWC", "NDHWC"):
     return None
-  image = node.outputs[0].shape if op in ("Conv2DBackpropInput", "AvgPoolGrad") else node.input_shape(0)
-  if op in ("Conv2D", "MaxPool", "AvgPool"):
+  image = node.outputs[0].shape if op in _IMAGE_OUT else node.input_shape(0)
+  if op in _FORWARD:
     result = node.outputs[0].shape
   else:   # a gradient: d_out is input 2 of a conv gradient, input 1 of a pool gradient
     result = node.input_shape(2 if op.startswith("Conv") else 1)
   if op.startswith("Conv"):
-    kernel = node.outputs[0].shape if op == "Conv2DBackpropFilter" else node.input_shape(1)
-    if not _known(kernel):
+    kernel = node.outputs[0].shape if op.startswith("Conv") and "Filter" in op else node.input_shape(1)
+    if not _known(kernel, rank):
       return None
-    kernel = [1] + list(kernel[:2]) + [1]
-    dilations = list(node.attr("dilations").i) if node.attr("dilations") is not None else [1] * 4
+    kernel = [1] + list(kernel[:rank - 2]) + [1]
+    dilations = list(node.attr("dilations").i) if node.attr("dilations") is not None else [1] * rank
   else:
     kernel = list(node.attr("ksize").i)
-    dilations = [1] * 4
+    dilations = [1] * rank
   strides = list(node.attr("strides").i)
-  if not (_known(image) and _known(result)) or len(kernel) != 4 or len(strides) != 4 or len(dilations) != 4 or \
-      kernel[0] != 1 or kernel[3] != 1 or strides[0] != 1 or strides[3] != 1 or dilations[0] != 1 or dilations[3] != 1:
+  last = rank - 1
+  if not (_known(image, rank) and _known(result, rank)) or len(kernel) != rank or len(strides) != rank or \
+      len(dilations) != rank or kernel[0] != 1 or kernel[last] != 1 or strides[0] != 1 or strides[last] != 1 or \
+      dilations[0] != 1 or dilations[last] != 1:
     return None
   padding = attr_text(node, "padding", "VALID")
   explicit = list(node.attr("explicit_paddings").i) if node.attr("explicit_paddings") is not None else []
   dims = {}
-  for d in (1, 2):
+  for d in range(1, rank - 1):
     window = (kernel[d] - 1) * dilations[d] + 1
     size, out, s = int(image[d]), int(result[d]), strides[d]
     if padding == "SAME":
@@ -268,22 +276,28 @@ def free_axes(axes, *used):
   return tuple(a for a in axes if a not in taken)
 
 
-def nhwc_layout(mesh, splits, b_axes, c_axes=()):
-  """NHWC layout: batch over `b_axes`, each spatial dim of `splits` ({dim: axes}) over its axes, channels over
-  `c_axes`."""
-  return Sharding(mesh, tuple(b_axes if i == 0 else splits.get(i, ()) if i < 3 else c_axes for i in range(4)))
+def nhwc_layout(mesh, splits, b_axes, c_axes=(), rank=4):
+  """Channels-last layout: batch over `b_axes`, each spatial dim of `splits` ({dim: axes}) over its axes,
+  channels over `c_axes`."""
+  return Sharding(mesh, tuple(b_axes if i == 0 else c_axes if i == rank - 1 else splits.get(i, ())
+                              for i in range(rank)))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class SplitWindow:
-  """A 2-D NHWC windowed op with the spatial dims of `splits` ({dim: mesh axes}) kept split: the op's geometry
-  `dims` ({spatial dim: WindowDim}) and the mesh axes left for batch (`b_axes`) and channels (`c_axes`)."""
+  """A 2-D or 3-D channels-last windowed op with the spatial dims of `splits` ({dim: mesh axes}) kept split: the
+  op's geometry `dims` ({spatial dim: WindowDim}) and the mesh axes left for batch (`b_axes`) and channels
+  (`c_axes`)."""
 
   mesh: Any
   dims: Dict[int, WindowDim]
   splits: Dict[int, Tuple[str, ...]]
   b_axes: Tuple[str, ...]
   c_axes: Tuple[str, ...]
+
+  @property
+  def rank(self):
+    return len(self.dims) + 2
 
   @property
   def ds(self):
@@ -297,7 +311,7 @@ class SplitWindow:
 
   def layout(self, c_axes=()):
     """NHWC layout with batch over `b_axes`, the split dims over their axes and channels over `c_axes`."""
-    return nhwc_layout(self.mesh, self.splits, self.b_axes, c_axes)
+    return nhwc_layout(self.mesh, self.splits, self.b_axes, c_axes, self.rank)
 
 
 class WindowedRule(FactorRule):
@@ -315,15 +329,16 @@ class WindowedRule(FactorRule):
     dims = geometry(node)
     if dims is None:
       return 0
-    image = node.outputs[0].shape if node.op in ("Conv2DBackpropInput", "AvgPoolGrad") else node.input_shape(0)
+    image = node.outputs[0].shape if node.op in _IMAGE_OUT else node.input_shape(0)
     total = 0
-    for k in (1, 2):
+    for k in dims:
       axes = axes_of.get(f"s{k - 1}", ())
       if not axes:
         continue
       halo = max(dims[k].window - dims[k].stride, 0)
       batch = -(-image[0] // math.prod(mesh.axis_size(a) for a in axes_of.get("b", ())))
-      total += halo * batch * image[3 - k] * image[3] * node.outputs[0].dtype.size
+      across = math.prod(image[j] for j in dims if j != k) * image[-1]
+      total += halo * batch * across * node.outputs[0].dtype.size
     return total
 
   def factors(self, node, spatial=None):
@@ -338,14 +353,15 @@ class WindowedRule(FactorRule):
     split)."""
     dims = geometry(node)
     layout = self.split_layout(ctx, node)
-    split = split_spatial(layout, 4) if dims else None
+    rank = len(dims) + 2 if dims else None
+    split = split_spatial(layout, rank) if dims else None
     if not split:
       return None
     splits = dict(split)
-    dims4 = layout.with_rank(4).dims
+    full = layout.with_rank(rank).dims
     axes = tuple(a for _, ax in split for a in ax)
-    b_axes = free_axes(dims4[0], axes)
-    return SplitWindow(ctx.mesh, dims, splits, b_axes, free_axes(dims4[3], axes, b_axes))
+    b_axes = free_axes(full[0], axes)
+    return SplitWindow(ctx.mesh, dims, splits, b_axes, free_axes(full[rank - 1], axes, b_axes))
 
   def partition(self, ctx, node):
     w = self.split_window(ctx, node)

@@ -45,7 +45,7 @@ def _halos_only(low, filter_gradient=False):
   assert low.report.fallbacks == () and not low.report.warnings, str(low.report)
   for c in low.report.collectives:
     if c.kind == "all-reduce":
-      assert (filter_gradient and "Conv2DBackpropFilter" in c.source) or c.bytes <= 8, str(low.report)
+      assert (filter_gradient and "BackpropFilter" in c.source) or c.bytes <= 8, str(low.report)
     else:
       assert c.kind == "collective-permute", str(low.report)
   if filter_gradient:
@@ -388,3 +388,40 @@ def test_a_corner_comes_with_the_second_exchange(rng):
   _halos_only(low)
   permutes = [c for c in low.report.collectives if c.kind == "collective-permute"]
   assert any(c.shape[1] == 4 + 2 and c.shape[2] == 1 for c in permutes), str(low.report)   # rows and corners
+
+
+# ---- 3-D: a U-Net block's volume split over its three spatial dims --------------------------------------------------
+VOL = P(None, "data", "rows", "cols", None)
+
+
+@pytest.mark.parametrize("stride,padding", [(1, "SAME"), (2, "SAME"), (1, "VALID")], ids=str)
+def test_conv3d_over_three_spatial_dims_exchanges_halos_only(rng, stride, padding):
+  x = rng.standard_normal((2, 12, 10, 9, 3)).astype(np.float32)
+  w = (rng.standard_normal((3, 3, 3, 3, 4)) * 0.3).astype(np.float32)
+
+  def step(a, k):
+    with tf.GradientTape() as tape:
+      tape.watch([a, k])
+      y = tf.nn.conv3d(a, k, [1, stride, stride, stride, 1], padding)
+      loss = tf.reduce_sum(tf.tanh(y) * tf.cos(y))
+    da, dk = tape.gradient(loss, [a, k])
+    return y, da, dk
+
+  low = check_partitioned(step, [x, w], (VOL, P()), M222, out=(VOL, VOL, P()), tol=1e-4)
+  _halos_only(low, filter_gradient=True)
+  assert "Conv3DBackpropFilterV2" in str(low.report)
+
+
+@pytest.mark.parametrize("pool", [tf.nn.max_pool3d, tf.nn.avg_pool3d], ids=["max", "avg"])
+def test_pool3d_over_three_spatial_dims_exchanges_halos_only(rng, pool):
+  x = rng.standard_normal((2, 12, 10, 9, 3)).astype(np.float32)
+
+  def step(a):
+    with tf.GradientTape() as tape:
+      tape.watch(a)
+      y = pool(a, 3, 2, "SAME")
+      loss = tf.reduce_sum(tf.sin(y) * y)
+    return y, tape.gradient(loss, a)
+
+  low = check_partitioned(step, [x], (VOL,), M222, out=(VOL, VOL))
+  _halos_only(low)
