@@ -171,6 +171,13 @@ class PartitionContext(Protocol):
   def window_rows_fit(self, i: int, sharding: Sharding, dim: int, first: Any, length: int, lo: Any,
                       hi: Any) -> bool: ...
 
+  def rows_read(self, i: int, sharding: Sharding, dim: int, out_size: int, start: int, stride: int = 1,
+                size: int = 1) -> Any: ...   # the windows.Rows of input i a result split like `sharding` reads
+
+  def windows(self, i: int, sharding: Sharding, reads: Any, fill: Any) -> Any: ...   # along several dims at once
+
+  def windows_fit(self, i: int, sharding: Sharding, reads: Any) -> bool: ...
+
   def take_rows(self, x: Any, sharding: Sharding, dim: int, begin: Any, count: int) -> Any: ...
 
   def defer(self, shift: Any, emit: Callable[[], None], readers: Any) -> bool:

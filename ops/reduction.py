@@ -3,8 +3,9 @@ ArgMax, ArgMin, TopKV2, Cumsum, Cumprod, CumulativeLogsumexp.
 
 Arithmetic reductions over constant axes: reduced dims are reduced factors; split ones need one all-reduce.
 Padding of an unevenly split reduced dim is masked with the reduction's identity (0 for Sum, -inf for
-Max, ...) before the local reduction, so it never leaks into the result. Logical reductions, top-k and
-scans keep the dims they run along whole; ArgMax/ArgMin over a split dim all-gather only each shard's winner.
+Max, ...) before the local reduction, so it never leaks into the result. Logical reductions and scans keep the
+dims they run along whole; ArgMax/ArgMin over a split dim all-gather only each shard's winner, TopKV2 each shard's
+top k.
 """
 
 import math
@@ -111,16 +112,18 @@ class ArgReduce(FactorRule):
       if shape[axis] % cur.tiles(axis):
         x = ctx.mask(x, shape, cur, axis, worst)
       c = cur.shard_shape(shape)[axis]
-      local = (tf.argmax if arg_max else tf.argmin)(x, axis, output_type=tf.int64)
+      wide = shape[axis] >= 2**31   # the indices travel as int32 where they fit
+      index_type = tf.int64 if wide else tf.int32
+      local = (tf.argmax if arg_max else tf.argmin)(x, axis, output_type=index_type)
       best = (tf.reduce_max if arg_max else tf.reduce_min)(x, axis)
-      offsets = np.array([cur.tile_index(p, axis) * c for p in range(ctx.mesh.size)], np.int64)
+      offsets = np.array([cur.tile_index(p, axis) * c for p in range(ctx.mesh.size)], index_type.as_numpy_dtype)
       index = local + ctx.lookup(offsets, f"arg_offset_{axis}_{c}")
       why = "each shard's winner along the split reduced dim"
       values = ctx.backend.all_gather(best[None], 0, cur.dims[axis], node.name, why)
       indices = ctx.backend.all_gather(index[None], 0, cur.dims[axis], node.name, why)
       shard = (tf.argmax if arg_max else tf.argmin)(values, 0, output_type=tf.int32)   # first best: lowest index
       pick = tf.one_hot(shard, cur.tiles(axis), axis=0, on_value=True, off_value=False)
-      out = tf.reduce_max(tf.where(pick, indices, tf.constant(-1, tf.int64)), 0)
+      out = tf.reduce_max(tf.where(pick, indices, tf.constant(-1, index_type)), 0)
       out = tf.cast(out, node.attr("output_type") or tf.int64)
     ctx.record(out)
     ctx.set_output(0, out, Sharding(ctx.mesh, out_dims))
@@ -128,7 +131,10 @@ class ArgReduce(FactorRule):
 
 @register("TopKV2")
 class TopK(FactorRule):
-  """Top-k over the last dim: the last dim is whole locally."""
+  """Top-k over the last dim: the other dims pass their split. An operand already split along the last dim is not
+  gathered: each device takes its shard's top k (values and global indices), only those are all-gathered, and the
+  top k of the candidates is the result (ties to the lower index, as TF's kernel: candidates are in index order
+  among equal values)."""
 
   data = (0,)
 
@@ -136,6 +142,46 @@ class TopK(FactorRule):
     rank = len(node.input_shape(0))
     labels = unsplit(dim_labels(rank), {rank - 1})
     return Factors((labels,), (labels, labels))
+
+  def partition(self, ctx, node):
+    shape = node.input_shape(0)
+    k = node.const_input(1)
+    cur = ctx.current(0)
+    last = len(shape) - 1 if shape else None
+    if (k is None or last is None or cur is None or cur.is_maximal or not cur.with_rank(len(shape)).dims[last]
+        or node.attr("sorted") is False):
+      return super().partition(ctx, node)
+    cur = cur.with_rank(len(shape))
+    axes = cur.dims[last]
+    target = ctx.target(0)
+    if not target.is_maximal and set(axes) & set(target.used_axes):
+      return super().partition(ctx, node)
+    k = int(np.asarray(k))
+    x = ctx.operand(0, cur)
+    dtype = x.dtype
+    worst = -np.inf if dtype.is_floating else dtype.min
+    c = cur.shard_shape(shape)[last]
+    why = "each shard's top k along the split last dim"
+    with ctx.helper_scope():
+      if shape[last] % cur.tiles(last):
+        x = ctx.mask(x, shape, cur, last, worst)
+      values, local = tf.math.top_k(x, min(k, c))
+      offsets = np.array([cur.tile_index(p, last) * c for p in range(ctx.mesh.size)], np.int64)
+      index = tf.cast(local, tf.int64) + ctx.lookup(offsets, f"top_k_offset_{c}")
+      lead = list(range(1, len(shape)))
+
+      def candidates(t):   # [tiles, ..., k'] in shard order -> [..., tiles * k']
+        t = ctx.backend.all_gather(t[None], 0, axes, node.name, why)
+        return tf.reshape(tf.transpose(t, lead + [0, len(shape)]), t.shape[1:-1].as_list() + [-1])
+
+      all_values, all_indices = candidates(values), candidates(index)
+      out_values, at = tf.math.top_k(all_values, k)
+      out_indices = tf.cast(tf.gather(all_indices, at, batch_dims=len(shape) - 1), node.outputs[1].dtype)
+    ctx.record(out_values)
+    ctx.record(out_indices)
+    dims = cur.dims[:last] + ((),)
+    ctx.set_output(0, out_values, Sharding(ctx.mesh, dims))
+    ctx.set_output(1, out_indices, Sharding(ctx.mesh, dims))
 
 
 @register("Cumsum", "Cumprod", "CumulativeLogsumexp")

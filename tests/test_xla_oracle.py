@@ -16,7 +16,8 @@ import oracle_programs  # noqa: E402  pylint: disable=g-import-not-at-top
 import xla_oracle  # noqa: E402  pylint: disable=g-import-not-at-top
 
 CASES = ("mlp_megatron", "moe_gshard", "conv_spatial", "uneven", "softmax_xent", "pipeline", "conv_halo", "pool_halo",
-         "pad_shift", "pad_conv")
+         "pad_shift", "pad_conv", "unet3d_block", "top_k_split", "scan_stacked", "argmax_split", "megatron_dropout",
+         "einsum_two_contracted")
 
 
 @pytest.fixture(scope="module")
@@ -78,4 +79,12 @@ def test_known_difference_pool_halo(comparisons):
   c = comparisons["pool_halo"]
   assert c.ours_ok, str(c)
   assert c.xla_errors[0] <= 1.0 < c.xla_errors[1], str(c)
+  assert c.ours_bytes <= c.xla_bytes, str(c)
+
+
+def test_known_difference_dropout(comparisons):
+  """XLA's partition of a dropout mask's random bits differs from its own unpartitioned program; tf_gspmd's
+  partition equals TF's, bit for bit per shard, in no more bytes."""
+  c = comparisons["megatron_dropout"]
+  assert c.ours_ok and not c.xla_ok, str(c)
   assert c.ours_bytes <= c.xla_bytes, str(c)

@@ -23,7 +23,6 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 flags.DEFINE_list("programs", [], "Check only these programs (names as printed).")

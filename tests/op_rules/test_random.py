@@ -1,5 +1,8 @@
 """Stateless random ops generated per shard, bit for bit the values of the unpartitioned op."""
 
+import os
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -325,3 +328,36 @@ def test_a_draw_of_many_runs_in_a_loop_body_is_generated_per_shard_each_iteratio
   x = np.zeros(shape, np.float32)
   spec = P("data", "model")
   _partitioned(fn, [x, SEED], (spec, P()), MESH, spec)
+
+
+def _random_kernels(graph_def):
+  """Element counts of the stateless random kernels of a per-device program, in its graph and its functions (a
+  kernel inside a loop body: the shape constant the loop passes it, see `_kernel_sizes_in_functions`)."""
+  graph = tf.Graph()
+  with graph.as_default():
+    tf.graph_util.import_graph_def(graph_def, name="")
+  counts = [op.outputs[0].shape.num_elements() for op in graph.get_operations()
+            if op.type in random_rules.OLDER.values() or op.type in random_rules.OLDER]
+  return [c for c in counts if c is not None]
+
+
+def test_no_oracle_program_draws_a_split_random_tensor_at_its_global_size():
+  """The oracle's programs with dropout (and others, which draw nothing): no device runs a random kernel over a split
+  random tensor's global element count (their results equal the unpartitioned ones in tools/xla_oracle.py)."""
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                  "tools"))
+  import oracle_programs  # pylint: disable=g-import-not-at-top
+  checked = 0
+  for name in ("megatron_dropout", "mlp_2d_dropout", "transformer_megatron", "moe_step", "unet3d_block"):
+    job = oracle_programs.PROGRAMS[name]()
+    f = gs.function(job.fn, mesh=job.mesh, in_shardings=job.in_specs, out_shardings=job.out_specs)
+    low = f.lower(*[tf.TensorSpec(np.shape(a), tf.as_dtype(np.asarray(a).dtype)) for a in job.args])
+    split = [int(np.prod(n.outputs[0].shape)) for n in low.program.ir.nodes
+             if (n.op in random_rules.OLDER.values() or n.op in random_rules.OLDER) and
+             not low.program.shardings[n.ref(0)].is_replicated]
+    if not split:
+      continue
+    checked += 1
+    local = _random_kernels(low.graph_def) + _kernel_sizes_in_functions(low)
+    assert not set(split) & set(local), (name, split, local)
+  assert checked >= 2   # megatron_dropout, mlp_2d_dropout

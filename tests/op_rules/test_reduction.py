@@ -32,3 +32,20 @@ def test_arg_reduce_over_a_split_dim_gathers_only_the_winners(rng, op, cols):
   gathers = [c for c in low.report.collectives if c.kind == "all-gather"]
   assert gathers and all(c.shape[0] == 4 and c.shape[1:] == (4, 6) for c in gathers)   # winners only
   np.testing.assert_array_equal(f(x).numpy(), op(x, axis=2, output_type=tf.int32).numpy())
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+@pytest.mark.parametrize("cols,k", [(64, 5), (61, 5), (12, 7)], ids=str)
+def test_top_k_over_a_split_dim_gathers_only_each_shard_s_top_k(rng, dtype, cols, k):
+  """Values and indices as TF's kernel gives them, ties to the lower index (many ties in the int case), uneven
+  shards, and k more than a shard holds (3 columns a shard, k=7)."""
+  x = (rng.standard_normal((8, 6, cols)) * (3 if dtype == np.int32 else 1)).astype(dtype)
+  x[0, 0, :] = 1   # a row of ties
+  f = gs.function(lambda a: tf.math.top_k(a, k), mesh=MESH, in_shardings=P("data", None, "model"))
+  got, want = f(x), tf.math.top_k(x, k)
+  np.testing.assert_array_equal(got.values.numpy(), want.values.numpy())
+  np.testing.assert_array_equal(got.indices.numpy(), want.indices.numpy())
+  low = f.lower(tf.TensorSpec(x.shape, tf.as_dtype(dtype)))
+  gathers = [c for c in low.report.collectives if c.kind == "all-gather"]
+  c = -(-cols // 4)
+  assert gathers and all(g.shape == (4, 4, 6, min(k, c)) for g in gathers), str(low.report)   # candidates only

@@ -13,7 +13,10 @@ from tf_gspmd import P
 M24 = gs.Mesh((2, 4), ("data", "spatial"))
 M8 = gs.Mesh((8,), ("x",))
 M2 = gs.Mesh((2,), ("x",))
+M42 = gs.Mesh((4, 2), ("rows", "cols"))
+M222 = gs.Mesh((2, 2, 2), ("data", "rows", "cols"))
 ROWS24 = P("data", "spatial", None, None)
+RC = P(None, "rows", "cols", None)   # rows and columns both split: halos along both dims
 
 
 def _conv_step(stride, padding, dilation=1, pre_pad=None):
@@ -64,15 +67,17 @@ CONVS = {
 }
 
 
+@pytest.mark.parametrize("mesh,spec", [(M24, ROWS24), (M42, RC)], ids=["rows", "rows_and_columns"])
 @pytest.mark.parametrize("name", sorted(CONVS))
-def test_conv_and_gradients_exchange_halos_only(rng, name):
+def test_conv_and_gradients_exchange_halos_only(rng, name, mesh, spec):
   shape, fshape, stride, padding, dilation = CONVS[name]
   x = rng.standard_normal(shape).astype(np.float32)
   w = (rng.standard_normal(fshape) * 0.3).astype(np.float32)
-  low = check_partitioned(_conv_step(stride, padding, dilation), [x, w], (ROWS24, P()), M24,
-                          out=(ROWS24, ROWS24, P()), tol=1e-4)
+  low = check_partitioned(_conv_step(stride, padding, dilation), [x, w], (spec, P()), mesh, out=(spec, spec, P()),
+                          tol=1e-4)
   _halos_only(low, filter_gradient=True)
   assert low.report.counts().get("collective-permute") or name == "1x1_s2", str(low.report)
+  assert low.report.bytes_per_device() < int(np.prod(shape)) * 4, str(low.report)   # less than the image
 
 
 DILATED = {
@@ -145,11 +150,12 @@ POOLS = {
 }
 
 
+@pytest.mark.parametrize("mesh,spec", [(M24, ROWS24), (M42, RC)], ids=["rows", "rows_and_columns"])
 @pytest.mark.parametrize("name", sorted(POOLS))
-def test_overlapping_pooling_and_gradient_exchange_halos_only(rng, name):
+def test_overlapping_pooling_and_gradient_exchange_halos_only(rng, name, mesh, spec):
   pool, window, stride, padding, shape = POOLS[name]
   x = rng.standard_normal(shape).astype(np.float32)
-  low = check_partitioned(_pool_step(pool, window, stride, padding), [x], (ROWS24,), M24, out=(ROWS24, ROWS24))
+  low = check_partitioned(_pool_step(pool, window, stride, padding), [x], (spec,), mesh, out=(spec, spec))
   _halos_only(low)
 
 
@@ -347,29 +353,6 @@ def test_slice_then_windowed_op_takes_one_exchange(rng, reader):
 
 
 # ---- rows and columns both split: halos along both dims, corners with the second exchange ----------------------
-M42 = gs.Mesh((4, 2), ("rows", "cols"))
-M222 = gs.Mesh((2, 2, 2), ("data", "rows", "cols"))
-RC = P(None, "rows", "cols", None)
-
-
-@pytest.mark.parametrize("name", sorted(CONVS))
-def test_conv_over_rows_and_columns_exchanges_halos_only(rng, name):
-  shape, fshape, stride, padding, dilation = CONVS[name]
-  x = rng.standard_normal(shape).astype(np.float32)
-  w = (rng.standard_normal(fshape) * 0.3).astype(np.float32)
-  low = check_partitioned(_conv_step(stride, padding, dilation), [x, w], (RC, P()), M42, out=(RC, RC, P()), tol=1e-4)
-  _halos_only(low, filter_gradient=True)
-  assert low.report.bytes_per_device() < int(np.prod(shape)) * 4, str(low.report)   # less than the image
-
-
-@pytest.mark.parametrize("name", sorted(POOLS))
-def test_pooling_over_rows_and_columns_exchanges_halos_only(rng, name):
-  pool, window, stride, padding, shape = POOLS[name]
-  x = rng.standard_normal(shape).astype(np.float32)
-  low = check_partitioned(_pool_step(pool, window, stride, padding), [x], (RC,), M42, out=(RC, RC))
-  _halos_only(low)
-
-
 def test_batch_rows_and_columns_split_at_once(rng):
   spec = P("data", "rows", "cols", None)
   x = rng.standard_normal((4, 20, 18, 3)).astype(np.float32)
