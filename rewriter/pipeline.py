@@ -31,7 +31,7 @@ from tf_gspmd.rewriter.graph import graph_view
 from tf_gspmd.rewriter.one_graph import in_process
 from tf_gspmd.rewriter.partition import partition, schedules
 from tf_gspmd.rewriter.program import DeviceProgram
-from tf_gspmd.rewriter.sharding import auto, completion, memory, weight_update
+from tf_gspmd.rewriter.sharding import auto, completion, device_memory, weight_update
 
 
 def device_program(program):
@@ -65,7 +65,7 @@ PASSES = (
     ("combine", combine.run),                      # independent all-reduces merged into one collective
     ("cleanup", cleanup.run),                      # dead nodes removed
     ("verify", cleanup.verify),                    # invariants of the per-device program
-    ("memory", memory.run),                        # estimated peak bytes per device (report.memory)
+    ("memory", device_memory.run),                 # estimated peak bytes per device (report.memory)
     ("compile", jit.run),                          # XLA: segments between collectives (CPU) or whole (GPU, TPU)
     ("optimize", grappler.run_local),              # TF's graph optimizer on the per-device program, once
     ("constants", constants.run),                  # its constants per device (report.constants); strict: none > 1 MiB

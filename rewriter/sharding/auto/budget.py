@@ -11,7 +11,7 @@ by `calibrate` to what completion gives the chosen plan where the share priced t
 
 import numpy as np
 
-from tf_gspmd.rewriter.sharding import memory
+from tf_gspmd.rewriter.sharding import device_memory, memory
 from tf_gspmd.rewriter.graph.graph_view import ref, split_ref
 
 
@@ -39,7 +39,7 @@ class Simulation:
                                program.output_refs, lists, fills=memory.fills(ir, lambda r: None))
     self.prog.handles = handles
     cache = {}
-    self.calls = {nd.name: memory.body_bytes(self.prog, nd, cache, None)[0] for nd in self.prog.order
+    self.calls = {nd.name: device_memory.body_bytes(self.prog, nd, cache, None)[0] for nd in self.prog.order
                   if nd.op in memory.CALL_OPS}
     self.whole = {b: s for b, s in self.prog.size.items() if self.prog.kind[b] == "activation"}
     self.lists = {r: split_ref(r)[0] for r in lists}

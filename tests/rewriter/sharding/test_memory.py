@@ -11,7 +11,7 @@ import numpy as np
 from conftest import loop_step, pipeline_step
 import tf_gspmd as gs
 from tf_gspmd import P
-from tf_gspmd.rewriter.sharding import memory
+from tf_gspmd.rewriter.sharding import device_memory, memory
 from tf_gspmd.rewriter.sharding.auto import plan_memory
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples"))
@@ -50,7 +50,7 @@ def test_estimate_of_a_graph_def_frees_after_the_last_reader_and_aliases_allocat
 
   graph = tf.function(fn).get_concrete_function(tf.TensorSpec([32, 32])).graph
   gd = graph.as_graph_def()
-  est = memory.estimate(gd, arguments=[graph.inputs[0].op.name])
+  est = device_memory.estimate(gd, arguments=[graph.inputs[0].op.name])
   kib = 32 * 32 * 4
   assert est.argument_bytes == kib
   assert est.activation_bytes == 3 * kib   # a, b and c live at once (at c's Mul)
@@ -143,12 +143,11 @@ def test_a_small_weight_gathered_whole_is_involuntary():
 def test_a_live_buffer_of_unknown_rank_is_listed_without_a_shape():
   """A tensor of unknown rank (a loop body's TensorList read in a gradient) can be live at the peak: it is listed
   with shape "?" instead of failing the estimate."""
-  from tf_gspmd.rewriter.sharding import memory  # pylint: disable=g-import-not-at-top
   from tf_gspmd.rewriter.report import LiveBuffer  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default():
     unknown = tf.compat.v1.placeholder(tf.float32, None)
     partial = tf.compat.v1.placeholder(tf.float32, [None, 4])
-  assert memory._static_shape(unknown) is None and memory._static_shape(partial) == (None, 4)  # pylint: disable=protected-access
+  assert device_memory._static_shape(unknown) is None and device_memory._static_shape(partial) == (None, 4)  # pylint: disable=protected-access
   assert str(LiveBuffer("x", "TensorListGetItem", "float32", None, 0)) == "x (TensorListGetItem) float32[?] 0 B"
 
 
@@ -223,6 +222,6 @@ def test_the_accounts_last_term_is_never_less_a_negative_number(peak, added, phr
   own tensors are live there than at the plan's peak (a negative count), it says so as a sum, in the report and
   in the binaries' plan printout alike."""
   plan = memory.MemoryEstimate(800, 0, 0, 0, 800, 0, "plan_peak")
-  account = memory.Account(peak, 0, 0, 0, peak, 0, "device_peak", plan=plan, added_other_bytes=added)
+  account = device_memory.Account(peak, 0, 0, 0, peak, 0, "device_peak", plan=plan, added_other_bytes=added)
   assert account.plan_bytes_elsewhere().startswith(phrase)
   assert phrase in str(account) and "less -" not in str(account)
