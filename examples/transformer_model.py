@@ -87,18 +87,20 @@ def forward(params, tokens, cfg):
   mask = causal_mask(cfg.seq)
   for l in range(cfg.layers):
     p = f"l{l}/"
-    h = layer_norm(x, params[p + "ln1/scale"], params[p + "ln1/bias"])
-    q = tf.einsum("bsd,dhk->bhsk", h, params[p + "wq"])
-    k = tf.einsum("bsd,dhk->bhsk", h, params[p + "wk"])
-    v = tf.einsum("bsd,dhk->bhsk", h, params[p + "wv"])
-    att = tf.nn.softmax(tf.einsum("bhqk,bhsk->bhqs", q, k) / math.sqrt(hd) + mask)
-    o = tf.einsum("bhqs,bhsk->bhqk", att, v)
-    x = x + tf.einsum("bhqk,hkd->bqd", o, params[p + "wo"])
-    h = layer_norm(x, params[p + "ln2/scale"], params[p + "ln2/bias"])
-    h = tf.nn.gelu(h @ params[p + "w1"] + params[p + "b1"])
-    x = x + h @ params[p + "w2"] + params[p + "b2"]
-  x = layer_norm(x, params["ln_f/scale"], params["ln_f/bias"])
-  return tf.einsum("bsd,vd->bsv", x, params["embed"])
+    with tf.name_scope(f"l{l}"):   # the layer's ops (and their gradients) named by layer
+      h = layer_norm(x, params[p + "ln1/scale"], params[p + "ln1/bias"])
+      q = tf.einsum("bsd,dhk->bhsk", h, params[p + "wq"])
+      k = tf.einsum("bsd,dhk->bhsk", h, params[p + "wk"])
+      v = tf.einsum("bsd,dhk->bhsk", h, params[p + "wv"])
+      att = tf.nn.softmax(tf.einsum("bhqk,bhsk->bhqs", q, k) / math.sqrt(hd) + mask)
+      o = tf.einsum("bhqs,bhsk->bhqk", att, v)
+      x = x + tf.einsum("bhqk,hkd->bqd", o, params[p + "wo"])
+      h = layer_norm(x, params[p + "ln2/scale"], params[p + "ln2/bias"])
+      h = tf.nn.gelu(h @ params[p + "w1"] + params[p + "b1"])
+      x = x + h @ params[p + "w2"] + params[p + "b2"]
+  with tf.name_scope("head"):
+    x = layer_norm(x, params["ln_f/scale"], params["ln_f/bias"])
+    return tf.einsum("bsd,vd->bsv", x, params["embed"])
 
 
 def loss_fn(params, tokens, targets, cfg):

@@ -402,11 +402,13 @@ class Report:
   constants: Any = None   # backend.constants.Constants: the per-device program's constants (the constants pass)
   planned: Optional[str] = None   # set when another partitioner runs the program: this report is tf_gspmd's plan
   _memory: Optional[_Lazy] = dataclasses.field(default=None, repr=False, compare=False)
+  _timeline: Optional[_Lazy] = dataclasses.field(default=None, repr=False, compare=False)
 
   # ---- derived reports (the passes after partition) -----------------------------------------------------------
-  def with_memory(self, fn):
-    """This report with `memory` computed by `fn` on first read (the memory pass)."""
-    return dataclasses.replace(self, _memory=_Lazy(fn))
+  def with_memory(self, fn, timeline=None):
+    """This report with `memory` computed by `fn`, and `memory_timeline` by `timeline`, on first read (the memory
+    pass)."""
+    return dataclasses.replace(self, _memory=_Lazy(fn), _timeline=timeline and _Lazy(timeline))
 
   def with_ops_replaced(self, mapping):
     """This report with the records of the program's graph pointed at other ops: `mapping` is {op name: its
@@ -453,6 +455,12 @@ class Report:
   def memory(self):
     """The per-device program's estimated peak (the memory pass; None when it did not run)."""
     return None if self._memory is None else self._memory.get()
+
+  @property
+  def memory_timeline(self):
+    """(bytes held throughout, [(op, op type, activation bytes live while it runs)]) of the per-device program the
+    memory pass counted, or None."""
+    return None if self._timeline is None else self._timeline.get()
 
   @property
   def peak_bytes_per_device(self):

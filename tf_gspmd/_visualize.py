@@ -9,6 +9,30 @@ from tf_gspmd.errors import InputError
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
 
+def tile_grid(sharding, shape):
+  """The tiles of dims 0 and 1 of a tensor of `shape` laid out as `sharding`: (rows, columns, {(row, column): the
+  mesh positions holding that tile}, [the element ranges (start, stop) of each row tile, of each column tile])."""
+  rank = len(shape)
+  if sharding.is_maximal:
+    return 1, 1, {(0, 0): [sharding.maximal]}, [[(0, shape[0] if rank else 1)], [(0, shape[1] if rank > 1 else 1)]]
+  s = sharding.with_rank(rank)
+  rows = s.tiles(0) if rank > 0 else 1
+  cols = s.tiles(1) if rank > 1 else 1
+  cells = {}
+  for p in range(sharding.mesh.size):
+    key = (s.tile_index(p, 0) if rank > 0 else 0, s.tile_index(p, 1) if rank > 1 else 0)
+    cells.setdefault(key, []).append(p)
+  local = s.shard_shape(shape)
+
+  def ranges(d, n):
+    if d >= rank:
+      return [(0, 1)]
+    c = local[d]
+    return [(min(i * c, shape[d]), min((i + 1) * c, shape[d])) for i in range(n)]
+
+  return rows, cols, cells, [ranges(0, rows), ranges(1, cols)]
+
+
 def visualize_sharding(x, shape=None, *, show=True, width=None):
   """Draws the layout of `x` (a ShardedTensor, or a Sharding with `shape`) and returns the drawing as text.
 
@@ -37,26 +61,7 @@ def visualize_sharding(x, shape=None, *, show=True, width=None):
   mesh = sharding.mesh
   rank = len(shape)
   title = f"{list(shape)} {sharding} on {mesh}"
-  if sharding.is_maximal:
-    cells, rows, cols = {(0, 0): [sharding.maximal]}, 1, 1
-    bounds = [[(0, shape[0] if rank else 1)], [(0, shape[1] if rank > 1 else 1)]]
-  else:
-    s = sharding.with_rank(rank)
-    rows = s.tiles(0) if rank > 0 else 1
-    cols = s.tiles(1) if rank > 1 else 1
-    cells = {}
-    for p in range(mesh.size):
-      key = (s.tile_index(p, 0) if rank > 0 else 0, s.tile_index(p, 1) if rank > 1 else 0)
-      cells.setdefault(key, []).append(p)
-    local = s.shard_shape(shape)
-
-    def ranges(d, n):
-      if d >= rank:
-        return [(0, 1)]
-      c = local[d]
-      return [(min(i * c, shape[d]), min((i + 1) * c, shape[d])) for i in range(n)]
-
-    bounds = [ranges(0, rows), ranges(1, cols)]
+  rows, cols, cells, bounds = tile_grid(sharding, shape)
   if rank > 2:
     title += f"  (dims 0 and 1 shown; dims 2.. split as {sharding.spec[2:] if sharding.spec else '-'})"
   table = Table(title=title, show_header=False, box=box.SQUARE, show_lines=True)

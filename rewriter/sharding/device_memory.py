@@ -228,4 +228,4 @@ def run(program):
   computed when first read: a step that only runs never pays for the simulation)."""
   if not program.local_graph_def.node:
     return program.replace(report=program.report.with_memory(lambda: MemoryEstimate(0, 0, 0, 0, 0, 0, "-")))
-  return program.replace(report=program.report.with_memory(lambda: account(program)))
+  return program.replace(report=program.report.with_memory(lambda: account(program), lambda: timeline(program)))
