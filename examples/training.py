@@ -46,6 +46,11 @@ flags.DEFINE_float("memory_budget_mib", None, "With --auto: MiB per device the a
 flags.DEFINE_bool("gpu_form", False, "Lower the train step for a mesh of --mesh GPUs (none needed here), check its GPU "
                   "form (gs.gpu_form: its XLA clusters through tf2xla, one all-reduce configuration per cluster, one "
                   "launch order on every device), print it and exit.")
+flags.DEFINE_string("report_html", None, "Write the train step's plan (with --plan: for --plan_mesh) as one "
+                    "self-contained HTML page to this path: collectives, bytes per layer, memory, layouts, warnings.")
+flags.DEFINE_bool("explore", False, "Open the train step's plan (with --plan: for --plan_mesh) in Model Explorer "
+                  "(pip install 'tf_gspmd[explore]') on 127.0.0.1, serving until Ctrl+C.")
+flags.DEFINE_integer("explore_port", None, "With --explore: the port (default: a free one).", lower_bound=1)
 flags.DEFINE_bool("jit", False, "Compile the compute between collectives with XLA (jit_compile=True).")
 flags.DEFINE_enum("exchange", "auto", ["auto", "collectives"], "How the devices exchange data (gs.function's "
                   "`exchange`): auto runs the CPUs of each process as one graph (TF's collectives only across "
@@ -261,7 +266,16 @@ def plan(task):
   for r in low.report.state:
     print(f"  {r.name:48s} {str(list(r.shape)):18s} {r.sharding:32s} {r.bytes_per_device:>12,} B/device")
   print(low.report)
+  pictures(low)
   return low
+
+
+def pictures(low):
+  """The plan's pictures the flags ask for: --report_html's page, --explore's Model Explorer."""
+  if FLAGS.report_html:
+    print(f"plan page written to {low.report.save_html(FLAGS.report_html)}", flush=True)
+  if FLAGS.explore:
+    low.explore(port=FLAGS.explore_port, open_browser=False)
 
 
 def gpu_form(task):
@@ -359,6 +373,7 @@ def run(task):
                          "each device's program on its own thread, TF's collectives"))
     if low.auto_plan is not None:
       print(low.auto_plan)
+    pictures(low)
   if FLAGS.check_steps and first == 0 and losses:
     check(task, [l for _, l in losses[:FLAGS.check_steps]])
   return losses

@@ -26,13 +26,13 @@ import types
 from typing import Any, Mapping, Optional, Tuple
 
 from tf_gspmd._layout.mesh import axes_text
-from tf_gspmd.errors import PartitionError
+from tf_gspmd.errors import InputError, PartitionError
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 LARGE_GATHER_BYTES = 1 << 20
 
 
-def _shape_str(shape):
+def shape_text(shape):
   """`shape` as "8,128,256" (None dims as "None"); "?" for a shape of unknown rank (None)."""
   return "?" if shape is None else ",".join(str(s) for s in shape)
 
@@ -83,7 +83,7 @@ class Emitted:
       sent = ", ".join(f"{b:,} B from {k} device(s)" for b, k in sorted(collections.Counter(self.device_bytes).items(),
                                                                              reverse=True))
     where = ", across processes" if self.cross_process else ", within each process" if self.level else ""
-    return f"{self.op} {self.dtype}[{_shape_str(self.shape)}] (group {self.group_size}{where}), {sent}"
+    return f"{self.op} {self.dtype}[{shape_text(self.shape)}] (group {self.group_size}{where}), {sent}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +160,7 @@ class CollectiveRecord:
 
   def __str__(self):
     where = ", across processes" if self.cross_process else ""
-    return (f"{self.kind} {self.dtype}[{_shape_str(self.shape)}] over {axes_text(self.axes) or '-'} "
+    return (f"{self.kind} {self.dtype}[{shape_text(self.shape)}] over {axes_text(self.axes) or '-'} "
             f"(group {self.group_size}{where}), {self.bytes:,} B/device{self.loops_text} - {self.source}: "
             f"{self.reason}")
 
@@ -187,46 +187,6 @@ class StateRecord:
   bytes_per_device: int   # the shard, padding included
   global_bytes: int
   role: str               # "weight" (read by the computation) or "update state" (optimizer slots, counters)
-
-
-@dataclasses.dataclass(frozen=True)
-class LiveBuffer:
-  """A buffer live at the estimated peak: the op that allocated it and its size on one device."""
-
-  op: str
-  op_type: str
-  dtype: str
-  shape: Optional[Tuple[Optional[int], ...]]   # None: a tensor of unknown rank
-  bytes: int
-
-  def __str__(self):
-    return f"{self.op} ({self.op_type}) {self.dtype}[{_shape_str(self.shape)}] {self.bytes:,} B"
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryEstimate:
-  """Peak bytes one device holds while running the per-device program (see `rewriter.sharding.memory`).
-
-  `peak_bytes` = arguments + state + constants + activations, all at the peak; `collective_bytes` is the part of
-  the activations that collectives produced (their receive buffers). `at` is the op running at the peak and
-  `largest` the largest buffers live there (up to five).
-  """
-
-  peak_bytes: int
-  argument_bytes: int
-  state_bytes: int
-  constant_bytes: int
-  activation_bytes: int
-  collective_bytes: int
-  at: str
-  largest: Tuple[LiveBuffer, ...] = ()
-
-  def __str__(self):
-    largest = "; ".join(str(b) for b in self.largest)
-    return (f"peak memory {self.peak_bytes:,} B per device (estimate): arguments {self.argument_bytes:,} + variables "
-            f"{self.state_bytes:,} + constants {self.constant_bytes:,} + live activations {self.activation_bytes:,} "
-            f"(collective buffers {self.collective_bytes:,}) at {self.at}"
-            + (f"; largest: {largest}" if largest else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,7 +306,7 @@ class ReportBuilder:
         self.collectives.append(record)
         return
       if self.strict:
-        value = f"{record.dtype}[{_shape_str(record.shape)}]"
+        value = f"{record.dtype}[{shape_text(record.shape)}]"
         what = f"{tensor} ({value}), laid out as {have}, is gathered whole into {want}" if tensor else (
             f"{value} is gathered whole")
         what += f", weight-sized (the shape of split variable {weight})" if weight is not None else ""
@@ -403,6 +363,7 @@ class Report:
   planned: Optional[str] = None   # set when another partitioner runs the program: this report is tf_gspmd's plan
   _memory: Optional[_Lazy] = dataclasses.field(default=None, repr=False, compare=False)
   _timeline: Optional[_Lazy] = dataclasses.field(default=None, repr=False, compare=False)
+  _page: Any = dataclasses.field(default=None, repr=False, compare=False)   # writes the lowering's HTML page
 
   # ---- derived reports (the passes after partition) -----------------------------------------------------------
   def with_memory(self, fn, timeline=None):
@@ -443,6 +404,10 @@ class Report:
 
   def with_constants(self, constants):
     return dataclasses.replace(self, constants=constants)
+
+  def with_page(self, write):
+    """This report with `save_html` writing the page of its lowering by `write(path)` (the lowering sets it)."""
+    return dataclasses.replace(self, _page=write)
 
   def with_planned(self, note):
     return dataclasses.replace(self, planned=note)
@@ -555,6 +520,14 @@ class Report:
         lines.append(f"{sum(c.members for c in by_kind[kind])} independent {kind}s{what} combined into "
                      f"{len(by_kind[kind])} collective(s)")
     return lines
+
+  def save_html(self, path):
+    """Writes the plan as one self-contained HTML page -- warnings, collectives, bytes per layer, memory over the
+    step, layouts as tile grids (`tf_gspmd._explore.page`) -- to `path`; returns the path."""
+    if self._page is None:
+      raise InputError("this report is not a lowering's: draw the report of gs.function(...).lower(...) (its "
+                       ".report), which knows the program's graph", node="report")
+    return self._page(path)
 
   def state_bytes(self, role=None):
     """(bytes per device, global bytes) of the variables kept on the devices ("weight", "update state" or all)."""

@@ -34,6 +34,7 @@ FLOORS = (   # lowest first; a module belongs to the floor of its longest matchi
     ("runtime", ("tf_gspmd.runtime",)),
     # the public API: functions, the parallelism entry points (pipelines, MPMD, stages, auto_parallel), Keras
     ("api", ("tf_gspmd", "tf_gspmd._function", "tf_gspmd._parallel", "tf_gspmd._keras", "tf_gspmd._visualize",
+             "tf_gspmd._explore",
              "tf_gspmd.keras", "tf_gspmd.tpu")),
 )
 

@@ -26,6 +26,7 @@ from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd._parallel.stages import plan_stages
 from tf_gspmd._parallel.auto_parallel import AutoParallel, auto_parallel
 from tf_gspmd._gpu_form import GpuForm, gpu_form
+from tf_gspmd._explore import explore
 from tf_gspmd._visualize import visualize_sharding
 from tf_gspmd.errors import (AutoShardingError, ClusterJoinError, GpuFormError, InputError, MeshError, PartitionError,
                              ProcessLostError, ShapeError, ShardingError, SpecError, UnsupportedOpError)
@@ -43,7 +44,7 @@ __all__ = [
     "MeshError", "SpecError", "ShapeError", "PartitionError", "UnsupportedOpError", "InputError", "ProcessLostError", "ClusterJoinError",
     "AutoShardingError", "tpu", "tpu_mesh", "Stage", "mpmd_pipeline", "MpmdPipeline", "RunRecord", "schedule_order",
     "reshard", "plan_transfer", "Transfer", "TransferLog", "value_elsewhere", "wait_for_sends", "gpu_form", "GpuForm",
-    "GpuFormError",
+    "GpuFormError", "explore",
 ]
 __version__ = "0.1.0"
 

@@ -13,6 +13,7 @@ from tf_gspmd._platform import cluster as _cluster
 from tf_gspmd._platform import compat as _compat
 from tf_gspmd._layout.mesh import Mesh, P
 from tf_gspmd._layout.sharding import Sharding, per_value, to_annotation
+from tf_gspmd import _explore
 from tf_gspmd._visualize import visualize_sharding
 from tf_gspmd.errors import InputError, MeshError, ShapeError
 from tf_gspmd.rewriter.sharding import auto as auto_pass
@@ -53,7 +54,8 @@ class Lowered:
   def __init__(self, program):
     self.program = program
     self._executable = None
-    self._planned = None
+    self._report = None
+    self._view = None
 
   @property
   def shardings(self):
@@ -63,11 +65,23 @@ class Lowered:
   def report(self):
     """The partition report; with partitioner="xla", tf_gspmd's own plan of the exported program (XLA partitions
     the program that runs), worked out when first asked."""
-    if self.program.exported is None:
-      return self.program.report
-    if self._planned is None:
-      self._planned = pipeline.plan_of_export(self.program)
-    return self._planned
+    if self._report is None:
+      report = self.program.report if self.program.exported is None else pipeline.plan_of_export(self.program)
+      self._report = report.with_page(lambda path: _explore.save_html(self, path))
+    return self._report
+
+  def view(self):
+    """The plan's `PlanView` (what `report.save_html` and `explore` draw), made on first use."""
+    if self._view is None:
+      if self.program.exported is not None:
+        raise InputError("with partitioner=\"xla\" XLA partitions the program: its pictures are XLA's (xla_hlo()); "
+                         "lower with tf_gspmd's partitioner to draw tf_gspmd's plan")
+      self._view = _explore.PlanView.of(self)
+    return self._view
+
+  def explore(self, **options):
+    """Opens Model Explorer on this plan (`gs.explore`; options: host, port, open_browser, block)."""
+    return _explore.explore(self, **options)
 
   @property
   def graph_def(self):

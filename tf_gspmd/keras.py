@@ -281,6 +281,27 @@ class _Partitioned:
     return logs
 
 
+def lower_train_step(model, x, y=None, sample_weight=None):
+  """The lowering of `model`'s compiled train step for one batch (x, y, sample_weight), under the distribution
+  that is set: the plan `explore` and `lowered.report.save_html(path)` draw, in plan mode too."""
+  if getattr(model, "optimizer", None) is None:
+    raise InputError(f"{model.name} is not compiled: model.compile(optimizer, loss) first; its train step is what "
+                     "gets drawn", node=model.name)
+  fn = model.make_train_function()
+  if not isinstance(fn, _Partitioned):
+    raise InputError("no tf_gspmd distribution is set: keras.distribution.set_distribution(keras.distribution."
+                     "ModelParallel(layout_map=...)) (or DataParallel) before drawing the train step",
+                     node=model.name)
+  data = (x,) + tuple(t for t in (y, sample_weight) if t is not None)
+  f, flat = fn._function(data)  # pylint: disable=protected-access
+  return f.lower(*flat)
+
+
+def explore(model, x, y=None, sample_weight=None, **options):
+  """Opens Model Explorer on `model`'s compiled train step for one batch (`gs.explore`'s options)."""
+  return lower_train_step(model, x, y, sample_weight).explore(**options)
+
+
 # Variables with a layout up to this size (bytes) are initialised exactly as Keras does without a distribution
 # (the same seed gives the same weights) and then split; larger ones are created shard by shard from a
 # mesh-independent equivalent of their initializer (values depend on the seed and the variable's path, not on

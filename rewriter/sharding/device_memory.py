@@ -19,8 +19,7 @@ from tf_gspmd.rewriter.graph import functions
 from tf_gspmd.rewriter.graph.graph_view import is_control, normalize, ref, split_ref
 from tf_gspmd.rewriter.graph.tables import HELPER_SCOPE as HELPER
 from tf_gspmd.rewriter.program import variable_shard
-from tf_gspmd.rewriter.report import MemoryEstimate
-from tf_gspmd.rewriter.sharding.memory import CALL_OPS, Buffers, Layouts
+from tf_gspmd.rewriter.sharding.memory import CALL_OPS, Buffers, Layouts, MemoryEstimate
 
 _BODY_ATTRS = ("body", "cond", "then_branch", "else_branch", "f")
 _NONE = (0, 0, 0)   # bytes partitioning added: (collective buffers, tables and partition id, other)

@@ -47,9 +47,11 @@ Automatic sharding prices the same live sets at the layouts it considers (`rewri
 Linear in the graph (walks in topological order and one import of each GraphDef for its shapes).
 """
 
+import dataclasses
 import functools
 import heapq
 import math
+from typing import Optional, Tuple
 
 import tensorflow as tf
 
@@ -61,7 +63,47 @@ from tf_gspmd.rewriter.graph import loops
 from tf_gspmd.rewriter.collectives.vocabulary import TF_COLLECTIVE_OPS
 from tf_gspmd.rewriter.graph.graph_view import GraphView, is_control, normalize, ref, split_ref
 from tf_gspmd.rewriter.program import variable_shard
-from tf_gspmd.rewriter.report import LiveBuffer, MemoryEstimate
+from tf_gspmd.rewriter.report import shape_text
+
+@dataclasses.dataclass(frozen=True)
+class LiveBuffer:
+  """A buffer live at the estimated peak: the op that allocated it and its size on one device."""
+
+  op: str
+  op_type: str
+  dtype: str
+  shape: Optional[Tuple[Optional[int], ...]]   # None: a tensor of unknown rank
+  bytes: int
+
+  def __str__(self):
+    return f"{self.op} ({self.op_type}) {self.dtype}[{shape_text(self.shape)}] {self.bytes:,} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+  """Peak bytes one device holds while running the per-device program (`rewriter.sharding.device_memory`).
+
+  `peak_bytes` = arguments + state + constants + activations, all at the peak; `collective_bytes` is the part of
+  the activations that collectives produced (their receive buffers). `at` is the op running at the peak and
+  `largest` the largest buffers live there (up to five).
+  """
+
+  peak_bytes: int
+  argument_bytes: int
+  state_bytes: int
+  constant_bytes: int
+  activation_bytes: int
+  collective_bytes: int
+  at: str
+  largest: Tuple[LiveBuffer, ...] = ()
+
+  def __str__(self):
+    largest = "; ".join(str(b) for b in self.largest)
+    return (f"peak memory {self.peak_bytes:,} B per device (estimate): arguments {self.argument_bytes:,} + variables "
+            f"{self.state_bytes:,} + constants {self.constant_bytes:,} + live activations {self.activation_bytes:,} "
+            f"(collective buffers {self.collective_bytes:,}) at {self.at}"
+            + (f"; largest: {largest}" if largest else ""))
+
 
 # Ops whose output k is their input k's buffer (IdentityN: every output; the others: output 0).
 ALIASING_OPS = frozenset({"Identity", "IdentityN", "XlaSharding", "Reshape", "ExpandDims", "Squeeze", "Bitcast",

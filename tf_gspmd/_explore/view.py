@@ -243,7 +243,10 @@ def _warnings(report, global_ops):
   out += [Warning("involuntary gather", c.source, str(c)) for c in report.rematerializations]
   flagged = {c.source for c in report.rematerializations}
   out += [Warning("plan", "", w) for w in report.warnings if not any(s and s in w for s in flagged)]
+  uneven = {t.ref for op in global_ops for t in op.outputs if t.uneven}
   for op in global_ops:
+    if any(public_key(f"{src}:{k}") in uneven for src, k in op.inputs):
+      continue   # padded where its operand already was: the warning is the operand's
     for t in op.outputs:
       if t.uneven:
         out.append(Warning("uneven padding", op.name, f"{t.ref} {list(t.shape)} laid out {t.sharding}: a split dim "

@@ -143,12 +143,11 @@ def test_a_small_weight_gathered_whole_is_involuntary():
 def test_a_live_buffer_of_unknown_rank_is_listed_without_a_shape():
   """A tensor of unknown rank (a loop body's TensorList read in a gradient) can be live at the peak: it is listed
   with shape "?" instead of failing the estimate."""
-  from tf_gspmd.rewriter.report import LiveBuffer  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default():
     unknown = tf.compat.v1.placeholder(tf.float32, None)
     partial = tf.compat.v1.placeholder(tf.float32, [None, 4])
   assert device_memory._static_shape(unknown) is None and device_memory._static_shape(partial) == (None, 4)  # pylint: disable=protected-access
-  assert str(LiveBuffer("x", "TensorListGetItem", "float32", None, 0)) == "x (TensorListGetItem) float32[?] 0 B"
+  assert str(memory.LiveBuffer("x", "TensorListGetItem", "float32", None, 0)) == "x (TensorListGetItem) float32[?] 0 B"
 
 
 # ----------------------------------------------------------------------------------------------------------
