@@ -20,7 +20,7 @@ LINGVO_REQUIREMENTS := lingvo==0.14.2 sympy==1.14.0 mpmath==1.3.0 matplotlib==3.
 	fonttools==4.68.0 kiwisolver==1.5.1 contourpy==1.3.3 pyparsing==3.3.3 python-dateutil==4.0.0 six==1.17.0 \
 	packaging==26.4 pillow==13.0.0
 
-.PHONY: run test oracle-venv oracle lingvo bazel-test clean
+.PHONY: run test oracle-venv oracle lingvo chromium bazel-test clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,13 @@ $(LINGVO_STAMP): | $(STAMP)
 
 lingvo: $(LINGVO_STAMP)
 
+# Headless Chromium for tests/test_explore.py's browser tests (Debian's package, as root); without it they skip.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
+		>/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y \
+		-q chromium >/dev/null 2>&1; } || echo "chromium not installed: the browser tests of tests/test_explore.py \
+		will skip"; }
+
 # XLA's own SPMD partitioner next to tf_gspmd's on every program of tools/oracle_programs.py
 oracle: $(STAMP) $(ORACLE_STAMP)
 	$(PY) tools/xla_oracle.py
@@ -57,6 +64,7 @@ COLLECTIVES_SUITES := tests/differential tests/op_rules tests/test_transformer.p
 
 test: $(STAMP) $(ORACLE_STAMP)
 	-$(MAKE) --no-print-directory lingvo
+	-$(MAKE) --no-print-directory chromium
 	TF_GSPMD_REQUIRE_ORACLE=1 $(VENV)/bin/pytest -q -p no:cacheprovider tests
 	$(VENV)/bin/pytest -q -p no:cacheprovider --exchange=collectives $(COLLECTIVES_SUITES)
 

@@ -24,8 +24,13 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=["tf_gspmd", "tf_gspmd.ops", "tf_gspmd.rewriter", "tf_gspmd.rewriter.sharding.auto", "tf_gspmd.runtime"],
+    packages=_packages(),
     package_dir={"tf_gspmd": "tf_gspmd", "tf_gspmd.ops": "ops", "tf_gspmd.rewriter": "rewriter"},
     install_requires=["tensorflow>=2.16", "numpy", "absl-py", "rich", "tensorboard", "highspy>=1.7"],
-    extras_require={"test": ["pytest", "hypothesis", "keras-hub==0.32.0"]},
+    extras_require={
+        # Model Explorer for gs.explore (the HTML page, report.save_html, needs nothing more)
+        "explore": ["ai-edge-model-explorer==0.1.34"],
+        # the browser tests drive Debian's Chromium with Playwright (its own browsers are not downloaded)
+        "test": ["pytest", "hypothesis", "keras-hub==0.32.0", "ai-edge-model-explorer==0.1.34", "playwright==1.65.2"],
+    },
 )

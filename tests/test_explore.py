@@ -247,3 +247,26 @@ def test_the_transformer_binary_in_the_page_and_in_model_explorer(browser, tmp_p
   finally:
     proc.kill()
     proc.wait()
+
+
+def test_gs_explore_serves_both_graphs_without_blocking():
+  """gs.explore(fn, *specs, block=False): Model Explorer's server answers on 127.0.0.1 with the global and the
+  per-device graph of the lowering, every node of each."""
+  pytest.importorskip("model_explorer", reason="Model Explorer (pip install -e '.[test]' or tf_gspmd[explore])")
+  import json  # pylint: disable=g-import-not-at-top
+  import urllib.request  # pylint: disable=g-import-not-at-top
+  mesh = gs.Mesh((4,), ("d",), devices=CPUS[:4])
+  f = gs.function(lambda x, w: tf.nn.relu(x @ w), mesh=mesh, in_shardings=(gs.P(None, "d"), gs.P("d", None)))
+  shown = gs.explore(f, tf.TensorSpec([8, 16]), tf.TensorSpec([16, 4]), open_browser=False, block=False)
+  assert shown.url.startswith(f"http://127.0.0.1:{shown.port}/?data=")
+  with urllib.request.urlopen(f"http://127.0.0.1:{shown.port}/api/v1/load_graphs_json?graph_index=0") as r:
+    served = json.load(r)
+  graphs = {g["id"]: g for g in served["graphCollections"][0]["graphs"]}
+  low = f.lower(tf.TensorSpec([8, 16]), tf.TensorSpec([16, 4]))
+  assert {n["id"] for n in graphs["global"]["nodes"]} == {node.name for node in low.program.ir.nodes}
+  assert {n["id"] for n in graphs["per-device"]["nodes"]} == {n.name for n in low.graph_def.node}
+  reduce = next(n for n in graphs["per-device"]["nodes"] if n["label"].startswith("all-reduce"))
+  attrs = {a["key"]: a["value"] for a in reduce["attrs"]}
+  assert attrs["mesh axes 0"] == "d" and attrs["group size 0"] == "4" and attrs["bytes per device 0"] == f"{8 * 4 * 4:,}"
+  with pytest.raises(gs.InputError, match="specs"):
+    gs.explore(low, tf.TensorSpec([8, 16]))

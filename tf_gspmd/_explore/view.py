@@ -150,7 +150,7 @@ class PlanView:
     """[(layer, bytes per device per step)] of the collectives, by the layer of the op each serves (a combined op's
     bytes shared out among the ops it serves), in program order of first appearance."""
     names = {op.name for op in self.global_ops}
-    depth = _layer_depth([source for c in self.collectives for source, _ in c.shares])
+    depth = _layer_depth([(source, b * c.times) for c in self.collectives for source, b in c.shares])
     out = {}
     for c in self.collectives:
       for source, nbytes in c.shares:
@@ -179,11 +179,19 @@ def layer_of(name, depth=1):
   return "/".join(scopes[:depth]) or TOP_LEVEL
 
 
-def _layer_depth(names):
-  """1, or deeper while a single outer scope holds every op (a model's own name scope around its layers)."""
+def _layer_depth(shares):
+  """1, or deeper while one scope holds more than half of the bytes and splits further (a model's own name scope
+  around its layers: `functional_1/l0_attn`, ...). `shares`: [(op, bytes)]."""
+  total = sum(b for _, b in shares) or 1
   depth = 1
-  while depth < 4 and len({layer_of(n, depth) for n in names}) == 1 and len({layer_of(n, depth + 1)
-                                                                               for n in names}) > 1:
+  while depth < 4:
+    by = {}
+    for name, b in shares:
+      by[layer_of(name, depth)] = by.get(layer_of(name, depth), 0) + b
+    top = max(by, key=by.get)
+    inner = {layer_of(n, depth + 1) for n, _ in shares if layer_of(n, depth) == top}
+    if by[top] * 2 <= total or len(inner) < 2:
+      return depth
     depth += 1
   return depth
 
