@@ -1,13 +1,14 @@
 """The correct fallback for ops without a rule (XLA's DefaultAction): replicate, run whole, reshard.
 
-Every use is reported by the partitioner and warned about once per op type; `strict=True` forbids it.
+Every use is reported by the partitioner and warned about once per op type; `strict=True` forbids it. The ops whose
+meaning is the whole value (`Whole`) run so by their own rule: no warning, and `strict=True` allows them.
 """
 
 import tensorflow as tf
 
 from tf_gspmd._layout.sharding import Sharding
 from tf_gspmd.errors import UnsupportedOpError
-from tf_gspmd.ops.registry import Rule
+from tf_gspmd.ops.registry import Rule, register
 
 
 class Fallback(Rule):
@@ -40,3 +41,12 @@ class Fallback(Rule):
 
 
 FALLBACK = Fallback()
+
+
+@register("Assert", "PrintV2", "StringFormat", "BroadcastGradientArgs")
+class Whole(Fallback):
+  """Ops whose meaning is the whole value, run whole on every device by design. An Assert and a print show their
+  data as TF shows it, the global values; the data is gathered where the op runs, which for tf.debugging's checks is
+  the branch of their guard that runs only when the check fails (the condition itself is computed as any tensor:
+  an All over a split dim all-reduces one boolean). BroadcastGradientArgs reads two shape vectors, replicated by
+  nature."""

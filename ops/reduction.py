@@ -1,11 +1,11 @@
 """Reductions, and the ops that select or accumulate along a dim: Sum, Mean, Max, Min, Prod, All, Any,
 ArgMax, ArgMin, TopKV2, Cumsum, Cumprod, CumulativeLogsumexp.
 
-Arithmetic reductions over constant axes: reduced dims are reduced factors; split ones need one all-reduce.
-Padding of an unevenly split reduced dim is masked with the reduction's identity (0 for Sum, -inf for
-Max, ...) before the local reduction, so it never leaks into the result. Logical reductions and scans keep the
-dims they run along whole; ArgMax/ArgMin over a split dim all-gather only each shard's winner, TopKV2 each shard's
-top k.
+Reductions over constant axes: reduced dims are reduced factors; split ones need one all-reduce (All and Any
+merge the shards' results with Min and Max). Padding of an unevenly split reduced dim is masked with the
+reduction's identity (0 for Sum, -inf for Max, True for All, ...) before the local reduction, so it never leaks
+into the result. Scans keep the dims they run along whole; ArgMax/ArgMin over a split dim all-gather only each
+shard's winner, TopKV2 each shard's top k.
 """
 
 import math
@@ -62,7 +62,9 @@ class Reduce(FactorRule):
 
 @register("All", "Any")
 class LogicalReduce(FactorRule):
-  """Logical reductions: reduced dims are whole locally (no boolean all-reduce in TF's collectives)."""
+  """Logical reductions: a split reduced dim reduces locally, then one all-reduce of the (small) result merges the
+  shards' with Min (All) or Max (Any) -- the booleans carried as int32, the padding of an uneven split masked with
+  the identity (True for All, False for Any). Axes computed at run time keep every dim whole."""
 
   stacked = "reduction"
 
@@ -71,11 +73,15 @@ class LogicalReduce(FactorRule):
   def factors(self, node):
     rank = len(node.input_shape(0))
     axes = node.const_input(1)
-    red = set(range(rank)) if axes is None else {int(a) % rank for a in np.atleast_1d(axes)}
     labels = dim_labels(rank)
     keep = node.attr("keep_dims")
+    if axes is None:
+      red = set(range(rank))
+      return Factors((unsplit(labels, red),), (tuple(None for _ in labels) if keep else (),))
+    red = {int(a) % rank for a in np.atleast_1d(axes)}
     out = tuple((None if i in red else l) for i, l in enumerate(labels) if keep or i not in red)
-    return Factors((unsplit(labels, red),), (out,))
+    ins = tuple((f"r{i}" if i in red else l) for i, l in enumerate(labels))
+    return Factors((ins,), (out,), "Min" if node.op == "All" else "Max")
 
 
 @register("ArgMax", "ArgMin")

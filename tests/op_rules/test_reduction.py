@@ -49,3 +49,22 @@ def test_top_k_over_a_split_dim_gathers_only_each_shard_s_top_k(rng, dtype, cols
   gathers = [c for c in low.report.collectives if c.kind == "all-gather"]
   c = -(-cols // 4)
   assert gathers and all(g.shape == (4, 4, 6, min(k, c)) for g in gathers), str(low.report)   # candidates only
+
+
+@pytest.mark.parametrize("cols", [64, 61])
+@pytest.mark.parametrize("op,x_of", [(tf.reduce_all, lambda a: a > -3.0), (tf.reduce_any, lambda a: a > 3.0)],
+                         ids=["all", "any"])
+def test_logical_reduction_over_a_split_dim_all_reduces_its_result(rng, op, x_of, cols):
+  """All and Any over a split dim reduce each shard and all-reduce the small result (Min / Max of the booleans
+  carried as int32): nothing of the operand's size moves. Uneven shards are padded with the identity."""
+  x = rng.standard_normal((8, 6, cols)).astype(np.float32)
+  x[1, 2, cols - 1] = 9.0 if op is tf.reduce_any else -9.0   # one row flips, in the last (padded) shard
+  f = gs.function(lambda a: (op(x_of(a), axis=2), op(x_of(a))), mesh=MESH, in_shardings=P("data", None, "model"))
+  got, want = f(x), (op(x_of(x), axis=2), op(x_of(x)))
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g.numpy(), w.numpy())
+  assert want[0].numpy().any() and not want[0].numpy().all()   # both values occur
+  low = f.lower(tf.TensorSpec(x.shape))
+  assert not [c for c in low.report.collectives if c.kind == "all-gather"], str(low.report)
+  reduces = [c for c in low.report.collectives if c.kind == "all-reduce"]
+  assert reduces and all(c.bytes <= 4 * 6 for c in reduces), str(low.report)
