@@ -201,6 +201,7 @@ class ShardedFunction:
     self._auto = _auto_options(mesh, in_shardings, memory_budget, axis_cost, flops_per_byte, solver_time_limit,
                                auto_pins)
     self._cache = {}
+    self.lowerings = 0   # times the pipeline lowered this function (a retrace counts; a cached lowering does not)
     self._last = None      # (per argument (shape, sharding, dtype) objects, Lowered) of the last call
     self._lock = threading.Lock()
     functools.update_wrapper(self, fn)
@@ -281,6 +282,7 @@ class ShardedFunction:
     lowered = Lowered(program)
     with self._lock:
       self._cache[key] = lowered
+      self.lowerings += 1
     return lowered
 
   def _same_program(self, key):
