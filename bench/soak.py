@@ -1,6 +1,6 @@
-"""Long runs: a transformer's Keras training step run for many steps through a gs.function, through both exchanges
-(the one graph of the process's CPUs, and TF's collectives), and Keras `fit` under a ModelParallel distribution
-(its default exchange), on 8 logical CPUs.
+"""Long runs: a transformer's Keras training step run for many steps through a gs.function, and Keras `fit` under a
+ModelParallel distribution, each through both exchanges (the one graph of the process's CPUs, and TF's collectives:
+`gs.keras.step_options(exchange=...)` for fit), on 8 logical CPUs.
 
 Every `--every` steps it prints the process's resident memory and the mean step time of those steps; at the end,
 after a warm-up of `--warmup` steps: the growth of resident memory from the end of warm-up to the end (percent),
@@ -64,8 +64,8 @@ def step_loop(exchange, steps, every, warmup):
 
 def fit_loop(exchange, steps, every, warmup):
   """Keras `fit` under a ModelParallel distribution: the train step tf_gspmd builds for it."""
-  import tf_gspmd.keras  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
-  del exchange   # fit's steps take the default exchange
+  import tf_gspmd.keras  # pylint: disable=g-import-not-at-top
+  previous = tf_gspmd.keras.step_options(exchange=exchange)
   dist = keras.distribution
   mesh = dist.DeviceMesh((2, 4), ("batch", "model"), devices=[f"cpu:{i}" for i in range(8)])
   layout_map = dist.LayoutMap(mesh)
@@ -86,9 +86,10 @@ def fit_loop(exchange, steps, every, warmup):
       model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
       rows.append(dict(step=(k + 1) * every, rss=rss_bytes(), ms=1e3 * (time.perf_counter() - start) / every))
     lowerings = sum(f.lowerings for f in model.train_function.functions.values())
-    return _summary("keras fit", "auto", rows, warmup, every, lowerings)
+    return _summary("keras fit", exchange, rows, warmup, every, lowerings)
   finally:
     dist.set_distribution(None)
+    tf_gspmd.keras.step_options(**previous)
 
 
 def main():
@@ -105,8 +106,8 @@ def main():
   for exchange in args.exchange.split(","):
     if args.steps:
       runs.append(step_loop(exchange, args.steps, args.every, args.warmup))
-  if args.fit_steps:
-    runs.append(fit_loop("auto", args.fit_steps, args.every, args.warmup))
+    if args.fit_steps:
+      runs.append(fit_loop(exchange, args.fit_steps, args.every, args.warmup))
   for r in runs:
     if args.json:
       print(json.dumps(r), flush=True)

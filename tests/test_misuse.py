@@ -83,6 +83,11 @@ def _keras_scope(value):
     pass
 
 
+def _keras_model():
+  import keras  # pylint: disable=g-import-not-at-top
+  return keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+
+
 def _keras(name, *args, **kw):
   import tf_gspmd.keras as gk  # pylint: disable=g-import-not-at-top
   return getattr(gk, name)(*args, **kw)
@@ -310,6 +315,10 @@ CASES = [
     ("keras.scope", "string", lambda: _keras_scope("x"), errors.InputError, "LayoutMap"),
     ("keras.auto_layout_map", "not-a-model", lambda: _keras("auto_layout_map", "m", MESH, data=X), errors.InputError,
      "DeviceMesh"),
+    ("keras.step_options", "unknown-option", lambda: _keras("step_options", exchnage="collectives"), errors.InputError,
+     "exchnage"),
+    ("keras.lower_train_step", "not-compiled", lambda: _keras("lower_train_step", _keras_model(), X),
+     errors.InputError, "not compiled"),
     ("visualize_sharding", "int", lambda: gs.visualize_sharding(5, show=False), errors.ShardingError, "int"),
     ("gpu_form", "not-a-function", lambda: gs.gpu_form(5), errors.InputError, "takes a gs.function"),
     ("gpu_form", "cpu-lowering", lambda: gs.gpu_form(_f().lower(tf.TensorSpec([8, 4]))), errors.InputError,

@@ -1,5 +1,5 @@
-"""A shortened soak (bench/soak.py): 200 steps of a transformer's Keras step through each exchange and 150 Keras
-`fit` steps, in a fresh process. Exactly one lowering each (no retrace), and after the warm-up neither resident
+"""A shortened soak (bench/soak.py): 200 steps of a transformer's Keras step and 150 Keras `fit` steps, each through
+both exchanges, in a fresh process. Exactly one lowering each (no retrace), and after the warm-up neither resident
 memory nor the step time grows beyond noise (the full run, `python bench/soak.py`, is 2,000 and 500 steps)."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 MEMORY_NOISE_PCT = 3.0     # the allocator's pools settle within this after warm-up
-SLOWING_NOISE_PCT = 50.0   # a 50-step window on 2 shared cores: only a trend this large is a slowdown
+SLOWING_NOISE_PCT = 100.0  # 50-step windows on 2 shared cores vary by half: a doubling is a slowdown
 
 
 def test_long_runs_lower_once_and_hold_their_memory():
@@ -19,8 +19,9 @@ def test_long_runs_lower_once_and_hold_their_memory():
                         "--warmup=50"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   runs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-  assert [(r["name"], r["exchange"]) for r in runs] == [("gs.function step", "auto"),
-                                                       ("gs.function step", "collectives"), ("keras fit", "auto")]
+  assert [(r["name"], r["exchange"]) for r in runs] == [("gs.function step", "auto"), ("keras fit", "auto"),
+                                                       ("gs.function step", "collectives"),
+                                                       ("keras fit", "collectives")]
   for r in runs:
     assert r["lowerings"] == 1, r
     assert r["rss_growth_pct"] <= MEMORY_NOISE_PCT, r

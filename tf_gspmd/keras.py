@@ -205,6 +205,25 @@ def scope(distribution):
     _local.plan = previous
 
 
+# gs.function options of the steps Keras builds under a distribution (`step_options`).
+STEP_OPTIONS = ("exchange", "jit_compile", "collective_timeout", "strict")
+_step_options = {}
+
+
+def step_options(**options):
+  """Sets the gs.function options (`exchange`, `jit_compile`, `collective_timeout`, `strict`) of the train, test
+  and predict steps Keras builds under a distribution from now on (each batch signature's step is built on its first
+  call); no arguments resets them to gs.function's defaults. Returns the options in force before."""
+  unknown = sorted(set(options) - set(STEP_OPTIONS))
+  if unknown:
+    raise InputError(f"gs.keras.step_options takes {', '.join(STEP_OPTIONS)}; got {', '.join(unknown)}",
+                     node=unknown[0])
+  previous = dict(_step_options)
+  _step_options.clear()
+  _step_options.update(options)
+  return previous
+
+
 def _eager(value):
   if isinstance(value, ShardedTensor):
     return tf.constant(value.numpy())
@@ -257,7 +276,7 @@ class _Partitioned:
 
       batch = plan.batch_axis
       ins = tuple(P(batch) if t.shape.rank and batch else P() for t in flat)
-      self.functions[key] = gs_function(step, mesh=plan.mesh, in_shardings=ins)
+      self.functions[key] = gs_function(step, mesh=plan.mesh, in_shardings=ins, **_step_options)
     return self.functions[key], flat
 
   def run(self, data, **options):
