@@ -306,19 +306,20 @@ class Executable:
     else:
       flat = [self.place(value, sharding, spec, name) for value, (name, spec, sharding) in zip(args, program.arguments)]
     storages = self.storages()
-    self._host_writes.before_step(storages)
     positions = self.local.positions
-    if in_process:
-      flat = [c for comps in flat for c in comps] + [h for st in storages for h in st.handles()]
-      # In one process there are no collectives to time out; across processes TF's, from the first local device.
-      with contextlib.nullcontext() if self.local.fully_local else self._deadline(), self._instantiation():
-        outs = _compat.call_flat(self._in_process_fn(), flat)
-      n = len(positions)
-      outs = [dict(components=outs[k * n:(k + 1) * n]) for k in range(self.n_outputs)]
-    else:
-      flat.extend(st.packed(self.pd) for st in storages)
-      outs = [dict(components=None, packed=(self.pd, out)) for out in self.run_packed(self.pd, self.pid, flat)]
-    for st, written in zip(storages, self.written):
-      st.after_step(written)
+    with _state.holding(storages):   # the variables' shards as one version each, for the whole step
+      self._host_writes.before_step(storages)
+      if in_process:
+        flat = [c for comps in flat for c in comps] + [h for st in storages for h in st.handles()]
+        # In one process there are no collectives to time out; across processes TF's, from the first local device.
+        with contextlib.nullcontext() if self.local.fully_local else self._deadline(), self._instantiation():
+          outs = _compat.call_flat(self._in_process_fn(), flat)
+        n = len(positions)
+        outs = [dict(components=outs[k * n:(k + 1) * n]) for k in range(self.n_outputs)]
+      else:
+        flat.extend(st.packed(self.pd) for st in storages)
+        outs = [dict(components=None, packed=(self.pd, out)) for out in self.run_packed(self.pd, self.pid, flat)]
+      for st, written in zip(storages, self.written):
+        st.after_step(written)
     return [ShardedTensor(sharding=sharding, shape=shape, dtype=dtype, devices=self.devices, positions=positions, **out)
             for (sharding, shape, dtype), out in zip(self._results, outs)]

@@ -13,6 +13,7 @@ and restores slices shard by shard (TF's `SaveV2` slice specs), so checkpoints h
 mesh, or plain TF, can read.
 """
 
+import contextlib
 import threading
 import weakref
 
@@ -132,6 +133,9 @@ class ShardedStorage:
 
   def __init__(self, variable, sharding, devices, stacked=False):
     self._variable = weakref.ref(variable)
+    # Held by a step that reads or writes the shards and by an eager write or read of the variable (`holding`):
+    # another thread's write never lands between two devices' reads of one step.
+    self.lock = threading.RLock()
     self.shape = tuple(variable.shape.as_list())
     self.dtype = variable.dtype
     self.sharding = sharding if sharding.is_maximal else sharding.with_rank(len(self.shape))
@@ -267,10 +271,11 @@ class ShardedStorage:
 
   def flush(self):
     """The tf.Variable's own buffer is brought up to date with the shards (for an eager read)."""
-    if self.shards_newer:
-      v = self._variable()
-      _compat.assign_unhooked(v, self.gather())
-      self.shards_newer = False
+    with self.lock:
+      if self.shards_newer:
+        v = self._variable()
+        _compat.assign_unhooked(v, self.gather())
+        self.shards_newer = False
 
   # ---- checkpoints -------------------------------------------------------------------------------------------------
   def slice_spec(self, p):
@@ -369,17 +374,19 @@ class _ManagedVariable(_compat.ReadHook, _compat.CheckpointHook, _compat.Seriali
 
   def _gspmd_write(self, method, *args, **kwargs):
     storage = self._gspmd_storage
-    if method == "assign" and tf.executing_eagerly():
-      # The whole value is replaced: the shards' current value is not needed first.
-      out = super().assign(*args, **kwargs)
-      storage.shards_newer = False
-      storage.host_newer = True
-      return out
+    if tf.executing_eagerly():
+      with storage.lock:   # not while a step reads the shards (it would see the write on some devices only)
+        if method == "assign":   # the whole value is replaced: the shards' current value is not needed first
+          out = super().assign(*args, **kwargs)
+          storage.shards_newer = False
+        else:
+          storage.flush()
+          out = getattr(super(), method)(*args, **kwargs)
+        storage.host_newer = True
+        return out
     with tf.control_dependencies(self._gspmd_before_read()):
       out = getattr(super(), method)(*args, **kwargs)
-    if tf.executing_eagerly():
-      storage.host_newer = True
-    elif not _tracing_for_gspmd():   # the next step copies what a plain tf.function wrote into the shards
+    if not _tracing_for_gspmd():   # the next step copies what a plain tf.function wrote into the shards
       written = _plain_read(self)     # (ordered after the write: same variable)
       tf.py_function(lambda _: setattr(storage, "host_newer", True) or True, [written], tf.bool,
                      name="gspmd_mark_host_newer")
@@ -452,6 +459,20 @@ class _ManagedVariable(_compat.ReadHook, _compat.CheckpointHook, _compat.Seriali
       checkpoint.stream_restore(self._gspmd_storage, *pending)
     else:   # one whole tensor
       checkpoint.restore(self._gspmd_storage, tensor)
+
+
+@contextlib.contextmanager
+def holding(storages):
+  """Holds the locks of `storages` (taken in one order, so two steps sharing variables never wait on each other in a
+  cycle): what a step reads of their shards is one version of each variable."""
+  locks = [st.lock for st in sorted(set(storages), key=id)]
+  for lock in locks:
+    lock.acquire()
+  try:
+    yield
+  finally:
+    for lock in reversed(locks):
+      lock.release()
 
 
 _classes = {}
