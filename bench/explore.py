@@ -2,8 +2,8 @@
 page and Model Explorer's UI then loaded in headless Chromium.
 
 Per config it prints: lowering time, the page's size and load time, the ops of the global and per-device graphs,
-the time until Model Explorer's UI shows its first graph (its op node count as the UI gives it), the peak resident set of the binary
-(which builds the view and serves the graphs) and the resident set of Chromium's processes once both are shown,
+the time until Model Explorer's UI shows its first graph (its op node count as the UI gives it), the peak resident
+set of the binary (which builds the view and serves the graphs) and the resident set of Chromium's processes once both are shown,
 and any JavaScript error.
 
   .venv/bin/python bench/explore.py [--only small,dense128b]

@@ -77,7 +77,7 @@ class Collective:
 
 
 @dataclasses.dataclass(frozen=True)
-class Warning:  # pylint: disable=redefined-builtin
+class PlanWarning:
   kind: str                    # "no rule", "involuntary gather", "uneven padding", "plan"
   node: str                    # the global op it is about ("" when none)
   text: str
@@ -117,7 +117,7 @@ class PlanView:
   global_ops: Tuple[Op, ...]
   device_ops: Tuple[Op, ...]
   collectives: Tuple[Collective, ...]
-  warnings: Tuple[Warning, ...]
+  warnings: Tuple[PlanWarning, ...]
   memory: Optional[Memory]
   tiles: Tuple[Tiles, ...]
 
@@ -184,7 +184,7 @@ def _layer_depth(shares):
   around its layers: `functional_1/l0_attn`, ...). `shares`: [(op, bytes)]."""
   total = sum(b for _, b in shares) or 1
   depth = 1
-  while depth < 4:
+  while shares and depth < 4:
     by = {}
     for name, b in shares:
       by[layer_of(name, depth)] = by.get(layer_of(name, depth), 0) + b
@@ -246,18 +246,18 @@ def _collectives(report):
 
 
 def _warnings(report, global_ops):
-  out = [Warning("no rule", node, f"op type {op} has no partitioning rule: its operands are replicated and it runs "
+  out = [PlanWarning("no rule", node, f"op type {op} has no partitioning rule: its operands are replicated and it runs "
                                   f"whole on every device") for node, op in report.fallbacks]
-  out += [Warning("involuntary gather", c.source, str(c)) for c in report.rematerializations]
+  out += [PlanWarning("involuntary gather", c.source, str(c)) for c in report.rematerializations]
   flagged = {c.source for c in report.rematerializations}
-  out += [Warning("plan", "", w) for w in report.warnings if not any(s and s in w for s in flagged)]
+  out += [PlanWarning("plan", "", w) for w in report.warnings if not any(s and s in w for s in flagged)]
   uneven = {t.ref for op in global_ops for t in op.outputs if t.uneven}
   for op in global_ops:
     if any(public_key(f"{src}:{k}") in uneven for src, k in op.inputs):
       continue   # padded where its operand already was: the warning is the operand's
     for t in op.outputs:
       if t.uneven:
-        out.append(Warning("uneven padding", op.name, f"{t.ref} {list(t.shape)} laid out {t.sharding}: a split dim "
+        out.append(PlanWarning("uneven padding", op.name, f"{t.ref} {list(t.shape)} laid out {t.sharding}: a split dim "
                                                        f"is not a multiple of its shards, the last shards are padded"))
   return out
 
