@@ -33,7 +33,8 @@ from tf_gspmd.errors import (AutoShardingError, ClusterJoinError, GpuFormError, 
 from tf_gspmd.runtime.cross_mesh import Transfer, TransferLog, plan_transfer, reshard, value_elsewhere, wait_for_sends
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor, from_process_local_data
 from tf_gspmd.runtime.shards import Shard, shards_of
-from tf_gspmd.runtime.state import sharding_of, variable
+from tf_gspmd.runtime.create import variable
+from tf_gspmd.runtime.state import sharding_of
 
 tpu_mesh = tpu.mesh
 

@@ -60,6 +60,7 @@ from tf_gspmd._layout.mesh import Mesh, P, device_order
 from tf_gspmd._layout.plan_scope import in_plan_scope
 from tf_gspmd._layout.sharding import Sharding, as_spec, to_sharding
 from tf_gspmd.errors import InputError, MeshError, SpecError
+from tf_gspmd.runtime import create as _create
 from tf_gspmd.runtime import state as _state
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
@@ -535,7 +536,7 @@ def _install_sharded_initializer():
     init = _sharded_initializer(initializer, self.path) if nbytes > WHOLE_INIT_MAX_BYTES and \
         not in_plan_scope() else None
     if init is not None:
-      _compat.keras_set_inner_variable(self, _state.variable(init, shape, dtype, mesh=plan.mesh, spec=spec,
+      _compat.keras_set_inner_variable(self, _create.variable(init, shape, dtype, mesh=plan.mesh, spec=spec,
                                                              name=self.name, trainable=self.trainable))
       return None
     initialize(self, initializer)

@@ -37,7 +37,9 @@ def test_checks_and_prints_run_whole_by_their_rule_under_strict(rng):
   assert gathered and all(c.within for c in gathered), str(low.report)
 
 
-def test_an_op_without_a_rule_falls_back_with_a_warning_and_strict_refuses_it(rng):
+def test_an_op_without_a_rule_falls_back_with_a_warning_and_strict_refuses_it(rng, monkeypatch):
+  from tf_gspmd.rewriter.partition import partition  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(partition, "_warned_fallback", set())   # warned once per op type and process
   x = rng.standard_normal((8, 12)).astype(np.float32)
 
   def fn(a):

@@ -19,6 +19,7 @@ from tf_gspmd._layout.sharding import Sharding, to_sharding
 from tf_gspmd.errors import InputError, MeshError, SpecError
 from tf_gspmd.rewriter.graph.graph_view import ref
 from tf_gspmd.runtime import parallel as _parallel
+from tf_gspmd.runtime import create as _create
 from tf_gspmd.runtime import state as _state
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor, shard_host_value
 
@@ -159,7 +160,7 @@ def distribute_variable(value, layout, mesh=None):
   if variable is not None:
     _state.manage(variable, sharding, mesh.resolve_devices(), what=what)
     return variable
-  return _state.variable(_HostValue(value), shape, dtype, mesh=mesh, spec=sharding)
+  return _create.variable(_HostValue(value), shape, dtype, mesh=mesh, spec=sharding)
 
 
 def backend_layout(tensor_layout):
