@@ -268,6 +268,14 @@ def _random_on(value):
   return fn
 
 
+def _printed(value):
+  def fn(x):
+    v = value(x)
+    tf.print(tf.strings.format("v={}", v), output_stream="file:///dev/null")   # StringFormat, then PrintV2
+    return v * 2.0
+  return fn
+
+
 def _special_cases():
   cases = {}
   for op_type, stateful in (("While", True), ("StatelessWhile", False)):
@@ -286,6 +294,8 @@ def _special_cases():
   for op_type in ("Placeholder", "Const", "Identity"):
     cases[op_type] = {"unknown rank": _constant}
   cases["NoOp"] = {"unknown rank": _no_op}
+  for op_type in ("StringFormat", "PrintV2"):
+    cases[op_type] = {"unknown rank": _printed(_unknown_x), "unknown dims": _printed(_unknown_dims_x)}
   for op_type in ("StatelessRandomGetAlg", "StatelessRandomGetKeyCounter", "StatelessRandomUniformV2"):
     cases[op_type] = {"unknown rank": _random_on(_unknown_x), "unknown dims": _random_on(_unknown_dims_x)}
   return cases
