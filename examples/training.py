@@ -18,6 +18,7 @@ tf.train.CheckpointManager), and with --resume continues from the latest one. At
 import dataclasses
 import math
 import os
+import signal
 import sys
 import time
 from typing import Any, Callable, Dict, Sequence
@@ -51,6 +52,9 @@ flags.DEFINE_string("report_html", None, "Write the train step's plan (with --pl
 flags.DEFINE_bool("explore", False, "Open the train step's plan (with --plan: for --plan_mesh) in Model Explorer "
                   "(pip install 'tf_gspmd[explore]') on 127.0.0.1, serving until Ctrl+C.")
 flags.DEFINE_integer("explore_port", None, "With --explore: the port (default: a free one).", lower_bound=1)
+flags.DEFINE_integer("crash_at_step", None, "Fault drill: the job's last process kills itself (SIGKILL) as this "
+                     "step starts, in the job's first start only (python -m tf_gspmd.launch --max_restarts=N starts "
+                     "it again; with --resume it goes on from its last checkpoint).", lower_bound=0)
 flags.DEFINE_bool("jit", False, "Compile the compute between collectives with XLA (jit_compile=True).")
 flags.DEFINE_enum("exchange", "auto", ["auto", "collectives"], "How the devices exchange data (gs.function's "
                   "`exchange`): auto runs the CPUs of each process as one graph (TF's collectives only across "
@@ -347,6 +351,10 @@ def run(task):
   losses = []
   trace = [int(s) for s in FLAGS.profile]
   for k in range(first, FLAGS.steps):
+    if k == FLAGS.crash_at_step and os.environ.get("TF_GSPMD_RESTART", "0") == "0" and \
+        gs.process_index() == gs.process_count() - 1:
+      print(f"fault drill: process {gs.process_index()} kills itself as step {k} starts", flush=True)
+      os.kill(os.getpid(), signal.SIGKILL)
     batch = task.batch(k)
     if trace and k == trace[0]:
       tf.profiler.experimental.start(os.path.join(directory, "profile"))

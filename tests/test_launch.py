@@ -109,3 +109,24 @@ def test_a_missing_script_is_named_before_any_worker_starts(capsys, monkeypatch,
   with pytest.raises(SystemExit):
     launch.main(["--workers=2", "--", str(tmp_path / "train.py"), "--steps=1"])
   assert f"the script '{tmp_path / 'train.py'}' does not exist" in capsys.readouterr().err
+
+
+def test_a_failed_job_is_started_again_up_to_max_restarts():
+  # Start 0: worker 1 fails; start 1 (TF_GSPMD_RESTART=1): both succeed.
+  body = "r = int(os.environ['TF_GSPMD_RESTART']); print('start', r, k); sys.exit(3 if r == 0 and k == 1 else 0)"
+  out = io.StringIO()
+  status = launch.launch([sys.executable, "-c", _INDEX + body], 2, grace=5.0, out=out, max_restarts=2)
+  text = out.getvalue()
+  assert status == 0, text
+  assert "starting it again (1 of 2 restarts)" in text and "(2 of 2" not in text, text
+  assert "[worker 0] start 1 0" in text and "[worker 1] start 1 1" in text, text
+  out = io.StringIO()   # without restarts the failure is the job's status
+  assert launch.launch([sys.executable, "-c", _INDEX + body], 2, grace=5.0, out=out) == 3
+  with pytest.raises(ValueError, match="max_restarts=-1"):
+    launch.launch([sys.executable, "-c", "pass"], 1, max_restarts=-1)
+
+
+def test_a_job_failing_every_time_stops_after_its_restarts():
+  out = io.StringIO()
+  status = launch.launch([sys.executable, "-c", _INDEX + "sys.exit(4)"], 1, grace=1.0, out=out, max_restarts=2)
+  assert status == 4 and out.getvalue().count("starting it again") == 2, out.getvalue()

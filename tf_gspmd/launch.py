@@ -6,7 +6,9 @@ Each worker is the same command with its own `TF_CONFIG` (a cluster of `--worker
 127.0.0.1, free ports) and `TF_GSPMD_CPU_DEVICES_PER_PROCESS` (the logical CPUs `gs.initialize` gives it). The
 workers' output is forwarded line by line, prefixed with `[worker K]`. The launcher exits with the first
 failing worker's status (0 when all succeed); when one fails, the others are given `--grace` seconds to fail
-on their own (their collectives name the lost worker) before they are stopped.
+on their own (their collectives name the lost worker) before they are stopped. With `--max_restarts=N` a failed
+job is started again, up to N times, every worker anew (new ports, TF_GSPMD_RESTART=1, 2, ...): a program that
+resumes from its last checkpoint (the training binaries' `--resume`) goes on from there.
 
 The program after `--` is a Python script (`train.py ...`, run with this Python), Python code (`-c CODE ...`) or a
 module (`-m MODULE ...`), as `python` takes them, or any other executable with its arguments. Every argument is
@@ -67,25 +69,47 @@ def _forward(stream, prefix, out, lock):
   stream.close()
 
 
-def launch(command, workers, devices_per_worker=None, grace=60.0, timeout=None, out=None):
+RESTART_ENV = "TF_GSPMD_RESTART"   # which start of the job a worker belongs to: 0, then 1, 2, ... after restarts
+
+
+def launch(command, workers, devices_per_worker=None, grace=60.0, timeout=None, out=None, max_restarts=0):
   """Runs `command` (a list, e.g. [sys.executable, "train.py", ...]) as `workers` processes; returns the exit
   status (the first failing worker's, else 0).
 
   Every worker is polled every 0.1 s; once one fails, the others get `grace` seconds to exit before they are sent
-  SIGTERM (and killed 10 s later). Raises MeshError (worker or device counts) or InputError (times, the command)
-  for an argument it cannot run with, before any worker starts."""
+  SIGTERM (and killed 10 s later). A failed job is started again, every worker with new ports, up to
+  `max_restarts` times (the program resumes from its last checkpoint, e.g. the training binaries' --resume; each
+  worker finds the start it belongs to in TF_GSPMD_RESTART). `timeout` bounds all starts together. Raises
+  MeshError (worker or device counts) or InputError (times, restarts, the command) for an argument it cannot run
+  with, before any worker starts."""
   command = checked_command(command)
   workers, devices_per_worker, grace, timeout = checked_numbers(workers, devices_per_worker, grace, timeout)
+  if isinstance(max_restarts, bool) or not isinstance(max_restarts, numbers.Integral) or max_restarts < 0:
+    raise InputError(f"max_restarts={_shown(max_restarts)}: give how many times (0 or more) a failed job is "
+                     "started again", node="max_restarts")
   out = out or sys.stdout
   lock = threading.Lock()
+  deadline = None if timeout is None else time.monotonic() + timeout
+  for start in range(int(max_restarts) + 1):
+    status = _run(command, workers, devices_per_worker, grace, deadline, out, lock, start)
+    if status == 0 or start == max_restarts or (deadline is not None and time.monotonic() >= deadline):
+      return status
+    with lock:
+      out.write(f"[launch] the job failed with status {status}; starting it again ({start + 1} of {max_restarts} "
+                "restarts), every worker with new ports\n")
+  return status
+
+
+def _run(command, workers, devices_per_worker, grace, deadline, out, lock, start_index):
+  """One start of the job: its status (the first failing worker's, else 0)."""
   procs, threads = [], []
   for k, env in enumerate(worker_envs(workers, devices_per_worker)):
+    env[RESTART_ENV] = str(start_index)
     p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     t = threading.Thread(target=_forward, args=(p.stdout, f"[worker {k}] ", out, lock), daemon=True)
     t.start()
     procs.append(p)
     threads.append(t)
-  start = time.monotonic()
   status, failed_at = 0, None
   while True:
     codes = [p.poll() for p in procs]   # every worker, every round: a failure is seen wherever it happens
@@ -97,7 +121,7 @@ def launch(command, workers, devices_per_worker=None, grace=60.0, timeout=None, 
           out.write(f"[launch] worker {k} exited with status {code}; the others get {grace:g} s to finish\n")
     if all(code is not None for code in codes):
       break
-    late = (failed_at is not None and now - failed_at > grace) or (timeout is not None and now - start > timeout)
+    late = (failed_at is not None and now - failed_at > grace) or (deadline is not None and now > deadline)
     if late:
       for k, p in enumerate(procs):
         if p.poll() is None:
@@ -207,6 +231,9 @@ def main(argv=None):
                       help="seconds (0 or more) the other workers get to fail on their own after one fails")
   parser.add_argument("--timeout", type=float, default=None,
                       help="stop every worker after this many seconds (more than 0; default: no limit)")
+  parser.add_argument("--max_restarts", type=int, default=0,
+                      help="start a failed job again, every worker anew, up to this many times (0 or more); the "
+                           "program resumes from its last checkpoint (the training binaries: --resume)")
   parser.add_argument("command", nargs=argparse.REMAINDER,
                       help="-- then the program and its arguments: script.py, -c CODE, -m MODULE or an executable")
   args = parser.parse_args(argv)
@@ -216,9 +243,12 @@ def main(argv=None):
     if not command:
       raise InputError("give the program after --, e.g. -- train.py --steps=10", node="command")
     command = python_command(command)
+    if args.max_restarts < 0:
+      raise InputError(f"--max_restarts={args.max_restarts}: give how many times (0 or more) a failed job is "
+                       "started again", node="--max_restarts")
   except (InputError, MeshError) as e:
     parser.error(e.message)
-  return launch(command, *numbers_)
+  return launch(command, *numbers_, max_restarts=args.max_restarts)
 
 
 if __name__ == "__main__":
