@@ -14,13 +14,13 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 STEPS = 6
 
 
-def _train(logdir, *extra):
+def _train(logdir, launcher=(), binary=()):
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + sys.path), TF_CPP_MIN_LOG_LEVEL="3",
              PYTHONWARNINGS="ignore")
   env.pop("TF_CONFIG", None)
   out = subprocess.run([sys.executable, "-m", "tf_gspmd.launch", "--workers=2", "--devices_per_worker=4", "--grace=10",
-                        *extra, "--", "examples/train_transformer.py", f"--steps={STEPS}", "--ckpt_every=1",
-                        "--resume", "--check_steps=0", f"--logdir={logdir}"],
+                        *launcher, "--", "examples/train_transformer.py", f"--steps={STEPS}", "--ckpt_every=1",
+                        "--resume", "--check_steps=0", f"--logdir={logdir}", *binary],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
   assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
   return out.stdout
@@ -28,7 +28,7 @@ def _train(logdir, *extra):
 
 def _weights(logdir):
   reader = tf.train.load_checkpoint(os.path.join(logdir, "transformer", "checkpoints"))
-  keys = [k for k in reader.get_variable_to_shape_map() if "OPTIMIZER_SLOT" not in k and "save_counter" not in k
+  keys = [k for k in reader.get_variable_to_shape_map() if "save_counter" not in k
           and not k.startswith("_CHECKPOINTABLE_OBJECT_GRAPH")]
   return {k: reader.get_tensor(k) for k in keys}
 
@@ -37,11 +37,17 @@ def test_a_killed_job_restarted_from_its_checkpoint_ends_as_an_uninterrupted_run
   whole = str(tmp_path / "whole")
   crashed = str(tmp_path / "crashed")
   _train(whole)
-  log = _train(crashed, "--max_restarts=1", "--crash_at_step=3")
+  log = _train(crashed, launcher=["--max_restarts=1"], binary=["--crash_at_step=3"])
   assert "fault drill: process 1 kills itself as step 3 starts" in log, log[-3000:]
   assert "starting it again (1 of 1 restarts)" in log, log[-3000:]
   assert "resumed from" in log and "at step 3" in log, log[-3000:]
   want, got = _weights(whole), _weights(crashed)
   assert set(want) == set(got) and any("step" in k for k in want), sorted(want)
+  big = [k for k in want if want[k].size >= 64 * 64]   # the weights and their Adam moments
+  assert len(big) >= 8, sorted(want)
+  slots = [k for k in big if k.startswith("optimizer/_variables/")]   # Adam's moments (and the weights' copies)
+  assert slots and max(np.abs(want[k]).max() for k in slots) > 0, slots   # the moments are 0 until trained
+  step = next(k for k in want if k.startswith("step/"))
+  assert int(want[step]) == int(got[step]) == STEPS
   for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)
