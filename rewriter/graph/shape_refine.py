@@ -115,6 +115,8 @@ def _loop_invariant_shapes(op, infos, library):
       initial.append(info.shape)
   try:
     gd, _, results = functions.body_graph_def(library, op.get_attr("body").name, initial)
+    for node in gd.node:   # shapes recorded when the body was traced or optimized; TF's own inference decides here
+      node.attr.pop("_output_shapes", None)
     with tf.Graph().as_default() as body:
       tf.graph_util.import_graph_def(gd, name="")
     results = [body.get_tensor_by_name(r) for r in results]

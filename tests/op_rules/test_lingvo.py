@@ -1,4 +1,4 @@
-"""Lingvo's own layer stack: GenericRepeatLayer (lingvo.core.repeat_layer) trained through tf_gspmd.
+"""Lingvo's own layer stacks through tf_gspmd: GenericRepeatLayer (lingvo.core.repeat_layer) and GShard's builder.
 
 Lingvo runs its repeated layer through `lingvo.core.recurrent.Recurrent`: a functional While for the forward that
 stacks every layer's activations, and a second While, its custom gradient, that walks the layers backwards and
@@ -167,3 +167,68 @@ def test_two_sgd_steps_match_plain_tf(stack, rng):
     assert np.abs(after - before).max() > 1e-4, name   # every stacked weight moved
   low = f.lower(*[tf.TensorSpec(a.shape) for a in [x] + ws])
   _assert_stacked_values_not_gathered(low, weights)
+
+
+# GShard's builder: an encoder stack of attention, mixture-of-experts and dense feed-forward blocks wrapped in its
+# RepeatLayer (per-layer weights stacked inside the layer, lingvo.core.recurrent's own While forward and backward),
+# annotated by Lingvo itself (gshard_utils.Split / MeshSplit emit XlaSharding ops when Lingvo targets a TPU).
+GSHARD_LAYERS, GSHARD_BATCH, GSHARD_LENGTH, GSHARD_MODEL = 2, 8, 4, 8
+
+
+@pytest.fixture(scope="module")
+def gshard_encoder():
+  """(layer, its variables): DenseBuilder.EncoderLayerStack(use_repeat_layer=True) over a (2, 4) device mesh."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from lingvo.core import gshard_builder  # pylint: disable=g-import-not-at-top
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  before = flags.FLAGS.enable_asserts, flags.FLAGS.xla_device
+  flags.FLAGS.enable_asserts = False
+  builder = gshard_builder.DenseBuilder.Params().Set(
+      device_mesh_shape=list(MESH.shape), num_devices=MESH.size, deterministic_dropout=True, dropout_rate=0.0,
+      dtype=tf.float32, model_dim=GSHARD_MODEL, attention_num_heads=2, attention_key_value_dim=4, ff_dim=16,
+      moe_hidden_dim=16, e_dim=4, c_dim=4).Instantiate()
+  params = builder.EncoderLayerStack(
+      "encoder", sub_layers=[builder.SelfAttention("atten"), builder.MoE("moe"), builder.DenseReluDense("ffw")],
+      num=GSHARD_LAYERS, use_repeat_layer=True)
+  layer = params.Instantiate()   # eagerly: Lingvo annotates weights at creation only in graph mode
+  flags.FLAGS.xla_device = "tpu"   # from here on, Lingvo's FProp emits its sharding annotations
+  yield layer, [v for _, v in layer.vars.FlattenItems()]
+  flags.FLAGS.enable_asserts, flags.FLAGS.xla_device = before
+
+
+def test_gshard_builder_repeat_layer_forward_and_gradients_match_plain_tf(gshard_encoder, rng):
+  _, _, py_utils = _LINGVO
+  layer, variables = gshard_encoder
+  assert len(variables) == 12 * GSHARD_LAYERS + 1   # attention 5, MoE 4, dense 3 per layer; the final norm
+
+  def loss_and_grads(x, segment_id, segment_pos):
+    with tf.GradientTape() as tape:
+      out = layer.FPropDefaultTheta(py_utils.NestedMap(vec=x, segment_id=segment_id, segment_pos=segment_pos,
+                                                       aux_loss=tf.constant(0.0)))
+      loss = tf.reduce_sum(out.vec * out.vec) + out.aux_loss
+    return (out.vec, loss) + tuple(tape.gradient(loss, variables))
+
+  x = rng.standard_normal((GSHARD_BATCH, GSHARD_LENGTH, GSHARD_MODEL)).astype(np.float32)
+  segment_id = np.ones((GSHARD_BATCH, GSHARD_LENGTH), np.int32)
+  segment_pos = np.tile(np.arange(GSHARD_LENGTH, dtype=np.int32), (GSHARD_BATCH, 1))
+  want = tf.function(loss_and_grads)(x, segment_id, segment_pos)
+  f = gs.function(loss_and_grads, mesh=MESH)
+  got = f(x, segment_id, segment_pos)
+  assert len(got) == len(want) == 2 + len(variables)
+  for g, w, name in zip(got, want, ["vec", "loss"] + [v.name for v in variables]):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5, err_msg=name)
+  assert all(float(np.abs(np.asarray(w)).max()) > 1e-7 for w in want[2:])   # every gradient compared is non-zero
+
+  low = f.lower(tf.TensorSpec(x.shape), tf.TensorSpec(segment_id.shape, tf.int32),
+                tf.TensorSpec(segment_pos.shape, tf.int32))
+  report = low.report
+  assert report.fallbacks == ()
+  assert not [w for w in report.warnings if "unknown rank" in w], report.warnings
+  # Lingvo stacks each per-layer weight (encoder/stack_k) for its loops: no stacked weight is gathered for the
+  # backward loop, and no weight's gradient changes layout on its way out of it
+  stacked = [c for c in report.collectives if "encoder/stack" in c.reason]
+  assert not stacked, [str(c) for c in stacked]
+  assert sum(n.op in ("While", "StatelessWhile") for n in low.graph_def.node) == 2   # forward and its gradient
+  kinds = {c.kind for c in report.collectives}
+  assert "all-to-all" in kinds   # the experts' dispatch: the MoE layer's split is Lingvo's own, honoured
