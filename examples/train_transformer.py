@@ -38,6 +38,8 @@ flags.DEFINE_integer("d_ff", 256, "MLP hidden width.", lower_bound=1)
 flags.DEFINE_integer("vocab", 128, "Vocabulary size.", lower_bound=1)
 flags.DEFINE_integer("seq_len", 32, "Sequence length.", lower_bound=1)
 flags.DEFINE_integer("batch", 16, "Global batch size.", lower_bound=1)
+flags.DEFINE_float("dropout", 0.0, "Dropout rate on each MLP's hidden activation (training steps only).",
+                   lower_bound=0.0, upper_bound=0.99)
 flags.DEFINE_enum("layout", "megatron", ["megatron", "2d"], "megatron: attention heads and the MLP hidden dim split "
                   "over `model`, everything else replicated over `data` (the batch split over it); 2d: GSPMD's 2D "
                   "layout, every weight split over both axes (d_model over `data`, heads / hidden / vocabulary over "
@@ -75,6 +77,9 @@ def _model_fits(values):
   if stages and repeats > 1 and micro < stages:
     raise flags.ValidationError(f"a circular pipeline needs at least as many microbatches as stages: "
                                 f"--microbatches={micro} < --pipeline_stages={stages}")
+  if values["dropout"] and (stages or values["auto_parallel"]):
+    raise flags.ValidationError(f"--dropout={values['dropout']} is a layer of the Keras model; the pipelined and "
+                                "--auto_parallel models have none: leave --dropout out with them")
   flag = "plan_mesh" if values["plan"] else "mesh"
   shape = training.sizes(values[flag]) or ((16, 16, 8) if values["plan"] else (4, 2))   # (pipelined_task's defaults)
   if stages and stages % shape[0]:
@@ -86,7 +91,8 @@ def _model_fits(values):
 
 training.check_meshes(_meshes, extra=["pipeline_stages"])
 flags.register_multi_flags_validator(["d_model", "heads", "batch", "microbatches", "layers", "pipeline_stages",
-                                      "circular_repeats", "auto_parallel", "mesh", "plan_mesh", "plan"], _model_fits)
+                                      "circular_repeats", "auto_parallel", "mesh", "plan_mesh", "plan", "dropout"],
+                                     _model_fits)
 FLAGS = flags.FLAGS
 
 
@@ -94,7 +100,7 @@ def task():
   import transformer_model as tm  # pylint: disable=g-import-not-at-top
   from tf_gspmd import P  # pylint: disable=g-import-not-at-top
   cfg = tm.Config(layers=FLAGS.layers, d_model=FLAGS.d_model, heads=FLAGS.heads, d_ff=FLAGS.d_ff,
-                  vocab=FLAGS.vocab, seq=FLAGS.seq_len, batch=FLAGS.batch, lr=FLAGS.lr)
+                  vocab=FLAGS.vocab, seq=FLAGS.seq_len, batch=FLAGS.batch, lr=FLAGS.lr, dropout=FLAGS.dropout)
 
   def build(mesh, plan_only=False):  # pylint: disable=unused-argument
     import keras  # pylint: disable=g-import-not-at-top

@@ -25,6 +25,7 @@ class Config:
   seq: int = 16
   batch: int = 8
   lr: float = 1e-3
+  dropout: float = 0.0   # rate of the Keras model's dropout on each MLP's hidden activation (0: none)
 
 
 def param_shapes(cfg):
@@ -195,6 +196,8 @@ def keras_model(cfg, activations=None):
     x = Annotate(name=f"l{l}_attn_out")(x + h)
     h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"l{l}_ln2")(x)
     h = keras.layers.Dense(cfg.d_ff, activation="gelu", name=f"l{l}_up")(h)
+    if cfg.dropout:   # on [batch, seq, d_ff]: split over its last dim in Megatron's layout, over both in 2D's
+      h = keras.layers.Dropout(cfg.dropout, seed=l, name=f"l{l}_dropout")(h)
     x = Annotate(name=f"l{l}_mlp_out")(x + keras.layers.Dense(cfg.d_model, name=f"l{l}_down")(h))
   x = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_f")(x)
   logits = keras.layers.Dense(cfg.vocab, name="head")(x)

@@ -4,7 +4,9 @@ Index dims and the table's other dims pass their split. A table split along the 
 vocabulary-split embedding, or a few indices of a split sequence) is not gathered: each device looks up the
 ids it owns, zeroes the rows it does not, and one all-reduce sums the rows (a reduce-scatter when the result
 is split by the table's axes) -- unless, by bytes, gathering the table would move less. `take_owned` is that
-lookup, shared with the slicing rules. GatherNd's indexed dims and OneHot's depth dim are whole.
+lookup, shared with the slicing rules. Under `batch_dims` (`tf.gather(x, positions, batch_dims=1)`: a masked
+language model's head reading its masked tokens) the batch dims of the table and the ids are one factor, split alike,
+and the gathered dim stays whole. GatherNd's indexed dims and OneHot's depth dim are whole.
 """
 
 import numpy as np
@@ -67,12 +69,22 @@ class Gather(FactorRule):
   def factors(self, node):
     p_rank, i_rank = len(node.input_shape(0)), len(node.input_shape(1))
     axis = self._axis(node)
-    if node.attr("batch_dims") or axis is None:
+    batch = self._batch_dims(node, i_rank)
+    if axis is None or batch is None or batch > axis:
       return Factors(((None,) * p_rank, (None,) * i_rank), ((None,) * len(node.outputs[0].shape),))
     p = tuple(f"p{d}" for d in range(p_rank))
-    idx = tuple(f"i{d}" for d in range(i_rank))
-    out = p[:axis] + idx + p[axis + 1:]
-    return Factors((p[:axis] + ("v",) + p[axis + 1:], idx), (out,))
+    idx = p[:batch] + tuple(f"i{d}" for d in range(batch, i_rank))   # batch dims: one factor for both
+    out = p[:axis] + idx[batch:] + p[axis + 1:]
+    # Under batch dims each row looks up in its own table: the gathered dim stays whole (no owned-ids lookup).
+    return Factors((p[:axis] + ("v" if not batch else None,) + p[axis + 1:], idx), (out,))
+
+  @staticmethod
+  def _batch_dims(node, i_rank):
+    """The op's leading dims shared by the table and the ids (`batch_dims`, negative counted from the ids'
+    rank), or None when TF's attr is out of range."""
+    b = node.attr("batch_dims") or 0
+    b = b + i_rank if b < 0 else b
+    return b if 0 <= b <= i_rank else None
 
   def partition(self, ctx, node):
     axis = self._axis(node)

@@ -106,6 +106,47 @@ def _program_graphs(low):
     yield graph, graph.get_tensor_by_name(fdef.signature.input_arg[-1].name + ":0")
 
 
+def random_ops_made_whole(low):
+  """(the element counts of the random values the plan of `low` splits, those of them some per-device random
+  kernel generates whole): a random value drawn at its global size on every device and then sliced.
+
+  The per-device kernels are those of the program's graph and of its functions; a kernel inside a loop body reads
+  its shape from the loop, so the shape constants the program passes its loops count for those."""
+  import math  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.ops import registry  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.ops.random import StatelessRandom  # pylint: disable=g-import-not-at-top
+  kinds = {t for t in registry.registered_ops() if isinstance(registry.lookup(t), StatelessRandom)}
+  program = low.program
+  split = [math.prod(n.outputs[0].shape) for n in program.ir.nodes
+           if n.op in kinds and not program.shardings[n.ref(0)].is_replicated]
+  gd = low.graph_def
+  graph = tf.Graph()
+  with graph.as_default():
+    tf.graph_util.import_graph_def(gd, name="")
+  local = [op.outputs[0].shape.num_elements() for op in graph.get_operations() if op.type in kinds]
+  if any(n.op in kinds for f in gd.library.function for n in f.node_def):
+    local += loop_sizes(gd)
+  return split, sorted(set(split) & {c for c in local if c is not None})
+
+
+def loop_sizes(graph_def):
+  """The one-element int shape constants a per-device program passes its loops (what a random kernel inside a
+  loop body is asked for: it reads its shape from the loop's inputs)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  nodes = {n.name: n for n in graph_def.node}
+  sizes = []
+  for loop in (n for n in graph_def.node if n.op in ("While", "StatelessWhile")):
+    for x in loop.input:
+      src = nodes.get(x.split(":")[0].lstrip("^"))
+      if src is not None and src.op == "Const" and src.attr["dtype"].type in (tf.int32.as_datatype_enum,
+                                                                             tf.int64.as_datatype_enum):
+        value = tf.make_ndarray(src.attr["value"].tensor)
+        if value.ndim == 1 and value.size == 1:
+          sizes.append(int(value[0]))
+  return sizes
+
+
 def sent_by_program(low):
   """What the per-device program `low.graph_def` sends, read from its collective nodes alone (those of its graph
   and of its functions, each once: one iteration of every loop).

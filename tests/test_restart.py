@@ -51,3 +51,22 @@ def test_a_killed_job_restarted_from_its_checkpoint_ends_as_an_uninterrupted_run
   assert int(want[step]) == int(got[step]) == STEPS
   for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+def test_keras_fit_killed_mid_epoch_resumes_from_its_backup_as_an_uninterrupted_fit(tmp_path):
+  """Keras `fit` under ModelParallel on 2 processes x 4 devices with Keras's own `BackupAndRestore`: one process
+  SIGKILLed as global step 6 starts (epoch 1 of 4, its third batch), the launcher starting the job again, `fit`
+  restoring the weights and Adam's slots saved at epoch 0's end (the shared weights file) and running epochs 1-3:
+  every variable, the optimizer's included, ends as in an uninterrupted fit."""
+  import cluster_runs  # pylint: disable=g-import-not-at-top
+  whole, crashed = tmp_path / "whole", tmp_path / "crashed"
+  uninterrupted = cluster_runs.launch(2, "keras_fit.py", f"--backup={whole}", devices_per_worker=4, timeout=600)
+  restarted = cluster_runs.launch(2, "keras_fit.py", f"--backup={crashed}", "--crash_at_step=6",
+                                  devices_per_worker=4, timeout=900, launcher=("--max_restarts=1", "--grace=10"))
+  assert len(uninterrupted[0]["losses"]) == 16
+  assert len(restarted[0]["losses"]) == 12   # epochs 1-3 only: it went on from the backup of epoch 0
+  np.testing.assert_allclose(restarted[0]["losses"], uninterrupted[0]["losses"][4:], rtol=1e-6)
+  want, got = np.load(whole / "final.npz"), np.load(crashed / "final.npz")
+  assert sorted(got.files) == sorted(want.files) and any("adam" in k or "momentum" in k for k in want.files)
+  for k in want.files:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)

@@ -17,7 +17,7 @@ import xla_oracle  # noqa: E402  pylint: disable=g-import-not-at-top
 
 CASES = ("mlp_megatron", "moe_gshard", "conv_spatial", "uneven", "softmax_xent", "pipeline", "conv_halo", "pool_halo",
          "pad_shift", "pad_conv", "unet3d_block", "top_k_split", "scan_stacked", "argmax_split", "megatron_dropout",
-         "einsum_two_contracted")
+         "einsum_two_contracted", "bert_tied_mlm", "moe_loss", "unet_loss")
 
 
 @pytest.fixture(scope="module")

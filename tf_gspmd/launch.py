@@ -83,10 +83,8 @@ def launch(command, workers, devices_per_worker=None, grace=60.0, timeout=None, 
   MeshError (worker or device counts) or InputError (times, restarts, the command) for an argument it cannot run
   with, before any worker starts."""
   command = checked_command(command)
-  workers, devices_per_worker, grace, timeout = checked_numbers(workers, devices_per_worker, grace, timeout)
-  if isinstance(max_restarts, bool) or not isinstance(max_restarts, numbers.Integral) or max_restarts < 0:
-    raise InputError(f"max_restarts={_shown(max_restarts)}: give how many times (0 or more) a failed job is "
-                     "started again", node="max_restarts")
+  workers, devices_per_worker, grace, timeout, max_restarts = checked_numbers(workers, devices_per_worker, grace,
+                                                                              timeout, max_restarts)
   out = out or sys.stdout
   lock = threading.Lock()
   deadline = None if timeout is None else time.monotonic() + timeout
@@ -150,8 +148,8 @@ def _shown(value):
   return f"{value:g}" if isinstance(value, float) else repr(value) if isinstance(value, str) else str(value)
 
 
-def checked_numbers(workers, devices_per_worker, grace, timeout, dashes=""):
-  """(workers, devices_per_worker, grace, timeout), checked before anything starts. A count below 1 would start
+def checked_numbers(workers, devices_per_worker, grace, timeout, max_restarts=0, dashes=""):
+  """(workers, devices_per_worker, grace, timeout, max_restarts), checked before anything starts. A count below 1 would start
   no worker, or workers whose `gs.initialize` splits the CPU into no device (they then wait for each other until
   the join times out); a negative or NaN time would stop the workers at once, or never. Raises MeshError
   (counts) or InputError (times), naming the argument -- as the command-line flag when `dashes` is "--"."""
@@ -174,8 +172,11 @@ def checked_numbers(workers, devices_per_worker, grace, timeout, dashes=""):
   if timeout is not None and (not seconds(timeout) or timeout <= 0):
     raise InputError(f"{dashes}timeout={_shown(timeout)}: give the seconds (more than 0) after which every worker "
                      "is stopped, or leave it out for no limit", node=f"{dashes}timeout")
+  if not whole(max_restarts) or max_restarts < 0:
+    raise InputError(f"{dashes}max_restarts={_shown(max_restarts)}: give how many times (0 or more) a failed job is "
+                     "started again", node=f"{dashes}max_restarts")
   return int(workers), None if devices_per_worker is None else int(devices_per_worker), float(grace), \
-      None if timeout is None else float(timeout)
+      None if timeout is None else float(timeout), int(max_restarts)
 
 
 def checked_command(command):
@@ -239,16 +240,14 @@ def main(argv=None):
   args = parser.parse_args(argv)
   command = args.command[1:] if args.command[:1] == ["--"] else args.command
   try:
-    numbers_ = checked_numbers(args.workers, args.devices_per_worker, args.grace, args.timeout, dashes="--")
+    numbers_ = checked_numbers(args.workers, args.devices_per_worker, args.grace, args.timeout, args.max_restarts,
+                               dashes="--")
     if not command:
       raise InputError("give the program after --, e.g. -- train.py --steps=10", node="command")
     command = python_command(command)
-    if args.max_restarts < 0:
-      raise InputError(f"--max_restarts={args.max_restarts}: give how many times (0 or more) a failed job is "
-                       "started again", node="--max_restarts")
   except (InputError, MeshError) as e:
     parser.error(e.message)
-  return launch(command, *numbers_, max_restarts=args.max_restarts)
+  return launch(command, *numbers_)
 
 
 if __name__ == "__main__":

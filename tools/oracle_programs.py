@@ -1,4 +1,4 @@
-"""The programs tools/xla_oracle.py partitions both ways: the ten reference workloads and six more, small.
+"""The programs tools/xla_oracle.py partitions both ways: the ten reference workloads and 23 more, small.
 
 Each entry of `PROGRAMS` builds a `Job` (the function, its numpy arguments, their shardings, the output
 shardings, the mesh) when called, so that building one costs nothing until it is used.
@@ -360,6 +360,95 @@ def einsum_two_contracted():
              (P(None, "data", "model"), P("data", "model", None)), gs.Mesh((2, 4), ("data", "model")), P())
 
 
+def bert_tied_mlm():
+  """A BERT encoder layer with its masked-LM head reading the word-embedding table (tied), one SGD step: table split
+  over the vocabulary, attention heads and the feed-forward hidden dim over model, batch over data, on (2,4)."""
+  rng = np.random.default_rng(22)
+  b, s, d, heads, f, v, masked = 8, 16, 32, 4, 64, 128, 4
+
+  def step(ids, positions, labels, table, pos_emb, wqkv, wo, w1, w2, wt):
+    ws = [table, pos_emb, wqkv, wo, w1, w2, wt]
+    with tf.GradientTape() as tape:
+      tape.watch(ws)
+      x = tf.gather(table, ids) + pos_emb[None]
+      qkv = tf.einsum("bsd,dthk->tbshk", x, wqkv)
+      att = tf.nn.softmax(tf.einsum("bshk,bthk->bhst", qkv[0], qkv[1]) / math.sqrt(d // heads))
+      x = x + tf.einsum("bhst,bthk,hkd->bsd", att, qkv[2], wo)
+      mean, var = tf.nn.moments(x, [-1], keepdims=True)
+      x = (x - mean) * tf.math.rsqrt(var + 1e-6)
+      x = x + tf.einsum("bsf,fd->bsd", tf.nn.gelu(tf.einsum("bsd,df->bsf", x, w1)), w2)
+      h = tf.gather(x, positions, batch_dims=1)                       # [b, masked, d]: the masked tokens
+      h = tf.nn.gelu(tf.einsum("bmd,de->bme", h, wt))
+      logits = tf.einsum("bmd,vd->bmv", h, table)                     # the tied output projection
+      loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+    grads = [tf.convert_to_tensor(gr) for gr in tape.gradient(loss, ws)]   # the table's IndexedSlices dense
+    return (loss,) + tuple(w - 0.1 * gr for w, gr in zip(ws, grads))
+
+  args = [rng.integers(0, v, (b, s)).astype(np.int32),
+          np.stack([rng.permutation(s)[:masked] for _ in range(b)]).astype(np.int32),
+          rng.integers(0, v, (b, masked)).astype(np.int32),
+          (rng.standard_normal((v, d)) * 0.2).astype(np.float32),
+          (rng.standard_normal((s, d)) * 0.1).astype(np.float32),
+          (rng.standard_normal((d, 3, heads, d // heads)) * 0.2).astype(np.float32),
+          (rng.standard_normal((heads, d // heads, d)) * 0.2).astype(np.float32),
+          (rng.standard_normal((d, f)) * 0.2).astype(np.float32),
+          (rng.standard_normal((f, d)) * 0.2).astype(np.float32),
+          (rng.standard_normal((d, d)) * 0.2).astype(np.float32)]
+  batch = P("data", None)
+  specs = (batch, batch, batch, P("model", None), P(), P(None, None, "model", None), P("model", None, None),
+           P(None, "model"), P("model", None), P())
+  return Job("bert_tied_mlm", step, args, specs, gs.Mesh((2, 4), ("data", "model")))
+
+
+def moe_loss():
+  """A GShard MoE language model's step: embedding, the top-2 MoE layer (experts over model), the output projection
+  and the token cross-entropy over [groups, tokens] flattened, plus the load-balancing loss; groups over data."""
+  rng = np.random.default_rng(23)
+  g, s, d, e, h, v = 8, 16, 16, 4, 32, 64
+  capacity = int(math.ceil(2 * s * 2.0 / e))
+
+  def step(tokens, targets, emb, gate_w, w1, w2, out):
+    ws = [emb, gate_w, w1, w2, out]
+    with tf.GradientTape() as tape:
+      tape.watch(ws)
+      x = tf.gather(emb, tokens)
+      y, aux = _moe_layer(x, gate_w, w1, w2, capacity)
+      logits = tf.einsum("gsm,mv->gsv", x + y, out)
+      lm = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+          labels=tf.reshape(targets, [-1]), logits=tf.reshape(logits, [-1, v])))
+      loss = lm + 0.01 * aux
+    grads = [tf.convert_to_tensor(gr) for gr in tape.gradient(loss, ws)]   # the embedding's IndexedSlices dense
+    return (loss,) + tuple(w - 0.1 * gr for w, gr in zip(ws, grads))
+
+  args = [rng.integers(0, v, (g, s)).astype(np.int32), rng.integers(0, v, (g, s)).astype(np.int32),
+          (rng.standard_normal((v, d)) * 0.5).astype(np.float32),
+          (rng.standard_normal((d, e)) * 0.5).astype(np.float32),
+          (rng.standard_normal((e, d, h)) * 0.2).astype(np.float32),
+          (rng.standard_normal((e, h, d)) * 0.2).astype(np.float32),
+          (rng.standard_normal((d, v)) * 0.2).astype(np.float32)]
+  specs = (P("data", None), P("data", None), P(), P(), P("expert", None, None), P("expert", None, None), P())
+  return Job("moe_loss", step, args, specs, gs.Mesh((2, 4), ("data", "expert")))
+
+
+def unet_loss():
+  """A U-Net output head's per-pixel loss: a 3x3 convolution to class logits and the sparse softmax cross-entropy
+  over [batch, rows, cols], rows and columns split on (4,2), and the gradients."""
+  rng = np.random.default_rng(24)
+  image = P(None, "rows", "cols", None)
+
+  def step(x, labels, k):
+    with tf.GradientTape() as tape:
+      tape.watch([x, k])
+      logits = tf.nn.conv2d(x, k, 1, "SAME")
+      loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+    return (loss,) + tuple(tape.gradient(loss, [x, k]))
+
+  args = [rng.standard_normal((2, 32, 32, 8)).astype(np.float32), rng.integers(0, 5, (2, 32, 32)).astype(np.int32),
+          (rng.standard_normal((3, 3, 8, 5)) * 0.2).astype(np.float32)]
+  return Job("unet_loss", step, args, (image, P(None, "rows", "cols"), P()), gs.Mesh((4, 2), ("rows", "cols")),
+             (P(), image, P()))
+
+
 # Where the two partitioners differ, and why (tools/xla_oracle.py prints these under the table; the oracle's tests
 # assert them exactly).
 KNOWN_DIFFERENCES = {
@@ -380,4 +469,5 @@ PROGRAMS = {**{name: _workload(name) for name in REFERENCE},
             "cumsum_split": cumsum_split, "scan_stacked": scan_stacked, "argmax_split": argmax_split,
             "megatron_dropout": megatron_dropout, "resnet_stem_2d": resnet_stem_2d,
             "reduce_both": reduce_both, "layer_norm_model": layer_norm_model, "mlp_2d_dropout": mlp_2d_dropout,
-            "softmax_split": softmax_split, "einsum_two_contracted": einsum_two_contracted}
+            "softmax_split": softmax_split, "einsum_two_contracted": einsum_two_contracted,
+            "bert_tied_mlm": bert_tied_mlm, "moe_loss": moe_loss, "unet_loss": unet_loss}

@@ -92,23 +92,89 @@ class PartialSums:
       return False
     refs = list(dict.fromkeys(node.inputs[i] for i in which))
     sums = [self.held.get(r) for r in refs]
-    if None in sums or len({s.partial for s in sums}) != 1 or len({self.values[r][1] for r in refs}) != 1:
+    if None in sums:
+      return self._reassociate_mixed(node, which)
+    if len({s.partial for s in sums}) != 1:
       return False
-    out, natural, partial = node.ref(0), self.values[refs[0]][1], sums[0].partial
+    out, partial = node.ref(0), sums[0].partial
     info = self.ir.info(out)
-    def cost(target):
-      return reshard.plan_bytes(info.shape, info.dtype.size, natural, target.with_rank(len(info.shape)), partial)
+    natural = self._common_layout(refs, info.shape, partial)
+    if natural is None:
+      return False
+    def cost(src, target):
+      return reshard.plan_bytes(info.shape, info.dtype.size, src, target.with_rank(len(info.shape)), partial)
     terms = sum(s.terms for s in sums)
-    if (cost(self.program.shardings[out]) > sum(cost(s.target) for s in sums) or
+    if (cost(natural, self.program.shardings[out]) > sum(cost(self.values[r][1], s.target)
+                                                         for r, s in zip(refs, sums)) or
         (terms == 1 and out not in self._readers_of_sums())):   # one term, no more to meet: reduced as it was
       return False
     for r in refs:
+      value, own = self.values[r]
+      if own != natural:   # a slice of a partial term: the devices its sum does not span hold it alike
+        self._store(r, reshard.emit_reshard(self, value, info.shape, own, natural, None, node.name, ""), natural)
       del self.held[r]
     self.summed, self._passed = terms, (sums[0] if terms == 1 else None)
     rule = op_rules.lookup(node.op)   # the op's own local computation (an annotation's is a copy)
     outs = rule.emit(self, node, [self.values[node.inputs[i]][0] for i in rule.data_inputs(node)], None)
     self.set_output(0, outs[0], natural, partial)
     return True
+
+  def _reassociate_mixed(self, node, which):
+    """`node` adds held sums to complete values (a residual's gradient plus the partial gradients of the layers
+    reading it): being linear, it is its held terms alone (the others zero), reduced once, plus its complete
+    terms alone (the held ones zero). Done when at least two terms are held alike and reducing their sum moves no
+    more bytes than reducing them apart."""
+    held_refs = list(dict.fromkeys(node.inputs[i] for i in which if node.inputs[i] in self.held))
+    sums = [self.held[r] for r in held_refs]
+    if len(held_refs) < 2 or len({h.partial for h in sums}) != 1:
+      return False
+    out, partial = node.ref(0), sums[0].partial
+    info = self.ir.info(out)
+    natural = self._common_layout(held_refs, info.shape, partial)
+    if natural is None:
+      return False
+    target = self.program.shardings[out].with_rank(len(info.shape))
+    size = info.dtype.size
+    if reshard.plan_bytes(info.shape, size, natural, target, partial) > sum(
+        reshard.plan_bytes(info.shape, size, self.values[r][1], h.target.with_rank(len(info.shape)), partial)
+        for r, h in zip(held_refs, sums)):
+      return False
+    rule = op_rules.lookup(node.op)
+    data = rule.data_inputs(node)
+    complete = {i: self.operand(i, target) for i in data if node.inputs[i] not in self.held}
+    for r in held_refs:
+      value, own = self.values[r]
+      if own != natural:
+        self._store(r, reshard.emit_reshard(self, value, info.shape, own, natural, None, node.name, ""), natural)
+      del self.held[r]
+    held_part = [self.values[node.inputs[i]][0] if i not in complete else
+                 tf.zeros(natural.shard_shape(info.shape), info.dtype) for i in data]
+    complete_part = [complete[i] if i in complete else tf.zeros(target.shard_shape(info.shape), info.dtype)
+                     for i in data]
+    self.summed = sum(h.terms for h in sums)
+    with tf.name_scope(self._scope()), self.report.resharding_of(public_key(out), natural, target, False):
+      (summed,) = rule.emit(self, node, held_part, None)[:1]
+      reduced = reshard.emit_reshard(self, summed, info.shape, natural, target, partial, node.name,
+                                     f"{self._produces(natural, partial)}; {public_key(out)} is completed as "
+                                     f"{target}{self.summed_text()}")
+    (rest,) = rule.emit(self, node, complete_part, None)[:1]
+    self._store(out, tf.add(reduced, rest), target)
+    return True
+
+  def _common_layout(self, refs, shape, partial):
+    """The layout the terms `refs` are added in: theirs when they agree; else, when each reaches the sum's
+    completed layout by local slices alone (by axes the pending reduction does not span), that layout."""
+    layouts = {self.values[r][1].with_rank(len(shape)) for r in refs}
+    if len(layouts) == 1:
+      return layouts.pop()
+    target = self.program.shardings[self.node.ref(0)].with_rank(len(shape))
+    if target.is_maximal or set(partial[0]) & set(target.used_axes):
+      return None
+    for layout in layouts:
+      steps = reshard.plan_reshard(shape, layout, target)
+      if not all(isinstance(st, reshard.LocalSlice) for st in steps):
+        return None
+    return target
 
   def settle_sum(self, r):
     """Reduce the sum held in `r` to its completed sharding (it is read by an op that needs its value): the

@@ -202,19 +202,20 @@ def _per_device(program):
                          [normalize(r) for r in program.local_outputs], variables, layouts, known), layouts
 
 
-def timeline(program):
+def timeline(program, per_device=None):
   """A partitioned program's memory per device over its run: (bytes of its arguments, variables and constants, held
-  throughout; `Buffers.timeline` of its per-device program, its control-flow bodies counted as in `account`)."""
-  prog, layouts = _per_device(program)
+  throughout; `Buffers.timeline` of its per-device program, its control-flow bodies counted as in `account`).
+  `per_device`: `_per_device(program)` when already made."""
+  prog, layouts = per_device or _per_device(program)
   cache = {}
   inner = {nd.name: body_bytes(prog, nd, cache, layouts)[0] for nd in prog.order if nd.op in CALL_OPS}
   return sum(prog.persistent(k) for k in ("argument", "state", "constant")), prog.timeline(inner)
 
 
-def account(program):
+def account(program, per_device=None):
   """The Account of a partitioned program: its per-device program's estimate, the plan's count, and what
-  partitioning adds."""
-  prog, layouts = _per_device(program)
+  partitioning adds. `per_device`: `_per_device(program)` when already made."""
+  prog, layouts = per_device or _per_device(program)
   est, added = _device_estimate(prog, {}, layouts)
   auto = program.options.auto if program.auto_plan is not None else None
   return Account(**{f.name: getattr(est, f.name) for f in dataclasses.fields(MemoryEstimate)}, plan=layouts.count(),
@@ -227,4 +228,11 @@ def run(program):
   computed when first read: a step that only runs never pays for the simulation)."""
   if not program.local_graph_def.node:
     return program.replace(report=program.report.with_memory(lambda: MemoryEstimate(0, 0, 0, 0, 0, 0, "-")))
-  return program.replace(report=program.report.with_memory(lambda: account(program), lambda: timeline(program)))
+  made = []
+
+  def per_device():   # the per-device program imported once, for whichever of the two is read first
+    if not made:
+      made.append(_per_device(program))
+    return made[0]
+  return program.replace(report=program.report.with_memory(lambda: account(program, per_device()),
+                                                           lambda: timeline(program, per_device())))

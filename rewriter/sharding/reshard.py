@@ -35,6 +35,16 @@ class AllGather:
 
 
 @dataclasses.dataclass(frozen=True)
+class AllGatherDims:
+  """All-gathers of several dims (`parts`: (dim, axes) each) as one collective over all their axes."""
+  parts: Tuple[Tuple[int, Tuple[str, ...]], ...]
+
+  @property
+  def axes(self):
+    return tuple(a for _, axes in self.parts for a in axes)
+
+
+@dataclasses.dataclass(frozen=True)
 class Unpad:
   dim: int
   size: int
@@ -101,7 +111,51 @@ def plan_reshard(shape, src, dst, partial=None):
   for d in range(rank):
     if len(dst.dims[d]) > len(cur[d]):
       steps.append(LocalSlice(d, dst.dims[d][len(cur[d]):]))
-  return _fuse_all_to_all(_fuse_reduce_scatter(steps, shape, mesh, src), shape, mesh, src)
+  return _fuse_gathers(_slice_before_reducing(
+      _fuse_all_to_all(_fuse_reduce_scatter(steps, shape, mesh, src), shape, mesh, src), src))
+
+
+def _fuse_gathers(steps):
+  """All-gathers of different dims one after the other are one all-gather over their axes together: each member's
+  shard arrives once, where gathering dim by dim also sends the first gathers' results again."""
+  out, run = [], []
+  def flush():
+    gathers = [st for st in run if isinstance(st, AllGather)]
+    if len(gathers) > 1:
+      out.append(AllGatherDims(tuple((g.dim, g.axes) for g in gathers)))
+      out.extend(st for st in run if isinstance(st, Unpad))
+    else:
+      out.extend(run)
+    run.clear()
+  for st in steps:
+    if isinstance(st, AllGather) and all(g.dim != st.dim for g in run):
+      run.append(st)
+    elif isinstance(st, Unpad) and run:
+      run.append(st)
+    else:
+      flush()
+      out.append(st)
+  flush()
+  return out
+
+
+def _slice_before_reducing(steps, src):
+  """A partial value is equal on the devices its pending reduction does not span, so a local slice by axes the
+  value does not use can come first: the all-reduce then carries only the slice (a gradient summed over `data`
+  kept split over `model`: its shard, not the whole value)."""
+  if not steps or not isinstance(steps[0], AllReduce):
+    return steps
+  red = steps[0]
+  used = set(red.axes) | {a for axes in src.dims for a in axes}   # (an axis a gather frees is free only after it)
+  early, rest, moved_dims = [], [], set()
+  for st in steps[1:]:
+    if isinstance(st, LocalSlice) and st.dim not in moved_dims and not set(st.axes) & used:
+      early.append(st)
+    else:
+      rest.append(st)
+      moved_dims.update(d for d in (getattr(st, "dim", None), getattr(st, "src", None), getattr(st, "dst", None))
+                        if d is not None)
+  return early + [red] + rest if early else steps
 
 
 def _fuse_reduce_scatter(steps, shape, mesh, src):
@@ -214,6 +268,10 @@ def plan_cost(shape, itemsize, src, dst, partial=None, axis_cost=None):
     elif isinstance(step, AllGather):   # every member's shard, padding included (removed only after)
       moved = local() * _tiles(mesh, step.axes)
       cur[step.dim] = cur[step.dim][:len(cur[step.dim]) - len(step.axes)]
+    elif isinstance(step, AllGatherDims):
+      moved = local() * _tiles(mesh, step.axes)
+      for d, axes in step.parts:
+        cur[d] = cur[d][:len(cur[d]) - len(axes)]
     elif isinstance(step, LocalSlice):
       cur[step.dim] = cur[step.dim] + step.axes
     elif isinstance(step, AllToAll):
@@ -243,6 +301,10 @@ def emit_reshard(ctx, x, shape, src, dst, partial, source, reason):
     elif isinstance(step, AllGather):
       x = ctx.backend.all_gather(x, step.dim, step.axes, source, reason)
       cur[step.dim] = cur[step.dim][:len(cur[step.dim]) - len(step.axes)]
+    elif isinstance(step, AllGatherDims):
+      x = _all_gather_dims(ctx, x, step, source, reason)
+      for d, axes in step.parts:
+        cur[d] = cur[d][:len(cur[d]) - len(axes)]
     elif isinstance(step, Unpad):
       begin = [0] * rank
       size = [-1] * rank
@@ -259,6 +321,24 @@ def emit_reshard(ctx, x, shape, src, dst, partial, source, reason):
       cur[step.src] = cur[step.src][:len(cur[step.src]) - len(step.axes)]
       cur[step.dst] = cur[step.dst] + step.axes
   return x
+
+
+def _all_gather_dims(ctx, x, step, source, reason):
+  """One all-gather `step` of several dims: the shards gathered along a new leading dim over all the axes (the
+  first part's axes major), then each dim's pieces put in place."""
+  local = x.shape.as_list()
+  tiles = [_tiles(ctx.mesh, axes) for _, axes in step.parts]
+  g = ctx.backend.all_gather(tf.expand_dims(x, 0), 0, step.axes, source, reason)
+  g = tf.reshape(g, tiles + local)   # [t_1, .., t_k, local dims]
+  k, rank = len(tiles), len(local)
+  where = {d: j for j, (d, _) in enumerate(step.parts)}
+  perm = []
+  for d in range(rank):
+    if d in where:
+      perm.append(where[d])   # the dim's tile index just before its local rows
+    perm.append(k + d)
+  shape = [local[d] * (tiles[where[d]] if d in where else 1) for d in range(rank)]
+  return tf.reshape(tf.transpose(g, perm), shape)
 
 
 def _all_to_all(ctx, x, shape, cur, step, source, reason):

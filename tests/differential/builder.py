@@ -424,11 +424,23 @@ def _op_cumsum(b):
          _sum_err(n, b.mag, b.err), kind=b.kind, tag=("cumsum",))
 
 
+def _op_dropout(b):
+  """tf.nn.experimental.stateless_dropout: random bits of the current tensor's shape (each device must draw its
+  shard's own, bit for bit), the kept values scaled by 1 / (1 - rate)."""
+  if b.kind != "f":
+    return _op_unary(b)
+  rate = _d(b.draw, (0.25, 0.5))
+  seed = b.draw(st.integers(0, 999))
+  b.emit(f"tf.nn.experimental.stateless_dropout({b.cur}, rate={rate}, seed=[{seed}, 7])", b.shape,
+         b.mag / (1 - rate), (b.err + 2 * b.mag) / (1 - rate), tag=("dropout",))
+
+
 _CHAIN_OPS = {
     "unary": (_op_unary, 0), "binary": (_op_binary, 0), "select": (_op_select, 1), "matmul": (_op_matmul, 2),
     "reduce": (_op_reduce, 1), "transpose": (_op_transpose, 2), "reshape": (_op_reshape, 1),
     "expand_squeeze": (_op_expand_squeeze, 0), "concat": (_op_concat, 1), "slice": (_op_slice, 1),
     "softmax": (_op_softmax, 1), "cumsum": (_op_cumsum, 1), "pad": (_op_pad, 1), "tile": (_op_tile, 1),
+    "dropout": (_op_dropout, 1),
 }
 
 

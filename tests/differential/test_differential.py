@@ -89,10 +89,11 @@ def test_differential_suite(graph_optimizer_off):  # pylint: disable=redefined-o
   families = collections.Counter(c.family for c in cases)
   dtypes = collections.Counter(a.kind for c in cases for a in c.args)
   with_out = sum(c.out_specs is not None for c in cases)
+  dropouts = sum("stateless_dropout" in c.source for c in cases)
   per_kind_cases = collections.Counter(k for ks in case_kinds.values() for k in ks)
   print(f"\ndifferential suite: {n} cases in {batches} lowerings, {elapsed:.1f} s")
   print(f"  split at least one argument: {split} ({100 * split / n:.1f}%); with an odd dim: {uneven}; "
-        f"with output shardings: {with_out}")
+        f"with output shardings: {with_out}; drawing random values: {dropouts}")
   print(f"  argument dtypes: {dict(dtypes)}")
   print(f"  collectives by kind: {dict(kinds)}")
   print(f"  cases emitting each kind: {dict(per_kind_cases)}; cases with any collective: {len(case_kinds)}")
@@ -102,6 +103,7 @@ def test_differential_suite(graph_optimizer_off):  # pylint: disable=redefined-o
   failures = [f"{by_index[i]!r}" + "\n".join(p) for i, p in sorted(mismatches.items())] + errors
   assert not failures, f"{len(failures)} failing case(s):\n" + "\n\n".join(failures[:10])
   assert n >= 2000
+  assert dropouts >= 20, f"only {dropouts} cases draw random values"
   assert split / n >= 0.9, f"only {split}/{n} cases split an argument"
   assert set(kinds) == set(KINDS), f"collective kinds emitted: {dict(kinds)}"
   assert set(families) == set(FAMILIES)

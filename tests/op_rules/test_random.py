@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import check_partitioned
+from conftest import check_partitioned, loop_sizes, random_ops_made_whole
 import tf_gspmd as gs
 from tf_gspmd import P
 from tf_gspmd.ops import random as random_rules
@@ -222,24 +222,10 @@ def test_a_shard_of_many_runs_is_generated_alone_bit_for_bit(kind, layout):
 
 
 def _kernel_sizes_in_functions(low):
-  """Element counts the random kernels inside the per-device program's loops are asked for: the shape constants the
-  program passes its loops (a kernel in a loop body reads its shape from the loop's inputs)."""
+  """Element counts the normal kernels inside the per-device program's loops are asked for (`loop_sizes`)."""
   kernels = [n for f in low.graph_def.library.function for n in f.node_def
              if n.op in ("StatelessRandomNormalV2", "StatelessTruncatedNormalV2")]
-  loops = [n for n in low.graph_def.node if n.op in ("While", "StatelessWhile")]
-  if not kernels or not loops:
-    return []
-  nodes = {n.name: n for n in low.graph_def.node}
-  sizes = []
-  for loop in loops:
-    for i in loop.input:
-      src = nodes.get(i.split(":")[0].lstrip("^"))
-      if src is not None and src.op == "Const" and src.attr["dtype"].type in (tf.int32.as_datatype_enum,
-                                                                             tf.int64.as_datatype_enum):
-        value = tf.make_ndarray(src.attr["value"].tensor)
-        if value.ndim == 1 and value.size == 1:
-          sizes.append(int(value[0]))
-  return sizes
+  return loop_sizes(low.graph_def) if kernels else []
 
 
 def test_a_normal_of_a_late_split_is_generated_run_by_run_not_over_its_span():
@@ -330,34 +316,41 @@ def test_a_draw_of_many_runs_in_a_loop_body_is_generated_per_shard_each_iteratio
   _partitioned(fn, [x, SEED], (spec, P()), MESH, spec)
 
 
-def _random_kernels(graph_def):
-  """Element counts of the stateless random kernels of a per-device program, in its graph and its functions (a
-  kernel inside a loop body: the shape constant the loop passes it, see `_kernel_sizes_in_functions`)."""
-  graph = tf.Graph()
-  with graph.as_default():
-    tf.graph_util.import_graph_def(graph_def, name="")
-  counts = [op.outputs[0].shape.num_elements() for op in graph.get_operations()
-            if op.type in random_rules.OLDER.values() or op.type in random_rules.OLDER]
-  return [c for c in counts if c is not None]
+# ---- whole programs: no split random value is generated whole on a device ------------------------------------
 
-
-def test_no_oracle_program_draws_a_split_random_tensor_at_its_global_size():
-  """The oracle's programs with dropout (and others, which draw nothing): no device runs a random kernel over a split
-  random tensor's global element count (their results equal the unpartitioned ones in tools/xla_oracle.py)."""
-  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                  "tools"))
+def _oracle_program(name):
+  tools = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools")
+  if tools not in sys.path:
+    sys.path.insert(0, tools)
   import oracle_programs  # pylint: disable=g-import-not-at-top
-  checked = 0
-  for name in ("megatron_dropout", "mlp_2d_dropout", "transformer_megatron", "moe_step", "unet3d_block"):
-    job = oracle_programs.PROGRAMS[name]()
-    f = gs.function(job.fn, mesh=job.mesh, in_shardings=job.in_specs, out_shardings=job.out_specs)
-    low = f.lower(*[tf.TensorSpec(np.shape(a), tf.as_dtype(np.asarray(a).dtype)) for a in job.args])
-    split = [int(np.prod(n.outputs[0].shape)) for n in low.program.ir.nodes
-             if (n.op in random_rules.OLDER.values() or n.op in random_rules.OLDER) and
-             not low.program.shardings[n.ref(0)].is_replicated]
-    if not split:
-      continue
-    checked += 1
-    local = _random_kernels(low.graph_def) + _kernel_sizes_in_functions(low)
-    assert not set(split) & set(local), (name, split, local)
-  assert checked >= 2   # megatron_dropout, mlp_2d_dropout
+  job = oracle_programs.PROGRAMS[name]()
+  f = gs.function(job.fn, mesh=job.mesh, in_shardings=job.in_specs, out_shardings=job.out_specs)
+  return f.lower(*[tf.TensorSpec(a.shape, a.dtype) for a in job.args])
+
+
+def _transformer_step(layout):
+  """The transformer binary's Keras step with --dropout (on each MLP's hidden activation) in `layout`."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import transformer_model as tm  # pylint: disable=g-import-not-at-top
+  cfg = tm.Config(layers=2, d_model=32, heads=4, d_ff=64, vocab=64, seq=8, batch=8, dropout=0.1)
+  keras.utils.set_random_seed(0)
+  model = tm.keras_model(cfg, activations=tm.ACTIVATIONS_2D if layout == "2d" else None)
+  optimizer = keras.optimizers.Adam(1e-3)
+  optimizer.build(model.trainable_variables)
+  f = gs.function(tm.make_keras_train_step(model, optimizer, layout=layout), mesh=gs.Mesh((2, 4), ("data", "model")),
+                  in_shardings=(P("data", None), P("data", None)))
+  tokens, targets = tm.synthetic_batch(cfg)
+  return f.lower(tf.TensorSpec(tokens.shape, tf.int32), tf.TensorSpec(targets.shape, tf.int32))
+
+
+@pytest.mark.parametrize("program", ["oracle:megatron_dropout", "oracle:mlp_2d_dropout", "binary:megatron",
+                                     "binary:2d"])
+def test_no_device_draws_a_split_random_value_at_its_global_size(program):
+  """The oracle's dropout programs and the transformer binary's step with --dropout in both layouts: no device runs
+  a random kernel over a split random value's global element count (tests/differential checks its generated
+  programs alike; tools/xla_oracle.py and the binary's check compare the results with the unpartitioned ones)."""
+  kind, name = program.split(":")
+  low = _oracle_program(name) if kind == "oracle" else _transformer_step(name)
+  split, whole = random_ops_made_whole(low)
+  assert split   # the program draws random values the plan splits
+  assert not whole, whole

@@ -9,8 +9,8 @@ import tensorflow as tf
 from conftest import assert_close
 import tf_gspmd as gs
 from tf_gspmd import P
-from tf_gspmd.rewriter.sharding.reshard import (AllGather, AllReduce, AllToAll, LocalSlice, ReduceScatter, Unpad,
-                                       plan_bytes, plan_reshard)
+from tf_gspmd.rewriter.sharding.reshard import (AllGather, AllGatherDims, AllReduce, AllToAll, LocalSlice,
+                                                ReduceScatter, Unpad, plan_bytes, plan_reshard)
 
 MESH = gs.Mesh((2, 4), ("data", "model"))
 
@@ -48,6 +48,29 @@ def test_plan_partial_sum_wanted_split_is_a_reduce_scatter():
   # 6 rows do not split evenly 4 ways: all-reduce, then slice locally.
   assert plan_reshard((8, 6), S(), S(None, "model"), partial=(("model",), "Add")) == [
       AllReduce(("model",), "Add"), LocalSlice(1, ("model",))]
+
+
+def test_plan_slices_a_partial_value_by_unused_axes_before_reducing_it():
+  """A sum pending over `data`, wanted split over `model`: each device keeps its rows first, and the all-reduce
+  carries a quarter of the value. An axis the value still uses elsewhere is free only after its gather: the slice by
+  it stays behind the reduction."""
+  assert plan_reshard((8, 8), S(), S("model", None), partial=(("data",), "Add")) == [
+      LocalSlice(0, ("model",)), AllReduce(("data",), "Add")]
+  assert plan_bytes((8, 8), 4, S(), S("model", None), partial=(("data",), "Add")) == 64
+  steps = plan_reshard((8, 8), S(None, "model"), S("model", None), partial=(("data",), "Add"))
+  assert steps[0] == AllReduce(("data",), "Add"), steps
+
+
+@pytest.mark.parametrize("src", [P("data", "model"), P("model", None, "data"), P(None, "data", "model")], ids=str)
+def test_gathers_of_several_dims_are_one_all_gather(rng, src):
+  """Each member's shard arrives once: one all-gather over both axes, its result the whole value's bytes."""
+  shape = (8, 12, 8)[:len(src)]
+  assert [type(st) for st in plan_reshard(shape, S(*src), S())] == [AllGatherDims]
+  x = rng.standard_normal(shape).astype(np.float32)
+  f = gs.function(tf.identity, mesh=MESH, in_shardings=src, out_shardings=P())
+  assert_close(f(x).numpy(), x, rtol=0, atol=0)
+  report = f.lower(tf.TensorSpec(shape)).report
+  assert report.counts() == {"all-gather": 1} and report.bytes_per_device() == x.nbytes, str(report)
 
 
 @pytest.mark.parametrize("out", [P(None, "model"), P("model", None), P("data", "model"), P(None, ("model", "data"))],
