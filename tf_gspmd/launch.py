@@ -240,14 +240,14 @@ def main(argv=None):
   args = parser.parse_args(argv)
   command = args.command[1:] if args.command[:1] == ["--"] else args.command
   try:
-    numbers_ = checked_numbers(args.workers, args.devices_per_worker, args.grace, args.timeout, args.max_restarts,
-                               dashes="--")
+    *numbers_, restarts = checked_numbers(args.workers, args.devices_per_worker, args.grace, args.timeout,
+                                          args.max_restarts, dashes="--")
     if not command:
       raise InputError("give the program after --, e.g. -- train.py --steps=10", node="command")
     command = python_command(command)
   except (InputError, MeshError) as e:
     parser.error(e.message)
-  return launch(command, *numbers_)
+  return launch(command, *numbers_, max_restarts=restarts)
 
 
 if __name__ == "__main__":
