@@ -126,8 +126,10 @@ def per_device_constants(order, partition_id):
   """Names of the nodes computed from constants and the partition id alone (a row of a per-device table): each
   device's value is fixed; a cluster computes its own copy instead of taking it as an argument."""
   fixed = set()
-  for n in order:   # (a constant that waits for an op, by a control input, runs after it: not fixed)
-    if (n.op == "Const" and not n.input) or (n.op in ("GatherV2", "Identity", "Reshape", "StridedSlice", "Squeeze") and n.input and
+  kinds = {n.name: n.op for n in order}
+  for n in order:   # (a constant that waits for a stateful op, by a control input, runs after it: not fixed; the
+    # control inputs constant folding leaves on a folded value, from the stateless ops it replaced, order nothing)
+    if (n.op == "Const" and not any(is_stateful(kinds.get(node_of(i), "NoOp")) for i in n.input)) or (n.op in ("GatherV2", "Identity", "Reshape", "StridedSlice", "Squeeze") and n.input and
                            not any(is_control(i) for i in n.input) and
                            all(node_of(i) in fixed or node_of(i) == partition_id for i in n.input)):
       fixed.add(n.name)
@@ -327,9 +329,10 @@ def _segment_inputs(group, view, fixed):
     src = node_of(i)
     if src in names or src in copies:
       return
-    if src in fixed:
+    if src in fixed:   # (copied without its control inputs, see per_device_constants)
       for j in view.node(src).input:
-        read(j)
+        if not is_control(j):
+          read(j)
       copies.append(src)
     elif is_control(i):
       if i not in ext_controls:
