@@ -28,10 +28,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
-from tf_gspmd._platform.cluster import DEVICES_ENV
+from tf_gspmd._platform.cluster import DEVICES_ENV, EXITED_ENV
 from tf_gspmd.errors import InputError, MeshError
 
 
@@ -99,20 +100,35 @@ def launch(command, workers, devices_per_worker=None, grace=60.0, timeout=None, 
 
 
 def _run(command, workers, devices_per_worker, grace, deadline, out, lock, start_index):
-  """One start of the job: its status (the first failing worker's, else 0)."""
+  """One start of the job: its status (the first failing worker's, else 0). Each failed worker is written to the
+  file the workers find in EXITED_ENV, so that those still waiting for it to join stop at once, naming it."""
+  handle, exited = tempfile.mkstemp(prefix="tf_gspmd_exited_")
+  os.close(handle)
+  try:
+    return _run_workers(command, workers, devices_per_worker, grace, deadline, out, lock, start_index, exited)
+  finally:
+    os.remove(exited)
+
+
+def _run_workers(command, workers, devices_per_worker, grace, deadline, out, lock, start_index, exited):
   procs, threads = [], []
   for k, env in enumerate(worker_envs(workers, devices_per_worker)):
     env[RESTART_ENV] = str(start_index)
+    env[EXITED_ENV] = exited
     p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     t = threading.Thread(target=_forward, args=(p.stdout, f"[worker {k}] ", out, lock), daemon=True)
     t.start()
     procs.append(p)
     threads.append(t)
-  status, failed_at = 0, None
+  status, failed_at, reported = 0, None, set()
   while True:
     codes = [p.poll() for p in procs]   # every worker, every round: a failure is seen wherever it happens
     now = time.monotonic()
     for k, code in enumerate(codes):
+      if code not in (None, 0) and k not in reported:
+        reported.add(k)
+        with open(exited, "a") as f:
+          f.write(f"{k} {code}\n")
       if code not in (None, 0) and failed_at is None:
         status, failed_at = code, now
         with lock:

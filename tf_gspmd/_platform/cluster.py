@@ -25,9 +25,10 @@ import time
 from tf_gspmd._platform import compat as _compat
 from tf_gspmd._layout.mesh import JOB_ORDER
 from tf_gspmd._layout.mesh import _device_name  # the canonical device name meshes use
-from tf_gspmd.errors import ClusterJoinError, MeshError
+from tf_gspmd.errors import ClusterJoinError, MeshError, ProcessLostError
 
 DEVICES_ENV = "TF_GSPMD_CPU_DEVICES_PER_PROCESS"   # logical CPUs per process, from the launcher
+EXITED_ENV = "TF_GSPMD_EXITED"   # a file where the launcher writes "<worker index> <exit status>" for each failed worker
 _lock = threading.Lock()
 _state = {"job": None, "task": None, "tasks": None}
 
@@ -190,6 +191,9 @@ def _wait_for_peers(spec, tasks, me, join_timeout):
         except (OSError, ValueError):
           pass
       if waiting:
+        gone = [(t, code) for t, code in _exited_workers() if t in waiting]
+        if gone:
+          raise _exited_error(spec, me, gone)
         if time.monotonic() >= deadline:
           raise _missing_error(spec, tasks, me, waiting, join_timeout, "they never started")
         time.sleep(0.1)
@@ -198,6 +202,31 @@ def _wait_for_peers(spec, tasks, me, join_timeout):
       signal.signal(signal.SIGTERM, previous)
     if listener is not None:
       listener.close()
+
+
+def _exited_workers():
+  """[(("worker", k), exit status)] of the workers the launcher (python -m tf_gspmd.launch) saw fail, read from the
+  file it names in EXITED_ENV (none without the launcher)."""
+  path = os.environ.get(EXITED_ENV)
+  try:
+    with open(path) as f:
+      lines = f.read().split("\n")
+  except (TypeError, OSError):
+    return []
+  found = []
+  for line in lines:
+    parts = line.split()
+    if len(parts) == 2 and all(p.lstrip("-").isdigit() for p in parts):
+      found.append((("worker", int(parts[0])), int(parts[1])))
+  return found
+
+
+def _exited_error(spec, me, gone):
+  """ProcessLostError for peers that started and exited before the cluster formed (the launcher saw them fail)."""
+  where = ", ".join(f"{j}:{t} ({spec.task_address(j, t)}, exit status {code})" for (j, t), code in gone)
+  return ProcessLostError(
+      f"task {me[0]}:{me[1]} could not join the cluster {spec.as_dict()}: task(s) {where} exited before joining it "
+      "(the launcher saw them fail); restart every process of the cluster", node=f"{me[0]}:{me[1]}")
 
 
 def _missing_error(spec, tasks, me, missing, join_timeout, detail):
@@ -281,6 +310,16 @@ def process_of(device):
   if not _state["tasks"]:
     return 0
   return _state["tasks"].index(_task_of(device))
+
+
+_TASK = re.compile(r"/job:[A-Za-z0-9_]+/replica:\d+/task:\d+")
+
+
+def lost_task(message):
+  """"task <name> (process k)" of the first task of another process that `message` (a TensorFlow error's text)
+  names -- the one its collectives or the coordination service found gone -- or None when it names none."""
+  named = [m.group(0) for m in _TASK.finditer(message or "") if not is_local(m.group(0))]
+  return f"task {named[0]} (process {process_of(named[0])})" if named else None
 
 
 def task_name(k):

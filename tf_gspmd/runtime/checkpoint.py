@@ -19,7 +19,6 @@ previous checkpoint (and CheckpointManager's record of it) stays what a restore 
 
 import functools
 import itertools
-import re
 import threading
 import time
 
@@ -40,7 +39,6 @@ RESTORE_CHUNK_BYTES = 8 << 20
 
 _saves = itertools.count()
 _lock = threading.Lock()
-_TASK = re.compile(r"/job:[A-Za-z0-9_]+/replica:\d+/task:\d+")
 
 
 _pending = threading.local()
@@ -75,9 +73,7 @@ _OUTCOMES = {
 def _lost(error, phase, path, what="checkpoint"):
   """A failed barrier or lookup as ProcessLostError naming the process that did not arrive (when TF says)."""
   message = str(getattr(error, "message", error))
-  named = [m.group(0) for m in _TASK.finditer(message) if not _cluster.is_local(m.group(0))]
-  who = (f"task {named[0]} (process {_cluster.process_of(named[0])})" if named
-         else "a process of the cluster")
+  who = _cluster.lost_task(message) or "a process of the cluster"
   save, left = _OUTCOMES[what]
   return ProcessLostError(f"{who} stopped answering during {save} of {path!r} ({phase}: not there within "
                           f"{BARRIER_TIMEOUT_S:.0f} s, or reported gone); {left}. TF said: {type(error).__name__}: "

@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from tf_gspmd._platform import cluster as _cluster
 from tf_gspmd._layout.sharding import Sharding, to_sharding
-from tf_gspmd.errors import InputError
+from tf_gspmd.errors import InputError, ProcessLostError
 from tf_gspmd.rewriter.collectives import vocabulary
 from tf_gspmd.runtime import parallel
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
@@ -317,7 +317,7 @@ def _send(value, t):
         vocabulary.PERMUTE_SEND.build(input=tf.cast(value, _carried(value.dtype)), group_size=2, group_key=group,
                                       instance_key=instance, timeout_seconds=SEND_TIMEOUT)
     except Exception as e:  # pylint: disable=broad-except
-      _send_errors.append(e)
+      _send_errors.append((e, t.dst_device))
 
   thread = threading.Thread(target=run, daemon=True, name=f"send-{group}-{instance}")
   thread.start()
@@ -328,24 +328,40 @@ def _send(value, t):
 def _receive(t, dtype):
   group, instance = _pair_keys(t)
   with tf.device(t.dst_device):
-    got = vocabulary.PERMUTE_RECEIVE.build(group_size=2, group_key=group, instance_key=instance,
-                                           shape=[s.stop - s.start for s in t.index], T=_carried(dtype),
-                                           timeout_seconds=SEND_TIMEOUT)
+    try:
+      got = vocabulary.PERMUTE_RECEIVE.build(group_size=2, group_key=group, instance_key=instance,
+                                             shape=[s.stop - s.start for s in t.index], T=_carried(dtype),
+                                             timeout_seconds=SEND_TIMEOUT)
+    except tf.errors.OpError as e:
+      raise _lost(e, f"receiving a piece from {t.src_device}") from e
     return tf.cast(got, dtype)
 
 
 def wait_for_sends():
   """Waits until every piece this process has sent to another process was received; raises the first send's
-  error (a receiver that never asked: DeadlineExceededError after SEND_TIMEOUT seconds)."""
+  error: ProcessLostError when the receiving process stopped answering (TF's collectives report it gone, or no
+  receive came within SEND_TIMEOUT seconds)."""
   with _pairs_lock:
     threads = list(_pending)
     _pending.clear()
   for thread in threads:
     thread.join()
   if _send_errors:
-    error = _send_errors[0]
+    error, where = _send_errors[0]
     _send_errors.clear()
+    if isinstance(error, tf.errors.OpError):
+      raise _lost(error, f"sending a piece to {where}") from error
     raise error
+
+
+def _lost(error, what):
+  """A transfer's error between processes as ProcessLostError naming the process that stopped answering (when
+  TF names it)."""
+  who = _cluster.lost_task(error.message) or "the process at the other end"
+  return ProcessLostError(f"{who} stopped answering during gs.reshard ({what}); the transfer's collectives were "
+                          "aborted and this process cannot run collectives again: restart every process (the "
+                          f"training binaries continue with --resume). TF said: {type(error).__name__}: "
+                          f"{error.message.splitlines()[0][:300] if error.message else ''}")
 
 
 def _concat_grid(pieces, values, axis=0):

@@ -11,7 +11,6 @@ every local device's arguments and variable handles, and results keep per-device
 
 import contextlib
 import itertools
-import re
 import threading
 import time
 
@@ -83,16 +82,11 @@ def _without_control_inputs(graph_def, control):
   return out
 
 
-_TASK = re.compile(r"/job:[A-Za-z0-9_]+/replica:\d+/task:\d+")
-
-
 def _process_lost(error, timeout):
   """A step error of a mesh that spans processes, as the process that stopped answering (named by TF's message
   when it says so)."""
-  named = [m.group(0) for m in _TASK.finditer(error.message) if not _cluster.is_local(m.group(0))]
-  if named:
-    task = named[0]
-    who = f"task {task} (process {_cluster.process_of(task)})"
+  who = _cluster.lost_task(error.message)
+  if who:
     what = f"{who} stopped answering during the step"
   else:
     what = (f"a process of the mesh stopped answering during the step (no collective finished within "
