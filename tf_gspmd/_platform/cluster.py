@@ -223,7 +223,8 @@ def _exited_workers():
 
 def _exited_error(spec, me, gone):
   """ProcessLostError for peers that started and exited before the cluster formed (the launcher saw them fail)."""
-  where = ", ".join(f"{j}:{t} ({spec.task_address(j, t)}, exit status {code})" for (j, t), code in gone)
+  where = ", ".join(f"/job:{j}/replica:0/task:{t} ({spec.task_address(j, t)}, exit status {code})"
+                    for (j, t), code in gone)
   return ProcessLostError(
       f"task {me[0]}:{me[1]} could not join the cluster {spec.as_dict()}: task(s) {where} exited before joining it "
       "(the launcher saw them fail); restart every process of the cluster", node=f"{me[0]}:{me[1]}")
