@@ -151,43 +151,6 @@ def test_binary_over_several_processes_gives_the_one_process_losses(binary, work
       assert abs(loss - one[step]) <= 1e-5 * abs(one[step]), (k, step, loss, one[step])
 
 
-def test_a_lost_worker_stops_the_others_by_name_and_resume_continues(tmp_path, tmp_path_factory):
-  """SIGKILL one of two workers mid-run: the other fails within the deadline naming the lost task and exits
-  non-zero; both relaunched with --resume continue from the last checkpoint with the uninterrupted losses."""
-  from tf_gspmd import launch  # pylint: disable=g-import-not-at-top
-  binary = "train_transformer.py"
-  flags = ["--steps=16", "--check_steps=0", "--ckpt_every=4"]
-  command = [sys.executable, os.path.join(ROOT, "examples", binary), *SMALL[binary], *flags,
-             f"--logdir={tmp_path / 'run'}"]
-  logs = [tmp_path / f"worker_{k}.log" for k in range(2)]
-  procs = [subprocess.Popen(command, env=dict(env, **_env(), TF_CONFIG=env["TF_CONFIG"]), cwd=ROOT,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
-           for env, log in zip(launch.worker_envs(2, 4), logs)]
-  try:
-    killed = sigkill_when(procs, 1, lambda: "step 9 loss" in logs[1].read_text(), 300,
-                          lambda: logs[0].read_text()[-3000:])
-    procs[0].wait(120)
-    took = time.time() - killed
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  survivor = logs[0].read_text()
-  assert procs[0].returncode not in (0, None), survivor[-3000:]
-  assert "ProcessLostError" in survivor and "task /job:worker/replica:0/task:1 (process 1) stopped answering" in \
-      survivor, survivor[-3000:]
-  assert took < 120
-  resumed = _launched(2, binary, *flags, f"--logdir={tmp_path / 'run'}", "--resume")
-  start = int(re.search(r"resumed from \S+ at step (\d+)", resumed).group(1))
-  assert 8 <= start < 16 and start % 4 == 0
-  straight = _losses(_one_process_losses(binary, tmp_path_factory)[0])   # uninterrupted, one process
-  for k in range(2):
-    losses = _losses(resumed, k)
-    assert sorted(losses) == list(range(start, 16))
-    for step, loss in losses.items():
-      assert abs(loss - straight[step]) <= 1e-5 * abs(straight[step]), (k, step, loss, straight[step])
-
-
 def test_auto_sharded_moe_finds_expert_sharding_within_the_gshard_memory(tmp_path):
   """--auto with the GShard plan's memory as the budget: experts split over `expert`, no more bytes than
   the GShard plan, and the first losses of the unpartitioned program."""

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import sigkill_when
 import tf_gspmd as gs
 from tf_gspmd._platform import cluster as _cluster
 from tf_gspmd._layout import mesh as _mesh
@@ -285,48 +284,6 @@ def test_a_shared_checkpoint_restores_onto_one_process_four_processes_and_plain_
   four = _launch(4, "sharded_checkpoint.py", f"--restore={prefix}", "--mesh=4,2")   # 4 processes x 2
   for r in four.values():
     assert r["checksums"] == want and r["a_spec"] == "P('data', 'model')"
-
-
-def test_a_worker_killed_during_a_save_leaves_the_previous_checkpoint_and_names_it(tmp_path):
-  """SIGKILL process 1 while the processes save again and again: process 0 exits with ProcessLostError naming
-  it; the latest checkpoint is whole (one step's values) and CheckpointManager keeps working on it."""
-  from tf_gspmd import launch  # pylint: disable=g-import-not-at-top
-  command = [sys.executable, os.path.join(PROGRAMS, "sharded_checkpoint.py"), f"--save={tmp_path}", "--loop"]
-  logs = [tmp_path / f"worker_{k}.log" for k in range(2)]
-  procs = [subprocess.Popen(command, env=dict(_env(), **env), cwd=ROOT, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT)
-           for env, log in zip(launch.worker_envs(2, 4), logs)]
-  try:
-    # several saves after the first, most likely in the middle of one
-    sigkill_when(procs, 1, (tmp_path / "first_done").exists, 300, lambda: logs[0].read_text()[-3000:], settle=1.5)
-    procs[0].wait(120)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  survivor = logs[0].read_text()
-  assert procs[0].returncode not in (0, None), survivor[-3000:]
-  assert "ProcessLostError" in survivor and "task /job:worker/replica:0/task:1 (process 1) stopped answering" in \
-      survivor, survivor[-3000:]
-  latest = tf.train.latest_checkpoint(str(tmp_path))
-  assert latest is not None
-  reader = tf.train.load_checkpoint(latest)
-  n = int(reader.get_tensor("n/.ATTRIBUTES/VARIABLE_VALUE"))
-  b = reader.get_tensor("b/.ATTRIBUTES/VARIABLE_VALUE")
-  assert n >= 1
-  a = reader.get_tensor("a/.ATTRIBUTES/VARIABLE_VALUE")
-  start = sharded_checkpoint.build(gs, tf, gs.Mesh((1, 8), ("data", "model")))
-  want_a = start[0].numpy()
-  for _ in range(n):
-    want_a = want_a * 0.5 + 1.0
-  np.testing.assert_allclose(a, want_a, rtol=1e-6)   # every tile from the same step, both processes' parts
-  np.testing.assert_allclose(b, start[1].numpy() + n, rtol=1e-6)
-  ckpt = tf.train.Checkpoint(n=tf.Variable(0, dtype=tf.int64))
-  manager = tf.train.CheckpointManager(ckpt, str(tmp_path), max_to_keep=2)
-  ckpt.restore(manager.latest_checkpoint).expect_partial()
-  assert int(ckpt.n.numpy()) == n
-  manager.save()   # the manager continues where the interrupted run stopped
-  assert tf.train.latest_checkpoint(str(tmp_path)) == manager.latest_checkpoint != latest
 
 
 def test_processes_saving_to_different_paths_all_raise_input_error(tmp_path):
