@@ -165,10 +165,11 @@ def _shown(value):
 
 
 def checked_numbers(workers, devices_per_worker, grace, timeout, max_restarts=0, dashes=""):
-  """(workers, devices_per_worker, grace, timeout, max_restarts), checked before anything starts. A count below 1 would start
-  no worker, or workers whose `gs.initialize` splits the CPU into no device (they then wait for each other until
-  the join times out); a negative or NaN time would stop the workers at once, or never. Raises MeshError
-  (counts) or InputError (times), naming the argument -- as the command-line flag when `dashes` is "--"."""
+  """(workers, devices_per_worker, grace, timeout, max_restarts), checked before anything starts. A count below 1
+  would start no worker, or workers whose `gs.initialize` splits the CPU into no device (they then wait for each
+  other until the join times out); a negative or NaN time would stop the workers at once, or never; a negative
+  restart count would not run the job at all. Raises MeshError (counts) or InputError (times, restarts), naming the
+  argument -- as the command-line flag when `dashes` is "--"."""
   def whole(value):
     return not isinstance(value, bool) and isinstance(value, numbers.Integral)
 

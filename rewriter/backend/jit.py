@@ -127,11 +127,14 @@ def per_device_constants(order, partition_id):
   device's value is fixed; a cluster computes its own copy instead of taking it as an argument."""
   fixed = set()
   kinds = {n.name: n.op for n in order}
-  for n in order:   # (a constant that waits for a stateful op, by a control input, runs after it: not fixed; the
-    # control inputs constant folding leaves on a folded value, from the stateless ops it replaced, order nothing)
-    if (n.op == "Const" and not any(is_stateful(kinds.get(node_of(i), "NoOp")) for i in n.input)) or (n.op in ("GatherV2", "Identity", "Reshape", "StridedSlice", "Squeeze") and n.input and
-                           not any(is_control(i) for i in n.input) and
-                           all(node_of(i) in fixed or node_of(i) == partition_id for i in n.input)):
+  for n in order:
+    # A constant that waits for a stateful op, by a control input, runs after it: not fixed. The control inputs
+    # constant folding leaves on a folded value, from the stateless ops it replaced, order nothing.
+    constant = n.op == "Const" and not any(is_stateful(kinds.get(node_of(i), "NoOp")) for i in n.input)
+    picked = (n.op in ("GatherV2", "Identity", "Reshape", "StridedSlice", "Squeeze") and n.input and
+              not any(is_control(i) for i in n.input) and
+              all(node_of(i) in fixed or node_of(i) == partition_id for i in n.input))
+    if constant or picked:
       fixed.add(n.name)
   return fixed
 

@@ -91,28 +91,16 @@ class PartialSums:
     if not which:
       return False
     refs = list(dict.fromkeys(node.inputs[i] for i in which))
-    sums = [self.held.get(r) for r in refs]
-    if None in sums:
+    if any(r not in self.held for r in refs):
       return self._reassociate_mixed(node, which)
-    if len({s.partial for s in sums}) != 1:
+    agreed = self._agreed_terms(refs)
+    if agreed is None:
       return False
-    out, partial = node.ref(0), sums[0].partial
-    info = self.ir.info(out)
-    natural = self._common_layout(refs, info.shape, partial)
-    if natural is None:
-      return False
-    def cost(src, target):
-      return reshard.plan_bytes(info.shape, info.dtype.size, src, target.with_rank(len(info.shape)), partial)
+    sums, partial, natural = agreed
     terms = sum(s.terms for s in sums)
-    if (cost(natural, self.program.shardings[out]) > sum(cost(self.values[r][1], s.target)
-                                                         for r, s in zip(refs, sums)) or
-        (terms == 1 and out not in self._readers_of_sums())):   # one term, no more to meet: reduced as it was
+    if terms == 1 and node.ref(0) not in self._readers_of_sums():   # one term, no more to meet: reduced as it was
       return False
-    for r in refs:
-      value, own = self.values[r]
-      if own != natural:   # a slice of a partial term: the devices its sum does not span hold it alike
-        self._store(r, reshard.emit_reshard(self, value, info.shape, own, natural, None, node.name, ""), natural)
-      del self.held[r]
+    self._take_terms(refs, natural)
     self.summed, self._passed = terms, (sums[0] if terms == 1 else None)
     rule = op_rules.lookup(node.op)   # the op's own local computation (an annotation's is a copy)
     outs = rule.emit(self, node, [self.values[node.inputs[i]][0] for i in rule.data_inputs(node)], None)
@@ -125,28 +113,17 @@ class PartialSums:
     terms alone (the held ones zero). Done when at least two terms are held alike and reducing their sum moves no
     more bytes than reducing them apart."""
     held_refs = list(dict.fromkeys(node.inputs[i] for i in which if node.inputs[i] in self.held))
-    sums = [self.held[r] for r in held_refs]
-    if len(held_refs) < 2 or len({h.partial for h in sums}) != 1:
+    agreed = self._agreed_terms(held_refs) if len(held_refs) > 1 else None
+    if agreed is None:
       return False
-    out, partial = node.ref(0), sums[0].partial
+    sums, partial, natural = agreed
+    out = node.ref(0)
     info = self.ir.info(out)
-    natural = self._common_layout(held_refs, info.shape, partial)
-    if natural is None:
-      return False
     target = self.program.shardings[out].with_rank(len(info.shape))
-    size = info.dtype.size
-    if reshard.plan_bytes(info.shape, size, natural, target, partial) > sum(
-        reshard.plan_bytes(info.shape, size, self.values[r][1], h.target.with_rank(len(info.shape)), partial)
-        for r, h in zip(held_refs, sums)):
-      return False
     rule = op_rules.lookup(node.op)
     data = rule.data_inputs(node)
     complete = {i: self.operand(i, target) for i in data if node.inputs[i] not in self.held}
-    for r in held_refs:
-      value, own = self.values[r]
-      if own != natural:
-        self._store(r, reshard.emit_reshard(self, value, info.shape, own, natural, None, node.name, ""), natural)
-      del self.held[r]
+    self._take_terms(held_refs, natural)
     held_part = [self.values[node.inputs[i]][0] if i not in complete else
                  tf.zeros(natural.shard_shape(info.shape), info.dtype) for i in data]
     complete_part = [complete[i] if i in complete else tf.zeros(target.shard_shape(info.shape), info.dtype)
@@ -160,6 +137,35 @@ class PartialSums:
     (rest,) = rule.emit(self, node, complete_part, None)[:1]
     self._store(out, tf.add(reduced, rest), target)
     return True
+
+  def _agreed_terms(self, refs):
+    """(their Held sums, the partial, the layout they are added in) of the sums held in `refs` when they are pending
+    over the same axes, meet in one layout (`_common_layout`), and reducing their sum once moves no more bytes than
+    reducing them apart; else None."""
+    sums = [self.held[r] for r in refs]
+    if len({s.partial for s in sums}) != 1:
+      return None
+    out, partial = self.node.ref(0), sums[0].partial
+    info = self.ir.info(out)
+    natural = self._common_layout(refs, info.shape, partial)
+    if natural is None:
+      return None
+
+    def cost(src, target):
+      return reshard.plan_bytes(info.shape, info.dtype.size, src, target.with_rank(len(info.shape)), partial)
+    if cost(natural, self.program.shardings[out]) > sum(cost(self.values[r][1], s.target) for r, s in zip(refs, sums)):
+      return None
+    return sums, partial, natural
+
+  def _take_terms(self, refs, natural):
+    """The held sums of `refs` leave `held`, each laid out as `natural` (a partial term sliced locally where it is
+    not: the devices its sum does not span hold it alike)."""
+    info = self.ir.info(self.node.ref(0))
+    for r in refs:
+      value, own = self.values[r]
+      if own != natural:
+        self._store(r, reshard.emit_reshard(self, value, info.shape, own, natural, None, self.node.name, ""), natural)
+      del self.held[r]
 
   def _common_layout(self, refs, shape, partial):
     """The layout the terms `refs` are added in: theirs when they agree; else, when each reaches the sum's

@@ -106,7 +106,8 @@ def _keras_weights(args, victim):
   with keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch",
                                         auto_shard_dataset=False).scope():
     keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, name="up"), keras.layers.Dense(16, name="down")])
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, name="up"),
+                              keras.layers.Dense(16, name="down")])
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     rng = np.random.default_rng(0)
     model.fit(rng.standard_normal((8, 16)).astype(np.float32), rng.standard_normal((8, 16)).astype(np.float32),

@@ -28,7 +28,7 @@ from tf_gspmd._layout.mesh import _device_name  # the canonical device name mesh
 from tf_gspmd.errors import ClusterJoinError, MeshError, ProcessLostError
 
 DEVICES_ENV = "TF_GSPMD_CPU_DEVICES_PER_PROCESS"   # logical CPUs per process, from the launcher
-EXITED_ENV = "TF_GSPMD_EXITED"   # a file where the launcher writes "<worker index> <exit status>" for each failed worker
+EXITED_ENV = "TF_GSPMD_EXITED"   # a file the launcher writes "<worker index> <exit status>" to for each failed worker
 _lock = threading.Lock()
 _state = {"job": None, "task": None, "tasks": None}
 
