@@ -249,8 +249,8 @@ def _finish_shared_save(store, shared, close):
   part_path = part.filename if part is not None else ""
   if part is not None:
     part.close()
-  _compat.config_key_value_set(f"{tag}/path/{k}", path)
-  _compat.config_key_value_set(f"{tag}/part/{k}", part_path)
+  _checkpoint.publish(f"{tag}/path/{k}", path, "publishing its path", path, "weights")
+  _checkpoint.publish(f"{tag}/part/{k}", part_path, "writing its part", path, "weights")
   try:
     paths = [_checkpoint.lookup(f"{tag}/path/{j}", "publishing its path", path, j, "weights") for j in range(n)]
     if len(set(paths)) > 1:

@@ -323,6 +323,19 @@ def lost_task(message):
   return f"task {named[0]} (process {process_of(named[0])})" if named else None
 
 
+RESTART = "restart every process (the training binaries continue with --resume)"
+
+
+def process_lost(error, during, left, unnamed="a process of the cluster"):
+  """ProcessLostError for `error` (what TensorFlow raised) in a multi-process operation: the process TF's message
+  names (`unnamed` when it names none) stopped answering `during` (what this process was doing); `left` says what
+  state that leaves and what to do."""
+  message = str(getattr(error, "message", error) or "")
+  who = lost_task(message) or unnamed
+  said = message.splitlines()[0][:300] if message else ""
+  return ProcessLostError(f"{who} stopped answering during {during}; {left}. TF said: {type(error).__name__}: {said}")
+
+
 def task_name(k):
   """The task name of process `k` ("/job:worker/replica:0/task:1")."""
   if not _state["tasks"]:

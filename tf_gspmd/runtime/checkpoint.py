@@ -28,7 +28,7 @@ import tensorflow as tf
 from tf_gspmd import initializers
 from tf_gspmd._platform import cluster as _cluster
 from tf_gspmd._platform import compat as _compat
-from tf_gspmd.errors import InputError, ProcessLostError
+from tf_gspmd.errors import InputError
 
 # Seconds a process waits at a checkpoint barrier for the others (a lost process is usually reported sooner, by
 # the cluster's heartbeat).
@@ -64,20 +64,17 @@ def _spans_processes(obj, storage_of):
 
 # What a shared save is, and what is left when a process is lost during it.
 _OUTCOMES = {
-    "checkpoint": ("the checkpoint save", "the checkpoint was not written and the previous one is the latest: restart "
-                   "every process (the training binaries continue with --resume)"),
+    "checkpoint": ("the checkpoint save", "the checkpoint was not written and the previous one is the latest: "
+                   f"{_cluster.RESTART}"),
     "weights": ("the weights file save", "the file is incomplete: restart every process and save again"),
 }
 
 
 def _lost(error, phase, path, what="checkpoint"):
   """A failed barrier or lookup as ProcessLostError naming the process that did not arrive (when TF says)."""
-  message = str(getattr(error, "message", error))
-  who = _cluster.lost_task(message) or "a process of the cluster"
   save, left = _OUTCOMES[what]
-  return ProcessLostError(f"{who} stopped answering during {save} of {path!r} ({phase}: not there within "
-                          f"{BARRIER_TIMEOUT_S:.0f} s, or reported gone); {left}. TF said: {type(error).__name__}: "
-                          f"{message.splitlines()[0][:300] if message else ''}")
+  return _cluster.process_lost(error, f"{save} of {path!r} ({phase}: not there within {BARRIER_TIMEOUT_S:.0f} s, "
+                               f"or reported gone)", left)
 
 
 def barrier(name, phase, path, what="checkpoint"):
@@ -85,6 +82,15 @@ def barrier(name, phase, path, what="checkpoint"):
   ProcessLostError naming a process that does not arrive."""
   try:
     _compat.coordination_barrier(name, BARRIER_TIMEOUT_S)
+  except (tf.errors.OpError, RuntimeError, ValueError) as e:
+    raise _lost(e, phase, path, what) from e
+
+
+def publish(key, value, phase, path, what="checkpoint"):
+  """Stores `value` under `key` for the other processes of the shared save (`what`) of `path`; ProcessLostError
+  naming the process that holds the store (process 0) when it is gone."""
+  try:
+    _compat.config_key_value_set(key, value)
   except (tf.errors.OpError, RuntimeError, ValueError) as e:
     raise _lost(e, phase, path, what) from e
 
@@ -136,7 +142,7 @@ def save_hook(storage_of):
     with _lock:
       seq = next(_saves)
     tag = f"tf_gspmd_checkpoint_{seq}"
-    _compat.config_key_value_set(f"{tag}/path/{k}", path)
+    publish(f"{tag}/path/{k}", path, "publishing its path", path)
     paths = [lookup(f"{tag}/path/{j}", "publishing its path", path, j) for j in range(n)]
     if len(set(paths)) > 1:
       raise InputError(f"the processes save one checkpoint to different paths ({dict(enumerate(paths))}): every "
@@ -157,7 +163,7 @@ def save_hook(storage_of):
                             tensors=[m[2]() for m in mine])
     last_save.update(path=path, part=part if wrote else None,
                      bytes_written=_data_bytes(part) if wrote else 0)
-    _compat.config_key_value_set(f"{tag}/part/{k}", part if wrote else "")
+    publish(f"{tag}/part/{k}", part if wrote else "", "writing its part", path)
     barrier(f"{tag}/written", "writing its part", path)
     if k == 0:
       parts = [p for p in (lookup(f"{tag}/part/{j}", "writing its part", path, j) for j in range(n)) if p]

@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from tf_gspmd._platform import cluster as _cluster
 from tf_gspmd._layout.sharding import Sharding, to_sharding
-from tf_gspmd.errors import InputError, ProcessLostError
+from tf_gspmd.errors import InputError
 from tf_gspmd.rewriter.collectives import vocabulary
 from tf_gspmd.runtime import parallel
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
@@ -357,11 +357,9 @@ def wait_for_sends():
 def _lost(error, what):
   """A transfer's error between processes as ProcessLostError naming the process that stopped answering (when
   TF names it)."""
-  who = _cluster.lost_task(error.message) or "the process at the other end"
-  return ProcessLostError(f"{who} stopped answering during gs.reshard ({what}); the transfer's collectives were "
-                          "aborted and this process cannot run collectives again: restart every process (the "
-                          f"training binaries continue with --resume). TF said: {type(error).__name__}: "
-                          f"{error.message.splitlines()[0][:300] if error.message else ''}")
+  return _cluster.process_lost(error, f"gs.reshard ({what})", "the transfer's collectives were aborted and this "
+                               f"process cannot run collectives again: {_cluster.RESTART}",
+                               unnamed="the process at the other end")
 
 
 def _concat_grid(pieces, values, axis=0):

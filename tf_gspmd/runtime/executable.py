@@ -20,7 +20,7 @@ import tensorflow as tf
 from tf_gspmd._platform import cluster as _cluster
 from tf_gspmd._platform import compat as _compat
 from tf_gspmd._layout.plan_scope import is_shape_only
-from tf_gspmd.errors import InputError, ProcessLostError
+from tf_gspmd.errors import InputError
 from tf_gspmd.runtime import host_writes
 from tf_gspmd.runtime import parallel
 from tf_gspmd.runtime import state as _state
@@ -85,15 +85,10 @@ def _without_control_inputs(graph_def, control):
 def _process_lost(error, timeout):
   """A step error of a mesh that spans processes, as the process that stopped answering (named by TF's message
   when it says so)."""
-  who = _cluster.lost_task(error.message)
-  if who:
-    what = f"{who} stopped answering during the step"
-  else:
-    what = (f"a process of the mesh stopped answering during the step (no collective finished within "
-            f"collective_timeout={timeout} s or TF reported the peer gone)")
-  return ProcessLostError(f"{what}; the step's collectives were aborted and this process cannot run collectives "
-                          f"again: restart every process (the training binaries continue with --resume). TF said: "
-                          f"{type(error).__name__}: {error.message.splitlines()[0][:300]}")
+  return _cluster.process_lost(
+      error, "the step", f"the step's collectives were aborted and this process cannot run collectives again: "
+      f"{_cluster.RESTART}", unnamed=f"a process of the mesh (no collective finished within "
+      f"collective_timeout={timeout} s, or TF reported the peer gone)")
 
 
 class _Deadlines:
