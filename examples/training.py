@@ -196,6 +196,7 @@ def run_auto_parallel(task):
   step = gs.auto_parallel(task.loss_fn, params, *task.batch(0), mesh=mesh, microbatches=task.microbatches,
                           memory_budget=budget, layers=layers, profile=FLAGS.stage_profile)
   print(step)
+  params = step.place(params)   # each parameter on its stage's devices, in the planned layout, for the whole run
   losses = []
   for k in range(FLAGS.steps):
     loss, grads = step(params, *task.batch(k))

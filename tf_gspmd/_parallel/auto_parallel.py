@@ -22,6 +22,13 @@ gradients as the step's loss combines the batch rows: their mean for a mean over
 proven from the step's graph (`rewriter.stages.microbatch_loss`); a loss not proven to be one of them is refused
 (InputError) unless microbatches=1.
 Parameters are `params`' leaves; a step that reads captured tf.Variables is refused (InputError).
+
+Training state. Each parameter has a home: the submesh of the first stage that reads it, in the layout the plan
+gives it there (`homes`). `place(params)` puts host values there (each device receives its tile), and the step,
+`sgd` and `adam` keep them there: the step reads a placed parameter in place (a later stage that reads it too gets
+its slice device to device, gs.reshard), returns each gradient on its parameter's home (the gradients of several
+readers added on the home devices), and each stage's update (SGD, or Adam with both moments in the parameters'
+layouts) is one gs.function on its submesh. The loss is the one value a step brings to the host.
 """
 
 import dataclasses
@@ -36,6 +43,7 @@ from tf_gspmd._function import function as gs_function, parse_bytes
 from tf_gspmd._layout.mesh import Mesh, P
 from tf_gspmd._parallel.mpmd import Stage, mpmd_pipeline
 from tf_gspmd._parallel.stage_programs import leaf_paths
+from tf_gspmd._parallel.stage_state import Adam, StageState, to_tensor as _to_tensor
 from tf_gspmd._parallel.stages import check_mesh, plan_stages
 from tf_gspmd.errors import AutoShardingError, InputError
 from tf_gspmd.rewriter.stages import microbatch_loss
@@ -68,12 +76,6 @@ def _spec_of(value, what):
     raise InputError(f"{what} is {type(value).__name__}: give a tensor, an array or a tf.TensorSpec ({e})",
                      node=what) from None
   return tf.TensorSpec(t.shape, t.dtype)
-
-
-def _to_tensor(value):
-  if isinstance(value, ShardedTensor):
-    return tf.constant(value.numpy())
-  return tf.convert_to_tensor(value)
 
 
 def _dense_gradient(p):
@@ -192,7 +194,7 @@ class AutoParallel:
     self._built = {k: v for k, v in self._built.items() if v[0] in (self.pipelined_plan, self.intra_plan)}
 
   _RUNTIME = ("microbatches", "_data_specs", "_fns", "_loss_ref", "_stage_params", "boundaries", "_data_dtype",
-              "stages", "pipeline", "_whole")
+              "stages", "pipeline", "_whole", "state")
 
   def select(self, plan):
     """Runs `plan` from now on: `step.pipelined_plan` or `step.intra_plan`, e.g. to time the plan the planner
@@ -368,16 +370,18 @@ class AutoParallel:
         raise InputError(f"stage {k + 1} and later read nothing that stages 0..{k} make; the plan's stages do not "
                          "chain", node=f"stage {k}")
     self._data_dtype = self._batch_dtype()
-    self.stages = []
+    self.stages, specs = [], []
     for k, stage in enumerate(plan.stages):
       sub = Mesh(stage.mesh.shape, stage.mesh.axis_names, devices=[self._devices[p] for p in stage.devices])
       lay = dict(stage.parameters)
-      shardings = tuple(lay[name].spec if name in lay else None for name in self._stage_params[k])
+      shardings = tuple(lay[name].spec if name in lay else P() for name in self._stage_params[k])
+      specs.append(dict(zip(self._stage_params[k], shardings)))
       self.stages.append(Stage(self._stage_body(k), sub, param_shardings=shardings,
                                in_sharding=self.boundaries[k - 1].in_sharding if k else P(),
                                out_sharding=self.boundaries[k].out_sharding if k < n - 1 else None,
                                target_sharding=P() if k == n - 1 else None,
                                name=f"stage {k} (layers {stage.layers[0]}-{stage.layers[1]})"))
+    self.state = StageState(self.param_names, [s.mesh for s in self.stages], specs, exchange)
     self.pipeline = mpmd_pipeline(self.stages, microbatches=self.microbatches, schedule=schedule, exchange=exchange,
                                   reduction=self.loss_reduction)
 
@@ -443,52 +447,65 @@ class AutoParallel:
     return tf.concat(parts, axis=1)
 
   def __call__(self, params, *batch):
-    """(loss, grads): the batch's loss and its gradient per leaf of `params` (same structure), each
-    a ShardedTensor on the submesh of the stage that reads it, laid out as planned (a parameter read by several
-    stages: the sum of their gradients, as a host tensor)."""
+    """(loss, grads): the batch's loss (a host scalar, the one value the step brings to the host) and its gradient
+    per leaf of `params` (same structure), each a ShardedTensor on the submesh of its parameter's home stage
+    (`homes`), laid out as planned there; a parameter read by several stages gets the sum of their gradients,
+    added on the home stage's devices. A leaf of `params` may be a host value or a ShardedTensor (kept in place
+    on its stage's devices when it is laid out as that stage reads it: what `place`, `sgd` and `adam` return)."""
     leaves = tf.nest.flatten(params)
     if len(leaves) != len(self.param_names):
       raise InputError(f"params has {len(leaves)} leaves; the step was planned with {len(self.param_names)}",
                        node="params")
+    value = dict(zip(self.param_names, leaves))
     if self._whole is not None:   # (the gs.function takes host values, tensors and ShardedTensors as they are)
       if len(batch) != len(self.data_names):
         raise InputError(f"the step takes {len(self.data_names)} batch argument(s); got {len(batch)}", node="batch")
       start = time.perf_counter()
-      out = self._whole(*leaves, *batch)
+      state = self.state
+      out = self._whole(*[state.for_stage(0, n, value[n]) if n in state.homes else value[n]
+                          for n in self.param_names], *batch)
       self.last_seconds = time.perf_counter() - start
-      return out[0].numpy(), tf.nest.pack_sequence_as(self._structure, list(out[1:]))
-    flat = [_to_tensor(p) for p in leaves]
-    value = dict(zip(self.param_names, flat))
+      grads = [state.at_home(n, g) if n in state.homes else g for n, g in zip(self.param_names, out[1:])]
+      return out[0].numpy(), tf.nest.pack_sequence_as(self._structure, grads)
     packed = self.pack_batch(*batch)
+    args = [tuple(self.state.for_stage(k, n, value[n]) for n in names)
+            for k, names in enumerate(self._stage_params)]
     start = time.perf_counter()
-    loss, grads = self.pipeline([tuple(value[n] for n in names) for names in self._stage_params], packed, packed)
+    loss, grads = self.pipeline(args, packed, packed)
     self.last_seconds = time.perf_counter() - start
     per: Dict[str, list] = {}
     for names, gs_ in zip(self._stage_params, grads):
       for name, g in zip(names, gs_):
         per.setdefault(name, []).append(g)
     out = []
-    for name, p in zip(self.param_names, flat):
+    for name, p in zip(self.param_names, leaves):
       got = per.get(name)
-      if not got:
-        out.append(tf.zeros_like(p))
-      elif len(got) == 1:
-        out.append(got[0])
-      else:
-        out.append(tf.constant(np.sum([g.numpy() for g in got], axis=0)))
+      if not got:   # (read by no stage)
+        out.append(tf.zeros(p.shape, p.dtype))
+        continue
+      out.append(self.state.gradient(name, got))
     return loss, tf.nest.pack_sequence_as(self._structure, out)
 
+  # ---- training state on the stage meshes (`stage_state`) -------------------------------------------------
+  @property
+  def homes(self):
+    """{parameter name: (stage index, P)}: where each parameter lives between steps (`StageState.homes`)."""
+    return self.state.homes
+
+  def place(self, params):
+    """`params` (host values) on their home stages' devices in the planned layouts (`StageState.place`)."""
+    return self.state.place(params)
+
   def sgd(self, params, grads, lr):
-    """params - lr * grads, in `params`' structure (host tensors)."""
-    def step(p, g):
-      g = g.numpy() if isinstance(g, ShardedTensor) else g
-      return _to_tensor(p) - lr * tf.cast(g, _to_tensor(p).dtype)
-    return tf.nest.map_structure(step, params, grads)
+    """params - lr * grads on each stage's submesh, one program per stage (`StageState.sgd`): each parameter
+    a ShardedTensor on its home stage's devices in the planned layout; nothing moves to the host."""
+    return self.state.sgd(params, grads, lr)
 
   def adam(self, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
     """An Adam update for this step's parameters: `opt = step.adam(lr)`, then `params = opt(params, grads)`
-    (Keras's Adam: moments on the host, bias correction folded into the step size)."""
-    return Adam(lr, beta_1, beta_2, epsilon)
+    (Keras's Adam). Parameters, gradients and both moments stay on their home stage's devices in the planned
+    layouts; each stage's update is one program on its submesh."""
+    return Adam(self.state, lr, beta_1, beta_2, epsilon)
 
   def describe(self):
     """The plan and how its stages run (submesh devices, boundaries)."""
@@ -517,32 +534,6 @@ class AutoParallel:
 
   def __str__(self):
     return self.describe()
-
-
-class Adam:
-  """Adam over a nest of parameters and their gradients (ShardedTensors or tensors); see `AutoParallel.adam`."""
-
-  def __init__(self, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
-    self.lr, self.beta_1, self.beta_2, self.epsilon = lr, beta_1, beta_2, epsilon
-    self.iterations = 0
-    self._m = self._v = None
-
-  def __call__(self, params, grads):
-    flat_p = [_to_tensor(p) for p in tf.nest.flatten(params)]
-    flat_g = [tf.cast(g.numpy() if isinstance(g, ShardedTensor) else g, p.dtype)
-              for g, p in zip(tf.nest.flatten(grads), flat_p)]
-    if self._m is None:
-      self._m = [tf.zeros_like(p) for p in flat_p]
-      self._v = [tf.zeros_like(p) for p in flat_p]
-    if len(flat_g) != len(self._m):
-      raise InputError(f"Adam was started with {len(self._m)} parameters; got {len(flat_g)}", node="params")
-    self.iterations += 1
-    b1, b2 = self.beta_1, self.beta_2
-    alpha = self.lr * np.sqrt(1.0 - b2 ** self.iterations) / (1.0 - b1 ** self.iterations)
-    self._m = [m + (g - m) * (1.0 - b1) for m, g in zip(self._m, flat_g)]
-    self._v = [v + (tf.square(g) - v) * (1.0 - b2) for v, g in zip(self._v, flat_g)]
-    out = [p - m * alpha / (tf.sqrt(v) + self.epsilon) for p, m, v in zip(flat_p, self._m, self._v)]
-    return tf.nest.pack_sequence_as(params, out)
 
 
 def auto_parallel(loss_fn, params, *batch, mesh, microbatches, memory_budget=None, layers=None, schedule="1f1b",
