@@ -265,32 +265,31 @@ class Pricer:
 
   def boundary_seconds(self, i, j, logical):
     """The cross-mesh moves a stage of layers i..j (i > 0) adds per microbatch: its entering boundary arrives
-    (forward) and its gradient returns (backward), each destination device receiving `boundary_bytes`, with a
-    call each way."""
+    (forward) and the gradients of its floating-point tensors return (backward), each destination device
+    receiving `boundary_bytes`, with a call each way."""
     if i == 0:
       return 0.0
     cal = self.calib
-    return 2 * (self.boundary_bytes(i, j, logical) * cal.seconds_per_transfer_byte + cal.seconds_per_call)
+    moved = self.boundary_bytes(i, j, logical) + self.boundary_bytes(i, j, logical, floating_only=True)
+    return moved * cal.seconds_per_transfer_byte + 2 * cal.seconds_per_call
 
-  def boundary_bytes(self, i, j, logical):
+  def boundary_bytes(self, i, j, logical, floating_only=False):
     """Bytes each device of a stage of layers i..j receives per microbatch of what layers >= i read that layers
-    < i made. One floating-point tensor travels in the layout of the stage's first layer reading it (replicated
-    when the stage only passes it on); several travel packed into one replicated vector (8 bytes an element
-    when integers travel too)."""
-    refs = self.entering[i]
-    if i == 0 or not refs:
+    < i made (`floating_only`: of its floating-point tensors, whose gradients return). Each tensor travels in its
+    own dtype, in the layout of the stage's first layer reading it (replicated when the stage only passes it
+    on)."""
+    if i == 0:
       return 0.0
-    if len(refs) == 1 and self.ir.info(refs[0]).dtype.is_floating:
-      r = refs[0]
+    total = 0
+    for r in self.entering[i]:
+      if floating_only and not self.ir.info(r).dtype.is_floating:
+        continue
       reader = next((k for k in range(i, j + 1) if r in self.layers[k].inputs), None)
       if reader is None:
-        nbytes = self._bytes(r, Sharding.replicated(self.mesh(logical), self._rank(r)))
+        total += self._bytes(r, Sharding.replicated(self.mesh(logical), self._rank(r)))
       else:
-        nbytes = self._bytes(r, self.cost(reader, logical).inputs[self.layers[reader].inputs.index(r)])
-      return float(nbytes)
-    floating = all(self.ir.info(r).dtype.is_floating for r in refs)
-    width = max(self.ir.info(r).dtype.size for r in refs) if floating else 8
-    return float(sum(int(np.prod(self.ir.info(r).shape)) * width for r in refs))
+        total += self._bytes(r, self.cost(reader, logical).inputs[self.layers[reader].inputs.index(r)])
+    return float(total)
 
   def edge_seconds(self, j, q, logical):
     """The reshard of layer j's entering tensor q from its producer's layout to the one layer j's plan takes."""

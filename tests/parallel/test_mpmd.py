@@ -244,6 +244,47 @@ def test_stages_pass_structures_of_tensors_each_in_its_own_layout():
     assert received[d] == 2 * (8 * 8 + 8 * 16) * f32, (d, str(pipe.last_run.transfers))
 
 
+def test_integer_activations_travel_forward_in_their_dtype_and_no_gradient_comes_back_for_them():
+  """A router's expert indices (int32) go from stage 0 to stage 1 beside the hidden states, in their own layout and
+  dtype; gradients come back for the hidden states alone. Loss and gradients equal the unpartitioned step's."""
+  rng = np.random.default_rng(7)
+  w0, table = rng.standard_normal((8, 16)).astype(np.float32) * 0.3, rng.standard_normal((4, 16)).astype(np.float32)
+  x, y = rng.standard_normal((16, 8)).astype(np.float32), rng.standard_normal((16, 16)).astype(np.float32)
+
+  def f0(p, h):
+    a = tf.nn.relu(h @ p[0])
+    return a, tf.argmax(a[:, :4], axis=1, output_type=tf.int32)   # (hidden, expert index per row)
+
+  def f1(p, h, t):
+    a, expert = h
+    return tf.reduce_mean(tf.square(a * tf.gather(p[0], expert) - t))
+
+  stages = [gs.Stage(f0, M0, P(None, "m"), P(), out_sharding=(P(None, "m"), P())),
+            gs.Stage(f1, M2, P(), in_sharding=(P(None, "m"), P("m")), target_sharding=P())]
+  pipe = gs.mpmd_pipeline(stages, microbatches=2)
+  loss, grads = pipe([(w0,), (table,)], x, y)
+  ws = [tf.Variable(w0), tf.Variable(table)]
+  want_loss, want_grads = 0.0, [0.0, 0.0]
+  for xm, ym in zip(np.split(x, 2), np.split(y, 2)):
+    with tf.GradientTape() as tape:
+      l = f1((ws[1],), f0((ws[0],), xm), ym) / 2
+    want_loss += float(l.numpy())
+    want_grads = [a + tf.convert_to_tensor(g).numpy() for a, g in zip(want_grads, tape.gradient(l, ws))]
+  assert_close(loss, want_loss)
+  for got, want in zip(grads, want_grads):
+    assert_close(got[0].numpy(), want)
+  # Per microbatch of 8 rows, a device of stage 1 receives its half of the hidden [8, 16] and of the indices [8]
+  # (int32, P("m")); one of stage 0 receives its half of the hidden's gradient only.
+  received = pipe.last_run.transfers.bytes_received()
+  for d in M2.resolve_devices():
+    assert received[d] == 2 * (8 * 8 + 4) * 4, (d, str(pipe.last_run.transfers))
+  for d in M0.resolve_devices():
+    assert received[d] == 2 * (8 * 8) * 4, (d, str(pipe.last_run.transfers))
+  with pytest.raises(gs.InputError, match="no floating-point activations"):
+    gs.mpmd_pipeline([gs.Stage(lambda p, h: tf.cast(h @ p[0], tf.int32), M0), stages[1]],
+                     microbatches=2)([(w0,), (table,)], x, y)
+
+
 def test_a_structure_layout_must_match_the_activations():
   def f0(p, h):
     return h @ p[0], h @ p[0]

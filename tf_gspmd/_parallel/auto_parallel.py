@@ -6,16 +6,12 @@ by the automatic-sharding program) and runs the plan with `gs.mpmd_pipeline`: st
 forward that the plan gives it (`StagePlan.stage_function(k)`), a `gs.Stage` on a `gs.Mesh` over the planned
 device positions of `mesh`, laid out as its logical mesh, its parameters in their planned layouts.
 
-Boundaries. The runtime hands one tensor from a stage to the next, with one batch (to the first stage) and one
-targets tensor (to the last). So:
-  * the data arguments travel as one packed tensor [rows, features] (each argument reshaped to [rows, -1], all
-    of one dtype); the first stage receives it as its batch and the last as its targets;
-  * between stages k and k+1 travels everything later stages read that stages <= k made (and data arguments
-    the middle stages read): when that is a single floating-point tensor it goes as it is, resharded from the
-    layout the plan gives it in stage k into the layout the plan gives it in stage k+1; otherwise the tensors
-    are flattened and concatenated into one vector (replicated), in their common floating dtype, or in float64
-    when integers travel too (float32 and int32 values survive it exactly). A stage passes on the tensors it
-    received that later stages read.
+Boundaries. The data arguments travel as one packed tensor [rows, features] (each argument reshaped to [rows, -1],
+all of one dtype): the first stage receives it as its batch and the last as its targets. Between stages k and k+1
+travels everything later stages read that stages <= k made (and data arguments the middle stages read) as a tuple
+of tensors, each in its own dtype, resharded from the layout the plan gives it in stage k into the layout the plan
+gives it in stage k+1 (only the receivers' slices cross); gradients come back for the floating-point ones. A
+stage passes on the tensors it received that later stages read.
 
 The stages run in one process (several processes: InputError). The pipeline combines the microbatches' losses and
 gradients as the step's loss combines the batch rows: their mean for a mean over the rows, their sum for a sum, as
@@ -55,14 +51,14 @@ _EXACT_IN_FLOAT64 = (tf.int8, tf.int16, tf.int32, tf.uint8, tf.uint16, tf.uint32
 
 @dataclasses.dataclass(frozen=True)
 class _Boundary:
-  """What travels from one stage to the next: `refs` (plan tensor names, data argument names) packed or not."""
+  """What travels from one stage to the next: `refs` (plan tensor names, data argument names), each tensor in its
+  own dtype, from its layout in the sending stage (`out_shardings`, a P each, or None where that stage does not
+  lay it out: completion decides) into its layout in the receiving stage (`in_shardings`)."""
 
   refs: Tuple[str, ...]
   specs: Tuple[tf.TensorSpec, ...]
-  packed: bool
-  dtype: Any                      # the packed vector's dtype (packed) or the tensor's
-  out_sharding: Any = None        # P in the sending stage (unpacked) or P() (packed)
-  in_sharding: Any = None         # P in the receiving stage
+  out_shardings: Tuple[Any, ...]
+  in_shardings: Tuple[Any, ...]
 
 
 def _spec_of(value, what):
@@ -92,16 +88,6 @@ def _dense_gradient(p):
     return tf.identity(x), grad
 
   return identity(p) if shape.rank else p
-
-
-def _pack(tensors, dtype):
-  return tf.concat([tf.reshape(tf.cast(t, dtype), [-1]) for t in tensors], axis=0)
-
-
-def _unpack(vector, specs):
-  sizes = [int(np.prod(s.shape)) for s in specs]
-  parts = tf.split(vector, sizes) if len(sizes) > 1 else [vector]
-  return [tf.cast(tf.reshape(p, s.shape), s.dtype) for p, s in zip(parts, specs)]
 
 
 def _pack_dtype(specs, what):
@@ -355,17 +341,12 @@ class AutoParallel:
       have = set().union(*made[:k + 1])
       # (the last stage reads the batch arguments from its targets; the middle ones get them passed on)
       refs = sorted((later & have) | {d for d in self.data_names if d in set().union(*reads[k + 1:n - 1])})
-      specs = tuple(info[r] for r in refs)
-      if len(refs) == 1 and specs[0].dtype.is_floating and refs[0] not in self.data_names:
-        r = refs[0]
-        out = layouts[k].get(r)
-        inn = layouts[k + 1].get(r)   # None: stage k+1 only passes it on (replicated)
-        self.boundaries.append(_Boundary(tuple(refs), specs, False, specs[0].dtype,
-                                         out.spec if out is not None else None,
-                                         inn.spec if inn is not None else P()))
-      elif refs:
-        self.boundaries.append(_Boundary(tuple(refs), specs, True, _pack_dtype(specs, f"stage {k} -> {k + 1}"),
-                                         P(), P()))
+      if refs:
+        out = [layouts[k].get(r) for r in refs]
+        inn = [layouts[k + 1].get(r) for r in refs]   # (None: stage k+1 only passes it on: replicated)
+        self.boundaries.append(_Boundary(tuple(refs), tuple(info[r] for r in refs),
+                                         tuple(o.spec if o is not None else None for o in out),
+                                         tuple(x.spec if x is not None else P() for x in inn)))
       else:
         raise InputError(f"stage {k + 1} and later read nothing that stages 0..{k} make; the plan's stages do not "
                          "chain", node=f"stage {k}")
@@ -377,8 +358,8 @@ class AutoParallel:
       shardings = tuple(lay[name].spec if name in lay else P() for name in self._stage_params[k])
       specs.append(dict(zip(self._stage_params[k], shardings)))
       self.stages.append(Stage(self._stage_body(k), sub, param_shardings=shardings,
-                               in_sharding=self.boundaries[k - 1].in_sharding if k else P(),
-                               out_sharding=self.boundaries[k].out_sharding if k < n - 1 else None,
+                               in_sharding=self.boundaries[k - 1].in_shardings if k else P(),
+                               out_sharding=self.boundaries[k].out_shardings if k < n - 1 else None,
                                target_sharding=P() if k == n - 1 else None,
                                name=f"stage {k} (layers {stage.layers[0]}-{stage.layers[1]})"))
     self.state = StageState(self.param_names, [s.mesh for s in self.stages], specs, exchange)
@@ -410,10 +391,8 @@ class AutoParallel:
       env = dict(zip(names, [_dense_gradient(p) for p in params]))
       if k == 0:
         env.update(self._unpack_data(h))
-      elif into.packed:
-        env.update(zip(into.refs, _unpack(h, into.specs)))
       else:
-        env[into.refs[0]] = h
+        env.update(zip(into.refs, h))
       if targets is not None:
         env.update(self._unpack_data(targets))
       arguments = {a: env[a] for a in fn.inputs if a in names or a in self.data_names}
@@ -421,9 +400,7 @@ class AutoParallel:
       env.update(fn(arguments, activations))
       if onto is None:
         return env[self._loss_ref]
-      if onto.packed:
-        return _pack([env[r] for r in onto.refs], onto.dtype)
-      return env[onto.refs[0]]
+      return tuple(env[r] for r in onto.refs)
 
     if k == n - 1:
       return lambda params, h, targets: body(params, h, targets)
@@ -526,10 +503,9 @@ class AutoParallel:
       for name, sh in zip(self._stage_params[k], s.param_shardings):
         lines.append(f"      {name}: {sh}")
     for k, b in enumerate(self.boundaries):
-      how = (f"packed into one {b.dtype.name} vector" if b.packed
-             else f"as {b.out_sharding} -> {b.in_sharding}")
-      lines.append(f"  stage {k} -> {k + 1}: {len(b.refs)} tensor(s) {', '.join(b.refs[:4])}"
-                   f"{' ...' if len(b.refs) > 4 else ''} {how}")
+      lines.append(f"  stage {k} -> {k + 1}: {len(b.refs)} tensor(s)")
+      for r, spec, out, inn in zip(b.refs, b.specs, b.out_shardings, b.in_shardings):
+        lines.append(f"      {r}: {spec.dtype.name}{spec.shape.as_list()} {out} -> {inn}")
     return "\n".join(lines)
 
   def __str__(self):

@@ -41,8 +41,8 @@ from tf_gspmd._layout.mesh import Mesh, P
 from tf_gspmd._layout.schedule import Schedule
 from tf_gspmd._layout.sharding import to_sharding
 from tf_gspmd.errors import InputError, MeshError, ShardingError
-from tf_gspmd._parallel.stage_programs import (StagePrograms, count as _count, describe as _describe, layouts_up_to,
-                                               paths as _paths)
+from tf_gspmd._parallel.stage_programs import (StagePrograms, count as _count, describe as _describe, floating,
+                                               layouts_up_to, paths as _paths)
 from tf_gspmd.runtime import cross_mesh
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
@@ -232,16 +232,17 @@ class MpmdPipeline:
       return y if last else tuple(tf.nest.flatten(y))
 
     def backward(n, accumulate, *args):
-      k, k_out = _count(self._in_structure[i]), 1 if last else _count(self._acts[i])
+      # (gradients flow through the floating-point tensors of the boundaries only: `floating`)
+      k, k_out = _count(self._in_structure[i]), 1 if last else sum(floating(self._acts[i]))
       params, leaves = tuple(args[:n]), list(args[n:n + k])
       seeds, acc = list(args[n + k:n + k + k_out]), args[n + k + k_out:] if accumulate else ()
+      differentiable = [x for x, f in zip(leaves, floating(self._in_structure[i])) if f] if i > 0 else []
       with tf.GradientTape() as tape:
         tape.watch(params)
-        if i > 0:
-          tape.watch(leaves)
+        tape.watch(differentiable)
         y = run(params, tf.nest.pack_sequence_as(self._in_structure[i], leaves), seeds[0] if last else None)
-        ys = [y * scale] if last else tf.nest.flatten(y)
-      sources = list(params) + (leaves if i > 0 else [])
+        ys = [y * scale] if last else [t for t, f in zip(tf.nest.flatten(y), floating(self._acts[i])) if f]
+      sources = list(params) + differentiable
       grads = tape.gradient(ys, sources, output_gradients=None if last else seeds,
                             unconnected_gradients=tf.UnconnectedGradients.ZERO)
       grads_p = [g + a for g, a in zip(grads[:n], acc)] if accumulate else list(grads[:n])
@@ -312,11 +313,10 @@ class MpmdPipeline:
     if not leaves or not all(isinstance(t, tf.Tensor) for t in leaves):
       raise InputError(f"{self._name(i)} returns {type(out).__name__}; a stage returns its activations: a tensor or "
                        "a nested structure (tuple, list, dict) of tensors", node=self._name(i))
-    for path, t in zip(_paths(out), leaves):
-      if not t.dtype.is_floating:
-        raise InputError(f"{self._name(i)} returns {t.dtype.name} activations{path}; gradients flow back only "
-                         "through floating-point activations: cast them, or end the stage after the next float op",
-                         node=self._name(i))
+    if not any(t.dtype.is_floating for t in leaves):
+      raise InputError(f"{self._name(i)} returns no floating-point activations ({_describe(out)}); gradients flow "
+                       "back through floating-point activations only (integers travel forward without one): end "
+                       "the stage after an op with a float result", node=self._name(i))
     return tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), out)
 
   def _check_shardings(self, i, p_specs, h):
@@ -413,17 +413,19 @@ class MpmdPipeline:
     def backward(i, m):   # returns when the stage's computation started
       s, prog, last = self.stages[i], self._programs[i], i == n - 1
       saved = saved_inputs[i]
-      seed = (micro_t[m],) if last else receive("grad", i, m, i + 1, self._in_layouts(i + 1), layout_out(i))
+      seed = (micro_t[m],) if last else receive("grad", i, m, i + 1, self._differentiable(i, self._in_layouts(i + 1)),
+                                                self._differentiable(i, layout_out(i)))
       h = saved.pop(m)
       start = time.perf_counter()
       acc = grads[i] is not None
       fn = prog.backward_fn(s, len(params[i]), self.exchange, i > 0, last, acc, self._in_layouts(i),
-                            None if last else out_layout[i])
+                            None if last else self._differentiable(i, out_layout[i]),
+                            self._differentiable(i - 1, self._in_layouts(i)) if i else ())
       out = self._call(fn, params[i] + h + seed + (tuple(grads[i]) if acc else ()))
       out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
       grads[i] = out[:len(params[i])]
       if i > 0:
-        pass_on("grad", i - 1, m, out[len(params[i]):], layout_out(i - 1))
+        pass_on("grad", i - 1, m, out[len(params[i]):], self._differentiable(i - 1, layout_out(i - 1)))
       return start
 
     def step(i, kind, m):
@@ -459,13 +461,20 @@ class MpmdPipeline:
     def receive(kind, i, m, j, src_layouts, dst_layouts):   # stage i's input from stage j
       if local[j]:
         return box.take((kind, i, m), self._name(i))
-      got = []
-      for act, src, dst in zip(tf.nest.flatten(self._acts[min(i, j)]), src_layouts, dst_layouts):
+      got, acts = [], tf.nest.flatten(self._acts[min(i, j)])
+      if kind == "grad":   # (the gradients of the floating-point activations only)
+        acts = [a for a in acts if a.dtype.is_floating]
+      for act, src, dst in zip(acts, src_layouts, dst_layouts):
         elsewhere = cross_mesh.value_elsewhere(act.shape, act.dtype, self.stages[j].mesh, src)
         got.append(cross_mesh.reshard(elsewhere, self.stages[i].mesh, dst, log=log))
       return tuple(got)
 
     return layout_out, pass_on, receive
+
+  def _differentiable(self, i, per_tensor):
+    """Of `per_tensor` (one entry per tensor of stage i's activations), those of its floating-point tensors: the
+    ones gradients flow back through."""
+    return tuple(x for x, f in zip(per_tensor, floating(self._acts[i])) if f)
 
   def _is_local(self, i):
     return self._local[i]

@@ -30,14 +30,17 @@ class StagePrograms:
                                    exchange=exchange)
     return self._fns[key]
 
-  def backward_fn(self, stage, n, exchange, with_input_grad, last, accumulate, in_layouts, out_layouts):
-    key = ("B", n, accumulate, in_layouts, out_layouts)
+  def backward_fn(self, stage, n, exchange, with_input_grad, last, accumulate, in_layouts, out_layouts,
+                  grad_layouts=()):
+    """The backward's gs.function: `in_layouts` per tensor of the input, `out_layouts` per floating-point tensor
+    of the result (the gradients it is seeded with), `grad_layouts` per floating-point tensor of the input (the
+    gradients it returns for them)."""
+    key = ("B", n, accumulate, in_layouts, out_layouts, grad_layouts)
     if key not in self._fns:
       p = _per_param(stage.param_shardings, n)
-      h = tuple(in_layouts)
       seed = (stage.target_sharding,) if last else tuple(out_layouts)
-      ins = p + h + seed + (p if accumulate else ())
-      outs = p + (h if with_input_grad else ())
+      ins = p + tuple(in_layouts) + seed + (p if accumulate else ())
+      outs = p + (tuple(grad_layouts) if with_input_grad else ())
 
       def body(*args):
         return self._backward(n, accumulate, *args)
@@ -64,6 +67,12 @@ def layouts_up_to(structure, spec):
   else:
     return None
   return None if any(p is None for p in parts) else [x for p in parts for x in p]
+
+
+def floating(structure):
+  """Per tensor of `structure` (tensors or TensorSpecs), whether it is floating-point: whether a gradient flows
+  back through it."""
+  return [t.dtype.is_floating for t in tf.nest.flatten(structure)]
 
 
 def count(structure):
