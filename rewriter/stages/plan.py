@@ -378,11 +378,12 @@ def _describe(pricer, cfgs, rows, cols, sol, names, model_t=None, measured=froze
 
 def plan(program, *, layers, microbatches=1, memory_budget=None, params=(), calib=None, timers=None,
          optimizer_slots=2, max_stages=None, t_max_step=0.005, solver_time_limit=10.0, names=None, whole_mesh=False,
-         measured=None, measured_only=False):
+         measured=None, measured_only=False, max_stage_rows=None):
   """The StagePlan of `program` (traced, imported: `program.ir`) on `program.mesh` (see the module docstring).
 
   calib: a `calibrate.Calibration`, else this machine's, timed with `timers` (`calibrate.Timers`).
   whole_mesh: price only configurations of the whole mesh (with max_stages=1: the intra-operator plan alone).
+  max_stage_rows: submeshes of at most this many rows (1: every stage within one row, e.g. one process's devices).
   layers: how many layers to cluster the ops into. params: Placeholder names of the parameters (trained: their
   gradients are all-reduced, their optimizer state kept). names: {Placeholder name: readable name}.
   measured: {(first layer, last layer, submesh shape, logical shape): seconds per microbatch} of stages timed on
@@ -399,7 +400,12 @@ def plan(program, *, layers, microbatches=1, memory_budget=None, params=(), cali
   timings["clustering"] = time.perf_counter() - start
   start = time.perf_counter()
   pricer = Pricer(program, found, params, microbatches, calib, optimizer_slots, solver_time_limit)
-  cfgs = [c for c in stage_dp.configs(rows, cols) if not whole_mesh or c.size == rows * cols]
+  cfgs = [c for c in stage_dp.configs(rows, cols) if (not whole_mesh or c.size == rows * cols) and
+          (max_stage_rows is None or c.shape[0] <= max_stage_rows)]
+  if not cfgs:
+    raise AutoShardingError(f"no submesh of the {program.mesh.shape} mesh is both the whole mesh (whole_mesh) and at "
+                            f"most {max_stage_rows} row(s) (max_stage_rows)", node=getattr(program.fn, "__name__",
+                                                                                             "the step"))
   model_t, state, act = pricer.tables(cfgs)
   t, hits = with_measured(model_t, cfgs, measured, measured_only)
   timings["intra-operator costs"] = time.perf_counter() - start

@@ -14,6 +14,7 @@ from tf_gspmd.errors import InputError
 from tf_gspmd.runtime.cross_mesh import tile_extent
 from tf_gspmd.rewriter.stages import calibrate
 
+import cluster_runs
 from conftest import assert_close
 
 V, D, F, S, N, BLOCKS = 512, 32, 64, 8, 16, 3
@@ -440,3 +441,17 @@ def test_a_stage_out_of_range_and_another_batch_size_are_typed_errors(step):
   with pytest.raises(InputError, match=r"batch argument 1 has shape \[8, 8\]; the step was planned for \[16, 8\] "
                                        r"\(a batch of 16 rows, microbatches=4 of 4\)"):
     step(init(), tokens[:8], labels[:8])
+
+
+def test_a_planned_step_over_two_processes_equals_the_unpartitioned_one(exchange):
+  """2 processes x 4 CPUs (tests/cluster_programs/auto_parallel_step.py), mesh (2, 4) with a row per process: the
+  plan's stages each run in one process and both processes run some; every parameter and its Adam moments live on
+  the devices of the process that runs its stage; three Adam steps give every process the unpartitioned program's
+  losses (Keras's Adam on plain variables), and the parameters each process holds equal it."""
+  results = cluster_runs.launch(2, "auto_parallel_step.py", devices_per_worker=4, exchange=exchange)
+  ran = [s for r in results.values() for s in r["stages"]]
+  assert all(r["stages"] for r in results.values()) and sorted(ran) == list(range(len(ran)))
+  assert sorted(n for r in results.values() for n in r["held"]) == sorted(init())
+  for r in results.values():
+    np.testing.assert_allclose(r["losses"], r["want_losses"], rtol=1e-5)
+    assert r["on_devices"] and all(r["params_equal"].values()), r

@@ -28,6 +28,7 @@ layouts) is one gs.function on its submesh. The loss is the one value a step bri
 """
 
 import dataclasses
+import itertools
 import time
 from typing import Any, Dict, Tuple
 
@@ -44,8 +45,10 @@ from tf_gspmd._parallel.stages import check_mesh, plan_stages
 from tf_gspmd.errors import AutoShardingError, InputError
 from tf_gspmd.rewriter.stages import microbatch_loss
 from tf_gspmd.rewriter.stages.calibrate import call_times
+from tf_gspmd.runtime import checkpoint as _checkpoint
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
+_STEPS = itertools.count()   # (every process creates its planned steps in the same order: their keys agree)
 _EXACT_IN_FLOAT64 = (tf.int8, tf.int16, tf.int32, tf.uint8, tf.uint16, tf.uint32, tf.bool)
 
 
@@ -120,10 +123,11 @@ class AutoParallel:
 
   def __init__(self, loss_fn, param_specs, batch_specs, mesh, microbatches, memory_budget, layers, schedule,
                exchange, calibration, plan_kwargs, intra_candidate=True, profile_values=None, profile_rounds=5):
-    if _cluster.process_count() > 1:
-      raise InputError(f"gs.auto_parallel runs its stages in one process (this program has "
-                       f"{_cluster.process_count()}); across processes build the stages with gs.Stage and "
-                       "gs.mpmd_pipeline, or plan with gs.plan_stages", node=getattr(loss_fn, "__name__", "the step"))
+    if _cluster.process_count() > 1:   # (stages within one row: one process's devices)
+      plan_kwargs = dict(plan_kwargs, max_stage_rows=_rows_per_stage(mesh, getattr(loss_fn, "__name__", "the step")))
+      intra_candidate = False
+    self._key = f"tf_gspmd_auto_parallel_{next(_STEPS)}"
+    self._calls = 0
     self._structure = param_specs
     self.microbatches = int(microbatches)
     if self.microbatches < 1:
@@ -175,6 +179,8 @@ class AutoParallel:
     if profile_values is not None:
       self._profile(pipelined, profile_values, profile_rounds, memory_budget)
     whole = self.intra_plan
+    if _cluster.process_count() > 1:
+      self._agree(self.pipelined_plan)
     self.select(whole if whole is not None and whole.predicted_seconds < self.pipelined_plan.predicted_seconds
                 else self.pipelined_plan)
     self._built = {k: v for k, v in self._built.items() if v[0] in (self.pipelined_plan, self.intra_plan)}
@@ -202,6 +208,22 @@ class AutoParallel:
     self._data_specs = dict(zip(self.data_names, self._batch_specs if whole else self._micro_specs))
     self._build(self._flat_specs, self._schedule, self._exchange)
     self._whole = self._whole_step() if whole else None
+
+  def _agree(self, plan):
+    """Over several processes: checks that every process planned the same stages (each runs its own stages of
+    one plan); InputError when they differ."""
+    mine = "; ".join(f"layers {s.layers} on {s.devices} as {s.mesh.shape}: " + ", ".join(
+        f"{n} {sh.spec}" for n, sh in s.parameters) for s in plan.stages)
+    name = getattr(self._loss_fn, "__name__", "the step")
+    k = _cluster.process_index()
+    _checkpoint.publish(f"{self._key}/plan/{k}", mine, "sharing its plan", name, "step")
+    plans = [_checkpoint.lookup(f"{self._key}/plan/{j}", "sharing its plan", name, j, "step")
+             for j in range(_cluster.process_count())]
+    if len(set(plans)) > 1:
+      other = next(j for j, p in enumerate(plans) if p != mine)
+      raise InputError(f"gs.auto_parallel planned different stages in process {k} and process {other} ({mine!r} "
+                       f"against {plans[other]!r}): every process must plan the same step; give every process the "
+                       "same calibration=... (profile=False) and the same arguments", node=name)
 
   def _whole_step(self):
     """The plan without a pipeline as one gs.function on the whole mesh: the loss and every gradient in one
@@ -322,6 +344,7 @@ class AutoParallel:
                        "runs steps of explicit parameters; pass every variable's value in params", node=name)
     self._fns = [plan.stage_function(k) for k in range(n)]
     self._loss_ref = program.output_refs[0]
+    self._loss_dtype = program.ir.info(self._loss_ref).dtype
     reads, self._stage_params = [], []
     for k, (stage, fn) in enumerate(zip(plan.stages, self._fns)):
       unknown = [name for name, _ in stage.parameters if name not in param_spec]
@@ -351,6 +374,9 @@ class AutoParallel:
         raise InputError(f"stage {k + 1} and later read nothing that stages 0..{k} make; the plan's stages do not "
                          "chain", node=f"stage {k}")
     self._data_dtype = self._batch_dtype()
+    if _cluster.process_count() > 1:   # (a move between processes needs the sender's layout in both)
+      self.boundaries = [dataclasses.replace(b, out_shardings=tuple(P() if o is None else o for o in b.out_shardings))
+                         for b in self.boundaries]
     self.stages, specs = [], []
     for k, stage in enumerate(plan.stages):
       sub = Mesh(stage.mesh.shape, stage.mesh.axis_names, devices=[self._devices[p] for p in stage.devices])
@@ -362,7 +388,8 @@ class AutoParallel:
                                out_sharding=self.boundaries[k].out_shardings if k < n - 1 else None,
                                target_sharding=P() if k == n - 1 else None,
                                name=f"stage {k} (layers {stage.layers[0]}-{stage.layers[1]})"))
-    self.state = StageState(self.param_names, [s.mesh for s in self.stages], specs, exchange)
+    self.state = StageState(self.param_names, dict(zip(self.param_names, flat_params)), [s.mesh for s in self.stages],
+                            specs, exchange)
     self.pipeline = mpmd_pipeline(self.stages, microbatches=self.microbatches, schedule=schedule, exchange=exchange,
                                   reduction=self.loss_reduction)
 
@@ -450,18 +477,37 @@ class AutoParallel:
     start = time.perf_counter()
     loss, grads = self.pipeline(args, packed, packed)
     self.last_seconds = time.perf_counter() - start
+    if _cluster.process_count() > 1:
+      loss = self._shared_loss(loss)
     per: Dict[str, list] = {}
     for names, gs_ in zip(self._stage_params, grads):
-      for name, g in zip(names, gs_):
-        per.setdefault(name, []).append(g)
+      for name, g in zip(names, gs_ or (None,) * len(names)):
+        if g is not None:   # (None: the stage runs in another process)
+          per.setdefault(name, []).append(g)
     out = []
     for name, p in zip(self.param_names, leaves):
       got = per.get(name)
-      if not got:   # (read by no stage)
-        out.append(tf.zeros(p.shape, p.dtype))
-        continue
-      out.append(self.state.gradient(name, got))
+      if got:
+        out.append(self.state.gradient(name, got))
+      elif name in self.homes:   # (its stages run in another process)
+        out.append(None)
+      else:   # (read by no stage)
+        out.append(tf.zeros(self._param_spec(name).shape, self._param_spec(name).dtype))
     return loss, tf.nest.pack_sequence_as(self._structure, out)
+
+  def _param_spec(self, name):
+    return self._flat_specs[self.param_names.index(name)]
+
+  def _shared_loss(self, loss):
+    """The loss in every process: the process of the last stage shares it through the cluster's key-value store."""
+    self._calls += 1
+    key, name = f"{self._key}/loss/{self._calls}", getattr(self._loss_fn, "__name__", "the step")
+    if loss is not None:
+      _checkpoint.publish(key, repr(float(loss)), "sharing its loss", name, "step")
+      return loss
+    owner = _cluster.process_of(self.stages[-1].mesh.resolve_devices()[0])
+    text = _checkpoint.lookup(key, "sharing its loss", name, owner, "step")
+    return np.array(float(text), self._loss_dtype.as_numpy_dtype)
 
   # ---- training state on the stage meshes (`stage_state`) -------------------------------------------------
   @property
@@ -512,6 +558,19 @@ class AutoParallel:
     return self.describe()
 
 
+def _rows_per_stage(mesh, name):
+  """Over several processes, how many rows of `mesh` a stage may take: 1, each row (the last axis) being one
+  process's devices; InputError naming a row that spans processes."""
+  devices, cols = mesh.resolve_devices(), mesh.shape[-1]
+  for r in range(len(devices) // cols):
+    owners = sorted({_cluster.process_of(d) for d in devices[r * cols:(r + 1) * cols]})
+    if len(owners) > 1:
+      raise InputError(f"row {r} of the {mesh.shape} mesh (its last axis) spans processes {owners}: over several "
+                       "processes each row must be one process's devices, so that every stage runs in one process; "
+                       "give a mesh of (processes, devices per process)", node=name)
+  return 1
+
+
 def auto_parallel(loss_fn, params, *batch, mesh, microbatches, memory_budget=None, layers=None, schedule="1f1b",
                   exchange="auto", calibration=None, intra_candidate=True, profile=None, **plan_kwargs):
   """A training step `loss_fn(params, *batch)` planned automatically (stages, submeshes, intra-operator layouts)
@@ -548,6 +607,12 @@ def auto_parallel(loss_fn, params, *batch, mesh, microbatches, memory_budget=Non
   if profile and not concrete:
     raise InputError("profile=True times the plan's stages on real values: give params and the batch as tensors "
                      "or arrays, not tf.TensorSpecs (or profile=False)", node="profile")
+  if _cluster.process_count() > 1:
+    if profile:
+      raise InputError("profile=True times each process's stages apart, and the processes could then plan "
+                       "differently: over several processes give every process the same calibration=... and "
+                       "profile=False", node="profile")
+    profile = False
   if profile is None:
     profile = concrete and calibration is None
   return AutoParallel(loss_fn, param_specs, batch_specs, mesh, microbatches, memory_budget, layers, schedule,

@@ -56,7 +56,7 @@ class Stage:
 
   Attributes:
     fn: fn(params, h) -> activations (a tensor, or any nested structure of tensors: a skip connection's pair, a
-      dict), or for the last stage fn(params, h, targets) -> scalar loss (or fn(params, h) -> outputs when the
+      dict; integer tensors, such as a router's indices, travel forward without a gradient), or for the last stage fn(params, h, targets) -> scalar loss (or fn(params, h) -> outputs when the
       pipeline has a `loss_fn`). `params` is the tuple of the stage's parameter tensors; `h` is the microbatch
       (stage 0) or the previous stage's activations, in the structure that stage returned them.
     mesh: the stage's submesh (a `gs.Mesh` over some of the devices).
@@ -466,7 +466,8 @@ class MpmdPipeline:
         acts = [a for a in acts if a.dtype.is_floating]
       for act, src, dst in zip(acts, src_layouts, dst_layouts):
         elsewhere = cross_mesh.value_elsewhere(act.shape, act.dtype, self.stages[j].mesh, src)
-        got.append(cross_mesh.reshard(elsewhere, self.stages[i].mesh, dst, log=log))
+        # (wait=False: a receive sends nothing, and must not wait for this process's other stages' sends)
+        got.append(cross_mesh.reshard(elsewhere, self.stages[i].mesh, dst, log=log, wait=False))
       return tuple(got)
 
     return layout_out, pass_on, receive

@@ -40,19 +40,30 @@ def _add(a, b):
 class StageState:
   """Where the parameters `param_names` of a planned step live, and their updates.
 
+  Over several processes each process holds the state of its own stages (their submeshes are its devices): a
+  parameter whose home is in another process is None here, and its update runs there.
+
   Attributes:
     homes: {parameter name: (stage index, P)}: the first stage that reads it and the layout it reads it in (a
       parameter no stage reads has none).
-    meshes: each stage's submesh; stage_specs: per stage, {parameter name: P} of the parameters it reads.
+    meshes: each stage's submesh; stage_specs: per stage, {parameter name: P} of the parameters it reads; local:
+      per stage, whether this process runs it.
   """
 
-  def __init__(self, param_names, meshes, stage_specs, exchange):
-    self.param_names, self.meshes, self.stage_specs, self.exchange = tuple(param_names), list(meshes), stage_specs, \
-        exchange
+  def __init__(self, param_names, param_specs, meshes, stage_specs, exchange):
+    self.param_names, self.param_specs = tuple(param_names), dict(param_specs)
+    self.meshes, self.stage_specs, self.exchange = list(meshes), stage_specs, exchange
+    self.local = [all(_cluster.is_local(d) for d in m.resolve_devices()) for m in self.meshes]
     self.homes = {}
     for k, specs in enumerate(stage_specs):
       for name, spec in specs.items():
         self.homes.setdefault(name, (k, spec))
+        home = self.homes[name][0]
+        if _cluster.process_of(self.meshes[home].resolve_devices()[0]) != \
+            _cluster.process_of(self.meshes[k].resolve_devices()[0]):
+          raise InputError(f"parameter {name!r} is read by stages {home} and {k}, which run in different processes: "
+                           "a parameter is shared by stages of one process only; keep its readers on one host (a "
+                           "mesh row) or untie it", node=name)
     self._updates = {}
 
   def at_home(self, name, value):
@@ -61,18 +72,19 @@ class StageState:
     the host otherwise."""
     k, spec = self.homes[name]
     mesh = self.meshes[k]
+    if not self.local[k]:
+      return None   # (held by the process that runs stage k)
     if isinstance(value, ShardedTensor):
       same = value.sharding == to_sharding(spec, mesh, rank=len(value.shape), what=name)
       return value if same else reshard(value, mesh, spec)
-    if _cluster.process_count() > 1:
-      raise InputError(f"parameter {name!r} is a host value; over several processes give each parameter as a "
-                       "ShardedTensor (gs.from_process_local_data)", node=name)
-    return from_process_local_data(to_tensor(value).numpy(), mesh, spec)
+    return from_process_local_data(to_tensor(value).numpy(), mesh, spec)   # (this process holds the whole submesh)
 
   def for_stage(self, k, name, value):
     """What stage k reads for parameter `name`: a ShardedTensor laid out as stage k reads it (moved device to
     device from its home when the parameter lives with another stage); a host value as it is (the stage's program
-    places it)."""
+    places it; a stage of another process: the parameter's TensorSpec)."""
+    if not self.local[k]:
+      return self.param_specs[name]
     if not isinstance(value, ShardedTensor):
       return to_tensor(value)
     spec = self.stage_specs[k][name]
@@ -96,8 +108,8 @@ class StageState:
                                              for n, v in zip(self.param_names, leaves)])
 
   def stages(self):
-    """The stages that are home to some parameter."""
-    return sorted({k for k, _ in self.homes.values()})
+    """The stages of this process that are home to some parameter."""
+    return sorted({k for k, _ in self.homes.values() if self.local[k]})
 
   def update_function(self, k, kind):
     """(names, program): the update of the parameters that live with stage k as one gs.function on the stage's

@@ -118,7 +118,7 @@ def trace_forward(fn, arg_specs, mesh):
 
 def plan_stages(fn, *arg_specs, mesh, layers, microbatches=1, memory_budget=None, params=(0,), optimizer_slots=2,
                 max_stages=None, calibration=None, t_max_step=0.005, solver_time_limit=10.0, whole_mesh=False,
-                measured=None, measured_only=False):
+                measured=None, measured_only=False, max_stage_rows=None):
   """Pipeline stages, submeshes and intra-operator plans for `fn` on `mesh` (Alpa's two levels; no devices needed).
 
   fn: the forward step (e.g. the loss of a model from its parameters and a batch), called with tensors of
@@ -141,6 +141,7 @@ def plan_stages(fn, *arg_specs, mesh, layers, microbatches=1, memory_budget=None
   measured: {(first layer, last layer, submesh shape, logical shape): seconds per microbatch}: stages timed on
     this machine, priced at their measurement instead of the model's (gs.auto_parallel's profiling);
     `measured_only`: plans of those stages alone.
+  max_stage_rows: submeshes of at most this many rows (1: each stage within one row, e.g. one process's devices).
 
   Returns a StagePlan (print it for the table); raises AutoShardingError naming the smallest feasible budget when
   no plan fits `memory_budget`.
@@ -168,4 +169,4 @@ def plan_stages(fn, *arg_specs, mesh, layers, microbatches=1, memory_budget=None
                      calib=calibration, timers=TIMERS, optimizer_slots=optimizer_slots, max_stages=max_stages,
                      t_max_step=t_max_step, solver_time_limit=solver_time_limit, names=names,
                      whole_mesh=whole_mesh, measured=measured,
-                     measured_only=measured_only)
+                     measured_only=measured_only, max_stage_rows=max_stage_rows)

@@ -67,6 +67,7 @@ _OUTCOMES = {
     "checkpoint": ("the checkpoint save", "the checkpoint was not written and the previous one is the latest: "
                    f"{_cluster.RESTART}"),
     "weights": ("the weights file save", "the file is incomplete: restart every process and save again"),
+    "step": ("the planned step", f"its stages cannot go on: {_cluster.RESTART}"),
 }
 
 
