@@ -13,8 +13,10 @@ of tensors, each in its own dtype, resharded from the layout the plan gives it i
 gives it in stage k+1 (only the receivers' slices cross); gradients come back for the floating-point ones. A
 stage passes on the tensors it received that later stages read.
 
-The stages run in one process (several processes: InputError). The pipeline combines the microbatches' losses and
-gradients as the step's loss combines the batch rows: their mean for a mean over the rows, their sum for a sum, as
+Over several processes every process plans the same step (the same arguments and calibration; checked) with stages
+cut within a mesh row, one process's devices, and runs its own stages (`stage_state`).
+
+The pipeline combines the microbatches' losses and gradients as the step's loss combines the batch rows: their mean for a mean over the rows, their sum for a sum, as
 proven from the step's graph (`rewriter.stages.microbatch_loss`); a loss not proven to be one of them is refused
 (InputError) unless microbatches=1.
 Parameters are `params`' leaves; a step that reads captured tf.Variables is refused (InputError).
@@ -40,12 +42,12 @@ from tf_gspmd._function import function as gs_function, parse_bytes
 from tf_gspmd._layout.mesh import Mesh, P
 from tf_gspmd._parallel.mpmd import Stage, mpmd_pipeline
 from tf_gspmd._parallel.stage_programs import leaf_paths
-from tf_gspmd._parallel.stage_state import Adam, StageState, to_tensor as _to_tensor
+from tf_gspmd._parallel.stage_state import (Adam, StageState, agree, rows_per_stage, shared_loss,
+                                            to_tensor as _to_tensor)
 from tf_gspmd._parallel.stages import check_mesh, plan_stages
 from tf_gspmd.errors import AutoShardingError, InputError
 from tf_gspmd.rewriter.stages import microbatch_loss
 from tf_gspmd.rewriter.stages.calibrate import call_times
-from tf_gspmd.runtime import checkpoint as _checkpoint
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor
 
 _STEPS = itertools.count()   # (every process creates its planned steps in the same order: their keys agree)
@@ -124,7 +126,7 @@ class AutoParallel:
   def __init__(self, loss_fn, param_specs, batch_specs, mesh, microbatches, memory_budget, layers, schedule,
                exchange, calibration, plan_kwargs, intra_candidate=True, profile_values=None, profile_rounds=5):
     if _cluster.process_count() > 1:   # (stages within one row: one process's devices)
-      plan_kwargs = dict(plan_kwargs, max_stage_rows=_rows_per_stage(mesh, getattr(loss_fn, "__name__", "the step")))
+      plan_kwargs = dict(plan_kwargs, max_stage_rows=rows_per_stage(mesh, getattr(loss_fn, "__name__", "the step")))
       intra_candidate = False
     self._key = f"tf_gspmd_auto_parallel_{next(_STEPS)}"
     self._calls = 0
@@ -180,7 +182,7 @@ class AutoParallel:
       self._profile(pipelined, profile_values, profile_rounds, memory_budget)
     whole = self.intra_plan
     if _cluster.process_count() > 1:
-      self._agree(self.pipelined_plan)
+      agree(self._key, self.pipelined_plan, getattr(loss_fn, "__name__", "the step"))
     self.select(whole if whole is not None and whole.predicted_seconds < self.pipelined_plan.predicted_seconds
                 else self.pipelined_plan)
     self._built = {k: v for k, v in self._built.items() if v[0] in (self.pipelined_plan, self.intra_plan)}
@@ -208,22 +210,6 @@ class AutoParallel:
     self._data_specs = dict(zip(self.data_names, self._batch_specs if whole else self._micro_specs))
     self._build(self._flat_specs, self._schedule, self._exchange)
     self._whole = self._whole_step() if whole else None
-
-  def _agree(self, plan):
-    """Over several processes: checks that every process planned the same stages (each runs its own stages of
-    one plan); InputError when they differ."""
-    mine = "; ".join(f"layers {s.layers} on {s.devices} as {s.mesh.shape}: " + ", ".join(
-        f"{n} {sh.spec}" for n, sh in s.parameters) for s in plan.stages)
-    name = getattr(self._loss_fn, "__name__", "the step")
-    k = _cluster.process_index()
-    _checkpoint.publish(f"{self._key}/plan/{k}", mine, "sharing its plan", name, "step")
-    plans = [_checkpoint.lookup(f"{self._key}/plan/{j}", "sharing its plan", name, j, "step")
-             for j in range(_cluster.process_count())]
-    if len(set(plans)) > 1:
-      other = next(j for j, p in enumerate(plans) if p != mine)
-      raise InputError(f"gs.auto_parallel planned different stages in process {k} and process {other} ({mine!r} "
-                       f"against {plans[other]!r}): every process must plan the same step; give every process the "
-                       "same calibration=... (profile=False) and the same arguments", node=name)
 
   def _whole_step(self):
     """The plan without a pipeline as one gs.function on the whole mesh: the loss and every gradient in one
@@ -478,7 +464,9 @@ class AutoParallel:
     loss, grads = self.pipeline(args, packed, packed)
     self.last_seconds = time.perf_counter() - start
     if _cluster.process_count() > 1:
-      loss = self._shared_loss(loss)
+      self._calls += 1
+      loss = shared_loss(f"{self._key}/loss/{self._calls}", loss, self.stages[-1].mesh, self._loss_dtype,
+                         getattr(self._loss_fn, "__name__", "the step"))
     per: Dict[str, list] = {}
     for names, gs_ in zip(self._stage_params, grads):
       for name, g in zip(names, gs_ or (None,) * len(names)):
@@ -497,17 +485,6 @@ class AutoParallel:
 
   def _param_spec(self, name):
     return self._flat_specs[self.param_names.index(name)]
-
-  def _shared_loss(self, loss):
-    """The loss in every process: the process of the last stage shares it through the cluster's key-value store."""
-    self._calls += 1
-    key, name = f"{self._key}/loss/{self._calls}", getattr(self._loss_fn, "__name__", "the step")
-    if loss is not None:
-      _checkpoint.publish(key, repr(float(loss)), "sharing its loss", name, "step")
-      return loss
-    owner = _cluster.process_of(self.stages[-1].mesh.resolve_devices()[0])
-    text = _checkpoint.lookup(key, "sharing its loss", name, owner, "step")
-    return np.array(float(text), self._loss_dtype.as_numpy_dtype)
 
   # ---- training state on the stage meshes (`stage_state`) -------------------------------------------------
   @property
@@ -556,19 +533,6 @@ class AutoParallel:
 
   def __str__(self):
     return self.describe()
-
-
-def _rows_per_stage(mesh, name):
-  """Over several processes, how many rows of `mesh` a stage may take: 1, each row (the last axis) being one
-  process's devices; InputError naming a row that spans processes."""
-  devices, cols = mesh.resolve_devices(), mesh.shape[-1]
-  for r in range(len(devices) // cols):
-    owners = sorted({_cluster.process_of(d) for d in devices[r * cols:(r + 1) * cols]})
-    if len(owners) > 1:
-      raise InputError(f"row {r} of the {mesh.shape} mesh (its last axis) spans processes {owners}: over several "
-                       "processes each row must be one process's devices, so that every stage runs in one process; "
-                       "give a mesh of (processes, devices per process)", node=name)
-  return 1
 
 
 def auto_parallel(loss_fn, params, *batch, mesh, microbatches, memory_budget=None, layers=None, schedule="1f1b",

@@ -1,4 +1,5 @@
-"""The training state of a `gs.auto_parallel` step on its stage meshes, and its updates there.
+"""The training state of a `gs.auto_parallel` step on its stage meshes, its updates there, and what the processes
+of a step over several processes agree on (rows, plan, loss).
 
 Each parameter has a home: the submesh of the first stage that reads it, in the layout the plan gives it there.
 `StageState.place` puts host values there (each device receives its tile). The step reads a placed parameter in
@@ -16,6 +17,7 @@ from tf_gspmd._function import function as gs_function
 from tf_gspmd._layout.mesh import P
 from tf_gspmd._layout.sharding import to_sharding
 from tf_gspmd.errors import InputError
+from tf_gspmd.runtime import checkpoint as _checkpoint
 from tf_gspmd.runtime.cross_mesh import reshard
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor, from_process_local_data
 
@@ -25,6 +27,45 @@ def to_tensor(value):
   if isinstance(value, ShardedTensor):
     return tf.constant(value.numpy())
   return tf.convert_to_tensor(value)
+
+
+def rows_per_stage(mesh, name):
+  """Over several processes, how many rows of `mesh` a stage may take: 1, each row (the last axis) being one
+  process's devices; InputError naming a row that spans processes."""
+  devices, cols = mesh.resolve_devices(), mesh.shape[-1]
+  for r in range(len(devices) // cols):
+    owners = sorted({_cluster.process_of(d) for d in devices[r * cols:(r + 1) * cols]})
+    if len(owners) > 1:
+      raise InputError(f"row {r} of the {mesh.shape} mesh (its last axis) spans processes {owners}: over several "
+                       "processes each row must be one process's devices, so that every stage runs in one process; "
+                       "give a mesh of (processes, devices per process)", node=name)
+  return 1
+
+
+def agree(key, plan, name):
+  """Over several processes: checks through the cluster's key-value store (under `key`) that every process planned
+  the same stages (each runs its own stages of one plan); InputError when they differ."""
+  mine = "; ".join(f"layers {s.layers} on {s.devices} as {s.mesh.shape}: " + ", ".join(
+      f"{n} {sh.spec}" for n, sh in s.parameters) for s in plan.stages)
+  k = _cluster.process_index()
+  _checkpoint.publish(f"{key}/plan/{k}", mine, "sharing its plan", name, "step")
+  plans = [_checkpoint.lookup(f"{key}/plan/{j}", "sharing its plan", name, j, "step")
+           for j in range(_cluster.process_count())]
+  if len(set(plans)) > 1:
+    other = next(j for j, p in enumerate(plans) if p != mine)
+    raise InputError(f"gs.auto_parallel planned different stages in process {k} and process {other} ({mine!r} "
+                     f"against {plans[other]!r}): every process must plan the same step; give every process the "
+                     "same calibration=... (profile=False) and the same arguments", node=name)
+
+
+def shared_loss(key, loss, last_mesh, dtype, name):
+  """The step's loss in every process: the process of the last stage (on `last_mesh`; its `loss` is not None)
+  shares it under `key` through the cluster's key-value store."""
+  if loss is not None:
+    _checkpoint.publish(key, repr(float(loss)), "sharing its loss", name, "step")
+    return loss
+  owner = _cluster.process_of(last_mesh.resolve_devices()[0])
+  return np.array(float(_checkpoint.lookup(key, "sharing its loss", name, owner, "step")), dtype.as_numpy_dtype)
 
 
 def _add(a, b):
