@@ -7,7 +7,6 @@ program's losses (plain TF, Keras's Adam) and whether each parameter this proces
 the steps.
 """
 
-import dataclasses
 import json
 
 import numpy as np
@@ -39,19 +38,25 @@ def data(seed=1):
   return rng.integers(0, V, (N, S)).astype(np.int32), rng.integers(0, V, (N, S)).astype(np.int32)
 
 
+def planned(gs):
+  """The step planned on mesh (2, 4) (a row per process) under one calibration in every process, so that they
+  plan alike (cheap calls and moves, under which it pipelines), and a budget under which the blocks and the head
+  go to different stages."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.rewriter.stages import calibrate  # pylint: disable=g-import-not-at-top
+  cal = dataclasses.replace(calibrate.DEFAULT, seconds_per_call=2e-5, seconds_per_transfer_byte=1e-11,
+                            parallel_devices=float("inf"))
+  return gs.auto_parallel(loss_fn, init(), *data(), mesh=gs.Mesh((2, 4), ("host", "device")), microbatches=4,
+                          layers=6, calibration=cal, memory_budget=250_000)
+
+
 def main():
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tf_gspmd as gs  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.rewriter.stages import calibrate  # pylint: disable=g-import-not-at-top
   k, _ = gs.initialize()
-  # (one calibration in every process, so that they plan alike; cheap calls and moves, under which it pipelines)
-  cal = dataclasses.replace(calibrate.DEFAULT, seconds_per_call=2e-5, seconds_per_transfer_byte=1e-11,
-                            parallel_devices=float("inf"))
-  mesh = gs.Mesh((2, 4), ("host", "device"))
   tokens, labels = data()
-  step = gs.auto_parallel(loss_fn, init(), tokens, labels, mesh=mesh, microbatches=4, layers=6, calibration=cal,
-                          memory_budget=250_000)   # (under which the blocks and the head go to different stages)
+  step = planned(gs)
   params = step.place(init())
   opt = step.adam(0.01)
   losses = []

@@ -16,6 +16,7 @@ Points (the victim is the last process unless said otherwise):
   reshard            before a cross-process gs.reshard the survivor waits in
   mpmd_sender        process 0 (the first stage, which sends activations) as the second MPMD pipeline step starts
   mpmd_receiver      process 1 (the later stages) as the second MPMD pipeline step starts
+  auto_parallel      process 1 (the first and last stage of a gs.auto_parallel plan) as its second step starts
 """
 
 import argparse
@@ -31,7 +32,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 POINTS = ("before_join", "first_lowering", "step", "checkpoint_save", "checkpoint_merge", "weights_save", "reshard",
-          "mpmd_sender", "mpmd_receiver")
+          "mpmd_sender", "mpmd_receiver", "auto_parallel")
 HEARTBEAT_S = 10.0   # the cluster declares a silent process lost after this (gs.initialize(heartbeat_timeout=...))
 
 
@@ -138,6 +139,19 @@ def _mpmd(gs, args, victim):
     pipe(params, ids, labels)
 
 
+def _auto_parallel(gs, args, victim):
+  """The planned step of auto_parallel_step.py (process 1 runs the first and last stage, process 0 the middle)."""
+  import auto_parallel_step  # pylint: disable=g-import-not-at-top
+  step = auto_parallel_step.planned(gs)
+  params, opt = step.place(auto_parallel_step.init()), step.adam(0.01)
+  tokens, labels = auto_parallel_step.data()
+  for i in range(20):
+    if victim and i == 1:
+      _die(args.dir, args.point)
+    _, grads = step(params, tokens, labels)
+    params = opt(params, grads)
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--point", choices=POINTS, required=True)
@@ -157,6 +171,8 @@ def main():
       _keras_weights(args, victim)
     elif args.point.startswith("mpmd"):
       _mpmd(gs, args, victim)
+    elif args.point == "auto_parallel":
+      _auto_parallel(gs, args, victim)
     else:
       _train(gs, tf, args, victim)
   except Exception as e:  # pylint: disable=broad-except

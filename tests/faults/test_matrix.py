@@ -22,7 +22,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 PROGRAM = os.path.join(ROOT, "tests", "cluster_programs", "fault_cell.py")
 DEADLINE_S = 60.0
 HARD_TIMEOUT_S = 300
-AT_ONCE = 5
+AT_ONCE = 6
 CELLS = {   # name: (point, exchange, devices per worker, the victim's process)
     "before_join": ("before_join", "auto", 2, 1),
     "first_lowering": ("first_lowering", "auto", 2, 1),
@@ -34,6 +34,7 @@ CELLS = {   # name: (point, exchange, devices per worker, the victim's process)
     "cross_process_reshard": ("reshard", "auto", 2, 1),
     "mpmd_pipeline_sender": ("mpmd_sender", "auto", 4, 0),
     "mpmd_pipeline_receiver": ("mpmd_receiver", "auto", 4, 1),
+    "auto_parallel_step": ("auto_parallel", "auto", 4, 1),
 }
 
 
