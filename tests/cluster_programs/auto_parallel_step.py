@@ -23,14 +23,26 @@ def init(seed=0):
   return {k: v.astype(np.float32) for k, v in params.items()}
 
 
+def block(params, b, x):
+  """Residual dense block b."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  h = tf.nn.relu(tf.einsum("nsd,df->nsf", x, params[f"b{b}/w1"]))
+  return x + tf.einsum("nsf,fd->nsd", h, params[f"b{b}/w2"])
+
+
+def token_losses(params, tokens, labels):
+  """Each token's cross-entropy: the embedding, the blocks, the vocabulary head."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  x = tf.gather(params["embed"], tokens)                      # [n, S, D]
+  for b in range(BLOCKS):
+    x = block(params, b, x)
+  logits = tf.einsum("nsd,dv->nsv", x, params["head"])
+  return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+
+
 def loss_fn(params, tokens, labels):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  x = tf.gather(params["embed"], tokens)
-  for b in range(BLOCKS):
-    h = tf.nn.relu(tf.einsum("nsd,df->nsf", x, params[f"b{b}/w1"]))
-    x = x + tf.einsum("nsf,fd->nsd", h, params[f"b{b}/w2"])
-  logits = tf.einsum("nsd,dv->nsv", x, params["head"])
-  return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+  return tf.reduce_mean(token_losses(params, tokens, labels))
 
 
 def data(seed=1):

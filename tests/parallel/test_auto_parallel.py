@@ -3,6 +3,8 @@ and run as an MPMD pipeline on 8 logical CPUs, against the unpartitioned program
 
 import dataclasses
 import math
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -17,35 +19,16 @@ from tf_gspmd.rewriter.stages import calibrate
 import cluster_runs
 from conftest import assert_close
 
-V, D, F, S, N, BLOCKS = 512, 32, 64, 8, 16, 3
+# The model, shared with the 2-process run (tests/cluster_programs/auto_parallel_step.py).
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cluster_programs"))
+from auto_parallel_step import BLOCKS, N, S, V, block, data, init, loss_fn  # noqa: E402  pylint: disable=g-import-not-at-top
+from auto_parallel_step import token_losses  # noqa: E402  pylint: disable=g-import-not-at-top
+
 # Call and move costs of an accelerator cluster, under which this small model's stages pipeline (at this
 # machine's measured 2 ms a call they do not pay: test_the_intra_only_plan_runs_when_a_pipeline_cannot_pay).
 # (and devices computing side by side)
 CAL = dataclasses.replace(calibrate.DEFAULT, seconds_per_call=2e-5, seconds_per_transfer_byte=1e-11,
                           parallel_devices=float("inf"))
-
-
-def init(seed=0):
-  rng = np.random.default_rng(seed)
-  params = {"embed": rng.normal(0, 0.5, (V, D)), "head": rng.normal(0, 0.2, (D, V))}
-  for b in range(BLOCKS):
-    params[f"b{b}/w1"] = rng.normal(0, 0.2, (D, F))
-    params[f"b{b}/w2"] = rng.normal(0, 0.2, (F, D))
-  return {k: v.astype(np.float32) for k, v in params.items()}
-
-
-def loss_fn(params, tokens, labels):
-  x = tf.gather(params["embed"], tokens)                      # [n, S, D]
-  for b in range(BLOCKS):
-    h = tf.nn.relu(tf.einsum("nsd,df->nsf", x, params[f"b{b}/w1"]))
-    x = x + tf.einsum("nsf,fd->nsd", h, params[f"b{b}/w2"])
-  logits = tf.einsum("nsd,dv->nsv", x, params["head"])
-  return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
-
-
-def data(seed=1):
-  rng = np.random.default_rng(seed)
-  return (rng.integers(0, V, (N, S)).astype(np.int32), rng.integers(0, V, (N, S)).astype(np.int32))
 
 
 def reference(params, tokens, labels):
@@ -54,6 +37,15 @@ def reference(params, tokens, labels):
     tape.watch(p)
     loss = loss_fn(p, tf.constant(tokens), tf.constant(labels))
   return loss.numpy(), {k: tf.convert_to_tensor(g).numpy() for k, g in tape.gradient(loss, p).items()}
+
+
+def _sgd_reference(fn, want, tokens, labels, lr):
+  """One SGD step of the unpartitioned program on the variables `want`; returns its loss before the step."""
+  with tf.GradientTape() as tape:
+    ref = fn(want, tf.constant(tokens), tf.constant(labels))
+  for k, g in tape.gradient(ref, want).items():
+    want[k].assign_sub(lr * tf.convert_to_tensor(g))
+  return ref.numpy()
 
 
 def _matches_reference(step, tokens, labels):
@@ -110,11 +102,7 @@ def test_sgd_steps_match_plain_tensorflow(step):
   for _ in range(3):
     loss, grads = step(params, tokens, labels)
     params = step.sgd(params, grads, 0.5)
-    with tf.GradientTape() as tape:
-      ref = loss_fn(want, tf.constant(tokens), tf.constant(labels))
-    for k, g in tape.gradient(ref, want).items():
-      want[k].assign_sub(0.5 * tf.convert_to_tensor(g))
-    assert_close(loss, ref.numpy())
+    assert_close(loss, _sgd_reference(loss_fn, want, tokens, labels, 0.5))
   for k in want:
     assert_close(params[k], want[k].numpy())
 
@@ -134,8 +122,7 @@ def skip_loss_fn(params, tokens, scale, labels):
   e = tf.gather(params["embed"], tokens)
   x = e
   for b in range(BLOCKS):
-    h = tf.nn.relu(tf.einsum("nsd,df->nsf", x, params[f"b{b}/w1"]))
-    x = x + tf.einsum("nsf,fd->nsd", h, params[f"b{b}/w2"])
+    x = block(params, b, x)
     if b == 1:
       x = x * scale[:, :, None]
   logits = tf.einsum("nsd,dv->nsv", x + e, params["head"])
@@ -270,8 +257,7 @@ def tied_loss_fn(params, tokens, labels):
   """The embedding table is also the output projection: the first and the last stage both read it."""
   x = tf.gather(params["embed"], tokens)
   for b in range(BLOCKS):
-    h = tf.nn.relu(tf.einsum("nsd,df->nsf", x, params[f"b{b}/w1"]))
-    x = x + tf.einsum("nsf,fd->nsd", h, params[f"b{b}/w2"])
+    x = block(params, b, x)
   logits = tf.einsum("nsd,vd->nsv", x, params["embed"])
   return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
 
@@ -292,11 +278,7 @@ def test_a_parameter_several_stages_read_lives_with_the_first_and_its_gradients_
   for _ in range(2):
     loss, grads = step(placed, tokens, labels)
     placed = step.sgd(placed, grads, 0.5)
-    with tf.GradientTape() as tape:
-      ref = tied_loss_fn(want, tf.constant(tokens), tf.constant(labels))
-    for k, g in tape.gradient(ref, want).items():
-      want[k].assign_sub(0.5 * tf.convert_to_tensor(g))
-    np.testing.assert_allclose(loss, ref.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(loss, _sgd_reference(tied_loss_fn, want, tokens, labels, 0.5), rtol=1e-5)
   assert all(s == () for s in reads.shapes), reads.shapes
   monkeypatch.undo()
   _on_home(step, "0/embed", placed["embed"])
@@ -367,12 +349,7 @@ def test_profiling_times_the_chosen_stages_and_the_step_without_a_pipeline():
 
 def sum_loss_fn(params, tokens, labels):
   """loss_fn's per-token cross-entropy summed over the batch, not averaged."""
-  x = tf.gather(params["embed"], tokens)
-  for b in range(BLOCKS):
-    h = tf.nn.relu(tf.einsum("nsd,df->nsf", x, params[f"b{b}/w1"]))
-    x = x + tf.einsum("nsf,fd->nsd", h, params[f"b{b}/w2"])
-  logits = tf.einsum("nsd,dv->nsv", x, params["head"])
-  return tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+  return tf.reduce_sum(token_losses(params, tokens, labels))
 
 
 @pytest.mark.parametrize("fn, reduction", [(loss_fn, "mean"), (sum_loss_fn, "sum")])
