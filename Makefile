@@ -65,8 +65,8 @@ COLLECTIVES_SUITES := tests/differential tests/op_rules tests/test_transformer.p
 test: $(STAMP) $(ORACLE_STAMP)
 	-$(MAKE) --no-print-directory lingvo
 	-$(MAKE) --no-print-directory chromium
-	TF_GSPMD_REQUIRE_ORACLE=1 $(VENV)/bin/pytest -q -p no:cacheprovider tests
-	$(VENV)/bin/pytest -q -p no:cacheprovider --exchange=collectives $(COLLECTIVES_SUITES)
+	TF_GSPMD_REQUIRE_ORACLE=1 $(VENV)/bin/pytest -q -p no:cacheprovider --durations=25 tests
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=10 --exchange=collectives $(COLLECTIVES_SUITES)
 
 bazel-test: $(STAMP)
 	PYTHON=$(CURDIR)/$(PY) ../shared/bazel/bazel-offline test //:all --build_manual_tests --local_test_jobs=1 --test_output=errors
