@@ -61,10 +61,15 @@ def test_keras_fit_killed_mid_epoch_resumes_from_its_backup_as_an_uninterrupted_
   import cluster_runs  # pylint: disable=g-import-not-at-top
   whole, crashed = tmp_path / "whole", tmp_path / "crashed"
   uninterrupted = cluster_runs.launch(2, "keras_fit.py", f"--backup={whole}", devices_per_worker=4, timeout=600)
+  log = []
   restarted = cluster_runs.launch(2, "keras_fit.py", f"--backup={crashed}", "--crash_at_step=6",
-                                  devices_per_worker=4, timeout=900, launcher=("--max_restarts=1", "--grace=10"))
+                                  devices_per_worker=4, timeout=900, launcher=("--max_restarts=1", "--grace=10"),
+                                  output=log)
+  lines = [l for l in log[0].splitlines() if "fault drill" in l or "[launch]" in l or "Error" in l]
   assert len(uninterrupted[0]["losses"]) == 16
-  assert len(restarted[0]["losses"]) == 12   # epochs 1-3 only: it went on from the backup of epoch 0
+  assert "fault drill" in log[0], "\n".join(lines)
+  # epochs 1-3 only: it went on from the backup of epoch 0
+  assert len(restarted[0]["losses"]) == 12, "\n".join(lines)
   np.testing.assert_allclose(restarted[0]["losses"], uninterrupted[0]["losses"][4:], rtol=1e-6)
   want, got = np.load(whole / "final.npz"), np.load(crashed / "final.npz")
   assert sorted(got.files) == sorted(want.files) and any("adam" in k or "momentum" in k for k in want.files)

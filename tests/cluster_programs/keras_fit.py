@@ -50,6 +50,9 @@ def fit(keras, backup=None, crash_at_step=None):
 
   callbacks = [Record()]
   if backup:
+    # (made before fit: each process's BackupAndRestore creates a missing directory at its first save, and of two
+    # processes creating it at once one fails with FileExistsError)
+    os.makedirs(backup, exist_ok=True)
     callbacks.insert(0, keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False))
 
   # Every process feeds the same global batches (tf_gspmd keeps each process's slices): no dataset sharding.
