@@ -60,13 +60,22 @@ run: $(STAMP)
 # processes take) instead of the in-process graph of one process's CPUs.
 COLLECTIVES_SUITES := tests/differential tests/op_rules tests/test_transformer.py tests/test_keras.py \
 	tests/parallel/test_pipeline.py tests/test_workloads.py tests/test_function.py tests/test_state.py tests/parallel/test_mpmd.py \
-	tests/test_cross_mesh.py tests/parallel/test_auto_parallel.py
+	tests/test_cross_mesh.py tests/parallel/test_auto_parallel.py tests/parallel/test_planned_model.py
+
+# The suites run in JOBS processes (pytest-xdist), each test file in one of them; the tests that start clusters of
+# processes against deadlines, or time themselves, run afterwards one at a time.
+JOBS ?= 2
+SERIAL_TESTS := tests/faults tests/test_restart.py tests/test_soak.py tests/test_launch.py tests/platform \
+	tests/test_concurrency.py
+PYTEST := $(VENV)/bin/pytest -q -p no:cacheprovider
 
 test: $(STAMP) $(ORACLE_STAMP)
 	-$(MAKE) --no-print-directory lingvo
 	-$(MAKE) --no-print-directory chromium
-	TF_GSPMD_REQUIRE_ORACLE=1 $(VENV)/bin/pytest -q -p no:cacheprovider --durations=25 tests
-	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=10 --exchange=collectives $(COLLECTIVES_SUITES)
+	TF_GSPMD_REQUIRE_ORACLE=1 $(PYTEST) -n $(JOBS) --dist loadfile --durations=25 tests \
+		$(addprefix --ignore=,$(SERIAL_TESTS))
+	$(PYTEST) --durations=10 $(SERIAL_TESTS)
+	$(PYTEST) -n $(JOBS) --dist loadfile --durations=10 --exchange=collectives $(COLLECTIVES_SUITES)
 
 bazel-test: $(STAMP)
 	PYTHON=$(CURDIR)/$(PY) ../shared/bazel/bazel-offline test //:all --build_manual_tests --local_test_jobs=1 --test_output=errors

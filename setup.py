@@ -31,6 +31,6 @@ setup(
         # Model Explorer for gs.explore (the HTML page, report.save_html, needs nothing more)
         "explore": ["ai-edge-model-explorer==0.1.34"],
         # the browser tests drive Debian's Chromium with Playwright (its own browsers are not downloaded)
-        "test": ["pytest", "hypothesis", "keras-hub==0.32.0", "ai-edge-model-explorer==0.1.34", "playwright==1.65.2"],
+        "test": ["pytest", "pytest-xdist==3.8.0", "hypothesis", "keras-hub==0.32.0", "ai-edge-model-explorer==0.1.34", "playwright==1.65.2"],
     },
 )

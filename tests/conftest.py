@@ -271,3 +271,24 @@ def pipeline_step(x, w):
     tape.watch(w)
     loss = tf.reduce_mean(gs.pipeline(stage, w, x, microbatches=8) ** 2)
   return loss, tape.gradient(loss, w)
+
+
+class HostReads:
+  """Counts every value tf_gspmd brings from the devices to the host while active: ShardedTensor.numpy (which
+  `np.asarray` and `float` go through) and the all-gather to the host, each with the shape it brought."""
+
+  def __init__(self, monkeypatch):
+    from tf_gspmd.runtime import parallel, sharded_tensor  # pylint: disable=g-import-not-at-top
+    self.shapes = []
+    numpy, gather = sharded_tensor.ShardedTensor.numpy, parallel.gather_to_host
+
+    def counted_numpy(x):
+      self.shapes.append(tuple(x.shape.as_list()))
+      return numpy(x)
+
+    def counted_gather(devices, components):
+      self.shapes.append(("gather", len(components)))
+      return gather(devices, components)
+
+    monkeypatch.setattr(sharded_tensor.ShardedTensor, "numpy", counted_numpy)
+    monkeypatch.setattr(parallel, "gather_to_host", counted_gather)

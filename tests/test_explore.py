@@ -228,8 +228,12 @@ def test_the_transformer_binary_in_the_page_and_in_model_explorer(browser, tmp_p
     search = page.get_by_placeholder("Search nodes/layers by regex")
     search.fill("all_reduce")
     search.press("Enter")
-    page.wait_for_timeout(2000)
-    labels = set(re.findall(r"all-reduce ([\d,]+) B", page.inner_text("body")))
+    labels = set()
+    for _ in range(60):   # (the matches are drawn in their own time: a busy machine takes longer)
+      page.wait_for_timeout(500)
+      labels = set(re.findall(r"all-reduce ([\d,]+) B", page.inner_text("body")))
+      if labels:
+        break
     assert {int(b.replace(",", "")) for b in labels} & sent, (labels, sent)
     # Alt+click on a result selects the collective: its panel gives the mesh axes, group size and bytes.
     page.get_by_text(f"all-reduce {sorted(labels)[0]} B", exact=True).first.click(modifiers=["Alt"])

@@ -249,10 +249,11 @@ def _finish_shared_save(store, shared, close):
   part_path = part.filename if part is not None else ""
   if part is not None:
     part.close()
-  _checkpoint.publish(f"{tag}/path/{k}", path, "publishing its path", path, "weights")
-  _checkpoint.publish(f"{tag}/part/{k}", part_path, "writing its part", path, "weights")
+  ex = _checkpoint.exchange(path, "weights")
+  ex.publish(f"{tag}/path/{k}", path, "publishing its path")
+  ex.publish(f"{tag}/part/{k}", part_path, "writing its part")
   try:
-    paths = [_checkpoint.lookup(f"{tag}/path/{j}", "publishing its path", path, j, "weights") for j in range(n)]
+    paths = [ex.lookup(f"{tag}/path/{j}", j, "publishing its path") for j in range(n)]
     if len(set(paths)) > 1:
       if part_path:
         os.remove(part_path)
@@ -261,13 +262,13 @@ def _finish_shared_save(store, shared, close):
                        f"process's tiles); give them one path")
     if k == 0:
       for j in range(1, n):
-        other = _checkpoint.lookup(f"{tag}/part/{j}", "writing its part", path, j, "weights")
+        other = ex.lookup(f"{tag}/part/{j}", j, "writing its part")
         if other:
           _merge_part(store.h5_file, other)
           os.remove(other)
   finally:
     close(store)
-  _checkpoint.barrier(f"{tag}/merged", "waiting for process 0 to assemble the file", path, "weights")
+  ex.barrier(f"{tag}/merged", "waiting for process 0 to assemble the file")
 
 
 # ---- loading ------------------------------------------------------------------------------------------------------

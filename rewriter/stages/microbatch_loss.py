@@ -22,45 +22,14 @@ the answer holds for every input, and a loss the rules cannot place is refused, 
 
 import dataclasses
 import math
-from typing import Tuple
 
 import numpy as np
 import tensorflow as tf
 
 from tf_gspmd.errors import InputError
 from tf_gspmd.ops import registry
-
-
-@dataclasses.dataclass(frozen=True)
-class Value:
-  """An abstract value of a tensor (see the module docstring)."""
-
-  kind: str                                   # "free", "nconst", "row", "sum" or "top"
-  dim: int = 0                                # row: the dim of the batch rows
-  k: int = 1                                  # row: entries of that dim per batch row
-  c: Tuple[float, float] = (1.0, 1.0)         # sum: its scale at the microbatch's rows and at the batch's
-  affine: bool = False                        # sum: plus a term free of the batch
-  why: str = ""                               # top: the node and the reason
-
-
-FREE, NCONST = Value("free"), Value("nconst")
-
-
-def _top(op, why):
-  return Value("top", why=f"{op.name} ({op.type}) {why}")
-
-
-def _row(d, k):
-  return Value("row", dim=int(d), k=int(k))
-
-
-def _shape(t):
-  return tuple(t.shape.as_list()) if t.shape.rank is not None else None
-
-
-def _static(t):
-  v = tf.get_static_value(t)
-  return None if v is None else np.asarray(v)
+from tf_gspmd.rewriter.stages.microbatch_values import (FREE, NCONST, Value, folded as _folded, row as _row,
+                                                        shape as _shape, static as _static, top as _top)
 
 
 # ---- element-wise ops ------------------------------------------------------------------------------------------
@@ -74,7 +43,7 @@ def _elementwise(op, opn, ins):
   """Broadcasting ops: rows meet rows of the same dim (after aligning ranks to the right) and values free of the
   batch that are whole (size 1) along it."""
   if any(s.kind == "sum" for s in ins):
-    return _linear(op, ins)
+    return _linear(op, ins, opn)
   if any(s.kind == "nconst" for s in ins):
     return _top(op, "combines the batch rows with a value computed from the batch size")
   out_rank = op.outputs[0].shape.rank
@@ -109,10 +78,17 @@ def _is_zero(op, i):
   return v is not None and not np.any(v)
 
 
-def _linear(op, ins):
+def _linear(op, ins, opn=None):
   """Ops of a sum over the rows that keep it one: adding sums of one scale ratio (and values free of the batch,
-  which make it affine), scaling or dividing by values free of the batch, negating, casting between floats."""
+  which make it affine), scaling or dividing by values free of the batch or by a batch-size value known in both
+  graphs (a count of entries), negating, casting between floats."""
   sums = [s for s in ins if s.kind == "sum"]
+  if opn is not None and op.type in ("RealDiv", "Div", "DivNoNan", "Mul", "MulNoNan") and \
+      [s.kind for s in ins] == ["sum", "nconst"] and not ins[0].affine:
+    a, b = _folded(op.inputs[1]), _folded(opn.inputs[1])
+    if a is not None and b is not None and a.size == b.size == 1 and a.item() and b.item():
+      f = (1 / float(a.item()), 1 / float(b.item())) if "Div" in op.type else (float(a.item()), float(b.item()))
+      return Value("sum", c=(ins[0].c[0] * f[0], ins[0].c[1] * f[1]))
   if any(s.kind in ("row", "nconst") for s in ins):
     return _top(op, "adds or multiplies a sum over the batch rows and per-row or batch-size values")
   if op.type in ("Add", "AddV2", "AddN", "Sub", "BiasAdd"):

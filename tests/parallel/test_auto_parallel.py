@@ -13,6 +13,7 @@ import tensorflow as tf
 import tf_gspmd as gs
 from tf_gspmd._layout.sharding import to_sharding
 from tf_gspmd.errors import InputError
+from conftest import HostReads
 from tf_gspmd.runtime.cross_mesh import tile_extent
 from tf_gspmd.rewriter.stages import calibrate
 
@@ -186,27 +187,6 @@ def test_captured_trainable_variables_and_inexact_boundaries_are_refused():
     _auto_parallel._pack_dtype([tf.TensorSpec([2], tf.float32), tf.TensorSpec([2], tf.int64)], "b")  # pylint: disable=protected-access
 
 
-class _HostReads:
-  """Counts every value tf_gspmd brings from the devices to the host while active: ShardedTensor.numpy (which
-  `np.asarray` and `float` go through) and the all-gather to the host, each with the shape it brought."""
-
-  def __init__(self, monkeypatch):
-    from tf_gspmd.runtime import parallel, sharded_tensor  # pylint: disable=g-import-not-at-top
-    self.shapes = []
-    numpy, gather = sharded_tensor.ShardedTensor.numpy, parallel.gather_to_host
-
-    def counted_numpy(x):
-      self.shapes.append(tuple(x.shape.as_list()))
-      return numpy(x)
-
-    def counted_gather(devices, components):
-      self.shapes.append(("gather", len(components)))
-      return gather(devices, components)
-
-    monkeypatch.setattr(sharded_tensor.ShardedTensor, "numpy", counted_numpy)
-    monkeypatch.setattr(parallel, "gather_to_host", counted_gather)
-
-
 def _on_home(step, name, value):
   """`value` is a ShardedTensor on the submesh of `name`'s home stage, each device holding its planned tile only."""
   k, spec = step.homes[name]
@@ -230,7 +210,7 @@ def test_adam_state_stays_on_the_stage_meshes_and_steps_match_keras_adam(step, m
   params = step.place(init())
   opt, ref_opt = step.adam(0.01), keras.optimizers.Adam(0.01)
   tokens, labels = data(seed=4)
-  reads = _HostReads(monkeypatch)
+  reads = HostReads(monkeypatch)
   for _ in range(3):
     loss, grads = step(params, tokens, labels)
     params = opt(params, grads)
@@ -274,7 +254,7 @@ def test_a_parameter_several_stages_read_lives_with_the_first_and_its_gradients_
   assert step.homes["0/embed"][0] == readers[0]
   want = {k: tf.Variable(v) for k, v in params.items()}
   placed = step.place(params)
-  reads = _HostReads(monkeypatch)
+  reads = HostReads(monkeypatch)
   for _ in range(2):
     loss, grads = step(placed, tokens, labels)
     placed = step.sgd(placed, grads, 0.5)
@@ -386,14 +366,14 @@ def test_a_loss_the_microbatches_cannot_combine_into_is_refused():
   regularized = lambda p, t, l: sum_loss_fn(p, t, l) + tf.reduce_sum(tf.square(p["head"]))  # noqa: E731
   with pytest.raises(InputError, match="sum over the batch rows plus a term that does not depend on the batch"):
     gs.auto_parallel(regularized, init(), tokens, labels, mesh=mesh, microbatches=4, calibration=CAL)
-  by_size = lambda p, t, l: loss_fn(p, t, l) * t.shape[0]  # noqa: E731  (a sum in disguise)
-  with pytest.raises(InputError, match=r"could not be shown to be a sum or a mean .*\(Mul\).*microbatches=1"):
+  by_size = lambda p, t, l: loss_fn(p, t, l) * math.sqrt(t.shape[0])  # noqa: E731  (neither: sqrt(rows) x a mean)
+  with pytest.raises(InputError, match=r"scales its sum over the batch rows by 0.5 .*microbatches=1"):
     gs.auto_parallel(by_size, init(), tokens, labels, mesh=mesh, microbatches=4, calibration=CAL)
   one = gs.auto_parallel(by_size, init(), tokens, labels, mesh=mesh, microbatches=1, layers=4, calibration=CAL,
                          max_stages=1)
   params = init()
   loss, _ = one(params, tokens, labels)
-  assert_close(loss, reference(params, tokens, labels)[0] * N)
+  assert_close(loss, reference(params, tokens, labels)[0] * math.sqrt(N))
 
 
 # ---- typed errors for bad arguments

@@ -16,10 +16,12 @@ stage passes on the tensors it received that later stages read.
 Over several processes every process plans the same step (the same arguments and calibration; checked) with stages
 cut within a mesh row, one process's devices, and runs its own stages (`stage_state`).
 
-The pipeline combines the microbatches' losses and gradients as the step's loss combines the batch rows: their mean for a mean over the rows, their sum for a sum, as
-proven from the step's graph (`rewriter.stages.microbatch_loss`); a loss not proven to be one of them is refused
-(InputError) unless microbatches=1.
-Parameters are `params`' leaves; a step that reads captured tf.Variables is refused (InputError).
+The pipeline combines the microbatches' losses and gradients as the step's loss combines the batch rows: their
+mean for a mean over the rows, their sum for a sum, as proven from the step's graph
+(`rewriter.stages.microbatch_loss`); a loss not proven to be one of them is refused (InputError) unless
+microbatches=1. Parameters are `params`' leaves; a step that reads captured tf.Variables is refused (InputError):
+a Keras model is planned with its own variables and optimizer by `gs.auto_parallel(model, x, y, ...)`
+(`planned_model`).
 
 Training state. Each parameter has a home: the submesh of the first stage that reads it, in the layout the plan
 gives it there (`homes`). `place(params)` puts host values there (each device receives its tile), and the step,
@@ -41,8 +43,9 @@ from tf_gspmd._platform import cluster as _cluster
 from tf_gspmd._function import function as gs_function, parse_bytes
 from tf_gspmd._layout.mesh import Mesh, P
 from tf_gspmd._parallel.mpmd import Stage, mpmd_pipeline
+from tf_gspmd._parallel.planned_model import PlannedModel, is_keras_model
 from tf_gspmd._parallel.stage_programs import leaf_paths
-from tf_gspmd._parallel.stage_state import (Adam, StageState, agree, rows_per_stage, shared_loss,
+from tf_gspmd._parallel.stage_state import (Adam, StageState, agree, check_rows, shared_loss,
                                             to_tensor as _to_tensor)
 from tf_gspmd._parallel.stages import check_mesh, plan_stages
 from tf_gspmd.errors import AutoShardingError, InputError
@@ -115,7 +118,7 @@ class AutoParallel:
       and intra_plan: the pipelined one and the one without a pipeline (None when not priced), the faster run.
     pipeline: the gs.MpmdPipeline running it; stages: its gs.Stage objects.
     param_names: the readable name of each leaf of `params` (tf.nest order); boundaries: what travels between
-      consecutive stages.
+      consecutive stages; exchange: the stages' gs.functions' ("auto" or "collectives").
     last_seconds: wall time of the last call; loss_reduction: "mean" or "sum", how the microbatches' losses (and
       gradients) combine into the batch's, as proven from the step's graph (`rewriter.stages.microbatch_loss`).
     profiled_rounds: how many plans had their stages timed (`profile`); whole_timings: {layout: seconds} of the
@@ -126,7 +129,8 @@ class AutoParallel:
   def __init__(self, loss_fn, param_specs, batch_specs, mesh, microbatches, memory_budget, layers, schedule,
                exchange, calibration, plan_kwargs, intra_candidate=True, profile_values=None, profile_rounds=5):
     if _cluster.process_count() > 1:   # (stages within one row: one process's devices)
-      plan_kwargs = dict(plan_kwargs, max_stage_rows=rows_per_stage(mesh, getattr(loss_fn, "__name__", "the step")))
+      check_rows(mesh, getattr(loss_fn, "__name__", "the step"))
+      plan_kwargs = dict(plan_kwargs, max_stage_rows=1)   # each stage within one process's row
       intra_candidate = False
     self._key = f"tf_gspmd_auto_parallel_{next(_STEPS)}"
     self._calls = 0
@@ -156,7 +160,7 @@ class AutoParallel:
     self._micro_specs, self._pipe_microbatches = micro, self.microbatches
     self._loss_fn, self._whole = loss_fn, None
     self._devices = mesh.resolve_devices()
-    self._schedule, self._exchange, self._flat_specs = schedule, exchange, flat_params
+    self._schedule, self.exchange, self._flat_specs = schedule, exchange, flat_params
     self.last_seconds = None
     self.profiled_rounds = 0
     self.plan = self.pipeline = None
@@ -208,7 +212,7 @@ class AutoParallel:
     self.plan = plan
     self.microbatches = 1 if whole else self._pipe_microbatches
     self._data_specs = dict(zip(self.data_names, self._batch_specs if whole else self._micro_specs))
-    self._build(self._flat_specs, self._schedule, self._exchange)
+    self._build(self._flat_specs, self._schedule, self.exchange)
     self._whole = self._whole_step() if whole else None
 
   def _whole_step(self):
@@ -240,7 +244,7 @@ class AutoParallel:
 
     step.__name__ = getattr(loss_fn, "__name__", "step")
     outs = None if in_shardings == "auto" else (P(),) + tuple(in_shardings[:n])
-    return gs_function(step, mesh=mesh, in_shardings=in_shardings, out_shardings=outs, exchange=self._exchange)
+    return gs_function(step, mesh=mesh, in_shardings=in_shardings, out_shardings=outs, exchange=self.exchange)
 
   def _profile(self, pipelined, values, rounds, memory_budget):
     """Alpa's profiling, on the plans the model chooses: each round runs the stages of the current pipelined
@@ -536,9 +540,12 @@ class AutoParallel:
 
 
 def auto_parallel(loss_fn, params, *batch, mesh, microbatches, memory_budget=None, layers=None, schedule="1f1b",
-                  exchange="auto", calibration=None, intra_candidate=True, profile=None, **plan_kwargs):
+                  exchange="auto", calibration=None, intra_candidate=True, profile=None, optimizer=None, loss=None,
+                  **plan_kwargs):
   """A training step `loss_fn(params, *batch)` planned automatically (stages, submeshes, intra-operator layouts)
-  and run as an MPMD pipeline on `mesh`.
+  and run as an MPMD pipeline on `mesh`; or a Keras model's, with its own variables and optimizer:
+  `step = gs.auto_parallel(model, x, y, optimizer=..., loss=..., mesh=..., microbatches=...)`, then
+  `loss = step(x, y)` (a PlannedModel, `planned_model`).
 
   Args:
     loss_fn: the forward and loss: loss_fn(params, *batch) -> the batch's scalar loss; with microbatches > 1, a
@@ -559,11 +566,20 @@ def auto_parallel(loss_fn, params, *batch, mesh, microbatches, memory_budget=Non
       profiles its stages; see `AutoParallel._profile`): each round runs one step with the stages one at a time,
       up to 5 rounds. Needs `params` and `batch` as values (not TensorSpecs). Default (None): when they are
       values and `calibration` is not given (an explicit Calibration prices the plan with its constants alone).
+    optimizer, loss: of a Keras model only: its Keras optimizer, and loss(y_true, y_pred) -> the batch's loss.
     **plan_kwargs: passed on to gs.plan_stages (max_stages, optimizer_slots, ...).
 
   Returns an AutoParallel: `loss, grads = step(params, *batch)`; `step.plan` the StagePlan; `step.sgd(...)`,
   `step.adam(lr)`.
   """
+  if is_keras_model(loss_fn):   # (params: the model's x; its stages priced by the calibration, not profiled)
+    kw = dict(mesh=mesh, microbatches=microbatches, memory_budget=memory_budget, layers=layers, schedule=schedule,
+              exchange=exchange, calibration=calibration, intra_candidate=intra_candidate, profile=False)
+    return PlannedModel(loss_fn, optimizer, loss, (params,) + batch, profile,
+                        lambda fn, specs, *xy: auto_parallel(fn, specs, *xy, **kw, **plan_kwargs))
+  if optimizer is not None or loss is not None:   # (a functional step computes its loss, step.adam updates)
+    raise InputError("optimizer= and loss= are for a Keras model (gs.auto_parallel(model, x, y, ...)); a functional "
+                     "step returns gradients (step.adam(lr) updates them)", node="optimizer" if optimizer else "loss")
   check_mesh(mesh, "gs.auto_parallel")
   param_specs = tf.nest.map_structure(lambda v: _spec_of(v, "params"), params)
   batch_specs = tuple(_spec_of(b, f"batch argument {k + 1}") for k, b in enumerate(batch))

@@ -56,9 +56,10 @@ class Stage:
 
   Attributes:
     fn: fn(params, h) -> activations (a tensor, or any nested structure of tensors: a skip connection's pair, a
-      dict; integer tensors, such as a router's indices, travel forward without a gradient), or for the last stage fn(params, h, targets) -> scalar loss (or fn(params, h) -> outputs when the
-      pipeline has a `loss_fn`). `params` is the tuple of the stage's parameter tensors; `h` is the microbatch
-      (stage 0) or the previous stage's activations, in the structure that stage returned them.
+      dict; integer tensors, such as a router's indices, travel forward without a gradient), or for the last
+      stage fn(params, h, targets) -> scalar loss (or fn(params, h) -> outputs when the pipeline has a
+      `loss_fn`). `params` is the tuple of the stage's parameter tensors; `h` is the microbatch (stage 0) or the
+      previous stage's activations, in the structure that stage returned them.
     mesh: the stage's submesh (a `gs.Mesh` over some of the devices).
     param_shardings: one `P`/`Sharding` per parameter (None: completion decides), or one for all.
     in_sharding: the layout of `h` on the stage's mesh (default: replicated), one for every tensor of `h` or a
@@ -463,7 +464,7 @@ class MpmdPipeline:
         return box.take((kind, i, m), self._name(i))
       got, acts = [], tf.nest.flatten(self._acts[min(i, j)])
       if kind == "grad":   # (the gradients of the floating-point activations only)
-        acts = [a for a in acts if a.dtype.is_floating]
+        acts = self._differentiable(min(i, j), acts)
       for act, src, dst in zip(acts, src_layouts, dst_layouts):
         elsewhere = cross_mesh.value_elsewhere(act.shape, act.dtype, self.stages[j].mesh, src)
         # (wait=False: a receive sends nothing, and must not wait for this process's other stages' sends)

@@ -17,7 +17,6 @@ from tf_gspmd._function import function as gs_function
 from tf_gspmd._layout.mesh import P
 from tf_gspmd._layout.sharding import to_sharding
 from tf_gspmd.errors import InputError
-from tf_gspmd.runtime import checkpoint as _checkpoint
 from tf_gspmd.runtime.cross_mesh import reshard
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor, from_process_local_data
 
@@ -29,9 +28,9 @@ def to_tensor(value):
   return tf.convert_to_tensor(value)
 
 
-def rows_per_stage(mesh, name):
-  """Over several processes, how many rows of `mesh` a stage may take: 1, each row (the last axis) being one
-  process's devices; InputError naming a row that spans processes."""
+def check_rows(mesh, name):
+  """Over several processes: each row of `mesh` (its last axis) must be one process's devices, so that a stage cut
+  within a row runs in one process; InputError naming a row that spans processes."""
   devices, cols = mesh.resolve_devices(), mesh.shape[-1]
   for r in range(len(devices) // cols):
     owners = sorted({_cluster.process_of(d) for d in devices[r * cols:(r + 1) * cols]})
@@ -39,7 +38,11 @@ def rows_per_stage(mesh, name):
       raise InputError(f"row {r} of the {mesh.shape} mesh (its last axis) spans processes {owners}: over several "
                        "processes each row must be one process's devices, so that every stage runs in one process; "
                        "give a mesh of (processes, devices per process)", node=name)
-  return 1
+
+
+def _exchange(name):
+  """The processes' key-value exchange of the planned step `name`."""
+  return _cluster.Exchange(f"the planned step {name!r}", f"its stages cannot go on: {_cluster.RESTART}")
 
 
 def agree(key, plan, name):
@@ -48,9 +51,9 @@ def agree(key, plan, name):
   mine = "; ".join(f"layers {s.layers} on {s.devices} as {s.mesh.shape}: " + ", ".join(
       f"{n} {sh.spec}" for n, sh in s.parameters) for s in plan.stages)
   k = _cluster.process_index()
-  _checkpoint.publish(f"{key}/plan/{k}", mine, "sharing its plan", name, "step")
-  plans = [_checkpoint.lookup(f"{key}/plan/{j}", "sharing its plan", name, j, "step")
-           for j in range(_cluster.process_count())]
+  ex = _exchange(name)
+  ex.publish(f"{key}/plan/{k}", mine, "sharing its plan")
+  plans = [ex.lookup(f"{key}/plan/{j}", j, "sharing its plan") for j in range(_cluster.process_count())]
   if len(set(plans)) > 1:
     other = next(j for j, p in enumerate(plans) if p != mine)
     raise InputError(f"gs.auto_parallel planned different stages in process {k} and process {other} ({mine!r} "
@@ -62,10 +65,10 @@ def shared_loss(key, loss, last_mesh, dtype, name):
   """The step's loss in every process: the process of the last stage (on `last_mesh`; its `loss` is not None)
   shares it under `key` through the cluster's key-value store."""
   if loss is not None:
-    _checkpoint.publish(key, repr(float(loss)), "sharing its loss", name, "step")
+    _exchange(name).publish(key, repr(float(loss)), "sharing its loss")
     return loss
   owner = _cluster.process_of(last_mesh.resolve_devices()[0])
-  return np.array(float(_checkpoint.lookup(key, "sharing its loss", name, owner, "step")), dtype.as_numpy_dtype)
+  return np.array(float(_exchange(name).lookup(key, owner, "sharing its loss")), dtype.as_numpy_dtype)
 
 
 def _add(a, b):

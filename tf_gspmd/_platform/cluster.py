@@ -22,6 +22,8 @@ import socket
 import threading
 import time
 
+import tensorflow as tf
+
 from tf_gspmd._platform import compat as _compat
 from tf_gspmd._layout.mesh import JOB_ORDER
 from tf_gspmd._layout.mesh import _device_name  # the canonical device name meshes use
@@ -334,6 +336,58 @@ def process_lost(error, during, left, unnamed="a process of the cluster"):
   who = lost_task(message) or unnamed
   said = message.splitlines()[0][:300] if message else ""
   return ProcessLostError(f"{who} stopped answering during {during}; {left}. TF said: {type(error).__name__}: {said}")
+
+
+# Seconds a process waits at a barrier or for another process's value (a lost process is usually reported sooner,
+# by the cluster's heartbeat), and between health checks of the process a lookup waits for.
+EXCHANGE_TIMEOUT_S = 600.0
+POLL_S = 2.0
+
+
+class Exchange:
+  """The processes' key-value exchange (TF's coordination service) for one joint operation, `subject` ("the
+  checkpoint save of 'path'"): barriers and values one process stores for the others. A process that is gone
+  makes each call raise ProcessLostError naming it; `left` says what state that leaves and what to do."""
+
+  def __init__(self, subject, left):
+    self.subject, self.left = subject, left
+
+  def _lost(self, error, phase):
+    return process_lost(error, f"{self.subject} ({phase}: not there within {EXCHANGE_TIMEOUT_S:.0f} s, or reported "
+                        f"gone)", self.left)
+
+  def barrier(self, name, phase):
+    """Waits for every process at barrier `name`."""
+    try:
+      _compat.coordination_barrier(name, EXCHANGE_TIMEOUT_S)
+    except (tf.errors.OpError, RuntimeError, ValueError) as e:
+      raise self._lost(e, phase) from e
+
+  def publish(self, key, value, phase):
+    """Stores `value` under `key` for the other processes (the store is process 0's: its loss is named)."""
+    try:
+      _compat.config_key_value_set(key, value)
+    except (tf.errors.OpError, RuntimeError, ValueError) as e:
+      raise self._lost(e, phase) from e
+
+  def lookup(self, key, process, phase):
+    """The value process `process` stores under `key`, polled (a lookup TF keeps waiting on when that process
+    dies) with a health check of the process between polls."""
+    deadline = time.monotonic() + EXCHANGE_TIMEOUT_S
+    while True:
+      try:
+        return _compat.config_key_value_get(key, min(POLL_S, max(deadline - time.monotonic(), 0.001)))
+      except tf.errors.DeadlineExceededError as e:
+        if time.monotonic() >= deadline:
+          raise self._lost(e, phase) from e
+        try:
+          _compat.check_peer(task_name(process), POLL_S)
+        except (tf.errors.OpError, RuntimeError, ValueError) as gone:
+          said = str(gone).splitlines()[0] if str(gone) else ""
+          raise self._lost(RuntimeError(f"{task_name(process)} does not answer: {type(gone).__name__}: {said}"),
+                           phase) from gone
+      except (tf.errors.OpError, RuntimeError, ValueError) as e:
+        raise self._lost(e, phase) from e
 
 
 def task_name(k):

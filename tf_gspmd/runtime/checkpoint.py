@@ -20,7 +20,6 @@ previous checkpoint (and CheckpointManager's record of it) stays what a restore 
 import functools
 import itertools
 import threading
-import time
 
 import numpy as np
 import tensorflow as tf
@@ -30,10 +29,6 @@ from tf_gspmd._platform import cluster as _cluster
 from tf_gspmd._platform import compat as _compat
 from tf_gspmd.errors import InputError
 
-# Seconds a process waits at a checkpoint barrier for the others (a lost process is usually reported sooner, by
-# the cluster's heartbeat).
-BARRIER_TIMEOUT_S = 600.0
-POLL_S = 2.0   # seconds between health checks of a process whose value a lookup waits for
 # What a restore reads at a time into a shard: whole rows, a quarter of the tile or 8 MiB, whichever is more.
 RESTORE_CHUNK_BYTES = 8 << 20
 
@@ -67,58 +62,13 @@ _OUTCOMES = {
     "checkpoint": ("the checkpoint save", "the checkpoint was not written and the previous one is the latest: "
                    f"{_cluster.RESTART}"),
     "weights": ("the weights file save", "the file is incomplete: restart every process and save again"),
-    "step": ("the planned step", f"its stages cannot go on: {_cluster.RESTART}"),
 }
 
 
-def _lost(error, phase, path, what="checkpoint"):
-  """A failed barrier or lookup as ProcessLostError naming the process that did not arrive (when TF says)."""
+def exchange(path, what="checkpoint"):
+  """The processes' key-value exchange of the shared save (`what`: "checkpoint" or "weights") of `path`."""
   save, left = _OUTCOMES[what]
-  return _cluster.process_lost(error, f"{save} of {path!r} ({phase}: not there within {BARRIER_TIMEOUT_S:.0f} s, "
-                               f"or reported gone)", left)
-
-
-def barrier(name, phase, path, what="checkpoint"):
-  """Waits for every process at barrier `name` of the shared save (`what`: "checkpoint" or "weights") of `path`;
-  ProcessLostError naming a process that does not arrive."""
-  try:
-    _compat.coordination_barrier(name, BARRIER_TIMEOUT_S)
-  except (tf.errors.OpError, RuntimeError, ValueError) as e:
-    raise _lost(e, phase, path, what) from e
-
-
-def publish(key, value, phase, path, what="checkpoint"):
-  """Stores `value` under `key` for the other processes of the shared save (`what`) of `path`; ProcessLostError
-  naming the process that holds the store (process 0) when it is gone."""
-  try:
-    _compat.config_key_value_set(key, value)
-  except (tf.errors.OpError, RuntimeError, ValueError) as e:
-    raise _lost(e, phase, path, what) from e
-
-
-def lookup(key, phase, path, process, what="checkpoint"):
-  """The value process `process` stores under `key`, polled (a lookup TF keeps waiting on when that process dies)
-  with a health check of the process between polls."""
-  deadline = time.monotonic() + BARRIER_TIMEOUT_S
-  while True:
-    try:
-      return _compat.config_key_value_get(key, min(POLL_S, max(deadline - time.monotonic(), 0.001)))
-    except tf.errors.DeadlineExceededError as e:
-      if time.monotonic() >= deadline:
-        raise _lost(e, phase, path, what) from e
-      try:
-        _compat.check_peer(_cluster.task_name(process), POLL_S)
-      except (tf.errors.OpError, RuntimeError, ValueError) as gone:
-        raise _lost(_NamedLoss(_cluster.task_name(process), gone), phase, path, what) from gone
-    except (tf.errors.OpError, RuntimeError, ValueError) as e:
-      raise _lost(e, phase, path, what) from e
-
-
-class _NamedLoss(Exception):
-  """A failed health check of `task`, for `_lost` to name it."""
-
-  def __init__(self, task, error):
-    super().__init__(f"{task} does not answer: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+  return _cluster.Exchange(f"{save} of {path!r}", left)
 
 
 def async_copy_key(storage_of):
@@ -143,8 +93,9 @@ def save_hook(storage_of):
     with _lock:
       seq = next(_saves)
     tag = f"tf_gspmd_checkpoint_{seq}"
-    publish(f"{tag}/path/{k}", path, "publishing its path", path)
-    paths = [lookup(f"{tag}/path/{j}", "publishing its path", path, j) for j in range(n)]
+    ex = exchange(path)
+    ex.publish(f"{tag}/path/{k}", path, "publishing its path")
+    paths = [ex.lookup(f"{tag}/path/{j}", j, "publishing its path") for j in range(n)]
     if len(set(paths)) > 1:
       raise InputError(f"the processes save one checkpoint to different paths ({dict(enumerate(paths))}): every "
                        f"process must call the same save with the same path (process 0 writes the merged "
@@ -164,13 +115,13 @@ def save_hook(storage_of):
                             tensors=[m[2]() for m in mine])
     last_save.update(path=path, part=part if wrote else None,
                      bytes_written=_data_bytes(part) if wrote else 0)
-    publish(f"{tag}/part/{k}", part if wrote else "", "writing its part", path)
-    barrier(f"{tag}/written", "writing its part", path)
+    ex.publish(f"{tag}/part/{k}", part if wrote else "", "writing its part")
+    ex.barrier(f"{tag}/written", "writing its part")
     if k == 0:
-      parts = [p for p in (lookup(f"{tag}/part/{j}", "writing its part", path, j) for j in range(n)) if p]
+      parts = [p for p in (ex.lookup(f"{tag}/part/{j}", j, "writing its part") for j in range(n)) if p]
       with tf.device(_cluster.host_device()):
         tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=parts, destination_prefix=path, delete_old_dirs=True)
-    barrier(f"{tag}/merged", "waiting for the merge", path)
+    ex.barrier(f"{tag}/merged", "waiting for the merge")
     return result
 
   return hook

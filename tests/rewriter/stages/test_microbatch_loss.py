@@ -29,13 +29,22 @@ PROVEN = {
     "softmax, slices and repeats of the rows' own entries": (
         lambda p, x, y: tf.reduce_mean(tf.nn.log_softmax(tf.repeat(x[:, :4], 2, axis=1) @ p["w1"])), "mean"),
     "no batch at all": (lambda p, x, y: tf.nn.l2_loss(p["w2"]), "mean"),
+    "a mean times the batch size (a sum)": (lambda p, x, y: tf.reduce_mean(_err(p, x, y)) * x.shape[0], "sum"),
+    "a sum over the count of entries, as Keras's losses divide (a mean)": (
+        lambda p, x, y: tf.math.divide_no_nan(tf.reduce_sum(_err(p, x, y)), tf.cast(tf.reduce_prod(
+            tf.convert_to_tensor(_err(p, x, y).shape.as_list(), tf.int32)), tf.float32)), "mean"),
+    "Keras's MeanSquaredError": (lambda p, x, y: _keras_loss("MeanSquaredError")(y, x @ p["w1"] @ p["w2"]), "mean"),
 }
 
 REFUSED = {
-    "a mean times the batch size (a sum in disguise)": (
-        lambda p, x, y: tf.reduce_mean(_err(p, x, y)) * x.shape[0], r"\(Mul\)"),
+    "a mean plus a term scaled by the batch size": (
+        lambda p, x, y: tf.reduce_mean(_err(p, x, y)) + tf.nn.l2_loss(p["w1"]) * x.shape[0], r"\(AddV2\)"),
+    # (a mean, but the batch size is read from tf.shape through a slice the proof does not evaluate)
     "a sum over the batch size from tf.shape": (
         lambda p, x, y: tf.reduce_sum(_err(p, x, y)) / tf.cast(tf.shape(x)[0], tf.float32), r"\(RealDiv\)"),
+    "a sum plus a regularizer, over the batch size": (
+        lambda p, x, y: (tf.reduce_sum(_err(p, x, y)) + tf.nn.l2_loss(p["w1"])) / tf.cast(tf.shape(x)[0],
+                                                                                          tf.float32), "term"),
     "a sum plus a regularizer": (lambda p, x, y: tf.reduce_sum(_err(p, x, y)) + tf.nn.l2_loss(p["w1"]),
                                  "plus a term that does not depend on the batch"),
     "a sum added to a mean": (lambda p, x, y: tf.reduce_sum(_err(p, x, y)) + tf.reduce_mean(x),
@@ -51,6 +60,11 @@ REFUSED = {
     "a random draw": (lambda p, x, y: tf.reduce_mean(tf.nn.dropout(x, 0.5) @ p["w1"]), "stateful"),
     "the first row": (lambda p, x, y: tf.reduce_sum(_err(p, x, y)[0]), r"\(StridedSlice\) slices the batch rows"),
 }
+
+
+def _keras_loss(name):
+  import keras  # pylint: disable=g-import-not-at-top
+  return getattr(keras.losses, name)()
 
 
 @pytest.mark.parametrize("name", sorted(PROVEN))
