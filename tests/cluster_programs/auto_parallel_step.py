@@ -86,7 +86,15 @@ def main():
     ref_opt.apply_gradients(zip([tf.convert_to_tensor(x) for x in g], [want[n] for n in names]))
     want_losses.append(float(ref.numpy()))
   held = sorted(n for n, v in params.items() if v is not None)
+  model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+  try:   # (the Keras form runs in one process: refused, naming the functional form)
+    gs.auto_parallel(model, np.ones((8, 4), np.float32), np.ones((8, 2), np.float32), mesh=step.stages[0].mesh,
+                     microbatches=1, optimizer=keras.optimizers.Adam(), loss=keras.losses.MeanSquaredError())
+    keras_refused = ""
+  except gs.InputError as e:
+    keras_refused = str(e)
   print("RESULT " + json.dumps({
+      "keras_refused": keras_refused,
       "process": k, "stages": [i for i, s in enumerate(step.stages) if gs.is_local(s.mesh.resolve_devices()[0])],
       "losses": losses, "want_losses": want_losses, "held": held,
       "params_equal": {n: bool(np.allclose(params[n].numpy(), want[n].numpy(), rtol=1e-5, atol=2e-5)) for n in held},

@@ -412,3 +412,4 @@ def test_a_planned_step_over_two_processes_equals_the_unpartitioned_one(exchange
   for r in results.values():
     np.testing.assert_allclose(r["losses"], r["want_losses"], rtol=1e-5)
     assert r["on_devices"] and all(r["params_equal"].values()), r
+    assert "runs in one process" in r["keras_refused"] and "functional form" in r["keras_refused"], r

@@ -19,6 +19,7 @@ import tensorflow as tf
 from tf_gspmd._function import function as gs_function
 from tf_gspmd._layout.mesh import P
 from tf_gspmd._layout.sharding import to_sharding
+from tf_gspmd._platform import cluster as _cluster
 from tf_gspmd._platform import compat as _compat
 from tf_gspmd.errors import InputError
 from tf_gspmd.runtime import state as _state
@@ -85,6 +86,11 @@ class PlannedModel:
                        "state is their trainable variables; use LayerNormalization, or gs.function with a layout",
                        node=name)
     _check_optimizer(optimizer, name)
+    if _cluster.process_count() > 1:   # (a variable of another process's stage would read stale here)
+      raise InputError(f"gs.auto_parallel of Keras model {name!r} runs in one process: over several processes each "
+                       "would hold stale copies of the variables other processes' stages train; plan the functional "
+                       "form (gs.auto_parallel(loss_fn, params, ...), step.place, step.adam), which runs there",
+                       node=name)
     self.model, self.optimizer = model, optimizer
     self.variables = list(model.trainable_variables)
 
@@ -94,11 +100,11 @@ class PlannedModel:
 
     loss_fn.__name__ = name
     specs = [tf.TensorSpec(_compat.keras_variable_shape_dtype(v)[0], v.dtype) for v in self.variables]
-    self.step, self._specs = plan(loss_fn, specs, *batch), specs
+    self.step = plan(loss_fn, specs, *batch)
     state = self.step.state
     self._storage = {}
     for n, v in zip(state.param_names, self.variables):
-      if n in state.homes and state.local[state.homes[n][0]]:
+      if n in state.homes:
         self._storage[n] = self._store(v, *state.homes[n])
     optimizer.build(self.variables)   # (its slots: stored as their variables are, below)
     self._slots = {n: [] for n in self._storage}
@@ -158,10 +164,8 @@ class PlannedModel:
   def __call__(self, x, y):
     """One training step on batch (x, y): the loss (a host scalar); the variables and slots updated in place."""
     state = self.step.state
-    params = [_stored_value(self._stored(n)) if n in self._storage
-              else spec if n in state.homes   # (a variable of another process's stage)
-              else tf.convert_to_tensor(v)   # (read by no stage)
-              for n, v, spec in zip(state.param_names, self.variables, self._specs)]
+    params = [_stored_value(self._stored(n)) if n in self._storage else tf.convert_to_tensor(v)  # (read by none)
+              for n, v in zip(state.param_names, self.variables)]
     loss, grads = self.step(params, x, y)
     grad = dict(zip(state.param_names, grads))
     for k in state.stages():
