@@ -233,6 +233,25 @@ def test_adam_state_stays_on_the_stage_meshes_and_steps_match_keras_adam(step, m
     np.testing.assert_allclose(params[k].numpy(), want[k].numpy(), rtol=1e-5, atol=2e-5, err_msg=k)
 
 
+def test_parameters_initialized_on_their_homes_tile_by_tile_equal_placed_whole_values(step, monkeypatch):
+  """step.initialize: each device of a parameter's home builds its own tile from the initializer (no whole value
+  on the host or on a device that holds a part), equal to placing the initializer's whole value; the step trains
+  from them."""
+  inits = {k: gs.initializers.Normal(0.0, 0.2, seed=i) for i, k in enumerate(sorted(init()))}
+  reads = HostReads(monkeypatch)
+  built = step.initialize(inits)
+  assert not reads.shapes, reads.shapes
+  monkeypatch.undo()
+  whole = {k: v(tuple(init()[k].shape)).numpy() for k, v in inits.items()}
+  for k in sorted(whole):
+    _on_home(step, f"0/{k}", built[k])
+    for shard in gs.shards_of(built[k]):
+      np.testing.assert_array_equal(shard.numpy(), whole[k][shard.index], err_msg=k)
+  loss, _ = step(built, *data())
+  np.testing.assert_allclose(loss, loss_fn({k: tf.constant(v) for k, v in whole.items()}, *data()).numpy(),
+                             rtol=1e-5)
+
+
 def tied_loss_fn(params, tokens, labels):
   """The embedding table is also the output projection: the first and the last stage both read it."""
   x = tf.gather(params["embed"], tokens)

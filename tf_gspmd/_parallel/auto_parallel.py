@@ -45,7 +45,7 @@ from tf_gspmd._layout.mesh import Mesh, P
 from tf_gspmd._parallel.mpmd import Stage, mpmd_pipeline
 from tf_gspmd._parallel.planned_model import PlannedModel, is_keras_model
 from tf_gspmd._parallel.stage_programs import leaf_paths
-from tf_gspmd._parallel.stage_state import (Adam, StageState, agree, check_rows, shared_loss,
+from tf_gspmd._parallel.stage_state import (StageState, TrainingState, agree, check_rows, shared_loss,
                                             to_tensor as _to_tensor)
 from tf_gspmd._parallel.stages import check_mesh, plan_stages
 from tf_gspmd.errors import AutoShardingError, InputError
@@ -110,7 +110,7 @@ def _pack_dtype(specs, what):
   return max(floats, key=lambda d: d.size) if floats else tf.float64
 
 
-class AutoParallel:
+class AutoParallel(TrainingState):
   """A training step planned by `gs.auto_parallel`. Call it as `loss, grads = step(params, *batch)`.
 
   Attributes:
@@ -489,27 +489,6 @@ class AutoParallel:
 
   def _param_spec(self, name):
     return self._flat_specs[self.param_names.index(name)]
-
-  # ---- training state on the stage meshes (`stage_state`) -------------------------------------------------
-  @property
-  def homes(self):
-    """{parameter name: (stage index, P)}: where each parameter lives between steps (`StageState.homes`)."""
-    return self.state.homes
-
-  def place(self, params):
-    """`params` (host values) on their home stages' devices in the planned layouts (`StageState.place`)."""
-    return self.state.place(params)
-
-  def sgd(self, params, grads, lr):
-    """params - lr * grads on each stage's submesh, one program per stage (`StageState.sgd`): each parameter
-    a ShardedTensor on its home stage's devices in the planned layout; nothing moves to the host."""
-    return self.state.sgd(params, grads, lr)
-
-  def adam(self, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
-    """An Adam update for this step's parameters: `opt = step.adam(lr)`, then `params = opt(params, grads)`
-    (Keras's Adam). Parameters, gradients and both moments stay on their home stage's devices in the planned
-    layouts; each stage's update is one program on its submesh."""
-    return Adam(self.state, lr, beta_1, beta_2, epsilon)
 
   def describe(self):
     """The plan and how its stages run (submesh devices, boundaries)."""

@@ -17,7 +17,9 @@ from tf_gspmd._function import function as gs_function
 from tf_gspmd._layout.mesh import P
 from tf_gspmd._layout.sharding import to_sharding
 from tf_gspmd.errors import InputError
-from tf_gspmd.runtime.cross_mesh import reshard
+from tf_gspmd.initializers import get as initializers_get
+from tf_gspmd.runtime.cross_mesh import reshard, tile_extent
+from tf_gspmd.runtime.parallel import local as parallel_local
 from tf_gspmd.runtime.sharded_tensor import ShardedTensor, from_process_local_data
 
 
@@ -151,6 +153,39 @@ class StageState:
     return tf.nest.pack_sequence_as(params, [self.at_home(n, v) if n in self.homes else v
                                              for n, v in zip(self.param_names, leaves)])
 
+  def initialize(self, initializers):
+    """The parameters (a list in `param_names`' order) created on their homes tile by tile from `initializers`
+    (one per parameter, each a gs.initializers Initializer or what `gs.initializers.get` takes: values from (seed,
+    global index) alone). Each device of a home builds its own tile: no device and no host holds a parameter it
+    does not hold in the plan; the values equal `place` of each initializer's whole value."""
+    flat = list(initializers)
+    if len(flat) != len(self.param_names):
+      raise InputError(f"initialize takes one initializer per parameter ({len(self.param_names)}) or one for all; "
+                       f"got {len(flat)}", node="initializers")
+    out = []
+    for n, init in zip(self.param_names, flat):
+      init, spec = initializers_get(init), self.param_specs[n]
+      shape = tuple(spec.shape.as_list())
+      if n not in self.homes:   # (read by no stage: its whole value, on the host)
+        out.append(init(shape, spec.dtype))
+        continue
+      k, layout = self.homes[n]
+      if not self.local[k]:
+        out.append(None)   # (held by the process that runs stage k)
+        continue
+      mesh = self.meshes[k]
+      sharding, devices = to_sharding(layout, mesh, rank=len(shape), what=n), mesh.resolve_devices()
+      positions, tile = parallel_local(devices).positions, sharding.shard_shape(shape)
+      comps = []
+      for p in positions:
+        starts, lengths = tile_extent(sharding, shape, p)
+        with tf.device(devices[p]):
+          block = init.chunked(shape, starts, lengths, spec.dtype)
+          comps.append(tf.pad(block, [(0, t - m) for t, m in zip(tile, lengths)]) if tuple(lengths) != tile
+                       else block)
+      out.append(ShardedTensor(comps, sharding, shape, spec.dtype, devices=devices, positions=positions))
+    return out
+
   def stages(self):
     """The stages of this process that are home to some parameter."""
     return sorted({k for k, _ in self.homes.values() if self.local[k]})
@@ -202,6 +237,38 @@ class StageState:
                *[self.at_home(n, grad[n]) for n in names])
       value.update(zip(names, new))
     return tf.nest.pack_sequence_as(params, [value[n] for n in self.param_names])
+
+
+class TrainingState:
+  """What a planned step (`AutoParallel`, with its `state` and `_structure`) offers for its training state."""
+
+  @property
+  def homes(self):
+    """{parameter name: (stage index, P)}: where each parameter lives between steps (`StageState.homes`)."""
+    return self.state.homes
+
+  def place(self, params):
+    """`params` (host values) on their home stages' devices in the planned layouts (`StageState.place`)."""
+    return self.state.place(params)
+
+  def initialize(self, initializers):
+    """The parameters created on their home stages' devices, each device building its own tile
+    (`StageState.initialize`): `initializers` in `params`' structure, or one for all; returns `params`' structure
+    of ShardedTensors, as `place` does, with no whole parameter anywhere it is split."""
+    flat = tf.nest.flatten(initializers) if tf.nest.is_nested(initializers) else \
+        [initializers] * len(self.state.param_names)
+    return tf.nest.pack_sequence_as(self._structure, self.state.initialize(flat))
+
+  def sgd(self, params, grads, lr):
+    """params - lr * grads on each stage's submesh, one program per stage (`StageState.sgd`): each parameter
+    a ShardedTensor on its home stage's devices in the planned layout; nothing moves to the host."""
+    return self.state.sgd(params, grads, lr)
+
+  def adam(self, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+    """An Adam update for this step's parameters: `opt = step.adam(lr)`, then `params = opt(params, grads)`
+    (Keras's Adam). Parameters, gradients and both moments stay on their home stage's devices in the planned
+    layouts; each stage's update is one program on its submesh."""
+    return Adam(self.state, lr, beta_1, beta_2, epsilon)
 
 
 class Adam:
