@@ -33,7 +33,6 @@ no devices, nothing of the model's size allocated) and the two-level plan from g
 """
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -45,6 +44,7 @@ import tensorflow as tf  # noqa: E402  pylint: disable=g-import-not-at-top
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import train_moe as moe  # noqa: E402  pylint: disable=g-import-not-at-top
 import transformer_model as tm  # noqa: E402  pylint: disable=g-import-not-at-top
+import unet_model  # noqa: E402  pylint: disable=g-import-not-at-top
 
 import tf_gspmd as gs  # noqa: E402  pylint: disable=g-import-not-at-top
 from tf_gspmd import P  # noqa: E402  pylint: disable=g-import-not-at-top
@@ -129,57 +129,14 @@ def mixture_of_experts(a, devices, microbatches):  # pylint: disable=unused-argu
                f.layers + 2)
 
 
-def _conv(x, w, b):
-  return tf.nn.relu(tf.nn.conv2d(x, w, 1, "SAME") + b)
-
-
-def unet_loss(prm, images, labels):
-  """The U-Net's mean per-pixel cross-entropy (3 classes)."""
-  def block(x, name):
-    return _conv(_conv(x, prm[name + "_a/w"], prm[name + "_a/b"]), prm[name + "_b/w"], prm[name + "_b/b"])
-
-  def up(x):
-    return tf.repeat(tf.repeat(x, 2, axis=1), 2, axis=2)
-
-  d1 = block(images, "down1")
-  d2 = block(tf.nn.max_pool2d(d1, 2, 2, "VALID"), "down2")
-  mid = block(tf.nn.max_pool2d(d2, 2, 2, "VALID"), "mid")
-  u2 = block(tf.concat([up(mid), d2], axis=-1), "up2")
-  u1 = block(tf.concat([up(u2), d1], axis=-1), "up1")
-  logits = tf.nn.conv2d(u1, prm["classifier/w"], 1, "SAME") + prm["classifier/b"]
-  # per pixel, kept [batch, rows, cols]: the sparse cross-entropy op flattens them, which moves the shard
-  # boundaries of a batch and rows split together (a gather; README, Known limitations)
-  picked = tf.one_hot(labels, logits.shape[-1]) * tf.nn.log_softmax(logits)
-  return -tf.reduce_mean(tf.reduce_sum(picked, axis=-1))
-
-
-def unet_shapes(width, channels=3, classes=3):
-  w = width
-  shapes = {}
-  for name, cin, cout in (("down1", channels, w), ("down2", w, 2 * w), ("mid", 2 * w, 4 * w),
-                          ("up2", 6 * w, 2 * w), ("up1", 3 * w, w)):
-    shapes.update({name + "_a/w": (3, 3, cin, cout), name + "_a/b": (cout,), name + "_b/w": (3, 3, cout, cout),
-                   name + "_b/b": (cout,)})
-  shapes.update({"classifier/w": (1, 1, w, classes), "classifier/b": (classes,)})
-  return shapes
-
-
 def unet(a, devices, microbatches):  # pylint: disable=unused-argument
   size, batch = (a.image, a.image_batch) if devices == 8 else (2 * a.image, 2 * devices)
-  shapes = unet_shapes(a.width)
-
-  def init():
-    rng = np.random.default_rng(0)
-    return {k: (rng.normal(0.0, math.sqrt(2.0 / np.prod(s[:-1])), s) if len(s) > 1 else np.zeros(s)).astype(np.float32)
-            for k, s in sorted(shapes.items())}
-
-  rng = np.random.default_rng(1)
-  images = rng.normal(0.0, 1.0, (batch, size, size, 3)).astype(np.float32)
-  labels = rng.integers(0, 3, (batch, size, size)).astype(np.int32)
+  shapes = unet_model.param_shapes(a.width)
   hand = ("spatial (batch over data, rows over spatial)", _grid(devices, ("data", "spatial")),
-          (P("data", "spatial", None, None), P("data", "spatial", None)), {k: P() for k in shapes}, unet_loss)
-  return Model("unet", unet_loss, shapes, (images, labels), init, hand, "the U-Net's levels differ (no identical stages)",
-               6)
+          (P("data", "spatial", None, None), P("data", "spatial", None)), {k: P() for k in shapes},
+          unet_model.loss_fn)
+  return Model("unet", unet_model.loss_fn, shapes, unet_model.synthetic_batch(batch, size),
+               lambda: unet_model.init_params(shapes), hand, "the U-Net's levels differ (no identical stages)", 6)
 
 
 BUILD = {"transformer": transformer, "moe": mixture_of_experts, "unet": unet}

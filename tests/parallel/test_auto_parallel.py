@@ -22,8 +22,10 @@ from conftest import assert_close
 
 # The model, shared with the 2-process run (tests/cluster_programs/auto_parallel_step.py).
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cluster_programs"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 from auto_parallel_step import BLOCKS, N, S, V, block, data, init, loss_fn  # noqa: E402  pylint: disable=g-import-not-at-top
 from auto_parallel_step import token_losses  # noqa: E402  pylint: disable=g-import-not-at-top
+import unet_model  # noqa: E402  pylint: disable=g-import-not-at-top
 
 # Call and move costs of an accelerator cluster, under which this small model's stages pipeline (at this
 # machine's measured 2 ms a call they do not pay: test_the_intra_only_plan_runs_when_a_pipeline_cannot_pay).
@@ -152,6 +154,12 @@ def test_boundary_tensors_travel_each_in_its_own_layout_and_dtype():
   assert_close(loss, want.numpy())
   for k, g in tape.gradient(want, p).items():
     np.testing.assert_allclose(grads[k].numpy(), tf.convert_to_tensor(g).numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+  _check_boundary_bytes(step)
+
+
+def _check_boundary_bytes(step):
+  """The bytes each boundary moved forward in the last step are exactly the receivers' slices of its tensors,
+  counted tensor by tensor from the plan's layouts."""
   transfers = step.pipeline.last_run.transfers.transfers
   for k, b in enumerate(step.boundaries):
     senders = set(step.stages[k].mesh.resolve_devices())
@@ -164,6 +172,28 @@ def test_boundary_tensors_travel_each_in_its_own_layout_and_dtype():
         want_bytes += int(np.prod(lengths)) * spec.dtype.size
     moved = sum(t.bytes for t in transfers if t.src_device in senders and t.dst_device in set(receivers))
     assert moved == step.microbatches * want_bytes, (k, b)
+
+
+def test_a_unet_s_skip_connections_cross_each_in_its_own_layout():
+  """examples/unet_model.py (the U-Net of bench/alpa.py): the down path's outputs reach the up path past the
+  stages between, each crossing every boundary as its own tensor in its planned layouts (the bytes counted by
+  hand); loss and gradients equal the unpartitioned step's."""
+  shapes = unet_model.param_shapes(4)
+  params, (images, labels) = unet_model.init_params(shapes), unet_model.synthetic_batch(8, 16)
+  free_moves = dataclasses.replace(CAL, seconds_per_call=0.0, seconds_per_transfer_byte=0.0)  # (cuts anywhere)
+  step = gs.auto_parallel(unet_model.loss_fn, params, images, labels, mesh=gs.Mesh((2, 4), ("host", "device")),
+                          microbatches=2, layers=6, calibration=free_moves, intra_candidate=False, max_stage_rows=1)
+  print("\n" + str(step))
+  assert len(step.stages) > 1 and any(len(b.refs) > 1 for b in step.boundaries), step
+  loss, grads = step(params, images, labels)
+  p = {k: tf.constant(v) for k, v in params.items()}
+  with tf.GradientTape() as tape:
+    tape.watch(p)
+    want = unet_model.loss_fn(p, tf.constant(images), tf.constant(labels))
+  assert_close(loss, want.numpy())
+  for k, g in tape.gradient(want, p).items():
+    np.testing.assert_allclose(grads[k].numpy(), g.numpy(), rtol=1e-4, atol=1e-5, err_msg=k)
+  _check_boundary_bytes(step)
 
 
 def test_captured_trainable_variables_and_inexact_boundaries_are_refused():
