@@ -126,6 +126,28 @@ def test_a_checkpoint_of_the_planned_run_restores_onto_a_plain_model(planned, tm
   assert gs.sharding_of(model.trainable_variables[0]) is not None   # (still stored on its stage)
 
 
+def test_a_compiled_model_brings_its_optimizer_and_loss():
+  """gs.auto_parallel(model, x, y, ...) of a model compiled with an optimizer and a loss by name trains as plain
+  Keras's step with the same optimizer and loss."""
+  model, plain = build(), build()
+  model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mean_squared_error")
+  def batch(seed):   # (tokens, a float target per token)
+    tokens, labels = data(seed)
+    return tokens, (labels[..., None] / V).astype(np.float32)
+
+  step = gs.auto_parallel(model, *batch(1), mesh=gs.Mesh((2, 4), ("host", "device")), microbatches=2, layers=4,
+                          calibration=CAL, intra_candidate=False, max_stage_rows=1)
+  assert step.optimizer is model.optimizer and "stage 1" in str(step)
+  opt = keras.optimizers.SGD(0.1)
+  for seed in (1, 2):
+    tokens, target = batch(seed)
+    with tf.GradientTape() as tape:
+      want = tf.reduce_mean(tf.square(target - plain(tokens, training=True)))
+    opt.apply([tf.convert_to_tensor(g) for g in tape.gradient(want, plain.trainable_variables)],
+              plain.trainable_variables)
+    np.testing.assert_allclose(step(tokens, target), want.numpy(), rtol=1e-5)
+
+
 def test_what_a_per_stage_update_cannot_honour_is_refused():
   mesh = gs.Mesh((2, 4), ("host", "device"))
   kw = dict(mesh=mesh, microbatches=4, layers=6, calibration=CAL, intra_candidate=False)

@@ -35,7 +35,8 @@ def _check_optimizer(optimizer, name):
   """The optimizer settings a per-stage update cannot honour are refused (InputError)."""
   if optimizer is None or not callable(getattr(optimizer, "update_step", None)):
     raise InputError(f"gs.auto_parallel of Keras model {name!r} needs optimizer=a Keras optimizer (it runs the "
-                     f"optimizer's update on each stage's devices); got {optimizer!r}", node="optimizer")
+                     f"optimizer's update on each stage's devices; or the model compiled with one); got {optimizer!r}",
+                     node="optimizer")
   for attr, why in (("global_clipnorm", "clips by the norm over all variables, which live on different stages"),
                     ("use_ema", "keeps moving averages this update does not maintain"),
                     ("gradient_accumulation_steps", "accumulates gradients across calls"),
@@ -44,6 +45,19 @@ def _check_optimizer(optimizer, name):
       raise InputError(f"the optimizer of {name!r} sets {attr} ({getattr(optimizer, attr)!r}), which "
                        f"{why}: gs.auto_parallel updates each stage's variables on its own devices; use clipnorm "
                        f"or clipvalue (per variable) instead, or no {attr}", node="optimizer")
+
+
+def _compiled(model, optimizer, loss):
+  """(optimizer, loss): those given, else the ones `model.compile` was given (a loss by name as Keras's)."""
+  if optimizer is None:
+    optimizer = getattr(model, "optimizer", None)
+  if loss is None:
+    loss = getattr(model, "loss", None)
+    if isinstance(loss, str):   # (Keras's function of that name averaged over its entries, as compile does)
+      import keras  # pylint: disable=g-import-not-at-top
+      per_entry = keras.losses.get(loss)
+      loss = lambda y_true, y_pred: keras.ops.mean(per_entry(y_true, y_pred))  # noqa: E731
+  return optimizer, loss
 
 
 def _stored_value(storage):
@@ -70,12 +84,13 @@ class PlannedModel:
   def __init__(self, model, optimizer, loss, batch, profile, plan):
     """`plan(loss_fn, param_specs, *batch)` -> the AutoParallel of the step."""
     name = getattr(model, "name", "the model")
+    optimizer, loss = _compiled(model, optimizer, loss)
     if profile:
       raise InputError(f"gs.auto_parallel of Keras model {name!r} prices its stages by the calibration: profile=True "
                        "is for a functional step (params given as values); give profile=None or False", node="profile")
     if loss is None or not callable(loss):
       raise InputError(f"gs.auto_parallel of Keras model {name!r} needs loss=a Keras loss or a function "
-                       "loss(y_true, y_pred) -> the batch's scalar loss", node="loss")
+                       "loss(y_true, y_pred) -> the batch's scalar loss (or the model compiled with one)", node="loss")
     if len(batch) != 2:
       raise InputError(f"gs.auto_parallel of Keras model {name!r} takes the batch as (x, y); got {len(batch)} "
                        "argument(s)", node=name)
@@ -160,6 +175,9 @@ class PlannedModel:
                                              in_shardings=tuple(state.homes[n][1] for n in names),
                                              out_shardings=P(), exchange=self.step.exchange))
     return self._updates[k]
+
+  def __str__(self):
+    return self.step.describe()
 
   def __call__(self, x, y):
     """One training step on batch (x, y): the loss (a host scalar); the variables and slots updated in place."""
