@@ -168,16 +168,17 @@ def _active_plan():
 
 
 def _slot_layout(variable, plan):
-  """The layout of an optimizer slot being created for a reference variable stored sharded on the plan's mesh
-  (Adam's moments, momentum...): its reference's, so the slot is created sharded (shard by shard when large)
-  instead of whole in every process until the first step lays it out."""
+  """(mesh, layout) of an optimizer slot being created for a reference variable stored sharded (Adam's moments,
+  momentum...): its reference's -- on the plan's mesh, or outside a distribution wherever the reference is stored
+  (gs.auto_parallel's stage submeshes) -- so the slot is created sharded (shard by shard when large) instead of
+  whole until a step lays it out; None for any other variable."""
   reference = getattr(_local, "slot_reference", None)
   storage = _state.storage_of(reference) if reference is not None else None
   shape, _ = _compat.keras_variable_shape_dtype(variable)
   if (storage is None or storage.sharding.is_maximal or tuple(shape) != storage.shape
-      or storage.devices != tuple(plan.mesh.resolve_devices())):
+      or (plan is not None and storage.devices != tuple(plan.mesh.resolve_devices()))):
     return None
-  return storage.sharding
+  return storage.sharding.mesh, storage.sharding
 
 
 def _check_keys(plan, model):
@@ -526,8 +527,9 @@ def _install_sharded_initializer():
     its initializer has a mesh-independent equivalent (no full value anywhere), else from its full value."""
     plan = _active_plan()
     spec = plan.spec_for(self.path) if plan is not None else None
-    if spec is None and plan is not None:
-      spec = _slot_layout(self, plan)
+    mesh = plan.mesh if plan is not None else None
+    if spec is None:
+      mesh, spec = _slot_layout(self, plan) or (mesh, None)
     if spec is None:
       return initialize(self, initializer)
     shape, dtype = _compat.keras_variable_shape_dtype(self)
@@ -536,12 +538,12 @@ def _install_sharded_initializer():
     init = _sharded_initializer(initializer, self.path) if nbytes > WHOLE_INIT_MAX_BYTES and \
         not in_plan_scope() else None
     if init is not None:
-      _compat.keras_set_inner_variable(self, _create.variable(init, shape, dtype, mesh=plan.mesh, spec=spec,
+      _compat.keras_set_inner_variable(self, _create.variable(init, shape, dtype, mesh=mesh, spec=spec,
                                                              name=self.name, trainable=self.trainable))
       return None
     initialize(self, initializer)
-    _state.manage(_compat.keras_inner_variable(self), to_sharding(spec, plan.mesh, rank=len(shape), what=self.path),
-                  plan.mesh.resolve_devices(), what=self.path)
+    _state.manage(_compat.keras_inner_variable(self), to_sharding(spec, mesh, rank=len(shape), what=self.path),
+                  mesh.resolve_devices(), what=self.path)
     return None
 
   _compat.set_keras_variable_initializer(initialize_sharded)

@@ -153,6 +153,10 @@ def test_what_a_per_stage_update_cannot_honour_is_refused():
   kw = dict(mesh=mesh, microbatches=4, layers=6, calibration=CAL, intra_candidate=False)
   with pytest.raises(InputError, match="global_clipnorm"):
     gs.auto_parallel(build(), *data(1), optimizer=keras.optimizers.Adam(0.01, global_clipnorm=1.0), loss=LOSS, **kw)
+  used = keras.optimizers.Adam(0.01)
+  used.build(build().trainable_variables)
+  with pytest.raises(InputError, match="built already"):
+    gs.auto_parallel(build(), *data(1), optimizer=used, loss=LOSS, **kw)
   with pytest.raises(InputError, match="needs optimizer="):
     gs.auto_parallel(build(), *data(1), loss=LOSS, **kw)
   normed = keras.Sequential([keras.Input((8,)), keras.layers.BatchNormalization(), keras.layers.Dense(4)])

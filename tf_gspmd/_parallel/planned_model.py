@@ -14,6 +14,8 @@ model and optimizer saves each variable's tiles as slices of one standard checkp
 same architecture restores.
 """
 
+import importlib
+
 import tensorflow as tf
 
 from tf_gspmd._function import function as gs_function
@@ -36,6 +38,11 @@ def _check_optimizer(optimizer, name):
   if optimizer is None or not callable(getattr(optimizer, "update_step", None)):
     raise InputError(f"gs.auto_parallel of Keras model {name!r} needs optimizer=a Keras optimizer (it runs the "
                      f"optimizer's update on each stage's devices; or the model compiled with one); got {optimizer!r}",
+                     node="optimizer")
+  if getattr(optimizer, "built", False):
+    raise InputError(f"the optimizer of {name!r} is built already (its slots exist whole, on the host): give "
+                     "gs.auto_parallel an optimizer that has not run yet, which it builds with each slot on its "
+                     "variable's stage; restore a saved optimizer state into it after planning (tf.train.Checkpoint)",
                      node="optimizer")
   for attr, why in (("global_clipnorm", "clips by the norm over all variables, which live on different stages"),
                     ("use_ema", "keeps moving averages this update does not maintain"),
@@ -121,15 +128,8 @@ class PlannedModel:
     for n, v in zip(state.param_names, self.variables):
       if n in state.homes:
         self._storage[n] = self._store(v, *state.homes[n])
-    optimizer.build(self.variables)   # (its slots: stored as their variables are, below)
-    self._slots = {n: [] for n in self._storage}
-    for slot in optimizer.variables:
-      reference = self._reference(slot)
-      if reference is not None:
-        n, storage = reference
-        _state.manage(_compat.keras_inner_variable(slot), storage.sharding, storage.devices, what=slot.path,
-                      stacked=False)
-        self._slots[n].append(slot)
+    importlib.import_module("tf_gspmd.keras")   # (its hook creates each slot stored as its variable is)
+    optimizer.build(self.variables)
     self._updates = {}
 
   def _store(self, v, k, spec):
@@ -142,16 +142,6 @@ class PlannedModel:
   def _stored(self, n):
     """The current storage of parameter `n`'s variable (a program run as one graph may have restacked it)."""
     return _state.storage_of(_compat.keras_inner_variable(self.variables[self.step.state.param_names.index(n)]))
-
-  def _reference(self, slot):
-    """(parameter name, its storage) of the variable optimizer slot `slot` was made for (by its shape and the
-    optimizer's naming, `<variable path>_<slot>`), or None (the step count, the learning rate)."""
-    shape, _ = _compat.keras_variable_shape_dtype(slot)
-    for n, v in zip(self.step.state.param_names, self.variables):
-      if n in self._storage and tuple(shape) == self._storage[n].shape and \
-          slot.path.startswith(f"{self.optimizer.name}/{v.path.replace('/', '_')}_"):
-        return n, self._storage[n]
-    return None
 
   def _update(self, k):
     """The optimizer's update of the variables that live with stage k, one gs.function on its submesh capturing
