@@ -124,10 +124,9 @@ class PlannedModel:
     specs = [tf.TensorSpec(_compat.keras_variable_shape_dtype(v)[0], v.dtype) for v in self.variables]
     self.step = plan(loss_fn, specs, *batch)
     state = self.step.state
-    self._storage = {}
     for n, v in zip(state.param_names, self.variables):
       if n in state.homes:
-        self._storage[n] = self._store(v, *state.homes[n])
+        self._store(v, *state.homes[n])
     importlib.import_module("tf_gspmd.keras")   # (its hook creates each slot stored as its variable is)
     optimizer.build(self.variables)
     self._updates = {}
@@ -136,19 +135,15 @@ class PlannedModel:
     """Variable `v` stored on stage k's submesh in layout `spec` (each device its tile)."""
     mesh = self.step.state.meshes[k]
     shape, _ = _compat.keras_variable_shape_dtype(v)
-    return _state.manage(_compat.keras_inner_variable(v), to_sharding(spec, mesh, rank=len(shape), what=v.path),
+    _state.manage(_compat.keras_inner_variable(v), to_sharding(spec, mesh, rank=len(shape), what=v.path),
                          mesh.resolve_devices(), what=v.path, stacked=False)
-
-  def _stored(self, n):
-    """The current storage of parameter `n`'s variable (a program run as one graph may have restacked it)."""
-    return _state.storage_of(_compat.keras_inner_variable(self.variables[self.step.state.param_names.index(n)]))
 
   def _update(self, k):
     """The optimizer's update of the variables that live with stage k, one gs.function on its submesh capturing
     them and their slots: (*gradients in the planned layouts) -> ()."""
     if k not in self._updates:
       state, opt = self.step.state, self.optimizer
-      names = [n for n in state.param_names if n in self._storage and state.homes[n][0] == k]
+      names = [n for n in state.param_names if state.homes.get(n, (None,))[0] == k]
       variables = [self.variables[state.param_names.index(n)] for n in names]
 
       def update(*grads):
@@ -172,8 +167,9 @@ class PlannedModel:
   def __call__(self, x, y):
     """One training step on batch (x, y): the loss (a host scalar); the variables and slots updated in place."""
     state = self.step.state
-    params = [_stored_value(self._stored(n)) if n in self._storage else tf.convert_to_tensor(v)  # (read by none)
-              for n, v in zip(state.param_names, self.variables)]
+    # (each variable's current storage: a program run as one graph may have restacked it; read by no stage: whole)
+    params = [_stored_value(_state.storage_of(_compat.keras_inner_variable(v))) if n in state.homes
+              else tf.convert_to_tensor(v) for n, v in zip(state.param_names, self.variables)]
     loss, grads = self.step(params, x, y)
     grad = dict(zip(state.param_names, grads))
     for k in state.stages():

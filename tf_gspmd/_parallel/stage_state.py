@@ -20,7 +20,7 @@ from tf_gspmd.errors import InputError
 from tf_gspmd.initializers import get as initializers_get
 from tf_gspmd.runtime.cross_mesh import reshard, tile_extent
 from tf_gspmd.runtime.parallel import local as parallel_local
-from tf_gspmd.runtime.sharded_tensor import ShardedTensor, from_process_local_data
+from tf_gspmd.runtime.sharded_tensor import ShardedTensor, from_process_local_data, padded
 
 
 def to_tensor(value):
@@ -180,9 +180,7 @@ class StageState:
       for p in positions:
         starts, lengths = tile_extent(sharding, shape, p)
         with tf.device(devices[p]):
-          block = init.chunked(shape, starts, lengths, spec.dtype)
-          comps.append(tf.pad(block, [(0, t - m) for t, m in zip(tile, lengths)]) if tuple(lengths) != tile
-                       else block)
+          comps.append(padded(init.chunked(shape, starts, lengths, spec.dtype), tile))
       out.append(ShardedTensor(comps, sharding, shape, spec.dtype, devices=devices, positions=positions))
     return out
 

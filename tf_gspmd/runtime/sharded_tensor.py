@@ -122,6 +122,12 @@ def _on_devices(components, devices):
   return out
 
 
+def padded(piece, shard_shape):
+  """`piece` (a tile, a tensor) padded with zeros at the end of each dim to `shard_shape` (uneven splits)."""
+  pad = [(0, c - n) for c, n in zip(shard_shape, piece.shape.as_list())]
+  return tf.pad(piece, pad) if any(r for _, r in pad) else piece
+
+
 def shard_host_value(value, sharding, shape, positions=None):
   """Split a global host value into the shards of mesh `positions` (default: all; zero-padded to the shard
   shape)."""

@@ -26,7 +26,7 @@ from tf_gspmd._layout.plan_scope import is_shape_only
 from tf_gspmd.errors import InputError
 from tf_gspmd.runtime import checkpoint
 from tf_gspmd.runtime import parallel
-from tf_gspmd.runtime.sharded_tensor import ShardedTensor
+from tf_gspmd.runtime.sharded_tensor import ShardedTensor, padded
 
 _lock = threading.RLock()
 
@@ -195,9 +195,7 @@ class ShardedStorage:
 
   def padded(self, piece):
     """`piece` (a tile) padded with zeros to the shard shape."""
-    piece = tf.convert_to_tensor(piece, self.dtype)
-    pad = [(0, c - n) for c, n in zip(self.shard_shape, piece.shape.as_list())]
-    return tf.pad(piece, pad) if any(r for _, r in pad) else piece
+    return padded(tf.convert_to_tensor(piece, self.dtype), self.shard_shape)
 
   def load(self, value):
     """Writes a global host value into the shards."""
