@@ -24,7 +24,7 @@ import os
 import time
 
 from tf_gspmd.errors import PartitionError, ShardingError
-from tf_gspmd.rewriter.backend import cleanup, constants, horizontal, jit, xla_export
+from tf_gspmd.rewriter.backend import checks, cleanup, constants, horizontal, jit, xla_export
 from tf_gspmd.rewriter.collectives import combine, ordering
 from tf_gspmd.rewriter.frontend import grappler, import_annotations, trace
 from tf_gspmd.rewriter.graph import graph_view
@@ -50,7 +50,8 @@ def device_program(program):
       variables=tuple(zip(program.variable_names, program.variables, program.variable_shardings,
                           program.variables_written)),
       results=tuple(program.output_specs), jit=program.jit, locally_optimized=program.locally_optimized,
-      in_process=one_graph, collective_timeout=program.options.collective_timeout))
+      in_process=one_graph, collective_timeout=program.options.collective_timeout,
+      checks=program.deferred_checks, verdict=checks.VERDICT if program.deferred_checks else None))
 
 
 PASSES = (
@@ -71,6 +72,7 @@ PASSES = (
     ("constants", constants.run),                  # its constants per device (report.constants); strict: none > 1 MiB
     ("in_process", in_process.run),                # one graph per process, collectives as device edges
     ("fuse", horizontal.run),                      # like element-wise chains (an optimizer's, per weight) as one
+    ("checks", checks.run),                        # a failed check raised after the step, not inside it
     ("order", ordering.run),                       # every device launches its collectives in one order
     ("schedules", schedules.run),                  # gs.pipeline schedules stated in the report
     ("device_program", device_program),            # the record the runtime runs
@@ -82,8 +84,8 @@ _PARTITION = ("partition", "combine", "cleanup", "verify", "memory")
 PATHS = {   # the passes each path runs, in the order of PASSES
     ONE_GRAPH: _COMPLETE + _PARTITION + ("compile", "optimize", "constants", "in_process", "schedules",
                                          "device_program"),
-    COLLECTIVES: _COMPLETE + _PARTITION + ("compile", "optimize", "constants", "fuse", "order", "schedules",
-                                           "device_program"),
+    COLLECTIVES: _COMPLETE + _PARTITION + ("compile", "optimize", "constants", "fuse", "checks", "order",
+                                           "schedules", "device_program"),
     PLAN: _COMPLETE + _PARTITION + ("compile", "constants", "order", "schedules"),
     XLA: _COMPLETE + ("xla_export",),
 }

@@ -22,6 +22,16 @@ class Options:
 
 
 @dataclasses.dataclass(frozen=True)
+class Check:
+  """A check of the per-device program whose verdict the runtime reads after the step (rewriter/backend/checks.py):
+  where it is, its op type, what it says when it fails, and the per-device resource holding its verdict."""
+  node: str
+  op: str
+  message: str
+  resource: str
+
+
+@dataclasses.dataclass(frozen=True)
 class DeviceProgram:
   """What the runtime runs, and all it reads: the per-device program, how every device calls it, and the state it
   keeps on the devices. The last pass (`device_program`) builds it from the Program."""
@@ -40,6 +50,8 @@ class DeviceProgram:
   locally_optimized: bool                # TF's graph optimizer already ran on graph_def (the runtime skips it)
   in_process: Any                        # in_process.InProcess: every device's program as one graph, or None
   collective_timeout: float              # seconds before a stuck step's collectives are aborted
+  checks: Tuple[Check, ...] = ()         # checks decided after the step (rewriter/backend/checks.py)
+  verdict: Optional[str] = None          # with checks: the op whose output 0 is their verdict, one more result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +104,7 @@ class Program:
   jit: Optional[str] = None              # None (not compiled), "segments" (CPU) or "whole" (GPU, TPU)
   locally_optimized: bool = False        # TF's graph optimizer already ran on local_graph_def (the runtime skips it)
   in_process: Any = None                 # in_process.InProcess: every device's program as one graph, or None
+  deferred_checks: Tuple[Check, ...] = ()  # the checks pass: checks whose verdict the program returns
   device_program: Optional[DeviceProgram] = None   # what the runtime runs (the last pass)
   exported: Any = None                   # xla_export.Exported: partitioner="xla"'s annotated global program
   function_cache: Any = dataclasses.field(default_factory=dict, compare=False, repr=False)

@@ -399,6 +399,10 @@ class Report:
     carries it}."""
     return dataclasses.replace(self, combined=self.combined + tuple(combined)).with_ops_replaced(carriers)
 
+  def with_collectives_added(self, records):
+    """This report with the collectives a pass after partitioning emitted (CollectiveRecords)."""
+    return dataclasses.replace(self, collectives=self.collectives + tuple(records))
+
   def with_pipelines(self, schedules):
     return dataclasses.replace(self, pipelines=self.pipelines + tuple(schedules))
 

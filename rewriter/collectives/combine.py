@@ -112,7 +112,7 @@ def plan(order, ancestors, key_of, nbytes_of, max_bytes=MAX_BYTES):
   return [b.ops for b in bins]
 
 
-def _table_lookup(graph, pid):
+def table_lookup(graph, pid):
   """Row `pid` of a per-device table, the table shared with partitioning's own (gspmd/tables/) when it holds the
   same values: a combined collective's group keys are the tables its members already read, not a copy per op."""
   tables = {}
@@ -143,7 +143,7 @@ def combine(program):
   order, ancestors = _ancestors(view, candidates)
   bins = plan(order, ancestors, lambda n: candidates[n][1], lambda n: candidates[n][2])
   pid = graph.get_tensor_by_name(ref(program.partition_id))
-  backend = Backend(program.mesh, program.devices, pid, _table_lookup(graph, pid), None, program.processes)
+  backend = Backend(program.mesh, program.devices, pid, table_lookup(graph, pid), None, program.processes)
   combined, rewires, carriers = [], [], {}
   for names in bins:
     if len(names) < 2:

@@ -74,8 +74,9 @@ def _mark_variable_shapes(gd, variables):
 
 
 # Ops a program runs to check or show values (TF's debug ops): they run whenever the function runs, as in a
-# tf.function, though no result reads them.
-CHECK_OPS = frozenset(("Assert", "CheckNumerics", "CheckNumericsV2", "PrintV2", "Print"))
+# tf.function, though no result reads them. The failing ones raise InvalidArgumentError when their check fails.
+FAILING_CHECK_OPS = frozenset(("Assert", "CheckNumerics", "CheckNumericsV2"))
+CHECK_OPS = FAILING_CHECK_OPS | {"PrintV2", "Print"}
 
 
 def _checks(graph, gd):

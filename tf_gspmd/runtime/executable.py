@@ -21,6 +21,7 @@ from tf_gspmd._platform import cluster as _cluster
 from tf_gspmd._platform import compat as _compat
 from tf_gspmd._layout.plan_scope import is_shape_only
 from tf_gspmd.errors import InputError
+from tf_gspmd.runtime import checks as _checks
 from tf_gspmd.runtime import host_writes
 from tf_gspmd.runtime import parallel
 from tf_gspmd.runtime import state as _state
@@ -155,6 +156,9 @@ class Executable:
     self._fn = None
     self._in_process = None
     self.n_outputs = len(program.outputs)
+    # checks the program decides after the step: its verdict is one more output
+    self._verdicts = _checks.Verdicts(program.checks, [self.devices[p] for p in self.local.positions]) if (
+        program.checks) else None
     self._call_options = None   # the function-call options of every call (see _instantiation)
     self._storages = None   # the storages of the last call
     self._host_writes = host_writes.HostWrites()   # eager writes since the last step, copied into the shards
@@ -169,6 +173,7 @@ class Executable:
       program = self.program
       inputs = [program.partition_id + ":0"] + [n + ":0" for n in program.inputs + program.variable_inputs]
       outputs = _past_identities(program.graph_def, [n + ":0" for n in program.outputs])
+      outputs += [program.verdict + ":0"] if program.verdict else []
       # A concrete function straight from the GraphDef (no Python tracing); side-effect ops are control outputs.
       fn = _function_from_graph_def(program.graph_def, inputs, outputs + list(program.side_effects))
       if program.jit == "whole":   # GPU: the per-device program, collectives included, compiled by XLA
@@ -246,7 +251,7 @@ class Executable:
     """Run the per-device program on the parallel device `pd`, aborting its collectives past the deadline."""
     with self._deadline():
       with tf.device(_compat.parallel_device_name(pd)), self._instantiation():
-        return self._call(pid, packed)[:self.n_outputs]
+        return self._call(pid, packed)[:self.n_outputs + (self._verdicts is not None)]
 
   @contextlib.contextmanager
   def _deadline(self):
@@ -307,7 +312,12 @@ class Executable:
         outs = [dict(components=outs[k * n:(k + 1) * n]) for k in range(self.n_outputs)]
       else:
         flat.extend(st.packed(self.pd) for st in storages)
-        outs = [dict(components=None, packed=(self.pd, out)) for out in self.run_packed(self.pd, self.pid, flat)]
+        if self._verdicts is not None:
+          self._verdicts.before_step()
+        results = self.run_packed(self.pd, self.pid, flat)
+        if self._verdicts is not None:
+          self._verdicts.after_step(self.pd.unpack(results.pop()))
+        outs = [dict(components=None, packed=(self.pd, out)) for out in results]
       for st, written in zip(storages, self.written):
         st.after_step(written)
     return [ShardedTensor(sharding=sharding, shape=shape, dtype=dtype, devices=self.devices, positions=positions, **out)

@@ -51,7 +51,7 @@ def test_pipeline_is_one_list_and_times_every_pass():
   names = [name for name, _ in pipeline.PASSES]
   assert names == ["trace", "grappler", "import_annotations", "auto_shard", "complete", "weight_update_sharding",
                    "xla_export", "partition", "combine", "cleanup", "verify", "memory", "compile",
-                   "optimize", "constants", "in_process", "fuse", "order", "schedules", "device_program"]
+                   "optimize", "constants", "in_process", "fuse", "checks", "order", "schedules", "device_program"]
   for path, passes in pipeline.PATHS.items():   # each path a selection of the list, in its order
     assert list(passes) == [n for n in names if n in passes], path
   low = _megatron()
