@@ -51,7 +51,8 @@ def device_program(program):
                           program.variables_written)),
       results=tuple(program.output_specs), jit=program.jit, locally_optimized=program.locally_optimized,
       in_process=one_graph, collective_timeout=program.options.collective_timeout,
-      checks=program.deferred_checks, verdict=checks.VERDICT if program.deferred_checks else None))
+      checks=program.deferred_checks, verdict=checks.VERDICT if program.deferred_checks else None,
+      verdict_agreed=program.verdict_agreed))
 
 
 PASSES = (

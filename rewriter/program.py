@@ -52,6 +52,7 @@ class DeviceProgram:
   collective_timeout: float              # seconds before a stuck step's collectives are aborted
   checks: Tuple[Check, ...] = ()         # checks decided after the step (rewriter/backend/checks.py)
   verdict: Optional[str] = None          # with checks: the op whose output 0 is their verdict, one more result
+  verdict_agreed: bool = False           # every device's verdict says whether a check failed on any device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +106,7 @@ class Program:
   locally_optimized: bool = False        # TF's graph optimizer already ran on local_graph_def (the runtime skips it)
   in_process: Any = None                 # in_process.InProcess: every device's program as one graph, or None
   deferred_checks: Tuple[Check, ...] = ()  # the checks pass: checks whose verdict the program returns
+  verdict_agreed: bool = False           # the checks pass: the devices all-reduce whether one failed
   device_program: Optional[DeviceProgram] = None   # what the runtime runs (the last pass)
   exported: Any = None                   # xla_export.Exported: partitioner="xla"'s annotated global program
   function_cache: Any = dataclasses.field(default_factory=dict, compare=False, repr=False)

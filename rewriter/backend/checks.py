@@ -10,12 +10,12 @@ program to reset"). So no check fails inside such a program:
     maximum over the step (a check in a loop body runs once per iteration): 0 passed; a numerics check's bits
     1 NaN, 2 Inf (+Inf for CheckNumericsV2), 4 -Inf; a failed assert 1. The values an assert would print are
     not kept;
-  * after every check, the devices all-reduce whether any check failed anywhere, and the program writes its
-    variables only when none did (TF runs no write after a failed check): an assign writes the value it holds
-    already, an assign-add or -sub adds zero;
-  * the program returns [each check's verdict..., whether one failed on any device] as one more result
-    (VERDICT); the runtime reads it and raises the check's InvalidArgumentError, as TF would have
-    (tf_gspmd/runtime/checks.py).
+  * where the program writes variables, or its mesh spans processes, the devices then all-reduce whether any
+    check failed anywhere (4 bytes), and the program writes its variables only when none did (TF runs no write
+    after a failed check): an assign writes the value it holds already, an assign-add or -sub adds zero;
+  * the program returns [each check's verdict..., whether one failed (on any device, where they agree)] as one
+    more result (VERDICT); the runtime reads it (the first device's where the devices agree, else every local
+    device's) and raises the check's InvalidArgumentError, as TF would have (tf_gspmd/runtime/checks.py).
 
 A program whose writes cannot all wait for the verdict (a write op other than an assign, a write inside a function
 body or an XLA segment, a write that a check depends on) keeps its checks as they are.
@@ -71,8 +71,11 @@ def run(program):
   held = {n.name for n in out.node if set(graph_view.function_names(n)) & holding}
   if _ancestors(out, held) & {w.name for w in writes}:
     return program   # a check reads what a write wrote: the write cannot wait for it
-  gd, records = _verdict(program, out, checks, held, writes)
-  return program.replace(local_graph_def=gd, deferred_checks=tuple(checks),
+  # The devices agree on the verdict where writes wait for it, or where other processes run devices of the mesh
+  # (each must raise); else this process reads every device's own.
+  agreed = bool(writes) or len(set(program.processes or (0,))) > 1
+  gd, records = _verdict(program, out, checks, held, writes, agreed)
+  return program.replace(local_graph_def=gd, deferred_checks=tuple(checks), verdict_agreed=agreed,
                          report=program.report.with_collectives_added(records))
 
 
@@ -121,7 +124,7 @@ def _record_call(nd, check):
   if nd.op == "Assert":
     @tf.function(autograph=False)
     def record(condition):
-      keep(1 - tf.cast(condition, tf.int32))
+      keep(1 - tf.cast(tf.reduce_all(condition), tf.int32))
     dtype, operand, outputs = tf.bool, nd.input[0], []
   else:
     dtype = tf.as_dtype(nd.attr["T"].type)
@@ -178,8 +181,9 @@ def _ancestors(gd, names):
   return seen
 
 
-def _verdict(program, gd, checks, held, writes):
-  """(`gd` with the verdict result and the writes waiting for it, the records of the collective it adds)."""
+def _verdict(program, gd, checks, held, writes, agreed):
+  """(`gd` with the verdict result and the writes waiting for it, the records of the collective it adds: with
+  `agreed`, the devices agree on whether a check failed anywhere)."""
   graph = tf.Graph()
   with graph.as_default():
     tf.graph_util.import_graph_def(gd, name="")
@@ -192,10 +196,11 @@ def _verdict(program, gd, checks, held, writes):
             resource=tf.raw_ops.VarHandleOp(dtype=tf.int32, shape=[], shared_name=c.resource, container=""),
             dtype=tf.int32) for c in checks])
       failed = tf.cast(tf.reduce_max(codes, keepdims=True) > 0, tf.float32)
-      anywhere = backend.all_reduce(failed, tuple(program.mesh.axis_names), "Max", VERDICT,
+      if agreed:
+        failed = backend.all_reduce(failed, tuple(program.mesh.axis_names), "Max", VERDICT,
                                     "whether a check failed on any device")
-      tf.concat([codes, tf.cast(anywhere, tf.int32)], 0, name="verdict")
-      passed = tf.equal(anywhere[0], 0.0)
+      tf.concat([codes, tf.cast(failed, tf.int32)], 0, name="verdict")
+      passed = tf.equal(failed[0], 0.0)
       gated = {}
       for w in writes:
         op = graph.get_operation_by_name(w.name)

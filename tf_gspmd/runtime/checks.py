@@ -9,10 +9,11 @@ _NUMERICS = {"CheckNumerics": ((2, "Inf"), (1, "NaN")), "CheckNumericsV2": ((4, 
 
 
 class Verdicts:
-  """The verdicts of `checks` (rewriter.program.Check) on `devices` (this process's devices of the mesh)."""
+  """The verdicts of `checks` (rewriter.program.Check) on `devices` (this process's devices of the mesh); `agreed`:
+  each device's verdict also says whether a check failed on any device."""
 
-  def __init__(self, checks, devices):
-    self.checks, self.devices = tuple(checks), tuple(devices)
+  def __init__(self, checks, devices, agreed):
+    self.checks, self.devices, self.agreed = tuple(checks), tuple(devices), agreed
     self._set = False
 
   def _reset(self):
@@ -29,12 +30,17 @@ class Verdicts:
 
   def after_step(self, verdicts):
     """Raises the InvalidArgumentError of the first failed check, reading `verdicts` (per local device, in
-    `devices` order: [each check's verdict..., whether one failed on any device]); only the first device's is
-    read when none failed."""
-    first = verdicts[0].numpy()
-    if not first[-1]:
-      return
-    rows = [first] + [v.numpy() for v in verdicts[1:]]
+    `devices` order: [each check's verdict..., whether one failed: on any device where they agree, else on that
+    one]); where they agree, only the first device's is read when none failed."""
+    if self.agreed:
+      first = verdicts[0].numpy()
+      if not first[-1]:
+        return
+      rows = [first] + [v.numpy() for v in verdicts[1:]]
+    else:
+      rows = [v.numpy() for v in verdicts]
+      if not any(row[-1] for row in rows):
+        return
     self._reset()   # the next step starts from passed checks
     for device, row in zip(self.devices, rows):
       for c, code in zip(self.checks, row[:-1]):

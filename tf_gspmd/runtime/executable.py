@@ -157,8 +157,8 @@ class Executable:
     self._in_process = None
     self.n_outputs = len(program.outputs)
     # checks the program decides after the step: its verdict is one more output
-    self._verdicts = _checks.Verdicts(program.checks, [self.devices[p] for p in self.local.positions]) if (
-        program.checks) else None
+    self._verdicts = _checks.Verdicts(program.checks, [self.devices[p] for p in self.local.positions],
+                                      program.verdict_agreed) if program.checks else None
     self._call_options = None   # the function-call options of every call (see _instantiation)
     self._storages = None   # the storages of the last call
     self._host_writes = host_writes.HostWrites()   # eager writes since the last step, copied into the shards

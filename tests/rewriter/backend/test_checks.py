@@ -80,12 +80,19 @@ def test_a_failed_check_before_an_all_reduce_raises_writes_nothing_and_later_ste
   assert sum(r["plain"] == "InvalidArgumentError" for r in rows) == 20
 
 
-def test_the_verdict_is_one_all_reduce_of_the_report_and_the_checks_are_named():
+@pytest.mark.parametrize("writes", [False, True])
+def test_the_checks_are_named_and_the_devices_agree_on_the_verdict_where_writes_wait_for_it(writes):
+  """Where the program writes a variable, one all-reduce of 4 bytes (in the report) tells every device whether a
+  check failed; without writes, in one process, the runtime reads every device's verdict and nothing is added."""
   mesh = gs.Mesh((8,), ("d",))
+  v = tf.Variable(0.0)
 
   def step(x):
     tf.debugging.assert_less(x, 5.0, message="x too big")
-    return tf.reduce_sum(tf.debugging.check_numerics(x, "x went bad"))
+    total = tf.reduce_sum(tf.debugging.check_numerics(x, "x went bad"))
+    if writes:
+      v.assign_add(total)
+    return total
 
   f = gs.function(step, mesh=mesh, in_shardings=gs.P("d"), exchange="collectives")
   lowered = f.lower(tf.TensorSpec([16], tf.float32))
@@ -93,15 +100,19 @@ def test_the_verdict_is_one_all_reduce_of_the_report_and_the_checks_are_named():
   assert sorted(c.op for c in program.checks) == ["Assert", "CheckNumerics"]
   assert any("[x too big]" in c.message for c in program.checks)
   assert any(c.message == "x went bad" for c in program.checks)
-  assert program.verdict == checks.VERDICT
+  assert program.verdict == checks.VERDICT and program.verdict_agreed == writes
   verdict = [c for c in lowered.report.collectives if c.source == checks.VERDICT]
-  assert len(verdict) == 1 and verdict[0].kind == "all-reduce" and verdict[0].bytes == 4, verdict
-  # Good input: the values of plain TF; bad input: its error, and the next call runs.
+  if writes:
+    assert len(verdict) == 1 and verdict[0].kind == "all-reduce" and verdict[0].bytes == 4, verdict
+  else:
+    assert not verdict
+  # Good input: the values of plain TF; bad input: its error, no write, and the next call runs.
   x = np.arange(16, dtype=np.float32) / 4.0
-  np.testing.assert_allclose(f(x).numpy(), tf.function(step)(x).numpy())
+  np.testing.assert_allclose(f(x).numpy(), x.sum())
   with pytest.raises(tf.errors.InvalidArgumentError, match=r"x too big"):
     f(x * 4.0)
-  np.testing.assert_allclose(f(x).numpy(), tf.function(step)(x).numpy())
+  np.testing.assert_allclose(f(x).numpy(), x.sum())
+  assert v.numpy() == (2 * x.sum() if writes else 0.0)
 
 
 def test_a_program_without_collectives_keeps_tf_s_own_checks():
