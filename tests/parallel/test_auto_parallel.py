@@ -196,6 +196,59 @@ def test_a_unet_s_skip_connections_cross_each_in_its_own_layout():
   _check_boundary_bytes(step)
 
 
+@pytest.fixture
+def moe_flags():
+  """examples/train_moe.py's flags, set small for the test and restored after it."""
+  import train_moe  # pylint: disable=g-import-not-at-top
+  f = train_moe.FLAGS
+  if not f.is_parsed():
+    f(["test"])
+  small = dict(layers=2, d_model=16, heads=2, d_ff=32, experts=4, vocab=32, seq_len=8, batch=8, auto=False,
+               auto_parallel=True)   # auto_parallel: no gs.shard annotations inside the model
+  saved = {k: getattr(f, k) for k in small}
+  for k, v in small.items():
+    setattr(f, k, v)
+  yield train_moe
+  for k, v in saved.items():
+    setattr(f, k, v)
+
+
+def test_the_moe_s_boundaries_carry_its_hidden_state_and_gating_loss_each_in_its_own_layout(moe_flags):
+  """The GShard MoE of examples/train_moe.py (bench/alpa.py's): its boundaries carry several tensors -- the hidden
+  state, the running load-balancing (gating) loss, a scalar, and where a cut falls inside a block its routing
+  weights -- each in its own planned layout and dtype (the bytes counted by hand); loss and gradients equal the
+  unpartitioned step's."""
+  import transformer_model as tm  # pylint: disable=g-import-not-at-top
+  moe, f = moe_flags, moe_flags.FLAGS
+  specs = moe.param_specs(gs.P)
+  params = {name: np.asarray(moe._initializer(kind, 1000 + k)(shape), np.float32)  # pylint: disable=protected-access
+            for k, (name, (shape, _, kind)) in enumerate(sorted(specs.items()))}
+  tokens, targets = tm.synthetic_batch(tm.Config(vocab=f.vocab, seq=f.seq_len, batch=f.batch), seed=1)
+
+  def loss(prm, tok, tgt):
+    logits, aux = moe.forward(prm, tok, None, gs.P)
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tgt, logits=logits)) + (
+        f.aux_weight * aux)
+
+  free_moves = dataclasses.replace(CAL, seconds_per_call=0.0, seconds_per_transfer_byte=0.0)  # (cuts anywhere)
+  step = gs.auto_parallel(loss, params, tokens, targets, mesh=gs.Mesh((2, 4), ("host", "device")), microbatches=1,
+                          layers=f.layers + 2, calibration=free_moves, intra_candidate=False, max_stage_rows=1)
+  print("\n" + str(step))
+  assert len(step.stages) > 1, step
+  scalars = [k for k, b in enumerate(step.boundaries) if len(b.refs) > 1 and any(
+      spec.shape.rank == 0 for spec in b.specs)]
+  assert scalars, [(b.refs, b.specs) for b in step.boundaries]   # the hidden state and the gating loss, apart
+  got, grads = step(params, tokens, targets)
+  p = {k: tf.constant(v) for k, v in params.items()}
+  with tf.GradientTape() as tape:
+    tape.watch(p)
+    want = loss(p, tf.constant(tokens), tf.constant(targets))
+  assert_close(got, want.numpy())
+  for k, g in tape.gradient(want, p).items():
+    np.testing.assert_allclose(grads[k].numpy(), g.numpy(), rtol=1e-4, atol=1e-5, err_msg=k)
+  _check_boundary_bytes(step)
+
+
 def test_captured_trainable_variables_and_inexact_boundaries_are_refused():
   mesh = gs.Mesh((2, 4), ("host", "device"))
   tokens, labels = data()
