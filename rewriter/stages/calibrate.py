@@ -9,8 +9,9 @@ collective falls back to `DEFAULT`'s per-byte figure.
 
 What a pipeline's runtime adds is timed on submeshes too (`set_stage_timer`, installed by the API floor): the
 fixed cost of one call of a stage program (a trivial gs.function on a 2-device submesh: dispatch, argument
-placement, result wrapping) and the seconds per byte a destination device receives in a cross-mesh move
-(gs.reshard of a float32 tensor between two disjoint 2-device submeshes, less the move of a tiny one). It also
+placement, result wrapping), the seconds per byte a destination device receives in a cross-mesh move
+(gs.reshard of a float32 tensor between two disjoint 2-device submeshes, less the move of a tiny one) and what
+the tiny one costs per destination device (each tensor a move carries costs it, whatever its size). It also
 measures how many devices compute at once (`parallel_devices`): a matmul per device on k devices against one
 device's (logical CPU devices share the process's cores: k devices' work takes k times one device's when one
 already fills the cores); inf when they run side by side. A cached file written before these were timed is
@@ -19,8 +20,8 @@ timed again.
 DEFAULT holds what this routine measured on the 2-core development machine with 8 logical CPU devices:
 about 1.5e-11 s per multiply-add (roughly 65 G multiply-adds/s for a 512-cube matmul on both cores) and 1.0e-9 s
 per all-reduced byte (about 1 GB/s between logical CPU devices of one process), about 0.5 ms per stage-program
-call (0.5 ms at best) and 1 ns per byte received in a cross-mesh move, with the 8 devices computing one at
-a time (one device's matmul already fills both cores).
+call (0.5 ms at best), 1 ns per byte received in a cross-mesh move and 0.2 ms per tensor moved per destination
+device, with the 8 devices computing one at a time (one device's matmul already fills both cores).
 """
 
 import dataclasses
@@ -40,6 +41,7 @@ class Calibration:
   seconds_per_call: float = 2.0e-3            # one call of a stage program on a submesh (fixed)
   seconds_per_transfer_byte: float = 1.0e-9   # per byte a destination device receives in a cross-mesh move
   parallel_devices: float = float("inf")       # how many devices compute at once (logical devices share cores)
+  seconds_per_move: float = 2.0e-4            # per tensor a cross-mesh move carries, per destination device
 
   @property
   def flops_per_byte(self):
@@ -48,7 +50,8 @@ class Calibration:
 
 
 DEFAULT = Calibration(seconds_per_flop=1.5e-11, seconds_per_byte=1.0e-9, source="default (development machine)",
-                      seconds_per_call=5e-4, seconds_per_transfer_byte=1.0e-9, parallel_devices=1.0)
+                      seconds_per_call=5e-4, seconds_per_transfer_byte=1.0e-9, parallel_devices=1.0,
+                      seconds_per_move=2e-4)
 _CACHE = {}
 _FIELDS = tuple(f.name for f in dataclasses.fields(Calibration))
 
@@ -87,7 +90,7 @@ class Timers:
 
   all_reduce(best_of) -> seconds per byte of an all-reduce over two devices, or None without two devices;
   stage_runs(best_of) -> (seconds per stage-program call, seconds per byte received in a cross-mesh move, devices
-  computing at once), or None without four devices of one type."""
+  computing at once, seconds per tensor a cross-mesh move carries), or None without four devices of one type."""
 
   all_reduce: Callable[..., Optional[float]]
   stage_runs: Callable[..., Any]
@@ -112,11 +115,12 @@ def calibrate(refresh=False, timers=None):
   per_flop = _time_matmul()
   per_byte = timers.all_reduce(_best_of) if timers is not None else None
   runs = timers.stage_runs(_best_of) if timers is not None else None
-  per_call, per_moved, parallel = runs or (DEFAULT.seconds_per_call, DEFAULT.seconds_per_transfer_byte,
-                                          DEFAULT.parallel_devices)
+  per_call, per_moved, parallel, per_move = runs or (DEFAULT.seconds_per_call, DEFAULT.seconds_per_transfer_byte,
+                                                    DEFAULT.parallel_devices, DEFAULT.seconds_per_move)
   c = Calibration(seconds_per_flop=per_flop, seconds_per_byte=per_byte or DEFAULT.seconds_per_byte,
                   source="measured" if per_byte and runs else "measured matmul, default collective or stage runs",
-                  seconds_per_call=per_call, seconds_per_transfer_byte=per_moved, parallel_devices=parallel)
+                  seconds_per_call=per_call, seconds_per_transfer_byte=per_moved, parallel_devices=parallel,
+                  seconds_per_move=per_move)
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:

@@ -552,8 +552,8 @@ def reduction(fn, param_specs, batch_specs, microbatches):
   micro = [tf.TensorSpec([s.shape[0] // microbatches] + s.shape.as_list()[1:], s.dtype) for s in batch_specs]
   value = _loss_value(fn, param_specs, micro, batch_specs)
   name = getattr(fn, "__name__", "the step")
-  fix = (f"write the loss as tf.reduce_mean (or tf.reduce_sum) of per-example terms, or give microbatches=1 (the "
-         f"whole batch in one call)")
+  fix = ("write the loss as tf.reduce_mean (or tf.reduce_sum) of per-example terms, or give microbatches=1 (the "
+         "whole batch in one call)")
   if value.kind == "free":
     return "mean"
   if value.kind != "sum":

@@ -16,7 +16,8 @@
    layouts leave replicated) spread over the step's microbatches, plus what the pipeline's runtime adds per
    microbatch: two program calls (forward, backward) x seconds_per_call and, for every stage but the first, the
    move of its entering boundary across meshes and of its gradient back (`Pricer.boundary_seconds`: the bytes
-   each destination device receives x seconds_per_transfer_byte, and a call each way). Its memory per device is its parameters x (2 + optimizer slots) (weights, gradients,
+   each destination device receives x seconds_per_transfer_byte, its tensors x its devices x seconds_per_move,
+   and a call each way). Its memory per device is its parameters x (2 + optimizer slots) (weights, gradients,
    slots) plus one microbatch's activations (every tensor its ops make, at their layouts) per microbatch in
    flight;
 4. solves Alpa's dynamic program (`stage_dp.solve`) for T* = sum t_i + (B - 1) max t_j under the memory budget.
@@ -266,12 +267,14 @@ class Pricer:
   def boundary_seconds(self, i, j, logical):
     """The cross-mesh moves a stage of layers i..j (i > 0) adds per microbatch: its entering boundary arrives
     (forward) and the gradients of its floating-point tensors return (backward), each destination device
-    receiving `boundary_bytes`, with a call each way."""
+    receiving `boundary_bytes` and paying `seconds_per_move` per tensor, with a call each way."""
     if i == 0:
       return 0.0
     cal = self.calib
     moved = self.boundary_bytes(i, j, logical) + self.boundary_bytes(i, j, logical, floating_only=True)
-    return moved * cal.seconds_per_transfer_byte + 2 * cal.seconds_per_call
+    tensors = len(self.entering[i]) + sum(self.ir.info(r).dtype.is_floating for r in self.entering[i])
+    return (moved * cal.seconds_per_transfer_byte + tensors * logical[0] * logical[1] * cal.seconds_per_move
+            + 2 * cal.seconds_per_call)
 
   def boundary_bytes(self, i, j, logical, floating_only=False):
     """Bytes each device of a stage of layers i..j receives per microbatch of what layers >= i read that layers

@@ -57,7 +57,7 @@ def planned(gs):
   import dataclasses  # pylint: disable=g-import-not-at-top
   from tf_gspmd.rewriter.stages import calibrate  # pylint: disable=g-import-not-at-top
   cal = dataclasses.replace(calibrate.DEFAULT, seconds_per_call=2e-5, seconds_per_transfer_byte=1e-11,
-                            parallel_devices=float("inf"))
+                            seconds_per_move=1e-7, parallel_devices=float("inf"))
   return gs.auto_parallel(loss_fn, init(), *data(), mesh=gs.Mesh((2, 4), ("host", "device")), microbatches=4,
                           layers=6, calibration=cal, memory_budget=250_000)
 

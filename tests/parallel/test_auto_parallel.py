@@ -31,7 +31,7 @@ import unet_model  # noqa: E402  pylint: disable=g-import-not-at-top
 # machine's measured 2 ms a call they do not pay: test_the_intra_only_plan_runs_when_a_pipeline_cannot_pay).
 # (and devices computing side by side)
 CAL = dataclasses.replace(calibrate.DEFAULT, seconds_per_call=2e-5, seconds_per_transfer_byte=1e-11,
-                          parallel_devices=float("inf"))
+                          seconds_per_move=1e-7, parallel_devices=float("inf"))
 
 
 def reference(params, tokens, labels):
@@ -140,7 +140,8 @@ def test_boundary_tensors_travel_each_in_its_own_layout_and_dtype():
   mesh = gs.Mesh((2, 4), ("host", "device"))
   tokens, labels = data()
   scale = np.random.default_rng(3).uniform(0.5, 1.5, (N, S)).astype(np.float32)
-  free_moves = dataclasses.replace(CAL, seconds_per_call=0.0, seconds_per_transfer_byte=0.0)  # (cuts anywhere)
+  free_moves = dataclasses.replace(CAL, seconds_per_call=0.0, seconds_per_transfer_byte=0.0,
+                                   seconds_per_move=0.0)  # (cuts anywhere)
   step = gs.auto_parallel(skip_loss_fn, init(), tokens, scale, labels, mesh=mesh, microbatches=2, layers=6,
                           calibration=free_moves, intra_candidate=False)
   print("\n" + str(step))
@@ -180,7 +181,8 @@ def test_a_unet_s_skip_connections_cross_each_in_its_own_layout():
   hand); loss and gradients equal the unpartitioned step's."""
   shapes = unet_model.param_shapes(4)
   params, (images, labels) = unet_model.init_params(shapes), unet_model.synthetic_batch(8, 16)
-  free_moves = dataclasses.replace(CAL, seconds_per_call=0.0, seconds_per_transfer_byte=0.0)  # (cuts anywhere)
+  free_moves = dataclasses.replace(CAL, seconds_per_call=0.0, seconds_per_transfer_byte=0.0,
+                                   seconds_per_move=0.0)  # (cuts anywhere)
   step = gs.auto_parallel(unet_model.loss_fn, params, images, labels, mesh=gs.Mesh((2, 4), ("host", "device")),
                           microbatches=2, layers=6, calibration=free_moves, intra_candidate=False, max_stage_rows=1)
   print("\n" + str(step))
@@ -230,7 +232,8 @@ def test_the_moe_s_boundaries_carry_its_hidden_state_and_gating_loss_each_in_its
     return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tgt, logits=logits)) + (
         f.aux_weight * aux)
 
-  free_moves = dataclasses.replace(CAL, seconds_per_call=0.0, seconds_per_transfer_byte=0.0)  # (cuts anywhere)
+  free_moves = dataclasses.replace(CAL, seconds_per_call=0.0, seconds_per_transfer_byte=0.0,
+                                   seconds_per_move=0.0)  # (cuts anywhere)
   step = gs.auto_parallel(loss, params, tokens, targets, mesh=gs.Mesh((2, 4), ("host", "device")), microbatches=1,
                           layers=f.layers + 2, calibration=free_moves, intra_candidate=False, max_stage_rows=1)
   print("\n" + str(step))

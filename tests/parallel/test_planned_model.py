@@ -19,7 +19,7 @@ keras = pytest.importorskip("keras")
 V, D, F, S, N, H, BLOCKS = 256, 32, 64, 8, 16, 4, 2
 # (cheap calls and moves, under which the planner pipelines this small model)
 CAL = dataclasses.replace(calibrate.DEFAULT, seconds_per_call=2e-5, seconds_per_transfer_byte=1e-11,
-                          parallel_devices=float("inf"))
+                          seconds_per_move=1e-7, parallel_devices=float("inf"))
 BUDGET = 350_000   # bytes per device: less than the weights and Adam's two moments
 
 

@@ -46,8 +46,9 @@ def _time_stage_call(best_of, first, second, microbatches=4):
 def _time_stage_runs(best_of, elements=1 << 20):
   """(seconds per stage-program call (`_time_stage_call`), seconds per byte a destination device
   receives when gs.reshard moves a float32 tensor between two disjoint 2-device submeshes, how many devices
-  compute at once: k x one device's matmul time / k devices' time for a matmul each, inf when that is near k),
-  or None without four devices of one type (the planner's calibration of what a pipeline's runtime adds)."""
+  compute at once: k x one device's matmul time / k devices' time for a matmul each, inf when that is near k,
+  seconds per destination device of the move of a tiny tensor: what each tensor a move carries costs whatever its
+  size), or None without four devices of one type (the planner's calibration of what a pipeline's runtime adds)."""
   from tf_gspmd.runtime import cross_mesh  # pylint: disable=g-import-not-at-top
   kind = "GPU" if len(tf.config.list_logical_devices("GPU")) >= 4 else "CPU"
   devices = [d.name for d in tf.config.list_logical_devices(kind)]
@@ -72,7 +73,7 @@ def _time_stage_runs(best_of, elements=1 << 20):
   t1 = best_of(lambda: np.asarray(one(np.tile(w, (4, 1)), w)))
   tk = best_of(lambda: np.asarray(many(np.tile(w, (4 * k, 1)), w)))   # (the same work on each of k devices)
   parallel = k * t1 / max(tk, 1e-9)
-  return per_call, per_byte, (float("inf") if parallel > 0.8 * k else max(parallel, 1.0))
+  return per_call, per_byte, (float("inf") if parallel > 0.8 * k else max(parallel, 1.0)), tiny / 2
 
 
 # What the planner's calibration times (`calibrate.calibrate(timers=TIMERS)`).

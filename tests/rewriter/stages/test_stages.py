@@ -24,7 +24,7 @@ CFG = tm.Config(layers=4, d_model=64, heads=4, d_ff=256, vocab=4096, seq=16, bat
 CAL = dataclasses.replace(calibrate.DEFAULT, parallel_devices=float("inf"))
 # Call and move costs of an accelerator cluster: the small test models' stages pipeline under them (at this
 # machine's 2 ms a call they do not pay; see test_transfers_and_calls_are_priced).
-PIPE = dataclasses.replace(CAL, seconds_per_call=2e-5, seconds_per_transfer_byte=1e-11)
+PIPE = dataclasses.replace(CAL, seconds_per_call=2e-5, seconds_per_transfer_byte=1e-11, seconds_per_move=1e-7)
 
 
 def _specs(cfg):
@@ -330,12 +330,12 @@ def test_gradient_sync_priced_in_the_layer_plan():
 
 def test_transfers_and_calls_are_priced(traced):
   """A stage's latency carries its entering boundary's cross-mesh moves (both ways), at the bytes each of its
-  devices receives, and two calls per microbatch; the cut after the vocabulary head (the logits cross) costs
-  most, and pricing moves makes the planner cut where less crosses."""
+  devices receives and a fixed cost per tensor and device, and two calls per microbatch; the cut after the
+  vocabulary head (the logits cross) costs most, and pricing moves makes the planner cut where less crosses."""
   layers = clustering.cluster(traced, 6)
   cfgs = stage_dp.configs(2, 4)
-  free = dataclasses.replace(CAL, seconds_per_call=0.0, seconds_per_transfer_byte=0.0)
-  dear = dataclasses.replace(CAL, seconds_per_call=1e-3, seconds_per_transfer_byte=1e-8)
+  free = dataclasses.replace(CAL, seconds_per_call=0.0, seconds_per_transfer_byte=0.0, seconds_per_move=0.0)
+  dear = dataclasses.replace(CAL, seconds_per_call=1e-3, seconds_per_transfer_byte=1e-8, seconds_per_move=1e-4)
   p_free = stages.Pricer(traced, layers, traced.input_names[:-2], 4, free, 2, 10.0)
   p_dear = stages.Pricer(traced, layers, traced.input_names[:-2], 4, dear, 2, 10.0)
   t_free, _, _ = p_free.tables(cfgs)
@@ -346,7 +346,9 @@ def test_transfers_and_calls_are_priced(traced):
     for i in range(L):
       for j in range(i, L):
         nbytes = p_dear.boundary_bytes(i, j, cfg.logical)
-        moves = 2 * (nbytes * 1e-8 + 1e-3) if i else 0.0
+        entering = p_dear.entering[i]   # forward: every tensor; backward: the floating-point ones' gradients
+        tensors = len(entering) + sum(traced.ir.info(r).dtype.is_floating for r in entering)
+        moves = (2 * (nbytes * 1e-8 + 1e-3) + tensors * cfg.size * 1e-4) if i else 0.0
         assert t_dear[i, j, c] - t_free[i, j, c] == pytest.approx(2e-3 + moves, rel=1e-9, abs=1e-12)
         crossing[i] = max(crossing.get(i, 0.0), nbytes)
   # The logits [batch, seq, vocab] float32 cross (replicated or split) into the stage of the softmax.
