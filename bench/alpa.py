@@ -10,7 +10,9 @@ Models (each a functional `loss_fn(params, *batch)`, the loss a mean over the ba
   unet         a small conv U-Net: 2 down blocks, a bottleneck, 2 up blocks with skip concatenations, a 1x1
                classifier per pixel (the Keras model of examples/train_convnet.py in functional form)
 
-One training step (loss and gradients of every parameter, no optimizer update) per plan:
+One training step per plan: loss and gradients of every parameter and Keras's Adam update (--optimizer adam, the
+default; --optimizer none: loss and gradients only), the parameters and both moments kept on the devices from step
+to step in each plan's layouts (the two-level rows: on their home stages' submeshes, `step.adam`):
   data parallel     gs.function, batch split over all devices, weights replicated
   hand layout       gs.function with the model's own layout: transformer Megatron on (data, model) (heads and MLP
                     hidden over model); MoE expert parallel as train_moe.py (one `expert` axis: groups outside the
@@ -51,6 +53,7 @@ from tf_gspmd import P  # noqa: E402  pylint: disable=g-import-not-at-top
 from timing import interleaved  # noqa: E402  pylint: disable=g-import-not-at-top
 
 MODELS = ("transformer", "moe", "unet")
+LR = 1e-3   # Adam's learning rate (--optimizer adam)
 
 
 class Model:
@@ -160,24 +163,59 @@ def _grad_step(loss, names, n_batch):
   return step
 
 
+def _adam_step(loss, names, n_batch, lr=LR, b1=0.9, b2=0.999, eps=1e-7):
+  """step(*batch, *params, *m, *v, t) -> (loss, params, m, v, t + 1): the gradient step and Keras's Adam update
+  in one program (the state returned in the layouts it came in, fed to the next call)."""
+  grad_step, n = _grad_step(loss, names, n_batch), len(names)
+
+  def step(*args):
+    batch, ps, ms, vs, t = (args[:n_batch], args[n_batch:n_batch + n], args[n_batch + n:n_batch + 2 * n],
+                            args[n_batch + 2 * n:n_batch + 3 * n], args[-1])
+    out = grad_step(*batch, *ps)
+    t1 = t + 1.0
+    alpha = lr * tf.sqrt(1.0 - b2 ** t1) / (1.0 - b1 ** t1)
+    ms = [m + (g - m) * (1.0 - b1) for m, g in zip(ms, out[1:])]
+    vs = [v + (tf.square(g) - v) * (1.0 - b2) for v, g in zip(vs, out[1:])]
+    ps = [p - alpha * m / (tf.sqrt(v) + eps) for p, m, v in zip(ps, ms, vs)]
+    return (out[0],) + tuple(ps) + tuple(ms) + tuple(vs) + (t1,)
+  return step
+
+
 def _spec(x):
   return tf.TensorSpec(x.shape, tf.as_dtype(x.dtype))
 
 
-def _spmd_row(name, loss, mesh, batch_specs, param_specs, shapes, batch, init, measure):
+def _spmd_row(name, loss, mesh, batch_specs, param_specs, shapes, batch, init, measure, adam):
   """(name, a call to time or None, predicted s or None, memory bytes per device, loss or None) of a gs.function
-  row (the call returns the loss; the gradients stay on the devices, as the two-level step's do)."""
+  row. The call returns the loss; without `adam` the gradients stay on the devices, as the two-level step's do;
+  with it the step also applies Adam, and parameters and moments stay on the devices from call to call."""
   names = sorted(shapes)
-  step = _grad_step(loss, names, len(batch))
-  shardings = "auto" if param_specs == "auto" else tuple(batch_specs) + tuple(param_specs[k] for k in names)
-  f = gs.function(step, mesh=mesh, in_shardings=shardings)
   specs = [_spec(b) for b in batch] + [tf.TensorSpec(shapes[k], tf.float32) for k in names]
+  if not adam:
+    shardings = "auto" if param_specs == "auto" else tuple(batch_specs) + tuple(param_specs[k] for k in names)
+    f = gs.function(_grad_step(loss, names, len(batch)), mesh=mesh, in_shardings=shardings)
+  else:
+    step = _adam_step(loss, names, len(batch))
+    specs += specs[len(batch):] * 2 + [tf.TensorSpec([], tf.float32)]
+    if param_specs == "auto":   # the layouts the integer program chose, kept by the results that come back
+      shardings = tuple(gs.function(step, mesh=mesh, in_shardings="auto").lower(*specs).in_shardings)
+    else:
+      shardings = tuple(batch_specs) + tuple(param_specs[k] for k in names) * 3 + (P(),)
+    f = gs.function(step, mesh=mesh, in_shardings=shardings, out_shardings=(P(),) + shardings[len(batch):])
   peak = f.lower(*specs).report.memory.peak_bytes
   if not measure:
     return name, None, None, peak, None
   params = init()
-  args = tuple(batch) + tuple(params[k] for k in names)
-  return name, lambda: f(*args)[0].numpy(), None, peak, float(f(*args)[0])
+  state = [tuple(params[k] for k in names)]
+  if adam:
+    state[0] += tuple(np.zeros(shapes[k], np.float32) for k in names) * 2 + (np.float32(0.0),)
+
+  def call():
+    out = f(*batch, *state[0])
+    if adam:
+      state[0] = tuple(out[1:])
+    return out[0].numpy()
+  return name, call, None, peak, float(call())
 
 
 def _whole_prediction(m, mesh):
@@ -201,7 +239,7 @@ def run_model(m, a, devices):
   """The rows of model `m`: measured on 8 devices, planned only (plan mode) on more."""
   measure = devices == 8
   host = _grid(devices, ("host", "device"))
-  common = dict(shapes=m.shapes, batch=m.batch, init=m.init, measure=measure)
+  common = dict(shapes=m.shapes, batch=m.batch, init=m.init, measure=measure, adam=a.optimizer == "adam")
   dp_axes = _grid(devices, ("data", "model"))
   rows, want = [], None
   if measure:
@@ -253,19 +291,32 @@ def two_level_rows(m, a, mesh, measure, whole):
           if chosen is two.pipelined_plan else
           f"no pipeline: one gs.function, {two.whole_layouts} layouts, the fastest of "
           + ", ".join(f"{k} {_ms(v, 1)} ms" for k, v in two.whole_timings.items()))
-  def run(plan):
+  def runner(plan):
+    """A call of `plan`'s step (with Adam: its update on the stages' submeshes, the parameters and moments kept
+    there from call to call)."""
     two.select(plan)   # (each plan's runtime is built once: switching lowers nothing again)
-    return two(params, *m.batch)[0]
+    if a.optimizer != "adam":
+      return lambda: two.select(plan) or two(params, *m.batch)[0]
+    opt, state = two.adam(LR), [two.place(params)]
 
+    def call():
+      two.select(plan)
+      loss, grads = two(state[0], *m.batch)
+      state[0] = opt(state[0], grads)
+      return loss
+    return call
+
+  run_chosen = runner(chosen)
   last = (f"auto two-level ({what}; planned and profiled in {took:.0f} s, {two.profiled_rounds} pipelined plan(s) "
-          f"timed)", lambda: run(chosen), chosen.predicted_seconds, _stage_memory(chosen), float(run(chosen)))
+          f"timed)", run_chosen, chosen.predicted_seconds, _stage_memory(chosen), float(run_chosen()))
   rows = []
   other = two.pipelined_plan if chosen is not two.pipelined_plan else two.intra_plan
   if other is not None:   # the plan the planner turned down, run for its measurement
     desc = (f"{len(other.stages)} stage(s) on {_submeshes(other)}" if other is two.pipelined_plan else
             f"no pipeline, {two.whole_layouts} layouts")
-    rows.append((f"auto, turned down ({desc})", lambda: run(other), other.predicted_seconds, _stage_memory(other),
-                 float(run(other))))
+    run_other = runner(other)
+    rows.append((f"auto, turned down ({desc})", run_other, other.predicted_seconds, _stage_memory(other),
+                 float(run_other())))
   return rows + [last]
 
 
@@ -315,6 +366,9 @@ def main():
   p.add_argument("--width", type=int, default=8, help="U-Net channels of the first level")
   p.add_argument("--microbatches", type=int, default=None, help="4 (16 planned)")
   p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--optimizer", choices=("adam", "none"), default="adam",
+                 help="adam: every row's step applies Adam too, its state kept on the devices; none: loss and "
+                      "gradients only")
   a = p.parse_args()
   devices = a.plan_devices or 8
   if devices % 8 or devices < 8:
