@@ -67,9 +67,11 @@ def run(program):
         checks.append(check)
   for h in helpers:
     out.library.function.add().CopyFrom(h)
-  holding = _holding({f.signature.name: f for f in out.library.function}, {c.resource for c in checks})
+  resources = {c.resource for c in checks}
+  holding = graph_view.functions_holding({f.signature.name: f for f in out.library.function}, lambda n: (
+      n.op == "VarHandleOp" and n.attr["shared_name"].s.decode() in resources))   # (a check's record)
   held = {n.name for n in out.node if set(graph_view.function_names(n)) & holding}
-  if _ancestors(out, held) & {w.name for w in writes}:
+  if {n.name for n in graph_view.prune(out, sorted(held)).node} & {w.name for w in writes}:
     return program   # a check reads what a write wrote: the write cannot wait for it
   # The devices agree on the verdict where writes wait for it, or where other processes run devices of the mesh
   # (each must raise); else this process reads every device's own.
@@ -152,33 +154,6 @@ def _record_call(nd, check):
   for key in ("config", "config_proto", "executor_type"):
     nd.attr[key].s = b""
   return fdef
-
-
-def _holding(functions, resources):
-  """Names of the functions that record a check's verdict, or call one that does."""
-  holding = {name for name, f in functions.items()
-             if any(n.op == "VarHandleOp" and n.attr["shared_name"].s.decode() in resources for n in f.node_def)}
-  changed = True
-  while changed:
-    changed = False
-    for name, f in functions.items():
-      if name not in holding and any(set(graph_view.function_names(n)) & holding for n in f.node_def):
-        holding.add(name)
-        changed = True
-  return holding
-
-
-def _ancestors(gd, names):
-  """Names of the nodes of graph `gd` that the nodes `names` depend on (data or control)."""
-  nodes = {n.name: n for n in gd.node}
-  seen, stack = set(), list(names)
-  while stack:
-    for inp in nodes[stack.pop()].input:
-      src = graph_view.node_of(inp)
-      if src not in seen and src in nodes:
-        seen.add(src)
-        stack.append(src)
-  return seen
 
 
 def _verdict(program, gd, checks, held, writes, agreed):

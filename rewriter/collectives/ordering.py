@@ -147,15 +147,7 @@ class _Unit:
 
 def _functions_holding_collectives(functions):
   """Names of the functions whose bodies (or the functions they call) hold a collective op."""
-  holding = {name for name, f in functions.items() if any(n.op in vocabulary.TF_COLLECTIVE_OPS for n in f.node_def)}
-  changed = True
-  while changed:
-    changed = False
-    for name, f in functions.items():
-      if name not in holding and any(set(graph_view.function_names(n)) & holding for n in f.node_def):
-        holding.add(name)
-        changed = True
-  return holding
+  return graph_view.functions_holding(functions, lambda n: n.op in vocabulary.TF_COLLECTIVE_OPS)
 
 
 def _instance_key(scope, nd):

@@ -14,7 +14,8 @@ import tensorflow as tf
 
 from tf_gspmd._layout.annotations import mesh_scope, recording_schedules
 from tf_gspmd.errors import InputError, ShapeError, ShardingError
-from tf_gspmd.rewriter.graph.graph_view import drop_colocation, function_names, node_def, ref, split_ref
+from tf_gspmd.rewriter.graph.graph_view import (drop_colocation, function_names, functions_holding, node_def, ref,
+                                               split_ref)
 
 _CONVERSIONS = {
     "SparseTensor": "tf.sparse.to_dense(x), or x.indices, x.values and x.dense_shape as separate results",
@@ -82,21 +83,11 @@ CHECK_OPS = FAILING_CHECK_OPS | {"PrintV2", "Print"}
 def _checks(graph, gd):
   """Names of the function's control outputs (the ops tf.function runs though no result reads them) that check or
   print values: an op of CHECK_OPS, or a call or control-flow op whose functions run one (an `AssertGuard` If)."""
-  functions = {f.signature.name: f for f in gd.library.function}
-  memo = {}
-
-  def runs_check(fname):
-    if fname not in memo:
-      memo[fname] = False
-      fdef = functions.get(fname)
-      memo[fname] = fdef is not None and any(
-          n.op in CHECK_OPS or any(runs_check(c) for c in function_names(n)) for n in fdef.node_def)
-    return memo[fname]
-
+  holding = functions_holding({f.signature.name: f for f in gd.library.function}, lambda n: n.op in CHECK_OPS)
   names = []
   for op in graph.control_outputs:
     nd = op.node_def
-    if nd.op in CHECK_OPS or any(runs_check(c) for c in function_names(nd)):
+    if nd.op in CHECK_OPS or set(function_names(nd)) & holding:
       names.append(op.name)
   return tuple(names)
 

@@ -263,6 +263,20 @@ def function_names(nd):
   return names
 
 
+def functions_holding(functions, holds):
+  """Names of the functions of `functions` ({name: FunctionDef}) whose bodies, or the bodies of the functions they
+  call, hold a node for which `holds(NodeDef)` is true."""
+  holding = {name for name, f in functions.items() if any(holds(n) for n in f.node_def)}
+  changed = True
+  while changed:
+    changed = False
+    for name, f in functions.items():
+      if name not in holding and any(set(function_names(n)) & holding for n in f.node_def):
+        holding.add(name)
+        changed = True
+  return holding
+
+
 def named_by_content(graph_def):
   """A copy of `graph_def` whose library functions are named by what they compute (each name suffixed with a hash
   of its body, the functions it calls renamed first), and every reference renamed: two programs imported into one

@@ -299,6 +299,8 @@ class AutoParallel(TrainingState):
       return
     seconds, name, f, shardings, peak = best
     n = len(self.param_names)
+    if name == "whole-step automatic":   # its gradients leave in the layouts chosen for their parameters, as the
+      f = self._grad_function(mesh, tuple(shardings))   # optimizer's update on the parameters' home reads them
     timed = dataclasses.replace(stage, parameters=tuple(zip(self.param_names, shardings[:n])),
                                 inputs=tuple(zip(self.data_names, shardings[n:])), seconds=seconds, measured=True,
                                 memory_bytes=float(peak))
