@@ -35,6 +35,7 @@ import tensorflow as tf
 from tf_gspmd._platform import compat as _compat
 from tf_gspmd.errors import UnsupportedOpError
 from tf_gspmd.rewriter.collectives import shapes, vocabulary
+from tf_gspmd.rewriter.frontend.trace import CHECK_OPS
 from tf_gspmd.rewriter.graph.graph_view import (GraphView, dedupe_controls, is_control, is_stateful, node_def, node_of,
                                           normalize)
 
@@ -42,9 +43,8 @@ from tf_gspmd.rewriter.graph.graph_view import (GraphView, dedupe_controls, is_c
 # runs in one only where `in_xla` says so.
 UNCOMPILABLE = frozenset({
     "Placeholder", "NoOp", "VarHandleOp", "While", "StatelessWhile", "If", "StatelessIf", "PartitionedCall",
-    "StatefulPartitionedCall", "PrintV2", "StringFormat", "Assert", "CheckNumerics", "CheckNumericsV2",
-    "ResourceScatterNdUpdate", "UnsortedSegmentProd",
-})
+    "StatefulPartitionedCall", "StringFormat", "ResourceScatterNdUpdate", "UnsortedSegmentProd",
+}) | CHECK_OPS   # (checks and prints: XLA would drop them)
 MIN_SEGMENT_OPS = {"CPU": 2, "GPU": 1}   # smaller clusters run in TF's executor (on GPUs every op is compiled)
 MODES = ("auto", True, False, "segments")
 _function_ids = itertools.count()
