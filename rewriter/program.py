@@ -24,11 +24,13 @@ class Options:
 @dataclasses.dataclass(frozen=True)
 class Check:
   """A check of the per-device program whose verdict the runtime reads after the step (rewriter/backend/checks.py):
-  where it is, its op type, what it says when it fails, and the per-device resource holding its verdict."""
+  where it is, its op type, what it says when it fails, the per-device resource holding its verdict and, for a
+  numerics check, the (bit, name) of each value its verdict can report (an assert's verdict is 1 when it failed)."""
   node: str
   op: str
   message: str
   resource: str
+  found: Tuple[Tuple[int, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

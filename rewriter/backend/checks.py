@@ -8,8 +8,8 @@ program to reset"). So no check fails inside such a program:
 
   * each check op becomes a call that records its verdict in a scalar int32 resource of its device, the
     maximum over the step (a check in a loop body runs once per iteration): 0 passed; a numerics check's bits
-    1 NaN, 2 Inf (+Inf for CheckNumericsV2), 4 -Inf; a failed assert 1. The values an assert would print are
-    not kept;
+    (`_FOUND`: 1 NaN, 2 Inf, or +Inf and 4 -Inf for CheckNumericsV2); a failed assert 1. The values an assert
+    would print are not kept;
   * where the program writes variables, or its mesh spans processes, the devices then all-reduce whether any
     check failed anywhere (4 bytes), and the program writes its variables only when none did (TF runs no write
     after a failed check): an assign writes the value it holds already, an assign-add or -sub adds zero;
@@ -40,6 +40,16 @@ VERDICT = "gspmd/checks/verdict"   # the per-device program's extra result
 # The writes that can wait for the verdict: what each writes when a check failed ("same": the variable's own value).
 _HELD = {"AssignVariableOp": "same", "AssignAddVariableOp": "zero", "AssignSubVariableOp": "zero"}
 _programs = itertools.count()
+# A numerics check's verdict: the sum of the bits of what its tensor holds, named in the order TF's message names
+# them (the runtime reads the names from each Check).
+_FOUND = {"CheckNumerics": ((2, "Inf"), (1, "NaN")), "CheckNumericsV2": ((4, "-Inf"), (2, "+Inf"), (1, "NaN"))}
+_MASKS = {"NaN": tf.math.is_nan, "Inf": tf.math.is_inf, "+Inf": lambda x: tf.math.is_inf(x) & (x > 0),
+          "-Inf": lambda x: tf.math.is_inf(x) & (x < 0)}
+
+
+def _scopes(gd):
+  """(FunctionDef or None for the graph itself, its nodes) of graph `gd` and of each of its library's functions."""
+  return [(None, gd.node)] + [(f, f.node_def) for f in gd.library.function]
 
 
 def run(program):
@@ -47,8 +57,7 @@ def run(program):
   gd = program.local_graph_def
   if not ordering.holds_collectives(gd):
     return program
-  scopes = [(None, gd.node)] + [(f, f.node_def) for f in gd.library.function]
-  if not any(n.op in FAILING_CHECK_OPS for _, nodes in scopes for n in nodes):
+  if not any(n.op in FAILING_CHECK_OPS for _, nodes in _scopes(gd) for n in nodes):
     return program
   writes = [n for n in gd.node if _writes(n)]
   if any(_writes(n) for f in gd.library.function for n in f.node_def) or any(n.op not in _HELD for n in writes):
@@ -57,12 +66,12 @@ def run(program):
   out.CopyFrom(gd)
   serial = next(_programs)
   checks, helpers = [], []
-  for fdef, nodes in [(None, out.node)] + [(f, f.node_def) for f in out.library.function]:
+  for fdef, nodes in _scopes(out):
     consts = {n.name: n for n in nodes if n.op == "Const"}
     for nd in nodes:
       if nd.op in FAILING_CHECK_OPS:
         check = Check(node=_where(fdef, nd), op=nd.op, message=_message(nd, consts),
-                      resource=f"tf_gspmd_check_{serial}_{len(checks)}")
+                      resource=f"tf_gspmd_check_{serial}_{len(checks)}", found=_FOUND.get(nd.op, ()))
         helpers.append(_record_call(nd, check))
         checks.append(check)
   for h in helpers:
@@ -130,15 +139,10 @@ def _record_call(nd, check):
     dtype, operand, outputs = tf.bool, nd.input[0], []
   else:
     dtype = tf.as_dtype(nd.attr["T"].type)
-    v2 = nd.op == "CheckNumericsV2"
 
     @tf.function(autograph=False)
     def record(x):  # pylint: disable=function-redefined
-      def any_of(mask):
-        return tf.cast(tf.reduce_any(mask), tf.int32)
-      inf = tf.math.is_inf(x)
-      keep(any_of(tf.math.is_nan(x)) + 2 * any_of(inf & (x > 0) if v2 else inf) + (4 * any_of(inf & (x < 0))
-                                                                                    if v2 else 0))
+      keep(tf.add_n([bit * tf.cast(tf.reduce_any(_MASKS[name](x)), tf.int32) for bit, name in check.found]))
       return tf.identity(x)
     operand, outputs = nd.input[0], [dtype.as_datatype_enum]
   fdef = record.get_concrete_function(tf.TensorSpec(None, dtype)).function_def

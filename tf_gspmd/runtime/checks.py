@@ -4,9 +4,6 @@ step's verdict result read, and a failed check raised as the InvalidArgumentErro
 
 import tensorflow as tf
 
-# A numerics check's verdict bits (rewriter/backend/checks.py), in the order TF's message names them.
-_NUMERICS = {"CheckNumerics": ((2, "Inf"), (1, "NaN")), "CheckNumericsV2": ((4, "-Inf"), (2, "+Inf"), (1, "NaN"))}
-
 
 class Verdicts:
   """The verdicts of `checks` (rewriter.program.Check) on `devices` (this process's devices of the mesh); `agreed`:
@@ -53,8 +50,8 @@ class Verdicts:
 
 def _text(check, code, device):
   """TF's message for `check` failing with verdict `code` on `device`."""
-  if check.op in _NUMERICS:
-    found = " and ".join(name for bit, name in _NUMERICS[check.op] if code & bit)
+  if check.found:   # a numerics check: what its verdict's bits say the tensor held
+    found = " and ".join(name for bit, name in check.found if code & bit)
     what = f"{check.message} : Tensor had {found} values"
   else:
     what = check.message
