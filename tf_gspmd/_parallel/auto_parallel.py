@@ -287,6 +287,11 @@ class AutoParallel(TrainingState):
     for name, shardings in variants:
       f = self._grad_function(mesh, shardings)
       low = f.lower(*leaves, *data)
+      if shardings == "auto":
+        # The layouts it chose, pinned: the program timed and run then returns each gradient in its parameter's
+        # layout, where the update on the parameter's home reads it in place.
+        f = self._grad_function(mesh, tuple(low.in_shardings))
+        low = f.lower(*leaves, *data)
       peak = low.report.memory.peak_bytes
       if budget is not None and peak > budget:
         self.whole_timings[name] = None
@@ -299,8 +304,6 @@ class AutoParallel(TrainingState):
       return
     seconds, name, f, shardings, peak = best
     n = len(self.param_names)
-    if name == "whole-step automatic":   # its gradients leave in the layouts chosen for their parameters, as the
-      f = self._grad_function(mesh, tuple(shardings))   # optimizer's update on the parameters' home reads them
     timed = dataclasses.replace(stage, parameters=tuple(zip(self.param_names, shardings[:n])),
                                 inputs=tuple(zip(self.data_names, shardings[n:])), seconds=seconds, measured=True,
                                 memory_bytes=float(peak))
